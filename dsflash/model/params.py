@@ -1,0 +1,267 @@
+"""The parameter table: every tensor of the model described once.
+
+``param_specs(cfg)`` lists ``ParamSpec(name, shape, dtype, axes, init)`` in the official checkpoint
+naming (SPEC_V41 §13.2-13.3) with one deliberate change: routed experts are stacked per layer
+(``layers.{i}.ffn.experts.w1.weight [E, out, in/2]``) instead of one tensor per expert, so the
+MoE runs as one grouped GEMM; the loader splits/joins names. Abstract init, random init,
+checkpoint loading, sharding and the parameter-count test all read this one table.
+
+Params are a flat ``dict[name, array]`` holding the stored formats: FP8 E4M3 weights with UE8M0
+(uint8) 32x32 block scales, MXFP4 experts as int8 nibble pairs with UE8M0 per-32 scales, bf16 and
+f32 tensors as stored. Dequantisation happens where a weight is used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsflash.config import ModelConfig
+from dsflash.model import quant
+
+BF16, F32, FP8, U8, I8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.uint8, jnp.int8
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple
+    dtype: object
+    axes: tuple          # logical axis per dim (None = replicated); read by dsflash.sharding
+    init: str            # "normal" | "ones" | "zeros" | "fp8" | "mxfp4" | "scale" (of the preceding weight)
+    fmt: str = "plain"   # "plain" | "fp8" | "mxfp4" | "scale"
+    host: bool = False   # kept in host memory at real size (Engram tables)
+    logical_numel: int = 0
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+def _spec(name, shape, dtype, axes, init, **kw):
+    n = int(np.prod(shape))
+    return ParamSpec(name, tuple(int(s) for s in shape), dtype, tuple(axes), init,
+                     logical_numel=kw.pop("logical_numel", n), **kw)
+
+
+def _fp8_linear(name, out, inp, out_axis, in_axis, lead=(), lead_axes=()):
+    """FP8 E4M3 weight [.., out, in] + UE8M0 scale [.., out/32, in/32]."""
+    return [
+        _spec(f"{name}.weight", (*lead, out, inp), FP8, (*lead_axes, out_axis, in_axis), "fp8", fmt="fp8"),
+        _spec(f"{name}.scale", (*lead, out // 32, inp // 32), U8, (*lead_axes, out_axis, in_axis), "scale",
+              fmt="scale", logical_numel=0),
+    ]
+
+
+def _mxfp4_linear(name, out, inp, out_axis, in_axis, lead, lead_axes):
+    return [
+        _spec(f"{name}.weight", (*lead, out, inp // 2), I8, (*lead_axes, out_axis, in_axis), "mxfp4",
+              fmt="mxfp4", logical_numel=int(np.prod(lead)) * out * inp),
+        _spec(f"{name}.scale", (*lead, out, inp // 32), U8, (*lead_axes, out_axis, in_axis), "scale",
+              fmt="scale", logical_numel=0),
+    ]
+
+
+def _norm(name, dim, axis="embed"):
+    return [_spec(f"{name}.weight", (dim,), BF16, (axis,), "ones")]
+
+
+def _block_specs(cfg: ModelConfig, p: str, n_experts: int) -> list[ParamSpec]:
+    """Tensors every block has (backbone layer or DSpark stage)."""
+    d, H, Dh, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    I, ql = cfg.moe_intermediate_size, cfg.q_lora_rank
+    mix = (2 + n) * n
+    s: list[ParamSpec] = []
+    s += _norm(f"{p}.attn_norm", d) + _norm(f"{p}.ffn_norm", d)
+    for side in ("attn", "ffn"):
+        s += [
+            _spec(f"{p}.hc_{side}_fn", (mix, n * d), F32, (None, "embed_hc"), "normal"),
+            _spec(f"{p}.hc_{side}_base", (mix,), F32, (None,), "zeros"),
+            _spec(f"{p}.hc_{side}_scale", (3,), F32, (None,), "ones"),
+        ]
+    s.append(_spec(f"{p}.attn.attn_sink", (H,), F32, ("heads",), "zeros"))
+    s += _fp8_linear(f"{p}.attn.wq_a", ql, d, "q_lora", "embed")
+    s += _norm(f"{p}.attn.q_norm", ql, "q_lora")
+    s += _fp8_linear(f"{p}.attn.wq_b", H * Dh, ql, "q_heads", "q_lora")
+    s += _fp8_linear(f"{p}.attn.wkv", Dh, d, "kv_latent", "embed")
+    s += _norm(f"{p}.attn.kv_norm", Dh, "kv_latent")
+    s += _fp8_linear(f"{p}.attn.wo_a", cfg.o_groups * cfg.o_lora_rank, H * Dh // cfg.o_groups, "o_lora", None)
+    s += _fp8_linear(f"{p}.attn.wo_b", d, cfg.o_groups * cfg.o_lora_rank, "embed", "o_lora")
+    s += [
+        _spec(f"{p}.ffn.gate.weight", (n_experts, d), BF16, (None, "embed"), "normal"),
+        _spec(f"{p}.ffn.gate.bias", (n_experts,), F32, (None,), "zeros"),
+        _spec(f"{p}.ffn.gate.bias_vl", (n_experts,), F32, (None,), "zeros"),
+    ]
+    for w, (o, i, oa, ia) in {"w1": (I, d, "mlp", "embed"), "w3": (I, d, "mlp", "embed"),
+                              "w2": (d, I, "embed", "mlp")}.items():
+        s += _fp8_linear(f"{p}.ffn.shared_experts.{w}", o, i, oa, ia)
+    for w, (o, i, oa, ia) in {"w1": (I, d, "moe_mlp", None), "w3": (I, d, "moe_mlp", None),
+                              "w2": (d, I, None, "moe_mlp")}.items():
+        s += _mxfp4_linear(f"{p}.ffn.experts.{w}", o, i, oa, ia, (n_experts,), ("expert",))
+    return s
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    d, V = cfg.hidden_size, cfg.vocab_size
+    specs: list[ParamSpec] = []
+    specs.append(_spec("embed.weight", (V, d), BF16, ("vocab", "embed"), "normal"))
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}"
+        if i in cfg.engram_layer_ids:
+            k = cfg.engram_index(i)
+            De, cols = cfg.engram_head_dim, cfg.engram_cols
+            R = cfg.engram_num_embeddings[k]
+            specs += [
+                _spec(f"{p}.engram.embed.weight", (R, De), FP8, ("engram_rows", None), "fp8rows", fmt="fp8rows",
+                      host=True),
+                _spec(f"{p}.engram.embed.scale", (R, De // 32), U8, ("engram_rows", None), "scale", fmt="scale",
+                      host=True, logical_numel=0),
+            ]
+            specs += _fp8_linear(f"{p}.engram.wkv", (cfg.hc_mult + 1) * d, cols * De, "engram_kv", None)
+            specs += [
+                _spec(f"{p}.engram.q_weight", (cfg.hc_mult, d), BF16, (None, "embed"), "ones"),
+                _spec(f"{p}.engram.k_weight", (cfg.hc_mult, d), BF16, (None, "embed"), "ones"),
+            ]
+        specs += _block_specs(cfg, p, cfg.n_routed_experts)
+        r = cfg.ratio(i)
+        if i in cfg.kv_source_layer_ids:
+            specs.append(_spec(f"{p}.attn.compressor.wkv.weight", (cfg.head_dim, d), BF16, ("kv_latent", "embed"),
+                               "normal"))
+            if r == 2:
+                specs.append(_spec(f"{p}.attn.compressor.wgate.weight", (cfg.head_dim, d), BF16,
+                                   ("kv_latent", "embed"), "normal"))
+            specs += _norm(f"{p}.attn.compressor.norm", cfg.head_dim, "kv_latent")
+            specs.append(_spec(f"{p}.attn.indexer.wk.weight", (cfg.index_head_dim, cfg.head_dim), BF16,
+                               (None, "kv_latent"), "normal"))
+            specs += _norm(f"{p}.attn.indexer.k_norm", cfg.index_head_dim, None)
+        if i in cfg.index_source_layer_ids:
+            specs += _fp8_linear(f"{p}.attn.indexer.wq_b", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank,
+                                 "index_heads", "q_lora")
+            specs.append(_spec(f"{p}.attn.indexer.weights_proj.weight", (cfg.index_n_heads, d), BF16,
+                               ("index_heads", "embed"), "normal"))
+    specs += _norm("norm", d)
+    specs.append(_spec("head.weight", (V, d), BF16, ("vocab", "embed"), "normal"))
+    for s in range(cfg.n_stages):
+        p = f"mtp.{s}"
+        if s == 0:
+            T = len(cfg.dspark_target_layer_ids)
+            specs += _fp8_linear(f"{p}.main_proj", d, T * d, "embed", None)
+            specs += _norm(f"{p}.main_norm", d)
+        specs += _block_specs(cfg, p, cfg.dspark_n_routed_experts)
+        if s == cfg.n_stages - 1:
+            r = cfg.dspark_markov_rank
+            specs += _norm(f"{p}.norm", d)
+            specs += [
+                _spec(f"{p}.markov_head.embed.weight", (V, r), BF16, ("vocab", None), "normal"),
+                _spec(f"{p}.markov_head.head.weight", (V, r), BF16, ("vocab", None), "normal"),
+                _spec(f"{p}.confidence_head.proj.weight", (1, d + r), BF16, (None, None), "normal"),
+            ]
+    return specs
+
+
+def spec_map(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    return {s.name: s for s in param_specs(cfg)}
+
+
+def is_draft(name: str) -> bool:
+    return name.startswith("mtp.")
+
+
+def is_engram_table(name: str) -> bool:
+    return ".engram.embed." in name
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Logical parameter counts (FP4 elements counted once each, scales not counted), SPEC §0 split."""
+    out = {"backbone": 0, "engram": 0, "dspark": 0}
+    for s in param_specs(cfg):
+        if is_engram_table(s.name):
+            out["engram"] += s.logical_numel
+        elif is_draft(s.name):
+            out["dspark"] += s.logical_numel
+        else:
+            out["backbone"] += s.logical_numel
+    out["total"] = sum(out.values())
+    return out
+
+
+def abstract_params(cfg: ModelConfig, include_host: bool = True) -> dict:
+    return {s.name: jax.ShapeDtypeStruct(s.shape, s.dtype) for s in param_specs(cfg)
+            if include_host or not s.host}
+
+
+def _fan_in_std(shape):
+    return 1.0 / np.sqrt(shape[-1])
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, include_host: bool = True,
+                names: Iterable[str] | None = None) -> dict:
+    """Deterministic random weights in the stored formats (a model that produces finite, varied logits).
+
+    Each tensor draws from its own key (folded from the tensor name) so a subset init gives the same
+    values as a full init."""
+    specs = param_specs(cfg)
+    wanted = set(names) if names is not None else None
+    base = jax.random.PRNGKey(seed)
+    out: dict = {}
+    for idx, s in enumerate(specs):
+        if s.fmt == "scale":
+            continue  # produced together with its weight
+        if (not include_host and s.host) or (wanted is not None and s.name not in wanted):
+            continue
+        key = jax.random.fold_in(base, _name_hash(s.name))
+        scale_name = s.name[: -len(".weight")] + ".scale" if s.name.endswith(".weight") else None
+        if s.init in ("fp8", "fp8rows", "mxfp4"):
+            out[s.name], out[scale_name] = _init_quantised(key, s.shape, s.init)
+        elif s.init == "normal":
+            std = _fan_in_std(s.shape) * (0.1 if "hc_" in s.name else 1.0)
+            out[s.name] = _init_normal(key, s.shape, std, jnp.dtype(s.dtype).name)
+        elif s.init == "ones":
+            out[s.name] = jnp.ones(s.shape, s.dtype)
+        elif s.init == "zeros":
+            out[s.name] = jnp.zeros(s.shape, s.dtype)
+        else:
+            raise ValueError(f"unknown init {s.init!r} for {s.name}")
+    return out
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _init_quantised(key, shape, kind):
+    if kind == "mxfp4":
+        full = (*shape[:-1], shape[-1] * 2)
+        return quant.quantize_mxfp4_weight(jax.random.normal(key, full, F32) * _fan_in_std(full))
+    if kind == "fp8rows":
+        q, sc = quant.fp8_quant(jax.random.normal(key, shape, F32), 32)
+        return q, quant.f32_pow2_to_e8m0(sc)
+    return quant.quantize_fp8_weight(jax.random.normal(key, shape, F32) * _fan_in_std(shape))
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _init_normal(key, shape, std, dtype):
+    return (jax.random.normal(key, shape, F32) * std).astype(dtype)
+
+
+def _name_hash(name: str) -> int:
+    import zlib
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def check_params(cfg: ModelConfig, params: dict, allow_missing_host: bool = True) -> None:
+    """Raise ValueError naming the first missing, extra or mis-shaped tensor."""
+    specs = spec_map(cfg)
+    for name, s in specs.items():
+        if name not in params:
+            if s.host and allow_missing_host:
+                continue
+            raise ValueError(f"missing parameter {name!r} (expected {s.shape} {jnp.dtype(s.dtype).name})")
+        a = params[name]
+        if tuple(a.shape) != s.shape or jnp.dtype(a.dtype) != jnp.dtype(s.dtype):
+            raise ValueError(f"parameter {name!r} has {tuple(a.shape)} {jnp.dtype(a.dtype).name}, "
+                             f"expected {s.shape} {jnp.dtype(s.dtype).name}")
+    extra = sorted(set(params) - set(specs))
+    if extra:
+        raise ValueError(f"unexpected parameter {extra[0]!r}" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))

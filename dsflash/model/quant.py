@@ -1,0 +1,158 @@
+"""Quantisation formats of SPEC_V41 §12 / §16b.7, as pure jnp functions.
+
+Every round trip is written as ``quantise`` (codes + scales) and ``dequantise`` so the same code serves
+the reference numerics (round trip in place), packed cache storage and the checkpoint loader.
+Scale arithmetic follows the released numerics exactly:
+* FP8 activations / window KV: ``s = 2^ceil(log2(max(amax, 1e-4) * f32(1/448)))``, E4M3 RNE.
+* MXFP4 (index q/k):           ``s = 2^ceil(log2(max(amax, 6*2^-126) * f32(1/6)))``, E2M1 RNE.
+* FP4 main KV (NVFP4-like):    ``s = e4m3(max(amax, 6*2^-9) / 6)``, E2M1 RNE, groups of 16.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+def _ceil_pow2(y):
+    """2^ceil(log2(y)) for y > 0, exactly (frexp, no transcendental rounding)."""
+    m, e = jnp.frexp(y)
+    e = jnp.where(m == 0.5, e - 1, e)
+    return jnp.ldexp(jnp.ones_like(y), e)
+
+
+def _grouped(x, block):
+    if x.shape[-1] % block:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the quantisation block {block}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+# ---------------------------------------------------------------- FP8 E4M3 with pow2 (UE8M0) scales
+def fp8_quant(x, block: int = 32):
+    """-> (codes float8_e4m3fn [..., D], scales float32 pow2 [..., D/block])."""
+    g = _grouped(x.astype(jnp.float32), block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    s = _ceil_pow2(jnp.maximum(amax, 1e-4) * jnp.float32(1.0 / FP8_MAX))
+    q = jnp.clip(g / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(x.shape), s[..., 0]
+
+
+def fp8_dequant(q, s, block: int = 32, dtype=jnp.float32):
+    g = _grouped(q.astype(jnp.float32), block) * s[..., None]
+    return g.reshape(q.shape).astype(dtype)
+
+
+def fp8_roundtrip(x, block: int = 32):
+    q, s = fp8_quant(x, block)
+    return fp8_dequant(q, s, block, x.dtype)
+
+
+# ---------------------------------------------------------------- E2M1 helpers
+def e2m1_round(v):
+    """Round fp32 values (already in [-6, 6]) to E2M1, ties to the even code."""
+    return v.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+
+
+def e2m1_codes(v):
+    """E2M1 values -> 4-bit codes (uint8, bit 3 = sign)."""
+    mags = jnp.asarray(E2M1_VALUES[1:8])
+    a = jnp.abs(v)
+    mag_code = jnp.sum(a[..., None] >= mags, axis=-1).astype(jnp.uint8)
+    sign = (jnp.signbit(v)).astype(jnp.uint8) << 3
+    return mag_code | sign
+
+
+def e2m1_from_codes(codes):
+    return jnp.asarray(E2M1_VALUES)[codes.astype(jnp.int32)]
+
+
+def pack_nibbles(codes):
+    """[..., 2k] codes -> [..., k] uint8, element 2k in the low nibble."""
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack_nibbles(packed):
+    p = packed.astype(jnp.uint8)
+    lo, hi = p & 0xF, p >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+# ---------------------------------------------------------------- MXFP4 (E2M1 + pow2 per 32)
+def mxfp4_quant(x, block: int = 32):
+    """-> (E2M1 values as float32 [..., D], pow2 scales float32 [..., D/block])."""
+    g = _grouped(x.astype(jnp.float32), block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    s = _ceil_pow2(jnp.maximum(amax, FP4_MAX * 2.0 ** -126) * jnp.float32(1.0 / FP4_MAX))
+    q = e2m1_round(jnp.clip(g / s, -FP4_MAX, FP4_MAX))
+    return q.reshape(x.shape), s[..., 0]
+
+
+def mxfp4_roundtrip(x, block: int = 32):
+    q, s = mxfp4_quant(x, block)
+    return (_grouped(q, block) * s[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- FP4 main KV (E2M1 + E4M3 per 16)
+def nvfp4_quant(x, block: int = 16):
+    """-> (E2M1 values float32 [..., D], E4M3 scales as float8_e4m3fn [..., D/block])."""
+    g = _grouped(x.astype(jnp.float32), block)
+    amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
+    s8 = (jnp.maximum(amax, FP4_MAX * 2.0 ** -9) / FP4_MAX).astype(jnp.float8_e4m3fn)
+    s = s8.astype(jnp.float32)
+    q = e2m1_round(jnp.clip(g / s, -FP4_MAX, FP4_MAX))
+    return q.reshape(x.shape), s8[..., 0]
+
+
+def nvfp4_roundtrip(x, block: int = 16):
+    q, s8 = nvfp4_quant(x, block)
+    return (_grouped(q, block) * s8.astype(jnp.float32)[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+# ---------------------------------------------------------------- UE8M0 bytes
+def e8m0_to_f32(b):
+    """UE8M0 byte b -> 2^(b-127) (as float32; 255 is NaN in the format, never produced here)."""
+    return jnp.ldexp(jnp.ones(b.shape, jnp.float32), b.astype(jnp.int32) - 127)
+
+
+def f32_pow2_to_e8m0(s):
+    _, e = jnp.frexp(s)
+    return (e - 1 + 127).astype(jnp.uint8)
+
+
+# ---------------------------------------------------------------- stored weights
+def dequant_fp8_weight(w, scale, dtype=jnp.float32):
+    """FP8 E4M3 weight [..., out, in] with UE8M0 32x32 block scales [..., out/32, in/32]."""
+    s = e8m0_to_f32(scale)
+    s = jnp.repeat(jnp.repeat(s, 32, axis=-2), 32, axis=-1)
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def dequant_mxfp4_weight(packed, scale, dtype=jnp.float32):
+    """MXFP4 expert weight: int8 [..., out, in/2] (low nibble first), UE8M0 [..., out, in/32]."""
+    if packed.dtype == jnp.int8:
+        packed = jax.lax.bitcast_convert_type(packed, jnp.uint8)
+    vals = e2m1_from_codes(unpack_nibbles(packed))
+    s = jnp.repeat(e8m0_to_f32(scale), 32, axis=-1)
+    return (vals * s).astype(dtype)
+
+
+def quantize_fp8_weight(w):
+    """float weight [..., out, in] -> (E4M3 [out, in], UE8M0 [out/32, in/32]) with pow2 block scales."""
+    *lead, o, i = w.shape
+    g = w.astype(jnp.float32).reshape(*lead, o // 32, 32, i // 32, 32)
+    amax = jnp.max(jnp.abs(g), axis=(-3, -1), keepdims=True)
+    s = _ceil_pow2(jnp.maximum(amax, 1e-10) * jnp.float32(1.0 / FP8_MAX))
+    q = jnp.clip(g / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).reshape(w.shape)
+    return q, f32_pow2_to_e8m0(s[..., 0, :, 0])
+
+
+def quantize_mxfp4_weight(w):
+    """float weight [..., out, in] -> (int8 packed [out, in/2], UE8M0 [out, in/32])."""
+    q, s = mxfp4_quant(w, 32)
+    packed = pack_nibbles(e2m1_codes(q))
+    return jax.lax.bitcast_convert_type(packed, jnp.int8), f32_pow2_to_e8m0(s)
