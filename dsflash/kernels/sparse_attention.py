@@ -1,0 +1,76 @@
+"""Sparse attention with an attention sink over gathered KV rows (SPEC_V41 §4.6, §16b.7).
+
+``sparse_sink_attention(q, kv, idx, sink, scale, *, backend)``
+  q    [B, S, H, D]  bf16 (or f32) queries, H heads sharing one latent KV row (MQA, D = 512 in V4.1)
+  kv   [B, N, D]     bf16 (or f32) KV rows (the caller lays the SWA window and the compressed entries into
+                     one buffer, already dequantised: the reference reads values, not packed bytes)
+  idx  [B, S, K]     int32 row ids into kv per query row; -1 = empty slot (contributes nothing)
+  sink [H]           f32 per-head sink logit: a "null" key with zero value, in the denominator only
+  scale              python float (V4.1: 512 ** -0.5)
+  -> [B, S, H, D] in ``out_dtype`` (default q.dtype)
+
+Numerics (the contract every backend is checked against):
+  s_e = (q_h . kv_e) * scale        fp32 accumulation of the q/kv products, masked to -inf where idx < 0
+  m   = max(max_e s_e, -1e30)       so a row with no valid entry gives exp(-inf - m) = 0, output 0
+  p_e = exp(s_e - m)                fp32
+  den = sum_e p_e + exp(sink_h - m) fp32
+  o_h = (sum_e bf16(p_e) * kv_e) / den   P rounded to bf16 before P.V (fp32 accumulation); in "fp32"
+                                          precision P stays fp32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_CLAMP = -1e30
+
+
+def _attend_chunk(q, kv, idx, sink, scale, p_dtype):
+    # q [B, s, H, D], kv [B, N, D], idx [B, s, K]
+    valid = idx >= 0
+    safe = jnp.where(valid, idx, 0)
+    rows = jax.vmap(lambda kvb, ib: kvb[ib])(kv, safe)                      # [B, s, K, D]
+    logits = jnp.einsum("bshd,bskd->bshk", q, rows, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
+    logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
+    m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), jnp.float32(NEG_CLAMP))
+    p = jnp.exp(logits - m)                                                  # [B, s, H, K] fp32
+    den = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
+    pv = jnp.einsum("bshk,bskd->bshd", p.astype(p_dtype), rows.astype(p_dtype),
+                    preferred_element_type=jnp.float32)
+    return pv / den
+
+
+def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference",
+                                    chunk=None):
+    """Pure-JAX reference. ``chunk`` (rows of S per step, optional) bounds the gathered [B, s, K, D] buffer
+    for long prefills; it does not change the result."""
+    B, S, H, D = q.shape
+    if kv.ndim != 3 or kv.shape[0] != B or kv.shape[2] != D:
+        raise ValueError(f"kv must be [B={B}, N, D={D}], got {kv.shape}")
+    if idx.ndim != 3 or idx.shape[:2] != (B, S):
+        raise ValueError(f"idx must be [B={B}, S={S}, K], got {idx.shape}")
+    if sink.shape != (H,):
+        raise ValueError(f"sink must be [H={H}], got {sink.shape}")
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    p_dtype = jnp.float32 if precision == "fp32" else jnp.bfloat16
+    idx = idx.astype(jnp.int32)
+    if chunk is None or chunk >= S:
+        return _attend_chunk(q, kv, idx, sink, scale, p_dtype).astype(out_dtype)
+    if S % chunk:
+        raise ValueError(f"chunk {chunk} must divide S={S}")
+    qc = q.reshape(B, S // chunk, chunk, H, D).swapaxes(0, 1)
+    ic = idx.reshape(B, S // chunk, chunk, -1).swapaxes(0, 1)
+    out = jax.lax.map(lambda a: _attend_chunk(a[0], kv, a[1], sink, scale, p_dtype).astype(out_dtype),
+                      (qc, ic))
+    return out.swapaxes(0, 1).reshape(B, S, H, D)
+
+
+def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", backend="xla"):
+    if backend == "xla":
+        return sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision)
+    if backend == "triton":
+        from dsflash.kernels import sparse_attention_triton  # lazy: needs a CUDA GPU and jax-triton
+        return sparse_attention_triton.sparse_sink_attention_triton(q, kv, idx, sink, scale, out_dtype=out_dtype,
+                                                                    precision=precision)
+    raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
