@@ -355,6 +355,7 @@ class IncrementalDetokenizer:
 
 
 # ----------------------------------------------------------------------------- synthetic tokenizer
+_NON_SPECIAL = frozenset({THINK_START, THINK_END})
 _CORPUS_FILE = os.path.join(os.path.dirname(__file__), "assets", "synthetic_corpus.txt")
 
 
@@ -459,7 +460,11 @@ def write_synthetic_tokenizer(folder: str | os.PathLike, cfg) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     all_special = specials + [IMAGE] + reserved
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in all_special])
+    # <think>/</think> are added but not "special" (as in DeepSeek's files): decoding with
+    # skip_special_tokens=True keeps them, which the reasoning parser relies on.
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in all_special if s not in _NON_SPECIAL])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in all_special if s in _NON_SPECIAL])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, vocab[BOS])])
     if tok.get_vocab_size(with_added_tokens=True) != V:  # pragma: no cover - defensive
@@ -478,7 +483,7 @@ def write_synthetic_tokenizer(folder: str | os.PathLike, cfg) -> str:
         "clean_up_tokenization_spaces": False,
         "legacy": True,
         "model_max_length": int(getattr(cfg, "max_position_embeddings", 4096)),
-        "added_tokens_decoder": {str(vocab[s]): {"content": s, "special": True, "normalized": False,
+        "added_tokens_decoder": {str(vocab[s]): {"content": s, "special": s not in _NON_SPECIAL, "normalized": False,
                                                  "lstrip": False, "rstrip": False, "single_word": False}
                                  for s in all_special},
         "synthetic": True,
