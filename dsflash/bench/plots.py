@@ -1,0 +1,80 @@
+"""PNG plots for benchmark results. matplotlib is imported lazily (``pip install dsflash[bench]``);
+without it a plot is skipped with a warning and the JSON results are still written."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed (pip install 'dsflash[bench]'); skipping the plot",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def plot_serve_sweep(result: dict, path: str | Path) -> Optional[Path]:
+    """``bench serve`` sweep: output tokens/s/GPU against p90 interactivity (1 / p90 ITL), one
+    point per concurrency (median over repeats, whiskers = min..max), next to the p90 latencies
+    against concurrency. Returns the PNG path, or None when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    summary = result.get("summary") or []
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+
+    xs, ys, cs, xerr, yerr, valid = [], [], [], [[], []], [[], []], []
+    for s in summary:
+        inter, tput = s.get("p90_interactivity"), s.get("output_throughput_per_gpu")
+        if not inter or not tput:
+            continue
+        xs.append(inter["median"])
+        ys.append(tput["median"])
+        cs.append(s["concurrency"])
+        xerr[0].append(inter["median"] - inter["min"])
+        xerr[1].append(inter["max"] - inter["median"])
+        yerr[0].append(tput["median"] - tput["min"])
+        yerr[1].append(tput["max"] - tput["median"])
+        valid.append(s.get("valid", True))
+    if xs:
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="-o", capsize=3, label=result.get("label", "run"))
+        for x, y, c, ok in zip(xs, ys, cs, valid):
+            ax.annotate(f"c={c}" + ("" if ok else " (invalid)"), (x, y), textcoords="offset points",
+                        xytext=(4, 4), fontsize=8, color="black" if ok else "red")
+    ax.set_xlabel("p90 interactivity (tok/s/user = 1 / p90 ITL)")
+    ax.set_ylabel("output tokens/s per GPU")
+    ax.set_title("throughput vs interactivity")
+    ax.grid(True, alpha=0.3)
+    if xs:
+        ax.legend(fontsize=8)
+
+    conc = [s["concurrency"] for s in summary]
+    for key, name in (("ttft_p90_ms", "p90 TTFT"), ("tpot_p90_ms", "p90 TPOT"),
+                      ("itl_p90_ms", "p90 ITL"), ("e2el_p90_ms", "p90 E2EL")):
+        vals = [(c, s[key]["median"]) for c, s in zip(conc, summary) if key in s]
+        if vals:
+            ax2.plot([v[0] for v in vals], [v[1] for v in vals], "-o", label=name)
+    if len(set(conc)) > 1 and min(conc) > 0:
+        ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("concurrency (live sessions)")
+    ax2.set_ylabel("ms")
+    ax2.set_title("p90 latencies")
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=8)
+
+    cfg = result.get("config", {})
+    fig.suptitle(f"bench serve · {result.get('label', '')} · {cfg.get('model', '')} · "
+                 f"{cfg.get('workload', '')} · {cfg.get('num_gpus', 1)} GPU(s) · "
+                 f"{str(result.get('commit', ''))[:10]} · {result.get('date', '')}", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

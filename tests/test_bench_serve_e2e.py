@@ -1,0 +1,223 @@
+"""End to end: ``bench serve`` against a tiny streaming OpenAI-like server started in-test on a free
+loopback port, whose delays are known: TTFT and ITL measured by the client must match them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+from dsflash.bench import serve as bench_serve  # noqa: E402
+
+BLOCK = 8  # words per prefix-cache block of the fake server
+
+
+class FakeServer:
+    """Streams ``max_tokens`` one-word chunks: a role-only chunk at once, the first token after
+    ``ttft`` seconds, then one every ``itl`` seconds; usage (with cached_tokens from a chained-hash
+    prefix cache over words) in a final chunk. Every ``fail_every``-th request gets HTTP 500."""
+
+    def __init__(self, ttft: float, itl: float, fail_every: int = 0, api_key: str | None = None):
+        self.ttft, self.itl, self.fail_every, self.api_key = ttft, itl, fail_every, api_key
+        self.n = 0
+        self.blocks: set[int] = set()
+        self.bodies: list[dict] = []
+        self.app = self._make_app()
+
+    def _prompt_words(self, body: dict) -> list[str]:
+        if "messages" in body:
+            text = " ".join(f"<{m['role']}> {m['content']}" for m in body["messages"])
+        else:
+            p = body["prompt"]
+            text = " ".join(map(str, p)) if isinstance(p, list) else p
+        return text.split()
+
+    def _cached(self, words: list[str]) -> int:
+        h, cached, hit = 0, 0, True
+        for i in range(0, len(words) - len(words) % BLOCK, BLOCK):
+            h = hash((h, tuple(words[i:i + BLOCK])))
+            if hit and h in self.blocks:
+                cached += BLOCK
+            else:
+                hit = False
+            self.blocks.add(h)
+        return cached
+
+    def _make_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+        async def handle(request: Request, chat: bool):
+            if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+            body = await request.json()
+            self.bodies.append(body)
+            self.n += 1
+            if self.fail_every and self.n % self.fail_every == 0:
+                return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+            words = self._prompt_words(body)
+            cached = self._cached(words)
+            n_out = int(body["max_tokens"])
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(text, finish=None):
+                if chat:
+                    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": text, "finish_reason": finish}
+                return "data: " + json.dumps({"id": "x", "object": obj, "choices": [choice]}) + "\n\n"
+
+            async def gen():
+                if chat:
+                    yield "data: " + json.dumps({"id": "x", "object": obj, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
+                await asyncio.sleep(self.ttft)
+                for i in range(n_out):
+                    if i:
+                        await asyncio.sleep(self.itl)
+                    yield chunk(f" w{i}", "length" if i == n_out - 1 else None)
+                usage = {"prompt_tokens": len(words), "completion_tokens": n_out,
+                         "total_tokens": len(words) + n_out, "prompt_tokens_details": {"cached_tokens": cached}}
+                yield "data: " + json.dumps({"id": "x", "object": obj, "choices": [], "usage": usage}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await handle(request, True)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await handle(request, False)
+
+        return app
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(**kw) -> tuple[FakeServer, str]:
+        fs = FakeServer(**kw)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(fs.app, log_level="warning", lifespan="off"))
+        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        th.start()
+        deadline = time.time() + 10
+        while not server.started:
+            assert time.time() < deadline, "fake server did not start"
+            time.sleep(0.02)
+        servers.append((server, th, sock))
+        return fs, f"http://127.0.0.1:{port}/v1"
+
+    yield start
+    for server, th, sock in servers:
+        server.should_exit = True
+        th.join(timeout=5)
+        sock.close()
+
+
+def _load(out_dir) -> dict:
+    files = sorted(out_dir.glob("serve_*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
+    ttft, itl, n_out = 0.20, 0.05, 6
+    fs, url = fake_server(ttft=ttft, itl=itl, api_key="k123")
+    rc = bench_serve.main([
+        "--base-url", url, "--api-key", "k123", "--sweep", "1,2", "--num-requests", "4",
+        "--input-len", "64", "--output-len", str(n_out), "--num-gpus", "2", "--gpu-hour-usd", "3.6",
+        "--slo", "ttft=1000,tpot=200", "--label", "e2e fixed", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    res = _load(tmp_path)
+    assert res["valid"] and res["label"] == "e2e fixed" and len(res["commit"]) in (40, 7)
+    assert res["config"]["model"] == "fake-model"              # discovered via GET /models
+    assert [p["concurrency"] for p in res["points"]] == [1, 2]
+    assert (tmp_path / (sorted(tmp_path.glob("serve_*.json"))[0].stem + ".png")).exists()
+    # every request carried ignore_eos + max_tokens and asked for usage in the stream
+    assert all(b["ignore_eos"] is True and b["stream"] is True and b["max_tokens"] == n_out
+               and b["stream_options"] == {"include_usage": True} for b in fs.bodies)
+    for p in res["points"]:
+        m = p["metrics"]
+        c = p["concurrency"]
+        assert m["completed"] == 4 and m["failed"] == 0
+        assert p["warmup_requests"] == c                       # one per lane, excluded
+        assert m["total_output_tokens"] == 4 * n_out and p["output_len_mismatch"] == 0
+        assert m["input_tokens_from_server"] and m["output_tokens_from_server"]
+        # the server's known delays (the empty role chunk must not count as the first token)
+        assert ttft * 1e3 <= m["ttft_ms"]["mean"] < ttft * 1e3 + 40
+        assert ttft * 1e3 <= m["ttft_ms"]["p90"] < ttft * 1e3 + 60
+        assert m["itl_ms"]["count"] == 4 * (n_out - 1)
+        assert abs(m["itl_ms"]["median"] - itl * 1e3) < 12
+        assert abs(m["itl_ms"]["mean"] - itl * 1e3) < 12
+        assert abs(m["tpot_ms"]["mean"] - itl * 1e3) < 12
+        e2e = (ttft + (n_out - 1) * itl) * 1e3
+        assert e2e <= m["e2el_ms"]["mean"] < e2e + 80
+        assert m["p90_interactivity"] == pytest.approx(1000.0 / m["itl_ms"]["p90"])
+        # closed loop: c lanes each ~one request at a time -> throughput ~ c / E2EL
+        expect_rps = c / (e2e / 1e3)
+        assert 0.6 * expect_rps < m["request_throughput"] <= 1.05 * expect_rps
+        assert m["output_throughput_per_gpu"] == pytest.approx(m["output_throughput"] / 2)
+        assert m["usd_per_million_output_tokens"] == pytest.approx(3.6 * 2 / 3600 / m["output_throughput"] * 1e6)
+        assert m["good_completed"] == 4 and m["goodput"] == pytest.approx(m["request_throughput"])
+        assert m["cached_input_tokens"] is not None      # server reported cached_tokens
+
+
+def test_failures_mark_run_invalid(fake_server, tmp_path):
+    fs, url = fake_server(ttft=0.01, itl=0.002, fail_every=3)
+    rc = bench_serve.main([
+        "--base-url", url, "--model", "fake-model", "--concurrency", "2", "--num-requests", "12",
+        "--input-len", "16", "--output-len", "4", "--endpoint", "completions", "--out-dir", str(tmp_path),
+        "--no-plot"])
+    assert rc == 3
+    res = _load(tmp_path)
+    m = res["points"][0]["metrics"]
+    assert not res["valid"] and not m["valid"]
+    assert m["failed"] >= 3 and m["failed_fraction"] > 0.10
+    assert "HTTP 500: injected failure" in m["errors"]
+    assert any("failed" in r for r in m["invalid_reasons"])
+
+
+def test_agentx_sessions_against_fake_server(fake_server, tmp_path):
+    fs, url = fake_server(ttft=0.02, itl=0.004)
+    rc = bench_serve.main([
+        "--base-url", url, "--workload", "agentx", "--concurrency", "2", "--num-requests", "24",
+        "--warmup-requests", "1", "--agentx-system-tokens", "64", "--agentx-first-turn-tokens", "32",
+        "--agentx-turn-tokens", "16", "--agentx-output-tokens", "8", "--agentx-min-output-tokens", "4",
+        "--agentx-min-turns", "6", "--agentx-max-turns", "8", "--agentx-think-time", "0.01",
+        "--agentx-subagent-prob", "0.5", "--agentx-max-fanout", "3", "--agentx-subagent-task-tokens", "16",
+        "--agentx-max-context-tokens", "4096", "--save-requests", "--out-dir", str(tmp_path), "--no-plot"])
+    assert rc == 0
+    res = _load(tmp_path)
+    p = res["points"][0]
+    m = p["metrics"]
+    assert m["completed"] == 24 and m["failed"] == 0
+    assert p["requests_by_kind"].get("root", 0) > 0 and p["requests_by_kind"].get("subagent", 0) > 0
+    # warm-up: one primer + one root turn per lane (plus any subagents of it), all excluded
+    kinds = [r["kind"] for r in p["requests"] if r["warmup"]]
+    assert kinds.count("primer") == 2 and kinds.count("root") == 2
+    assert all(r["start_time"] >= 0 for r in p["requests"] if not r["warmup"])   # inside the window
+    # long shared prefixes growing per turn: most measured input is a prefix-cache hit
+    assert m["prefix_hit_rate"] > 0.5
+    assert m["uncached_input_tokens"] == m["total_input_tokens"] - m["cached_input_tokens"]
+    # the chat history sent back is the text the server generated
+    roots = [b for b in fs.bodies if any(msg["role"] == "assistant" for msg in b["messages"])]
+    assert any(" w0 w1" in msg["content"] for b in roots for msg in b["messages"] if msg["role"] == "assistant")
