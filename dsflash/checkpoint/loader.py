@@ -72,7 +72,7 @@ def _check_index(folder: str, weight_map: dict[str, str], inventory: dict[str, O
                  len(vision))
     extra = [n for n in weight_map if n not in inventory and not is_vision(n)]
     if extra:
-        raise CheckpointError(f"{folder}: {_first(extra, 'unexpected tensor')} is not part of the model for "
+        raise CheckpointError(f"{folder}: {_first(extra, 'unexpected tensor')}: not part of the model for "
                               "this config (wrong config.json or a different model?)")
     missing = [n for n in inventory if n not in weight_map]
     if missing:
@@ -90,7 +90,7 @@ def _check_index(folder: str, weight_map: dict[str, str], inventory: dict[str, O
             try:
                 files[fname] = SafetensorsFile(path)
             except SafetensorsError as e:
-                raise CheckpointError(f"corrupt shard {fname!r}: {e}") from e
+                raise CheckpointError(f"corrupt shard: {e}") from e
         st = files[fname]
         if name not in st:
             raise CheckpointError(f"{folder}: the index maps tensor {name!r} to {fname!r}, but that file has no "
