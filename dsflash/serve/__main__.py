@@ -1,0 +1,149 @@
+"""``python -m dsflash.serve``: the OpenAI-compatible server.
+
+With no arguments it serves the built-in default model on the CPU at http://127.0.0.1:8000/v1.
+``python -m dsflash.serve --help`` lists every option; ``docs/server.md`` has the details.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+DEFAULT_MODEL = "tiny"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dsflash.serve",
+        description="OpenAI-compatible HTTP server for DeepSeek-V4.1-Flash (dsflash). Endpoints: "
+                    "POST /v1/completions, POST /v1/chat/completions (SSE with stream=true), GET /v1/models, "
+                    "GET /health, GET /metrics (Prometheus). With no arguments: the built-in default model on "
+                    "the CPU at http://127.0.0.1:8000/v1.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a preset name (e.g. 'tiny', 'v41_flash'), a checkpoint folder in the official Hugging "
+                        "Face layout, or 'dummy' (no model: random tokens, for testing the HTTP layer)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the engine's model name)")
+    g.add_argument("--mesh", default=None,
+                   help="device mesh spec passed to the engine, e.g. 'dep=2', 'dep=8,tp=2' (default: one device)")
+    g.add_argument("--max-model-len", type=int, default=512,
+                   help="longest sequence (prompt + completion) in tokens; longer requests get HTTP 400")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: the engine's choice)")
+    g.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    g.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
+                   help="DSpark speculative decoding (draft 5, verify 6)")
+    g.add_argument("--precision", default="reference", choices=["reference", "bf16"],
+                   help="numerics: 'reference' = the official FP8/FP4 round trips, 'bf16' = plain bf16")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (weights of presets, unseeded sampling)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the chosen one is printed)")
+    s.add_argument("--api-key", default=os.environ.get("DSFLASH_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (wrong or missing -> 401); "
+                        "default: $DSFLASH_API_KEY, else no authentication")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the server and uvicorn")
+    return p
+
+
+def make_engine_factory(args):
+    """A zero-argument callable building the engine (called in the engine thread)."""
+    if args.model == "dummy":
+        def factory():
+            from dsflash.serve.http.dummy_engine import DummyEngine
+            return DummyEngine("dummy", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                               seed=args.seed)
+        return factory
+
+    def factory():
+        from dsflash.serve.engine import LLMEngine
+        kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, speculative=args.speculative,
+                  num_pages=args.num_pages, page_size=args.page_size,
+                  max_num_batched_tokens=args.max_num_batched_tokens, precision=args.precision, seed=args.seed)
+        if args.mesh:
+            kw["mesh"] = args.mesh
+        return LLMEngine(args.model, **kw)
+    return factory
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    level = getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("dsflash.serve")
+    if args.max_model_len < 2:
+        print("error: --max-model-len must be >= 2", file=sys.stderr)
+        return 2
+
+    # Bind first: a busy port fails in a second, not after the model has compiled.
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    import uvicorn
+
+    from dsflash.serve.async_engine import AsyncEngine
+    from dsflash.serve.http.app import build_app
+
+    print(f"dsflash.serve: loading model {args.model!r} (max_model_len={args.max_model_len}, "
+          f"speculative={args.speculative}, precision={args.precision}, mesh={args.mesh or 'single device'}) ...",
+          flush=True)
+    t0 = time.time()
+    engine = AsyncEngine(make_engine_factory(args))
+    try:
+        engine.start()
+    except Exception as e:  # noqa: BLE001
+        print(f"error: the engine failed to start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    served = args.served_model_name or engine.model_name or args.model
+    app = build_app(engine, served, api_key=args.api_key)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not engine.is_draining:
+                log.info("signal %s: draining (no new requests; up to %.0fs for %d in flight)",
+                         sig, args.drain_timeout, engine.num_in_flight)
+            engine.begin_drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+                            timeout_keep_alive=5, access_log=args.log_level == "debug")
+    server = _Server(config)
+    print(f"dsflash.serve: model {served!r} ready in {time.time() - t0:.1f}s; listening on {url} "
+          f"(OpenAI base URL {url}/v1){'; API key required' if args.api_key else ''}", flush=True)
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown()
+        sock.close()
+    print("dsflash.serve: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,621 @@
+"""The FastAPI application: OpenAI-compatible endpoints over an :class:`AsyncEngine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream: true`` SSE),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``. See ``docs/server.md``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from dsflash.serve.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestStream
+from dsflash.serve.http import chat_io
+from dsflash.serve.http.errors import (APIError, error_body, install_error_handlers, validation_error_to_api,
+                                        value_error_to_api)
+from dsflash.serve.http.metrics import RequestTimer, ServerMetrics
+from dsflash.serve.http.protocol import ChatCompletionRequest, CompletionRequest
+from dsflash.serve.types import RequestOutput, SamplingParams
+
+log = logging.getLogger("dsflash.serve.http")
+
+_GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str],
+                 disconnect_poll_s: float = 0.25):
+        self.engine = engine
+        self.model = served_model_name
+        self.api_key = api_key
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(engine.metrics, served_model_name)
+        self.disconnect_poll_s = disconnect_poll_s
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None) -> FastAPI:
+    app = FastAPI(title="dsflash", version="0.1.0",
+                  description="OpenAI-compatible server for DeepSeek-V4.1-Flash (dsflash)")
+    st = ServerState(engine, served_model_name, api_key)
+    app.state.server = st
+    install_error_handlers(app)
+
+    app.add_middleware(_AuthAndCount, st=st)
+
+    @app.get("/health")
+    async def health():
+        if not st.engine.is_running:
+            return JSONResponse({"status": "error", "error": repr(st.engine.error)}, status_code=503)
+        if st.engine.is_draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok", "model": st.model}
+
+    @app.get("/metrics")
+    async def metrics():
+        st.metrics.engine_in_flight.set(st.engine.num_in_flight)
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(st)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != st.model:
+            raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        return _model_card(st)
+
+    # Bodies are parsed here rather than by FastAPI so that JSON is accepted whatever the
+    # Content-Type and every parse/validation failure becomes the same OpenAI-style 400.
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        return await _completions(st, await _parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await _chat(st, await _parse_body(request, ChatCompletionRequest), request)
+
+    return app
+
+
+class _AuthAndCount:
+    """Pure ASGI middleware (keeps disconnect detection and stream cancellation intact): bearer-token
+    check on ``/v1/*`` when an API key is set, and request counting by endpoint and status."""
+
+    def __init__(self, app, st: ServerState):
+        self.app = app
+        self.st = st
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st = self.st
+        path = scope.get("path", "")
+        known = path in _GEN_PATHS or path in ("/v1/models", "/health", "/metrics")
+        label = path if known else "other"
+        if st.api_key and path.startswith("/v1"):
+            auth = ""
+            for k, v in scope.get("headers", []):
+                if k == b"authorization":
+                    auth = v.decode("latin-1")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not token or not hmac.compare_digest(token.encode(), st.api_key.encode()):
+                st.metrics.requests.labels(endpoint=label, status="401").inc()
+                msg = ("Missing API key (send 'Authorization: Bearer <key>')" if not token
+                       else "Incorrect API key provided")
+                return await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_counting(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            st.metrics.requests.labels(endpoint=label, status=str(status["code"])).inc()
+
+
+class _GuardedStreamingResponse(StreamingResponse):
+    """SSE response that aborts its engine requests however it ends (finished, client gone before
+    the first chunk, cancellation): the body generator alone cannot promise that, since a generator
+    that never started runs no ``finally``."""
+
+    def __init__(self, gen, streams: list[RequestStream]):
+        super().__init__(gen, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+        self._gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
+            with contextlib.suppress(BaseException):
+                await self._gen.aclose()
+
+
+def _body_schema(model) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def _parse_body(request: Request, model):
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"Malformed JSON in request body: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error_to_api(list(e.errors())) from None
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model, "object": "model", "created": st.created, "owned_by": "dsflash",
+            "root": st.model, "max_model_len": st.max_model_len}
+
+
+# ====================================================================== shared helpers
+def _check_model(st: ServerState, model: Optional[str]) -> None:
+    if model is not None and model != st.model:
+        raise APIError(404, f"The model '{model}' does not exist (this server serves '{st.model}')",
+                       param="model", code="model_not_found")
+
+
+def _warn_unknown(req) -> None:
+    extra = req.unknown_fields()
+    if extra:
+        log.info("ignoring unknown request fields: %s", ", ".join(extra))
+
+
+def _sampling_params(req, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    if req.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
+    if req.min_tokens:
+        raise APIError(400, "min_tokens: not supported by this server", param="min_tokens")
+    stop = req.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    kw: dict[str, Any] = dict(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        stop=list(stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        n=1,
+        logprobs=logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
+        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+    )
+    if req.n is None or not 1 <= req.n <= 128:
+        raise APIError(400, f"n: must be an integer in [1, 128], got {req.n!r}", param="n")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise value_error_to_api(e) from None
+
+
+def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, param: str, what: str) -> int:
+    mml = st.max_model_len
+    if prompt_len == 0:
+        raise APIError(400, f"{what}: the prompt is empty", param=what)
+    if prompt_len >= mml:
+        raise APIError(400, f"This model's maximum context length is {mml} tokens. However, your {what} "
+                            f"has {prompt_len} tokens, leaving no room for a completion.",
+                       param=what, code="context_length_exceeded")
+    if requested is None:
+        return mml - prompt_len
+    if requested < 1:
+        raise APIError(400, f"{param}: must be an integer >= 1, got {requested}", param=param)
+    if prompt_len + requested > mml:
+        raise APIError(400, f"This model's maximum context length is {mml} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+                            f"completion). Please reduce the length of the {what} or {param}.",
+                       param=param, code="context_length_exceeded")
+    return requested
+
+
+async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+                  texts: Optional[list[Optional[str]]] = None) -> list[RequestStream]:
+    """n engine requests per prompt (seeds seed+i). All or nothing: a failure aborts those added."""
+    streams: list[RequestStream] = []
+    now = time.time()
+    try:
+        for p, ids in enumerate(prompts):
+            for i in range(n):
+                sp = params if n == 1 or params.seed is None else params.replace(seed=params.seed + i)
+                rid = f"{base_id}-{p}-{i}"
+                streams.append(await st.engine.add_request(rid, list(ids), sp, arrival_time=now))
+    except ValueError as e:
+        for s in streams:
+            s.abort()
+        raise value_error_to_api(e, default_param="prompt") from None
+    except EngineDrainingError as e:
+        for s in streams:
+            s.abort()
+        raise APIError(503, str(e), code="server_shutting_down") from None
+    except EngineDeadError as e:
+        for s in streams:
+            s.abort()
+        raise APIError(503, str(e), code="engine_dead") from None
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    st.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    return streams
+
+
+async def _merge(st: ServerState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine requests as they come: ``(index, cumulative output)``. Leaving early
+    (client gone, cancellation) aborts every unfinished request."""
+    timers = [RequestTimer(st.metrics) for _ in streams]
+    tasks = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
+    st.metrics.in_flight.inc()
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=lambda t: tasks[t]):
+                i = tasks.pop(t)
+                out = t.result()
+                timers[i].update(out)
+                if not out.finished:
+                    tasks[asyncio.ensure_future(streams[i].get())] = i
+                yield i, out
+    finally:
+        st.metrics.in_flight.dec()
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            if not s.finished:
+                st.metrics.aborted.inc()
+                s.abort()
+
+
+async def _collect(st: ServerState, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Wait for every stream to finish; if the client disconnects first, abort them all."""
+    finals: list[Optional[RequestOutput]] = [None] * len(streams)
+
+    async def run():
+        async with contextlib.aclosing(_merge(st, streams)) as it:
+            async for i, out in it:
+                finals[i] = out
+
+    task = asyncio.ensure_future(run())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=st.disconnect_poll_s)
+            if done:
+                task.result()
+                return finals  # type: ignore[return-value]
+            if await request.is_disconnected():
+                log.info("client disconnected; aborting %d request(s)", len(streams))
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise APIError(499, "client disconnected")
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        raise
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _stream_error_event(e: BaseException) -> str:
+    if isinstance(e, APIError):
+        return _sse(e.body())
+    return _sse(error_body(f"generation failed: {type(e).__name__}: {e}", "internal_server_error"))
+
+
+def _streaming_response(gen, streams: list[RequestStream]) -> StreamingResponse:
+    return _GuardedStreamingResponse(gen, streams)
+
+
+def _tok_str(tok, tid: int) -> str:
+    try:
+        return tok.token_bytes(tid).decode("utf-8", errors="replace")
+    except Exception:  # noqa: BLE001
+        return tok.decode([tid])
+
+
+def _tok_bytes(tok, tid: int) -> list[int]:
+    try:
+        return list(tok.token_bytes(tid))
+    except Exception:  # noqa: BLE001
+        return list(_tok_str(tok, tid).encode("utf-8"))
+
+
+# ====================================================================== /v1/completions
+async def _completions(st: ServerState, req: CompletionRequest, request: Request):
+    _check_model(st, req.model)
+    _warn_unknown(req)
+    if req.suffix:
+        raise APIError(400, "suffix: not supported by this model", param="suffix")
+    n = req.n if req.n is not None else 1
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise APIError(400, f"logprobs: must be an integer in [0, 20], got {req.logprobs}", param="logprobs")
+    tok = st.tokenizer
+    # normalise prompts -> token ids (text prompts get BOS, as the DeepSeek tokenizer adds it)
+    raw = req.prompt
+    if isinstance(raw, str):
+        raw_list: list = [raw]
+    elif raw and all(isinstance(x, int) for x in raw):
+        raw_list = [raw]
+    else:
+        raw_list = list(raw)
+    if not raw_list:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    prompts: list[list[int]] = []
+    texts: list[Optional[str]] = []
+    for j, p in enumerate(raw_list):
+        if isinstance(p, str):
+            ids = tok.encode(p)
+            if not ids or ids[0] != tok.bos_id:
+                ids = [tok.bos_id] + ids
+            prompts.append(ids)
+            texts.append(p)
+        else:
+            bad = [t for t in p if not 0 <= t < tok.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} out of range [0, {tok.vocab_size})", param="prompt")
+            prompts.append(list(p))
+            texts.append(None)
+    max_toks = [_max_tokens(st, req.max_tokens, len(p), "max_tokens", "prompt") for p in prompts]
+    if len(set(max_toks)) != 1:  # max_tokens None with prompts of different lengths: one engine call each
+        pass
+    params0 = _sampling_params(req, max_toks[0], req.logprobs)
+    base = f"cmpl-{uuid.uuid4().hex}"
+    if len(set(max_toks)) == 1:
+        streams = await _submit(st, base, prompts, params0, n)
+    else:
+        streams = []
+        try:
+            for j, (p, mt) in enumerate(zip(prompts, max_toks)):
+                streams += await _submit(st, f"{base}-{j}", [p], params0.replace(max_tokens=mt), n)
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+    created = int(time.time())
+    echo_texts = [(t if t is not None else tok.decode(p)) if req.echo else "" for t, p in zip(texts, prompts)]
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    def choice_logprobs(out, start: int, text_offset0: int) -> Optional[dict]:
+        c = out.outputs[0]
+        if req.logprobs is None or c.logprobs is None:
+            return None
+        entries = c.logprobs[start:]
+        toks, lps, tops, offs = [], [], [], []
+        off = text_offset0
+        for e in entries:
+            s = _tok_str(tok, e["token_id"])
+            toks.append(s)
+            lps.append(e["logprob"])
+            top = e.get("top") or {}
+            tops.append({_tok_str(tok, t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])[:req.logprobs]}
+                        if req.logprobs > 0 else None)
+            offs.append(off)
+            off += len(s)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def gen():
+            sent_text = [0] * len(streams)
+            sent_lp = [0] * len(streams)
+            offsets = [0] * len(streams)
+            done_tokens = [0] * len(streams)
+            try:
+                async with contextlib.aclosing(_merge(st, streams)) as it:
+                    if req.echo:
+                        for idx in range(len(streams)):
+                            et = echo_texts[idx // n]
+                            offsets[idx] = len(et)
+                            yield _sse({"id": base, "object": "text_completion", "created": created,
+                                        "model": st.model, "choices": [{"index": idx, "text": et, "logprobs": None,
+                                                                        "finish_reason": None}]})
+                    async for idx, out in it:
+                        c = out.outputs[0]
+                        delta = c.text[sent_text[idx]:]
+                        lp = choice_logprobs(out, sent_lp[idx], offsets[idx])
+                        sent_lp[idx] = len(c.token_ids)
+                        done_tokens[idx] = len(c.token_ids)
+                        if not delta and not out.finished and not (lp and lp["tokens"]):
+                            continue
+                        sent_text[idx] = len(c.text)
+                        offsets[idx] += len(delta)
+                        chunk = {"id": base, "object": "text_completion", "created": created, "model": st.model,
+                                 "choices": [{"index": idx, "text": delta, "logprobs": lp,
+                                              "finish_reason": c.finish_reason if out.finished else None}]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield _sse(chunk)
+                if include_usage:
+                    yield _sse({"id": base, "object": "text_completion", "created": created, "model": st.model,
+                                "choices": [], "usage": _usage(prompt_tokens * 1, sum(done_tokens))})
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - never leave a stream hanging
+                log.exception("completion stream failed")
+                yield _stream_error_event(e)
+            yield "data: [DONE]\n\n"
+
+        return _streaming_response(gen(), streams)
+
+    finals = await _collect(st, request, streams)
+    choices = []
+    completion_tokens = 0
+    for idx, out in enumerate(finals):
+        c = out.outputs[0]
+        completion_tokens += len(c.token_ids)
+        et = echo_texts[idx // n]
+        choices.append({"index": idx, "text": et + c.text,
+                        "logprobs": choice_logprobs(out, 0, len(et)),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason
+                        if isinstance(c.stop_reason, (str, int, type(None))) else str(c.stop_reason)})
+    return {"id": base, "object": "text_completion", "created": created, "model": st.model,
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+# ====================================================================== /v1/chat/completions
+async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
+    _check_model(st, req.model)
+    _warn_unknown(req)
+    chat = chat_io.chat_module()
+    tok = st.tokenizer
+    n = req.n if req.n is not None else 1
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs: must be an integer in [0, 20], got {req.top_logprobs}",
+                           param="top_logprobs")
+        if not req.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    if req.continue_final_message:
+        raise APIError(400, "continue_final_message: not supported", param="continue_final_message")
+    thinking, effort = chat_io.resolve_thinking(req)
+    tools, parse_tools = chat_io.select_tools(req)
+    messages = chat_io.to_chat_messages(req.messages)
+    messages = chat_io.add_system_instruction(messages, chat_io.response_format_instruction(req.response_format))
+    try:
+        prompt_text = chat.encode_chat(messages, tools=tools, thinking=thinking, reasoning_effort=effort,
+                                       add_generation_prompt=req.add_generation_prompt is not False)
+    except (ValueError, TypeError, KeyError) as e:
+        raise APIError(400, f"messages: cannot be rendered with the V4.1 chat encoding: {e}",
+                       param="messages") from None
+    ids = tok.encode(prompt_text)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_toks = _max_tokens(st, requested, len(ids), param, "messages")
+    params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None)
+    base = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await _submit(st, base, [ids], params, n)
+    created = int(time.time())
+    prompt_tokens = len(ids)
+
+    def chat_logprobs(out, start: int) -> Optional[dict]:
+        c = out.outputs[0]
+        if not req.logprobs or c.logprobs is None:
+            return None
+        content = []
+        k = req.top_logprobs or 0
+        for e in c.logprobs[start:]:
+            tid = e["token_id"]
+            top = sorted((e.get("top") or {}).items(), key=lambda kv: -kv[1])[:k]
+            content.append({"token": _tok_str(tok, tid), "logprob": e["logprob"], "bytes": _tok_bytes(tok, tid),
+                            "top_logprobs": [{"token": _tok_str(tok, t), "logprob": lp, "bytes": _tok_bytes(tok, t)}
+                                             for t, lp in top]})
+        return {"content": content}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        streamers = [chat_io.ChatStreamer(thinking, parse_tools) for _ in streams]
+
+        def chunk(idx, delta, finish=None, logprobs=None):
+            c = {"id": base, "object": "chat.completion.chunk", "created": created, "model": st.model,
+                 "choices": [{"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                c["usage"] = None
+            return _sse(c)
+
+        async def gen():
+            sent_text = [0] * len(streams)
+            sent_lp = [0] * len(streams)
+            done_tokens = [0] * len(streams)
+            try:
+                async with contextlib.aclosing(_merge(st, streams)) as it:
+                    for idx in range(len(streams)):
+                        yield chunk(idx, {"role": "assistant", "content": ""})
+                    async for idx, out in it:
+                        c = out.outputs[0]
+                        text_delta = c.text[sent_text[idx]:]
+                        sent_text[idx] = len(c.text)
+                        lp = chat_logprobs(out, sent_lp[idx])
+                        sent_lp[idx] = len(c.token_ids)
+                        done_tokens[idx] = len(c.token_ids)
+                        deltas = streamers[idx].feed(text_delta)
+                        if out.finished:
+                            deltas += streamers[idx].finish()
+                        first = True
+                        for d in deltas:
+                            yield chunk(idx, d, logprobs=lp if first else None)
+                            first = False
+                        if first and lp and lp["content"]:
+                            yield chunk(idx, {}, logprobs=lp)
+                        if out.finished:
+                            fr = c.finish_reason
+                            if fr == "stop" and streamers[idx].n_tool_calls:
+                                fr = "tool_calls"
+                            yield chunk(idx, {}, finish=fr)
+                if include_usage:
+                    yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
+                                "model": st.model, "choices": [],
+                                "usage": _usage(prompt_tokens, sum(done_tokens))})
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - never leave a stream hanging
+                log.exception("chat stream failed")
+                yield _stream_error_event(e)
+            yield "data: [DONE]\n\n"
+
+        return _streaming_response(gen(), streams)
+
+    finals = await _collect(st, request, streams)
+    choices = []
+    completion_tokens = 0
+    for idx, out in enumerate(finals):
+        c = out.outputs[0]
+        completion_tokens += len(c.token_ids)
+        msg = chat_io.parse_full(c.text, thinking, parse_tools)
+        fr = c.finish_reason
+        if fr == "stop" and msg.get("tool_calls"):
+            fr = "tool_calls"
+        choices.append({"index": idx, "message": msg, "logprobs": chat_logprobs(out, 0), "finish_reason": fr,
+                        "stop_reason": c.stop_reason if isinstance(c.stop_reason, (str, int, type(None)))
+                        else str(c.stop_reason)})
+    return {"id": base, "object": "chat.completion", "created": created, "model": st.model,
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
