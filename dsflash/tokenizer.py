@@ -232,9 +232,12 @@ class Tokenizer:
 
 
 def _is_byte_level(tok) -> bool:
+    dec = tok.decoder
+    if dec is None:
+        return False
     try:
-        d = json.loads(tok.to_str()).get("decoder") or {}
-    except Exception:  # pragma: no cover - a tokenizer that cannot serialise itself
+        d = json.loads(dec.__getstate__())
+    except Exception:  # pragma: no cover - a decoder that cannot serialise itself
         return False
 
     def has_bl(node) -> bool:
@@ -459,20 +462,26 @@ def write_synthetic_tokenizer(folder: str | os.PathLike, cfg) -> str:
     tok = _HFTok(models.BPE(vocab=vocab, merges=kept_merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    all_special = specials + [IMAGE] + reserved
+    named = specials + [IMAGE]
+    all_special = named + reserved
     # <think>/</think> are added but not "special" (as in DeepSeek's files): decoding with
     # skip_special_tokens=True keeps them, which the reasoning parser relies on.
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
-                            for s in all_special if s not in _NON_SPECIAL])
-    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in all_special if s in _NON_SPECIAL])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in named if s not in _NON_SPECIAL])
+    tok.add_tokens([AddedToken(s, special=False, normalized=False) for s in named if s in _NON_SPECIAL])
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, vocab[BOS])])
-    if tok.get_vocab_size(with_added_tokens=True) != V:  # pragma: no cover - defensive
-        raise RuntimeError("write_synthetic_tokenizer: vocabulary size mismatch")
+    data = json.loads(tok.to_str())
+    if reserved:  # appended to the JSON directly: adding 100k tokens through the API is slow
+        data["added_tokens"] += [{"id": vocab[r], "content": r, "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True} for r in reserved]
+        data["added_tokens"].sort(key=lambda e: e["id"])
+    if len(data["model"]["vocab"]) != V or len({e["id"] for e in data["added_tokens"]}) != len(all_special):
+        raise RuntimeError("write_synthetic_tokenizer: vocabulary size mismatch")  # pragma: no cover
 
     folder = os.fspath(folder)
     os.makedirs(folder, exist_ok=True)
-    tok.save(os.path.join(folder, "tokenizer.json"), pretty=False)
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False, separators=(",", ":"))
     tcfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
