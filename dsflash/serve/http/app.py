@@ -520,13 +520,12 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     thinking, effort = chat_io.resolve_thinking(req)
     tools, parse_tools = chat_io.select_tools(req)
     messages = chat_io.to_chat_messages(req.messages)
-    messages = chat_io.add_system_instruction(messages, chat_io.response_format_instruction(req.response_format))
     try:
         prompt_text = chat.encode_chat(messages, tools=tools, thinking=thinking, reasoning_effort=effort,
-                                       add_generation_prompt=req.add_generation_prompt is not False)
-    except (ValueError, TypeError, KeyError) as e:
-        raise APIError(400, f"messages: cannot be rendered with the V4.1 chat encoding: {e}",
-                       param="messages") from None
+                                       add_generation_prompt=req.add_generation_prompt is not False,
+                                       response_format=chat_io.response_format_arg(req.response_format))
+    except ValueError as e:  # encode_chat names the field ("messages[2].content: ...")
+        raise value_error_to_api(e, default_param="messages") from None
     ids = tok.encode(prompt_text)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -1,13 +1,12 @@
 """Chat glue between the OpenAI request/response shapes and ``dsflash.chat``.
 
-* :func:`to_chat_messages` — OpenAI messages (string or text-part content, ``developer`` role,
-  assistant ``tool_calls`` with JSON-string arguments, ``tool`` results) -> the plain dicts
-  ``encode_chat`` takes;
-* :func:`resolve_thinking` — the several ways clients switch thinking on;
-* :func:`response_format_instruction` — what we do with ``response_format`` (an instruction in the
-  system prompt; no constrained decoding);
-* :func:`openai_tool_calls` — ``parse_output``'s tool calls -> OpenAI ``tool_calls``;
-* :class:`ChatStreamer` — text deltas -> OpenAI ``delta`` dicts via ``StreamingOutputParser``.
+* :func:`to_chat_messages` — OpenAI messages (string or text-part content, assistant ``tool_calls``
+  with JSON-string arguments, ``tool`` results) -> the dicts ``encode_chat`` takes;
+* :func:`resolve_thinking` — the several ways clients switch thinking on, and ``reasoning_effort``;
+* :func:`response_format_arg` — ``response_format`` as rendered by the V4.1 encoding (no
+  constrained decoding);
+* :func:`select_tools` — ``tools`` / ``tool_choice`` -> tools to render and whether to parse calls;
+* :func:`parse_full` / :class:`ChatStreamer` — generated text -> assistant message / ``delta`` dicts.
 """
 from __future__ import annotations
 
@@ -17,7 +16,9 @@ from typing import Any, Iterable, Optional
 
 from dsflash.serve.http.errors import APIError
 
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "max", "xhigh")
+# V4.1 tiers are low/high/max (= 50/75/100); OpenAI names map onto them (OpenAI's default, medium,
+# onto V4.1's default, high).
+_EFFORT_ALIASES = {"minimal": "low", "medium": "high", "xhigh": "max"}
 
 
 def chat_module():
@@ -80,7 +81,7 @@ def to_chat_messages(messages) -> list[dict]:
     return out
 
 
-def resolve_thinking(req) -> tuple[bool, Optional[str]]:
+def resolve_thinking(req) -> tuple[bool, Optional[object]]:
     """(thinking, reasoning_effort). Thinking is on when any of these says so: ``thinking: true`` or
     ``{"type": "enabled"}``, ``chat_template_kwargs: {"thinking": true}`` (or ``enable_thinking``),
     or a ``reasoning_effort`` other than ``"none"``. An explicit off wins over an effort."""
@@ -102,9 +103,14 @@ def resolve_thinking(req) -> tuple[bool, Optional[str]]:
             explicit = kw[key] if explicit is None else explicit
     effort = req.reasoning_effort
     if effort is not None:
-        effort = effort.lower()
-        if effort not in _EFFORTS:
-            raise APIError(400, f"reasoning_effort: must be one of {', '.join(_EFFORTS)}; got {req.reasoning_effort!r}",
+        if isinstance(effort, str):
+            effort = _EFFORT_ALIASES.get(effort.lower(), effort.lower())
+            if effort not in ("none", "low", "high", "max"):
+                raise APIError(400, f"reasoning_effort: must be one of none, low, high, max (or OpenAI's minimal, "
+                                    f"medium, xhigh), or an integer in [1, 100]; got {req.reasoning_effort!r}",
+                               param="reasoning_effort")
+        elif not 1 <= effort <= 100:
+            raise APIError(400, f"reasoning_effort: integer must be in [1, 100], got {effort}",
                            param="reasoning_effort")
         if effort == "none":
             return (explicit is True), None
@@ -114,30 +120,16 @@ def resolve_thinking(req) -> tuple[bool, Optional[str]]:
     return thinking, effort
 
 
-def response_format_instruction(rf) -> Optional[str]:
-    """``response_format`` is honoured by instruction only: the JSON requirement (and the schema) is
-    added to the system prompt. There is no constrained decoding, so output is not guaranteed to parse."""
+def response_format_arg(rf) -> Optional[dict]:
+    """``response_format`` for ``encode_chat``: json_object / json_schema are rendered into the
+    system prompt by the V4.1 encoding ("## Response Format: You MUST strictly adhere to ...").
+    There is no constrained decoding, so the output is requested, not guaranteed, to parse."""
     if rf is None or rf.type == "text":
         return None
-    if rf.type == "json_object":
-        return "Respond with a single valid JSON object and nothing else."
-    spec = rf.json_schema
-    if spec is None or spec.schema_ is None:
+    if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
         raise APIError(400, "response_format.json_schema.schema: required when type is 'json_schema'",
                        param="response_format.json_schema")
-    name = f" named {spec.name!r}" if spec.name else ""
-    return ("Respond with a single valid JSON value and nothing else. It must conform to this JSON "
-            f"Schema{name}:\n" + json.dumps(spec.schema_, ensure_ascii=False))
-
-
-def add_system_instruction(messages: list[dict], text: Optional[str]) -> list[dict]:
-    if not text:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0])
-        first["content"] = (first.get("content") or "") + ("\n\n" if first.get("content") else "") + text
-        return [first] + messages[1:]
-    return [{"role": "system", "content": text}] + messages
+    return rf.model_dump(exclude_none=True, by_alias=True)
 
 
 def select_tools(req) -> tuple[Optional[list[dict]], bool]:
@@ -161,125 +153,54 @@ def select_tools(req) -> tuple[Optional[list[dict]], bool]:
 
 
 # ---------------------------------------------------------------------- responses
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def _one_call(tc) -> dict:
-    """A parsed tool call in any of the shapes ``parse_output`` may give -> OpenAI ``tool_call``."""
-    if hasattr(tc, "__dict__") and not isinstance(tc, dict):
-        tc = {k: v for k, v in vars(tc).items() if not k.startswith("_")}
-    if "function" in tc and isinstance(tc["function"], dict):
-        fn = tc["function"]
-        name, args, cid = fn.get("name"), fn.get("arguments", {}), tc.get("id")
-    else:
-        name, args, cid = tc.get("name"), tc.get("arguments", tc.get("parameters", {})), tc.get("id")
-    return {"id": cid or new_call_id(), "type": "function",
-            "function": {"name": str(name), "arguments": _arguments_str(args if args is not None else {})}}
-
-
-def openai_tool_calls(calls: Optional[Iterable]) -> list[dict]:
-    return [_one_call(c) for c in (calls or [])]
-
-
 def parse_full(text: str, thinking: bool, parse_tools: bool) -> dict:
     """Final assistant message fields from the whole generated text."""
+    msg: dict[str, Any] = {"role": "assistant"}
+    if not thinking and not parse_tools:
+        msg["content"] = text
+        return msg
     chat = chat_module()
     reasoning, content, calls = chat.parse_output(text, thinking)
-    msg: dict[str, Any] = {"role": "assistant", "content": content if content else None}
-    if reasoning:
-        msg["reasoning_content"] = reasoning
-    tool_calls = openai_tool_calls(calls) if parse_tools else []
-    if tool_calls:
-        msg["tool_calls"] = tool_calls
-    elif not parse_tools and calls:
-        # tools were not offered (or tool_choice none): nothing to parse into; keep content as parsed
-        pass
-    if msg["content"] is None and not tool_calls:
+    msg["content"] = content if (content or not calls) else None
+    if msg["content"] is None and not calls:
         msg["content"] = ""
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
     return msg
 
 
 class ChatStreamer:
-    """Turns successive text deltas of one choice into OpenAI ``delta`` dicts.
-
-    Uses ``dsflash.chat.StreamingOutputParser`` (which knows the V4.1 ``</think>`` and DSML
-    envelopes and holds back partial tags). Its events are normalised from whatever shape they come
-    in: objects or dicts with a kind (``reasoning`` / ``content`` / ``tool_call``) and a payload."""
+    """Successive text deltas of one choice -> OpenAI ``delta`` dicts, via
+    ``dsflash.chat.StreamingOutputParser`` (which splits ``</think>``, parses DSML tool calls into
+    OpenAI streaming tool-call deltas, and never releases a partial tag as content). Without
+    thinking and without tools the text passes through untouched."""
 
     def __init__(self, thinking: bool, parse_tools: bool):
-        chat = chat_module()
-        self.parser = _make_parser(chat, thinking)
-        self.parse_tools = parse_tools
+        self.passthrough = not thinking and not parse_tools
+        self.parser = None if self.passthrough else chat_module().StreamingOutputParser(thinking)
         self.n_tool_calls = 0
 
     def feed(self, delta: str) -> list[dict]:
-        return self._convert(self.parser.feed(delta)) if delta else []
+        if not delta:
+            return []
+        if self.passthrough:
+            return [{"content": delta}]
+        return self._convert(self.parser.feed(delta))
 
     def finish(self) -> list[dict]:
-        for name in ("finish", "flush", "close"):
-            fn = getattr(self.parser, name, None)
-            if fn is not None:
-                return self._convert(fn())
-        return []
+        if self.passthrough:
+            return []
+        return self._convert(self.parser.finish())
 
-    def _convert(self, events) -> list[dict]:
+    def _convert(self, d) -> list[dict]:
         out: list[dict] = []
-        for ev in _iter_events(events):
-            kind, payload = ev
-            if kind == "reasoning" and payload:
-                out.append({"reasoning_content": payload})
-            elif kind == "content" and payload:
-                out.append({"content": payload})
-            elif kind == "tool_call" and payload is not None:
-                call = _one_call(payload)
-                if self.parse_tools:
-                    call["index"] = self.n_tool_calls
-                    self.n_tool_calls += 1
-                    out.append({"tool_calls": [call]})
-                else:  # not asked for tools: fall back to the raw text if the parser kept it
-                    raw = payload.get("raw") if isinstance(payload, dict) else getattr(payload, "raw", None)
-                    if raw:
-                        out.append({"content": raw})
+        if d.reasoning_content:
+            out.append({"reasoning_content": d.reasoning_content})
+        if d.content:
+            out.append({"content": d.content})
+        if d.tool_calls:
+            self.n_tool_calls = max([self.n_tool_calls] + [tc["index"] + 1 for tc in d.tool_calls])
+            out.append({"tool_calls": d.tool_calls})
         return out
-
-
-def _make_parser(chat, thinking: bool):
-    cls = chat.StreamingOutputParser
-    try:
-        return cls(thinking=thinking)
-    except TypeError:
-        return cls(thinking)
-
-
-def _iter_events(events):
-    if events is None:
-        return
-    if isinstance(events, (dict, tuple)) or hasattr(events, "kind") or hasattr(events, "type"):
-        events = [events]
-    for ev in events:
-        if isinstance(ev, tuple) and len(ev) == 2:
-            yield _norm_kind(ev[0]), ev[1]
-            continue
-        get = ev.get if isinstance(ev, dict) else (lambda k, d=None, _e=ev: getattr(_e, k, d))
-        kind = get("kind") or get("type")
-        if kind is None:
-            for k in ("reasoning_content", "reasoning", "content", "tool_call"):
-                if get(k) is not None:
-                    yield _norm_kind(k), get(k)
-            continue
-        kind = _norm_kind(kind)
-        if kind == "tool_call":
-            payload = get("tool_call") or get("call") or ev
-        else:
-            payload = get("text") or get("delta") or get(kind) or get("content") or ""
-        yield kind, payload
-
-
-def _norm_kind(k) -> str:
-    k = str(getattr(k, "value", k)).lower()
-    if k.startswith("reason") or k == "thinking":
-        return "reasoning"
-    if "tool" in k:
-        return "tool_call"
-    return "content"

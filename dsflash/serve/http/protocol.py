@@ -135,7 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = True
     response_format: Optional[ResponseFormat] = None
-    reasoning_effort: Optional[StrictStr] = None
+    reasoning_effort: Optional[Union[StrictStr, StrictInt]] = None
     # DeepSeek / vLLM ways of switching thinking on
     thinking: Optional[Union[StrictBool, dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
