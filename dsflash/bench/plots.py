@@ -62,6 +62,9 @@ def plot_serve_sweep(result: dict, path: str | Path) -> Optional[Path]:
             ax2.plot([v[0] for v in vals], [v[1] for v in vals], "-o", label=name)
     if len(set(conc)) > 1 and min(conc) > 0:
         ax2.set_xscale("log", base=2)
+        ax2.set_xticks(sorted(set(conc)))
+        ax2.set_xticklabels([str(c) for c in sorted(set(conc))])
+        ax2.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     ax2.set_yscale("log")
     ax2.set_xlabel("concurrency (live sessions)")
     ax2.set_ylabel("ms")

@@ -1,0 +1,162 @@
+"""Metric definitions of ``bench serve`` on synthetic timestamps; expected values are computed here
+from the definitions (vLLM's benchmark_serving), without numpy, independently of the implementation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsflash.bench.serve_metrics import (
+    RequestRecord, compute_metrics, format_summary, parse_slos, peak_rates, request_tpot)
+
+
+def pct(values, q):
+    """Linear-interpolation percentile (the 'linear' method: rank = q/100 * (n-1))."""
+    v = sorted(values)
+    rank = q / 100 * (len(v) - 1)
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
+
+
+def rec_from_chunks(start, chunk_times, *, prompt=100, out=None, cached=None, warmup=False, success=True, **kw):
+    """A record whose content chunks arrived at absolute times ``chunk_times``."""
+    r = RequestRecord(start_time=start, success=success, warmup=warmup, prompt_tokens=prompt,
+                      cached_tokens=cached, **kw)
+    if success:
+        r.ttft = chunk_times[0] - start
+        r.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+        r.latency = chunk_times[-1] - start
+        r.output_tokens = len(chunk_times) if out is None else out
+        r.num_chunks = len(chunk_times)
+        r.end_time = chunk_times[-1]
+    else:
+        r.end_time = start + 0.01
+        r.error = kw.get("error", "HTTP 500: boom")
+    return r
+
+
+@pytest.fixture
+def records():
+    return [
+        # A: 4 chunks = 4 tokens
+        rec_from_chunks(0.0, [0.30, 0.35, 0.45, 0.50], prompt=100, cached=60),
+        # B: 3 chunks carrying 5 tokens (e.g. speculative decoding: usage says 5)
+        rec_from_chunks(0.1, [0.60, 0.70, 0.90], prompt=200, out=5, cached=0),
+        # C: a single token -> no TPOT sample, TPOT 0 for goodput
+        rec_from_chunks(0.2, [0.40], prompt=50, cached=50),
+        # D: 2 tokens, slow first token
+        rec_from_chunks(0.5, [2.50, 2.60], prompt=150, cached=100),
+        # warm-up request: ignored everywhere
+        rec_from_chunks(-5.0, [-4.0, -3.0], prompt=10_000, warmup=True),
+    ]
+
+
+def test_latency_definitions(records):
+    m = compute_metrics(records, duration_s=4.0, percentiles=[50, 90, 99])
+    a, b, c, d = records[:4]
+    ttfts = [0.30, 0.50, 0.20, 2.00]
+    e2els = [0.50, 0.80, 0.20, 2.10]
+    # ITL: every gap between chunks, pooled over requests (B's multi-token chunks count once each)
+    itls = [0.05, 0.10, 0.05, 0.10, 0.20, 0.10]
+    # TPOT = (E2EL - TTFT) / (output_tokens - 1), only requests with > 1 token
+    tpots = [(0.50 - 0.30) / 3, (0.80 - 0.50) / 4, (2.10 - 2.00) / 1]
+    for key, vals in (("ttft_ms", ttfts), ("e2el_ms", e2els), ("itl_ms", itls), ("tpot_ms", tpots)):
+        s = m[key]
+        assert s["count"] == len(vals), key
+        assert s["mean"] == pytest.approx(1000 * sum(vals) / len(vals)), key
+        assert s["median"] == pytest.approx(1000 * pct(vals, 50)), key
+        assert s["p90"] == pytest.approx(1000 * pct(vals, 90)), key
+        assert s["p99"] == pytest.approx(1000 * pct(vals, 99)), key
+        mean = sum(vals) / len(vals)
+        assert s["std"] == pytest.approx(1000 * math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))), key
+    assert request_tpot(c) is None and request_tpot(a) == pytest.approx(0.2 / 3)
+    # interactivity = 1 / ITL at the matching percentile (tokens/s/user)
+    assert m["p90_interactivity"] == pytest.approx(1 / pct(itls, 90))
+    assert m["interactivity"]["median"] == pytest.approx(1 / pct(itls, 50))
+    # E2E-normalised interactivity: median of output_tokens / E2EL
+    assert m["e2e_interactivity_median"] == pytest.approx(pct([4 / 0.5, 5 / 0.8, 1 / 0.2, 2 / 2.1], 50))
+
+
+def test_throughput_cached_split_and_cost(records):
+    m = compute_metrics(records, duration_s=4.0, num_gpus=4, gpu_hour_usd=2.0)
+    n_in, n_out, n_cached = 100 + 200 + 50 + 150, 4 + 5 + 1 + 2, 60 + 0 + 50 + 100
+    assert m["completed"] == 4 and m["failed"] == 0
+    assert m["total_input_tokens"] == n_in and m["total_output_tokens"] == n_out
+    assert m["request_throughput"] == pytest.approx(4 / 4.0)
+    assert m["input_throughput"] == pytest.approx(n_in / 4.0)
+    assert m["output_throughput"] == pytest.approx(n_out / 4.0)
+    assert m["total_token_throughput"] == pytest.approx((n_in + n_out) / 4.0)
+    assert m["output_throughput_per_gpu"] == pytest.approx(n_out / 4.0 / 4)
+    assert m["total_token_throughput_per_gpu"] == pytest.approx((n_in + n_out) / 4.0 / 4)
+    assert m["cached_input_tokens"] == n_cached and m["uncached_input_tokens"] == n_in - n_cached
+    assert m["cached_input_throughput"] == pytest.approx(n_cached / 4.0)
+    assert m["uncached_input_throughput"] == pytest.approx((n_in - n_cached) / 4.0)
+    assert m["prefix_hit_rate"] == pytest.approx(n_cached / n_in)
+    # $ per million tokens: 4 GPUs x $2/h over the window, divided by the tokens of that kind
+    usd = 4 * 2.0 / 3600 * 4.0
+    assert m["usd_per_million_output_tokens"] == pytest.approx(usd / n_out * 1e6)
+    assert m["usd_per_million_input_tokens"] == pytest.approx(usd / n_in * 1e6)
+    assert m["usd_per_million_total_tokens"] == pytest.approx(usd / (n_in + n_out) * 1e6)
+    assert m["valid"] and m["invalid_reasons"] == []
+    assert "Successful requests:" in format_summary(m)
+
+
+def test_cached_split_absent_when_not_reported(records):
+    records[1].cached_tokens = None
+    m = compute_metrics(records, duration_s=1.0)
+    assert m["cached_input_tokens"] is None and m["prefix_hit_rate"] is None
+
+
+def test_goodput_counts_requests_meeting_every_slo(records):
+    # TTFTs 300/500/200/2000 ms; TPOTs 66.7/75/0(1 token)/100 ms; E2ELs 500/800/200/2100 ms
+    m = compute_metrics(records, duration_s=2.0, slos=parse_slos("ttft=500,tpot=80"))
+    assert m["good_completed"] == 3 and m["goodput"] == pytest.approx(3 / 2.0)   # A, B (TTFT == SLO), C
+    m = compute_metrics(records, duration_s=2.0, slos=parse_slos("tpot=70"))
+    assert m["good_completed"] == 2                                              # A and C
+    m = compute_metrics(records, duration_s=2.0, slos=parse_slos("e2el:1s ttft:2000ms"))
+    assert m["good_completed"] == 3                                              # all but D
+    assert "goodput" not in compute_metrics(records, duration_s=2.0)
+
+
+def test_parse_slos_rejects_bad_input():
+    assert parse_slos("ttft=250,tpot=20") == {"ttft": 0.25, "tpot": 0.02}
+    assert parse_slos(None) == {}
+    for bad in ("ttfx=3", "ttft", "ttft=-1"):
+        with pytest.raises(ValueError):
+            parse_slos(bad)
+
+
+def test_failed_fraction_invalidates_above_ten_percent():
+    ok = [rec_from_chunks(i * 1.0, [i + 0.1, i + 0.2]) for i in range(9)]
+    # 1 of 10 failed = 10 %: still valid (the limit is "more than 10 %")
+    m = compute_metrics(ok + [rec_from_chunks(0, [], success=False)], duration_s=10.0)
+    assert m["failed"] == 1 and m["failed_fraction"] == pytest.approx(0.1) and m["valid"]
+    # 2 of 10: invalid; failures are excluded from latency and throughput
+    m = compute_metrics(ok[:8] + [rec_from_chunks(0, [], success=False)] * 2, duration_s=10.0)
+    assert m["failed_fraction"] == pytest.approx(0.2) and not m["valid"]
+    assert m["completed"] == 8 and m["ttft_ms"]["count"] == 8
+    assert m["errors"] == {"HTTP 500: boom": 2}
+    # context overflow errors: > 1 % invalidates on its own
+    many = [rec_from_chunks(i * 1.0, [i + 0.1, i + 0.2]) for i in range(97)]
+    bad = rec_from_chunks(0, [], success=False, context_overflow=True)
+    m = compute_metrics(many + [bad] * 2, duration_s=100.0)
+    assert m["context_overflow_fraction"] == pytest.approx(2 / 99) and not m["valid"]
+    m = compute_metrics([rec_from_chunks(0, [], success=False)], duration_s=1.0)
+    assert not m["valid"] and m["ttft_ms"]["mean"] == 0.0
+
+
+def test_peak_rates_one_second_buckets():
+    # request 1: chunks at 0.5, 0.9, 1.2; request 2 (start 1.1): chunks at 1.3, 1.4, 1.5, 2.6
+    r1 = rec_from_chunks(0.0, [0.5, 0.9, 1.2])
+    r2 = rec_from_chunks(1.1, [1.3, 1.4, 1.5, 2.6])
+    peak, live = peak_rates([r1, r2])
+    assert peak == 4            # bucket [1, 2): 1.2, 1.3, 1.4, 1.5
+    assert live == 2            # both active during second 1
+
+
+def test_warmup_records_never_count(records):
+    m_all = compute_metrics(records, duration_s=4.0)
+    m_measured = compute_metrics(records[:4], duration_s=4.0)
+    for k in ("completed", "total_input_tokens", "total_output_tokens", "ttft_ms", "itl_ms"):
+        assert m_all[k] == m_measured[k]
