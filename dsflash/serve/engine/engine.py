@@ -1,0 +1,641 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduling step at a time.
+
+Per step: (1) page growth for decoding sequences (preempting the youngest running sequence by recompute
+when the pool is full), (2) FCFS admission with prefix-cache lookup, (3) chunked prefill within the token
+budget packed into one compiled bucket, (4) one on-device decode loop over every decoding sequence
+(several draft-and-verify steps per call), (5) host processing of what came back (stop conditions,
+detokenisation, prefix-cache registration, metrics). See docs/engine.md.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+import time
+from collections import deque
+
+import jax
+import numpy as np
+
+from dsflash.model.state import CacheGeometry
+from dsflash.serve.engine import runner as R
+from dsflash.serve.engine.kv_cache import OutOfPages, PagePool, SlotPool, block_hashes
+from dsflash.serve.engine.metrics import EngineMetrics
+from dsflash.serve.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+
+WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+
+def enable_compilation_cache():
+    """Persistent XLA compilation cache under ~/.cache/dsflash/jax unless the user configured one."""
+    try:
+        if not jax.config.jax_compilation_cache_dir:
+            path = os.environ.get("DSFLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dsflash",
+                                                                        "jax")
+            os.makedirs(path, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", path)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except Exception:  # a read-only home must not stop serving
+        pass
+
+
+class Sequence:
+    def __init__(self, rid, index, prompt, prompt_ids, params: SamplingParams, arrival, seed, stop_ids):
+        self.request_id, self.index = rid, index
+        self.prompt, self.prompt_ids, self.params = prompt, list(prompt_ids), params
+        self.seed, self.stop_ids = seed, stop_ids
+        self.out_ids: list[int] = []
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.status = WAITING
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.computed = 0            # positions whose KV is written (prefill progress)
+        self.floor = 0               # window keys below this position do not exist (encoder replay)
+        self.kv_from = 0             # global KV below this position comes from the prefix cache
+        self.hashes: list[int] = []  # chain hashes of registered full blocks
+        self.order = 0               # admission order (preemption picks the youngest)
+        self.text = ""
+        self.finish_reason = None
+        self.stop_reason = None
+        self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
+        self.last_token_time = None
+
+    @property
+    def all_ids(self):
+        return self.prompt_ids + self.out_ids
+
+    @property
+    def finished(self):
+        return self.status == FINISHED
+
+
+class LLMEngine:
+    def __init__(self, model="tiny", *, max_num_seqs=16, max_model_len=512, speculative=True, num_pages=None,
+                 page_size=64, max_num_batched_tokens=256, precision="reference", seed=0, **opts):
+        t0 = time.perf_counter()
+        if opts.pop("compilation_cache", True):
+            enable_compilation_cache()
+        R.install_compile_listener()
+        self.backend = self._make_backend(model, precision, opts)
+        be = self.backend
+        self.tokenizer = getattr(be, "tokenizer", None)
+        self.model_name = opts.pop("model_name", None) or (model if isinstance(model, str) else be.name)
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.page_size = page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.speculative = bool(speculative) and be.block > 0
+        self.k = be.block if self.speculative else 0
+        self.K1 = self.k + 1
+        self.decode_steps = int(opts.pop("decode_steps", 4))
+        self.max_logprobs = int(opts.pop("max_logprobs", 20))
+        self.max_stop_ids = int(opts.pop("max_stop_ids", 16))
+        self.prefix_caching = bool(opts.pop("enable_prefix_caching", True))
+        self.prefix_replay = opts.pop("prefix_replay", "bounded")
+        if self.prefix_replay not in ("bounded", "exact"):
+            raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window) or 'exact'")
+        self.draft_sampling = bool(opts.pop("draft_sampling", getattr(be, "supports_row_keys", True)))
+        buckets = opts.pop("prefill_buckets", None)
+        if opts:
+            raise ValueError(f"unknown engine options: {', '.join(sorted(opts))}")
+        if buckets is None:
+            b = max_num_batched_tokens
+            r = min(4, max_num_seqs)
+            buckets = sorted({(1, min(32, b)), (r, max(1, b // r)), (1, b)})
+        for rb, tb in buckets:
+            if rb < 1 or tb < 1 or rb * tb > max(max_num_batched_tokens, tb):
+                raise ValueError(f"prefill bucket {(rb, tb)} exceeds max_num_batched_tokens={max_num_batched_tokens}")
+        # geometry: one page table wide enough for the longest sequence plus one decode call of lookahead
+        self.pages_per_seq = math.ceil((max_model_len + (self.decode_steps + 1) * self.K1) / page_size)
+        if num_pages is None:
+            num_pages = max_num_seqs * self.pages_per_seq
+        if num_pages * page_size < max_model_len + self.K1:
+            raise ValueError(f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of "
+                             f"max_model_len={max_model_len}")
+        self.geo = CacheGeometry(num_slots=max_num_seqs, num_pages=num_pages, page_size=page_size,
+                                 ring_slack=max(16, 2 * self.K1))
+        self.pool = PagePool(num_pages, page_size, self.prefix_caching)
+        self.slots = SlotPool(max_num_seqs)
+        self.runner = R.Runner(be, self.geo, max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq,
+                               prefill_buckets=buckets, speculative=self.speculative, max_iters=self.decode_steps,
+                               max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids)
+        self.metrics = EngineMetrics(block=self.k)
+        self.metrics.kv_pages_total = num_pages
+        self._rng = random.Random(seed)
+        self._order = itertools.count()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.groups: dict[str, list[Sequence]] = {}
+        self._pending_outputs: dict[str, RequestOutput] = {}
+        # per-slot host mirrors of what the decode call needs
+        self._pt = np.zeros((max_num_seqs, self.pages_per_seq), np.int32)
+        self._sp = R.empty_sampling(max_num_seqs, self.max_stop_ids)
+        self._floor = np.zeros((max_num_seqs,), np.int32)
+        self.memory = self.runner.state_nbytes()
+        self.memory["capacity_tokens"] = num_pages * page_size
+        self.memory["num_pages"] = num_pages
+        t1 = time.perf_counter()
+        self.runner.warmup()
+        self.warmup_time = time.perf_counter() - t1
+        self.startup_time = time.perf_counter() - t0
+        self._compiles_at_warmup = R.compile_count()
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _make_backend(model, precision, opts):
+        from dsflash.serve.engine.backend import ModelBackend
+        if hasattr(model, "propose") and hasattr(model, "init_state") and hasattr(model, "forward"):
+            return model                                          # already an engine backend
+        bounded = opts.pop("bounded_replay", None)
+        kernel_backend = opts.pop("backend", "xla")
+        load_opts = opts.pop("load_options", {}) or {}
+        if isinstance(model, str):
+            import dsflash
+            model = dsflash.load(model, **load_opts)
+        return ModelBackend(model, precision=precision, bounded_replay=bounded, backend=kernel_backend)
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return R.compile_count() - self._compiles_at_warmup
+
+    # ------------------------------------------------------------------ requests
+    def _encode(self, prompt):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            ids = list(self.tokenizer.encode(prompt))
+            return prompt, ids
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("prompt: must be a string or a list of token ids") from None
+        return None, ids
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        params.validate()
+        text, ids = self._encode(prompt)
+        V = self.backend.vocab_size
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {V})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room for output (max_model_len={self.max_model_len})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs: at most {self.max_logprobs} (engine max_logprobs)")
+        stop = list(dict.fromkeys(params.stop_token_ids))
+        if not params.ignore_eos and self.backend.eos_token_id is not None:
+            stop = list(dict.fromkeys(stop + [int(self.backend.eos_token_id)]))
+        if len(stop) > self.max_stop_ids:
+            raise ValueError(f"SamplingParams.stop_token_ids: at most {self.max_stop_ids - 1} ids")
+        if any(t >= V for t in stop):
+            raise ValueError(f"SamplingParams.stop_token_ids: ids must be < vocab size {V}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seqs = []
+        for i in range(params.n):
+            seqs.append(Sequence(request_id, i, text, ids, params, arrival, base_seed + i, stop))
+        self.groups[request_id] = seqs
+        self.waiting.extend(seqs)
+        self.metrics.requests_added += 1
+        self.metrics.prompt_tokens += len(ids) * params.n
+
+    def abort_request(self, request_id: str) -> None:
+        seqs = self.groups.get(request_id)
+        if not seqs:
+            return
+        for s in seqs:
+            if not s.finished:
+                self._finish(s, "abort")
+        self.metrics.requests_aborted += 1
+        self._pending_outputs[request_id] = self._make_output(request_id)
+        self._retire_group(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ------------------------------------------------------------------ resources
+    def _free(self, s: Sequence):
+        if s.pages:
+            self.pool.free(s.pages)
+            s.pages = []
+        if s.slot is not None:
+            self.slots.free(s.slot)
+            self._pt[s.slot] = 0
+            s.slot = None
+        s.hashes = []
+
+    def _finish(self, s: Sequence, reason, stop_reason=None):
+        s.finish_reason, s.stop_reason = reason, stop_reason
+        if s.status == WAITING:
+            try:
+                self.waiting.remove(s)
+            except ValueError:
+                pass
+        elif s in self.running:
+            self.running.remove(s)
+        self._free(s)
+        s.status = FINISHED
+        now = time.time()
+        s.metrics.finished_time = now
+        s.metrics.num_generation_tokens = len(s.out_ids)
+        if reason != "abort":
+            self.metrics.e2e.append(now - s.metrics.arrival_time)
+
+    def _retire_group(self, rid):
+        seqs = self.groups.get(rid)
+        if seqs and all(s.finished for s in seqs):
+            del self.groups[rid]
+            self.metrics.requests_finished += 1
+
+    def _preempt(self, s: Sequence):
+        """Recompute preemption: drop the sequence's KV and slot; it re-enters the queue at the front."""
+        self.running.remove(s)
+        self._free(s)
+        s.status = WAITING
+        s.computed = 0
+        self.waiting.appendleft(s)
+        self.metrics.num_preemptions += 1
+
+    def _grow(self, s: Sequence, n_tokens: int) -> bool:
+        """Make ``s`` hold pages for positions < n_tokens, preempting the youngest others if needed."""
+        need = min(math.ceil(n_tokens / self.page_size), self.pages_per_seq) - len(s.pages)
+        while need > 0:
+            try:
+                new = self.pool.allocate(need)
+            except OutOfPages:
+                victims = [v for v in self.running if v is not s]
+                if not victims:
+                    return False
+                victim = max(victims, key=lambda v: v.order)
+                if victim.order < s.order:       # s is the youngest: it yields instead
+                    return False
+                self._preempt(victim)
+                continue
+            s.pages.extend(new)
+            self._pt[s.slot, len(s.pages) - len(new):len(s.pages)] = new
+            need = 0
+        return True
+
+    def _set_slot_params(self, s: Sequence):
+        p, i = s.params, s.slot
+        sp = self._sp
+        sp["temp"][i] = p.temperature
+        sp["top_k"][i] = p.top_k if p.top_k > 0 else 0
+        sp["top_p"][i] = p.top_p
+        sp["min_p"][i] = p.min_p
+        sp["pres"][i] = p.presence_penalty
+        sp["freq"][i] = p.frequency_penalty
+        sp["rep"][i] = p.repetition_penalty
+        sp["seed_lo"][i] = s.seed & 0xFFFFFFFF
+        sp["seed_hi"][i] = (s.seed >> 32) & 0xFFFFFFFF
+        sp["max_gen"][i] = p.max_tokens
+        sp["draft_temp"][i] = p.temperature if self.draft_sampling else 0.0
+        sp["stop_ids"][i] = -1
+        sp["stop_ids"][i, :len(s.stop_ids)] = s.stop_ids
+        self._floor[i] = s.floor
+
+    def _admit(self, s: Sequence) -> bool:
+        slot = self.slots.allocate()
+        if slot is None:
+            return False
+        ids = s.all_ids
+        P = self.page_size
+        hashes = block_hashes(ids, P, max_blocks=(len(ids) - 1) // P) if self.prefix_caching else []
+        hit = self.pool.lookup(hashes)
+        need = math.ceil(len(ids) / P) - len(hit)
+        if need > self.pool.num_free:
+            self.pool.free(hit)
+            self.pool.query_blocks -= len(hashes)
+            self.pool.hit_blocks -= len(hit)
+            self.slots.free(slot)
+            return False
+        s.slot = slot
+        s.pages = hit + self.pool.allocate(need)
+        self._pt[slot] = 0
+        self._pt[slot, :len(s.pages)] = s.pages
+        C = len(hit) * P
+        s.hashes = hashes[:len(hit)]
+        if C:
+            replay = self.backend.sliding_window if self.prefix_replay == "bounded" else \
+                (self.backend.num_layers + 2) * self.backend.sliding_window
+            s.computed = max(0, C - replay)
+            s.floor, s.kv_from = s.computed, C
+            self.metrics.replay_tokens += C - s.computed
+        else:
+            s.computed, s.floor, s.kv_from = 0, 0, 0
+        s.prefill_start = s.computed
+        s.metrics.num_cached_tokens = max(s.metrics.num_cached_tokens, C)
+        self.metrics.prefix_query_tokens += len(ids)
+        self.metrics.prefix_hit_tokens += C
+        s.status = PREFILL
+        s.order = next(self._order)
+        if s.metrics.first_scheduled_time is None:
+            s.metrics.first_scheduled_time = time.time()
+            self.metrics.queue_time.append(s.metrics.first_scheduled_time - s.metrics.arrival_time)
+        self._set_slot_params(s)
+        self.running.append(s)
+        return True
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self):
+        K1, P = self.K1, self.page_size
+        # 1. decode growth, oldest first (the youngest is preempted when the pool runs dry)
+        decode = []
+        for s in sorted([s for s in self.running if s.status == DECODE], key=lambda v: v.order):
+            if s.status != DECODE:
+                continue  # preempted while growing an older sequence
+            pos = len(s.all_ids) - 2
+            h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids)))
+            if not self._grow(s, pos + 1 + h * K1):
+                if not self._grow(s, pos + 1 + K1):
+                    self._preempt(s)
+                    continue
+            h = min(h, (len(s.pages) * P - 1 - pos) // K1)
+            decode.append((s, h))
+        decode = [(s, h) for s, h in decode if s.status == DECODE]
+        # 2. admission, strictly FCFS
+        while self.waiting and self.slots.num_free:
+            if not self._admit(self.waiting[0]):
+                break
+            self.waiting.popleft()
+        # 3. prefill chunks into the best bucket
+        budget = max(self.max_num_batched_tokens - len(decode) * K1, min(self.max_num_batched_tokens, 16))
+        pre = sorted([s for s in self.running if s.status == PREFILL], key=lambda v: v.order)
+        best, best_key = None, None
+        for bucket in self.runner.prefill_buckets:
+            Bp, T = bucket
+            left, plan = budget, []
+            for s in pre[:Bp]:
+                n = min(len(s.all_ids) - s.computed, T, left)
+                if n <= 0:
+                    break
+                plan.append((s, n))
+                left -= n
+            key = (sum(n for _, n in plan), -Bp * T)
+            if plan and (best_key is None or key > best_key):
+                best, best_key = (bucket, plan), key
+        # sequences finishing their prompt now can decode in the same step (their row is set by prefill)
+        if best:
+            for s, n in best[1]:
+                if s.computed + n == len(s.all_ids):
+                    pos = len(s.all_ids) - 1
+                    h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids) - 1))
+                    if s.params.max_tokens - len(s.out_ids) - 1 <= 0:
+                        continue
+                    if self._grow(s, pos + 1 + h * K1) or self._grow(s, pos + 1 + K1):
+                        h = min(h, (len(s.pages) * P - 1 - pos) // K1)
+                        if h >= 1:
+                            decode.append((s, h))
+            decode = [(s, h) for s, h in decode if s in self.running]
+            best = (best[0], [(s, n) for s, n in best[1] if s in self.running])
+            if not best[1]:
+                best = None
+        return best, decode
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        t_start = time.perf_counter()
+        progressed: set[str] = set()
+        plan, decode = self._schedule()
+        pf_res = dc_res = None
+        if plan:
+            pf_inp = self._prefill_inputs(*plan)
+            pf_res = self.runner.prefill(pf_inp)
+            self.metrics.num_prefill_calls += 1
+        if decode:
+            dc_inp = self._decode_inputs(decode)
+            dc_res = self.runner.decode(dc_inp)
+            self.metrics.num_decode_calls += 1
+        t_dispatched = time.perf_counter()
+        if pf_res is not None:
+            pf_res = jax.device_get(pf_res)
+        if dc_res is not None:
+            dc_res = jax.device_get(dc_res)
+        t_ready = time.perf_counter()
+        now = time.time()
+        if plan:
+            self._process_prefill(plan[1], pf_res, now, progressed)
+        if decode:
+            self._process_decode(decode, dc_res, now, progressed)
+        outs = [self._make_output(rid) for rid in progressed if rid in self.groups]
+        for rid in [o.request_id for o in outs]:
+            self._retire_group(rid)
+        outs.extend(self._pending_outputs.values())
+        self._pending_outputs.clear()
+        t_end = time.perf_counter()
+        m = self.metrics
+        m.num_steps += 1
+        m.step_time.append(t_end - t_start)
+        m.host_time.append((t_dispatched - t_start) + (t_end - t_ready))
+        m.num_running = len(self.running)
+        m.num_waiting = len(self.waiting)
+        m.kv_pages_used = self.pool.num_used
+        m.kv_usage = self.pool.usage()
+        m.compiles_after_warmup = self.compiles_after_warmup
+        return outs
+
+    def _prefill_inputs(self, bucket, plan):
+        inp = self.runner.empty_prefill_inputs(bucket)
+        sp = inp["sp"]
+        for r, (s, n) in enumerate(plan):
+            ids = s.all_ids
+            inp["tokens"][r, :n] = ids[s.computed:s.computed + n]
+            inp["start"][r] = s.computed
+            inp["lengths"][r] = n
+            inp["slots"][r] = inp["row_slot"][r] = s.slot
+            inp["page_table"][r] = self._pt[s.slot]
+            inp["floor"][r] = s.floor
+            inp["kv_write_from"][r] = s.kv_from
+            inp["first"][r] = s.computed == s.prefill_start
+            inp["last"][r] = s.computed + n == len(ids)
+            inp["out_start"][r] = len(s.prompt_ids)
+            inp["n_gen0"][r] = len(s.out_ids)
+            for f in sp:
+                sp[f][r] = self._sp[f][s.slot]
+        return inp
+
+    def _decode_inputs(self, decode):
+        inp = self.runner.empty_decode_inputs()
+        inp["page_table"] = self._pt.copy()
+        inp["floor"] = self._floor.copy()
+        inp["sp"] = {f: a.copy() for f, a in self._sp.items()}
+        for s, h in decode:
+            inp["row_steps"][s.slot] = h
+        return inp
+
+    # ------------------------------------------------------------------ results
+    def _lp_entry(self, s, tok, lp, top_ids, top_lp):
+        top = {int(t): float(v) for t, v in zip(top_ids[:s.params.logprobs], top_lp[:s.params.logprobs])}
+        return {"token_id": int(tok), "logprob": float(lp), "top": top}
+
+    def _append(self, s: Sequence, toks, lps, now):
+        """Append generated tokens, applying stop conditions; returns True if the sequence finished."""
+        p = s.params
+        if s.metrics.first_token_time is None and toks:
+            s.metrics.first_token_time = now
+            self.metrics.ttft.append(now - s.metrics.arrival_time)
+        elif toks and s.last_token_time is not None:
+            d = (now - s.last_token_time) / len(toks)
+            self.metrics.itl.extend([d] * len(toks))
+        if toks:
+            s.last_token_time = now
+        for i, t in enumerate(toks):
+            s.out_ids.append(t)
+            if s.logprobs is not None and lps is not None:
+                s.logprobs.append(self._lp_entry(s, t, *[x[i] for x in lps]))
+            self.metrics.generation_tokens += 1
+            if t in s.stop_ids:
+                eos = t == self.backend.eos_token_id and t not in p.stop_token_ids
+                return self._done(s, "stop", None if eos else t)
+            if p.stop and self.tokenizer is not None:
+                text = self._detok(s)
+                hit = self._find_stop(text, p.stop)
+                if hit is not None:
+                    idx, st = hit
+                    s.text = text[:idx + (len(st) if p.include_stop_str_in_output else 0)]
+                    return self._done(s, "stop", st, detok=False)
+            if len(s.out_ids) >= p.max_tokens:
+                return self._done(s, "length", None)
+        return False
+
+    @staticmethod
+    def _find_stop(text, stops):
+        best = None
+        for st in stops:
+            i = text.find(st)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, st)
+        return best
+
+    def _detok(self, s):
+        if self.tokenizer is None:
+            return ""
+        try:
+            return self.tokenizer.decode(s.out_ids, skip_special_tokens=s.params.skip_special_tokens)
+        except TypeError:
+            return self.tokenizer.decode(s.out_ids)
+
+    def _done(self, s, reason, stop_reason, detok=True):
+        if detok:
+            s.text = self._detok(s)
+        self._finish(s, reason, stop_reason)
+        return True
+
+    def _process_prefill(self, plan, res, now, progressed):
+        for r, (s, n) in enumerate(plan):
+            if s.status != PREFILL:
+                continue
+            s.computed += n
+            self.metrics.computed_prompt_tokens += n
+            self._register(s, s.computed)
+            if s.computed == len(s.all_ids):
+                s.status = DECODE
+                lps = (res["lp"][r:r + 1], res["top_ids"][r:r + 1], res["top_lp"][r:r + 1])
+                self._append(s, [int(res["tok"][r])], lps, now)
+                progressed.add(s.request_id)
+
+    def _process_decode(self, decode, res, now, progressed):
+        m = self.metrics
+        m.num_decode_iters += int(res["iters"])
+        for s, h in decode:
+            if s.status != DECODE:
+                continue
+            i = s.slot
+            n = int(res["n_out"][i])
+            if self.speculative:
+                nd = int(res["drafts"][i])
+                acc = res["acc_pos"][i]
+                m.spec_num_drafts += nd
+                m.spec_num_draft_tokens += nd * self.k
+                m.spec_num_accepted_tokens += int(acc.sum())
+                for j in range(self.k):
+                    m.spec_accepted_per_pos[j] += int(acc[j])
+                s.metrics.num_drafts += nd
+                s.metrics.num_draft_tokens += nd * self.k
+                s.metrics.num_accepted_tokens += int(acc.sum())
+                if nd:
+                    m.acceptance_length.append(n / nd)
+            if n == 0:
+                continue
+            toks = [int(t) for t in res["tok"][i, :n]]
+            lps = (res["lp"][i, :n], res["top_ids"][i, :n], res["top_lp"][i, :n])
+            self._append(s, toks, lps, now)
+            progressed.add(s.request_id)
+            if s.status == DECODE:
+                assert int(res["pos"][i]) == len(s.all_ids) - 2, (int(res["pos"][i]), len(s.all_ids))
+                self._register(s, len(s.all_ids) - 1)
+
+    def _register(self, s: Sequence, committed: int):
+        if not self.prefix_caching:
+            return
+        P = self.page_size
+        full = committed // P
+        if full <= len(s.hashes):
+            return
+        ids = s.all_ids
+        parent = s.hashes[-1] if s.hashes else None
+        new = block_hashes(ids[len(s.hashes) * P:full * P], P, parent=parent)
+        for j, h in enumerate(new):
+            self.pool.register(s.pages[len(s.hashes) + j], h)
+        s.hashes.extend(new)
+
+    def _make_output(self, rid) -> RequestOutput:
+        seqs = self.groups[rid]
+        outs = []
+        for s in seqs:
+            if s.params.stop and self.tokenizer is not None and s.finished:
+                text = s.text
+            else:
+                text = s.text = self._detok(s) if self.tokenizer is not None else ""
+            outs.append(CompletionOutput(index=s.index, text=text, token_ids=list(s.out_ids),
+                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                         logprobs=list(s.logprobs) if s.logprobs is not None else None))
+        s0 = seqs[0]
+        met = s0.metrics
+        if len(seqs) > 1:
+            met = RequestMetrics(**vars(s0.metrics))
+            met.num_generation_tokens = sum(len(s.out_ids) for s in seqs)
+            for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                setattr(met, f, sum(getattr(s.metrics, f) for s in seqs))
+        else:
+            met.num_generation_tokens = len(s0.out_ids)
+        return RequestOutput(request_id=rid, prompt=s0.prompt, prompt_token_ids=list(s0.prompt_ids), outputs=outs,
+                             finished=all(s.finished for s in seqs), metrics=met)
+
+    # ------------------------------------------------------------------ introspection
+    def metrics_snapshot(self) -> dict:
+        d = self.metrics.snapshot()
+        d["num_requests_running"] = len(self.running)
+        d["num_requests_waiting"] = len(self.waiting)
+        d["kv_cached_pages"] = self.pool.num_cached
+        d["kv_bytes_per_token"] = self.memory["global_kv_bytes_per_token"]
+        d["kv_capacity_tokens"] = self.memory["capacity_tokens"]
+        d["speculative"] = self.speculative
+        d["draft_block"] = self.k
+        d["warmup_time_s"] = self.warmup_time
+        return d
+
+    def reset_prefix_cache(self):
+        self.pool.reset_prefix_cache()

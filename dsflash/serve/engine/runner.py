@@ -1,0 +1,315 @@
+"""Compiled device programs of the engine: chunked prefill and the on-device decode loop.
+
+Two jitted programs, both taking the model state and the per-slot *row state* as donated buffers:
+
+* ``prefill``: one forward over ``[rows, tokens]`` chunks (a small set of buckets), DSpark context
+  update, and the first sampled token of every row whose prompt ends in this chunk. Rows that finish
+  their prompt are activated in the row state, which is what the decode loop runs.
+* ``decode``: ``lax.while_loop`` over up to ``max_iters`` steps. Each step is draft-and-verify: DSpark
+  proposes ``block`` tokens from the last sampled token, the target verifies ``block + 1`` positions in one
+  forward, the rejection sampler keeps an exact-match (greedy) or lossless (sampled) prefix plus a
+  correction/bonus token. Rollback is by length only (``pos`` advances by the emitted count; rows
+  written past it are never read). Without drafts each step is a single-token forward. Rows stop on
+  their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up.
+
+The row state lives on the device between calls (``y`` last sampled token, ``pos`` last committed
+position, ``n_gen`` tokens generated, ``active``, output-token ``counts`` and ``seen`` tokens for
+penalties), so the host only sends page tables and sampling parameters (small arrays).
+"""
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dsflash.model.state import Batch
+from dsflash.serve.engine import sampling as S
+
+# ------------------------------------------------------------------ compile accounting (process-wide)
+_compile_lock = threading.Lock()
+_compile_events = {"count": 0, "names": []}
+_listener_installed = False
+
+
+def install_compile_listener():
+    """Count every trace / lowering / backend compile / persistent-cache load in this process."""
+    global _listener_installed
+    with _compile_lock:
+        if _listener_installed:
+            return
+        from jax import monitoring
+
+        def on_duration(event, duration, **kw):
+            if event.startswith("/jax/core/compile/") or event.startswith("/jax/compilation_cache/cache_retrieval"):
+                _compile_events["count"] += 1
+                if len(_compile_events["names"]) < 200:
+                    _compile_events["names"].append((event, kw.get("fun_name")))
+
+        monitoring.register_event_duration_secs_listener(on_duration)
+        _listener_installed = True
+
+
+def compile_count() -> int:
+    return _compile_events["count"]
+
+
+def compile_events() -> list:
+    return list(_compile_events["names"])
+
+
+SAMPLING_FIELDS = ("temp", "top_k", "top_p", "min_p", "pres", "freq", "rep", "seed_lo", "seed_hi", "max_gen",
+                   "draft_temp")
+_DTYPES = {"temp": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "pres": np.float32,
+           "freq": np.float32, "rep": np.float32, "seed_lo": np.uint32, "seed_hi": np.uint32, "max_gen": np.int32,
+           "draft_temp": np.float32}
+_DEFAULTS = {"temp": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "pres": 0.0, "freq": 0.0, "rep": 1.0,
+             "seed_lo": 0, "seed_hi": 0, "max_gen": 1, "draft_temp": 0.0}
+
+
+def empty_sampling(n: int, max_stop_ids: int) -> dict:
+    d = {f: np.full((n,), _DEFAULTS[f], _DTYPES[f]) for f in SAMPLING_FIELDS}
+    d["stop_ids"] = np.full((n, max_stop_ids), -1, np.int32)
+    return d
+
+
+class Runner:
+    def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
+                 max_iters: int, max_logprobs: int, max_stop_ids: int):
+        self.backend = backend
+        self.geo = geo
+        self.S = max_num_seqs
+        self.P = pages_per_seq
+        self.V = backend.vocab_size
+        self.k = backend.block if speculative else 0
+        self.spec = self.k > 0
+        self.K1 = self.k + 1
+        self.max_iters = max_iters
+        self.max_logprobs = max_logprobs
+        self.max_stop_ids = max_stop_ids
+        self.prefill_buckets = sorted(set(tuple(b) for b in prefill_buckets), key=lambda b: (b[0] * b[1], b))
+        self.T_out = max_iters * self.K1
+        if hasattr(backend, "bind_geometry"):
+            backend.bind_geometry(geo)
+        self.params = backend.params
+        self.state = backend.init_state(geo)
+        self.rows = self._init_rows()
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+        self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+
+    # ------------------------------------------------------------------ state
+    def _init_rows(self):
+        S, V = self.S, self.V
+        return {"y": jnp.zeros((S,), jnp.int32), "pos": jnp.zeros((S,), jnp.int32),
+                "n_gen": jnp.zeros((S,), jnp.int32), "active": jnp.zeros((S,), bool),
+                "counts": jnp.zeros((S, V), jnp.int32), "seen": jnp.zeros((S, V), bool)}
+
+    def state_nbytes(self) -> dict:
+        glob = sum(a.nbytes for a in self.backend.global_kv_arrays(self.state))
+        total = sum(a.nbytes for a in jax.tree.leaves(self.state))
+        tokens = self.geo.num_pages * self.geo.page_size
+        return {"global_kv_bytes": int(glob), "global_kv_bytes_per_token": glob / tokens,
+                "per_slot_bytes": (total - glob) / self.geo.num_slots, "total_state_bytes": int(total),
+                "row_state_bytes": int(sum(a.nbytes for a in jax.tree.leaves(self.rows)))}
+
+    # ------------------------------------------------------------------ shared pieces
+    def _logprob_outputs(self, raw, tok):
+        """raw logits [..., V], chosen tokens [...] -> chosen logprob, top ids, top logprobs."""
+        lp = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(lp, jnp.maximum(tok, 0)[..., None], axis=-1)[..., 0]
+        if self.max_logprobs:
+            tv, ti = lax.top_k(lp, self.max_logprobs)
+        else:
+            tv = jnp.zeros((*tok.shape, 0), jnp.float32)
+            ti = jnp.zeros((*tok.shape, 0), jnp.int32)
+        return chosen, ti.astype(jnp.int32), tv
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_impl(self, params, state, rows, inp):
+        be, spec, V, S_ = self.backend, self.spec, self.V, self.S
+        tokens = inp["tokens"]
+        Bp, T = tokens.shape
+        floor = inp["floor"]
+        batch = Batch(tokens, inp["start"], inp["lengths"], inp["slots"], inp["page_table"], floor, floor,
+                      inp["kv_write_from"])
+        out, state = be.forward(params, batch, state, logits="last", taps=spec)
+        if spec:
+            state = be.update_context(params, out["taps"], batch, state)
+        sp = inp["sp"]
+        rs = inp["row_slot"]
+        rsc = jnp.clip(rs, 0, S_ - 1)
+        first, last = inp["first"], inp["last"]
+        valid = batch.valid
+        pos = batch.positions
+        counts = jnp.where(first[:, None], 0, rows["counts"][rsc])
+        seen = jnp.where(first[:, None], False, rows["seen"][rsc])
+        b_idx = jnp.broadcast_to(jnp.arange(Bp)[:, None], (Bp, T))
+        counts = counts.at[b_idx, tokens].add((valid & (pos >= inp["out_start"][:, None])).astype(jnp.int32))
+        seen = seen.at[b_idx, tokens].max(valid)
+        raw = out["logits"]
+        pen = S.apply_penalties(raw, counts, seen, sp["pres"], sp["freq"], sp["rep"])
+        logp = S.process_logits(pen, sp["temp"], sp["top_k"], sp["top_p"], sp["min_p"])
+        keys = S.purpose(S.request_keys(sp["seed_lo"], sp["seed_hi"], inp["n_gen0"]), S.SAMPLE)
+        tok = S.sample(logp, pen, sp["temp"] <= 0, keys)
+        counts = counts.at[jnp.arange(Bp), tok].add(last.astype(jnp.int32))
+        seen = seen.at[jnp.arange(Bp), tok].max(last)
+        n_gen = inp["n_gen0"] + 1
+        is_stop = jnp.any(tok[:, None] == sp["stop_ids"], axis=1)
+        done = is_stop | (n_gen >= sp["max_gen"])
+        tgt = jnp.where(rs < S_, rs, S_)  # dummy rows -> out of range -> dropped
+        rows = {
+            "y": rows["y"].at[tgt].set(tok, mode="drop"),
+            "pos": rows["pos"].at[tgt].set(inp["start"] + inp["lengths"] - 1, mode="drop"),
+            "n_gen": rows["n_gen"].at[tgt].set(n_gen, mode="drop"),
+            "active": rows["active"].at[tgt].set(last & ~done, mode="drop"),
+            "counts": rows["counts"].at[tgt].set(counts, mode="drop"),
+            "seen": rows["seen"].at[tgt].set(seen, mode="drop"),
+        }
+        chosen, ti, tv = self._logprob_outputs(raw, tok)
+        res = {"tok": tok, "done": done, "stop": is_stop, "lp": chosen, "top_ids": ti, "top_lp": tv}
+        return state, rows, res
+
+    # ------------------------------------------------------------------ decode loop
+    def _decode_impl(self, params, state, rows, inp):
+        be, spec, V, S_, K1, k = self.backend, self.spec, self.V, self.S, self.K1, self.k
+        sp = inp["sp"]
+        greedy = sp["temp"] <= 0
+        slots = jnp.arange(S_, dtype=jnp.int32)
+        floor = inp["floor"]
+        row_steps = inp["row_steps"]
+        rows = {**rows, "active": rows["active"] & ~inp["deactivate"]}
+        Tb = self.T_out + K1
+        L = self.max_logprobs
+        buf = {"tok": jnp.full((S_, Tb), -1, jnp.int32), "lp": jnp.zeros((S_, Tb), jnp.float32),
+               "top_ids": jnp.zeros((S_, Tb, L), jnp.int32), "top_lp": jnp.zeros((S_, Tb, L), jnp.float32),
+               "n_out": jnp.zeros((S_,), jnp.int32), "stop": jnp.zeros((S_,), bool),
+               "drafts": jnp.zeros((S_,), jnp.int32), "acc_pos": jnp.zeros((S_, max(k, 1)), jnp.int32),
+               "iters": jnp.zeros((), jnp.int32)}
+
+        def running(i, rows):
+            return rows["active"] & (i < row_steps)
+
+        def cond(c):
+            i, state, rows, buf = c
+            return (i < inp["max_iters"]) & jnp.any(running(i, rows))
+
+        def body(c):
+            i, state, rows, buf = c
+            run = running(i, rows)
+            y, p, nidx = rows["y"], rows["pos"], rows["n_gen"]
+            j = jnp.arange(K1)
+            if spec:
+                dkeys = S.purpose(S.request_keys(sp["seed_lo"], sp["seed_hi"], nidx), S.DRAFT)
+                drafts, dlogits, _ = be.propose(params, state, y, p, slots, sp["draft_temp"], dkeys)
+                drafts = drafts.astype(jnp.int32)
+                tokens = jnp.concatenate([y[:, None], drafts], axis=1)
+            else:
+                tokens = y[:, None]
+            batch = Batch(tokens, p + 1, jnp.where(run, K1, 0).astype(jnp.int32), slots, inp["page_table"],
+                          floor, floor, jnp.zeros_like(p))
+            out, state = be.forward(params, batch, state, logits="all", taps=spec)
+            if spec:
+                state = be.update_context(params, out["taps"], batch, state)
+            raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
+            counts = rows["counts"][:, None, :]
+            seen = rows["seen"][:, None, :]
+            if spec:
+                oh = jax.nn.one_hot(drafts, V, dtype=jnp.int32)
+                extra = jnp.concatenate([jnp.zeros((S_, 1, V), jnp.int32), jnp.cumsum(oh, axis=1)], axis=1)
+                counts = counts + extra
+                seen = seen | (extra > 0)
+            bc = lambda a: jnp.broadcast_to(a[:, None], (S_, K1))
+            pen = S.apply_penalties(raw, counts, seen, bc(sp["pres"]), bc(sp["freq"]), bc(sp["rep"]))
+            logp = S.process_logits(pen, bc(sp["temp"]), bc(sp["top_k"]), bc(sp["top_p"]), bc(sp["min_p"]))
+            keys = S.request_keys(sp["seed_lo"][:, None], sp["seed_hi"][:, None], nidx[:, None] + j[None, :])
+            if spec:
+                dl = dlogits.astype(jnp.float32)
+                q_s = jax.nn.log_softmax(dl, axis=-1)
+                q_g = jnp.where(jnp.arange(V) == drafts[..., None], 0.0, -jnp.inf)
+                q = jnp.where((sp["draft_temp"] > 0)[:, None, None], q_s, q_g)
+                emitted, n = S.rejection_sample(logp, pen, q, drafts, greedy, S.purpose(keys, S.ACCEPT),
+                                                S.purpose(keys, S.SAMPLE))
+            else:
+                emitted = S.sample(logp[:, 0], pen[:, 0], greedy, S.purpose(keys[:, 0], S.SAMPLE))[:, None]
+                n = jnp.ones((S_,), jnp.int32)
+            n = jnp.minimum(n, sp["max_gen"] - nidx)
+            is_stop = jnp.any(emitted[..., None] == sp["stop_ids"][:, None, :], axis=-1) & (j[None] < n[:, None])
+            has_stop = jnp.any(is_stop, axis=1)
+            n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n)
+            n = jnp.where(run, n, 0).astype(jnp.int32)
+            keep = j[None] < n[:, None]
+            # outputs
+            chosen, ti, tv = self._logprob_outputs(raw, emitted)
+            upd = jax.vmap(lambda b, x, o: lax.dynamic_update_slice(b, x, (o,) + (0,) * (x.ndim - 1)))
+            off = buf["n_out"]
+            nb = dict(buf)
+            nb["tok"] = upd(buf["tok"], jnp.where(keep, emitted, -1), off)
+            nb["lp"] = upd(buf["lp"], chosen, off)
+            nb["top_ids"] = upd(buf["top_ids"], ti, off)
+            nb["top_lp"] = upd(buf["top_lp"], tv, off)
+            nb["n_out"] = off + n
+            nb["stop"] = buf["stop"] | (run & has_stop)
+            if spec:
+                nb["drafts"] = buf["drafts"] + run.astype(jnp.int32)
+                nb["acc_pos"] = buf["acc_pos"] + (run[:, None] & (jnp.arange(k)[None] < (n - 1)[:, None])).astype(jnp.int32)
+            nb["iters"] = buf["iters"] + 1
+            # row state
+            last_tok = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+            n_gen = nidx + n
+            ohe = jax.nn.one_hot(jnp.where(keep, emitted, -1), V, dtype=jnp.int32).sum(1)   # -1 -> zero row
+            finished = run & (has_stop | (n_gen >= sp["max_gen"]))
+            rows = {"y": jnp.where(n > 0, last_tok, y), "pos": p + n, "n_gen": n_gen,
+                    "active": rows["active"] & ~finished, "counts": rows["counts"] + ohe,
+                    "seen": rows["seen"] | (ohe > 0)}
+            return i + 1, state, rows, nb
+
+        _, state, rows, buf = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, rows, buf))
+        res = dict(buf)
+        res["y"], res["pos"], res["n_gen"], res["active"] = rows["y"], rows["pos"], rows["n_gen"], rows["active"]
+        return state, rows, res
+
+    # ------------------------------------------------------------------ host entry points
+    def empty_prefill_inputs(self, bucket):
+        Bp, T = bucket
+        z = np.zeros((Bp,), np.int32)
+        return {"tokens": np.zeros((Bp, T), np.int32), "start": z.copy(), "lengths": z.copy(), "slots": z.copy(),
+                "row_slot": np.full((Bp,), self.S, np.int32), "page_table": np.zeros((Bp, self.P), np.int32),
+                "floor": z.copy(), "kv_write_from": z.copy(), "first": np.zeros((Bp,), bool),
+                "last": np.zeros((Bp,), bool), "out_start": z.copy(), "n_gen0": z.copy(),
+                "sp": empty_sampling(Bp, self.max_stop_ids)}
+
+    def empty_decode_inputs(self):
+        S_ = self.S
+        return {"page_table": np.zeros((S_, self.P), np.int32), "floor": np.zeros((S_,), np.int32),
+                "row_steps": np.zeros((S_,), np.int32), "deactivate": np.zeros((S_,), bool),
+                "max_iters": np.int32(self.max_iters), "sp": empty_sampling(S_, self.max_stop_ids)}
+
+    def pick_bucket(self, n_rows: int, max_len: int):
+        for b in self.prefill_buckets:
+            if b[0] >= n_rows and b[1] >= max_len:
+                return b
+        return None
+
+    @property
+    def max_prefill_rows(self):
+        return max(b[0] for b in self.prefill_buckets)
+
+    @property
+    def max_prefill_tokens(self):
+        return max(b[1] for b in self.prefill_buckets)
+
+    def prefill(self, inp):
+        self.state, self.rows, res = self._prefill(self.params, self.state, self.rows, inp)
+        return res
+
+    def decode(self, inp):
+        self.state, self.rows, res = self._decode(self.params, self.state, self.rows, inp)
+        return res
+
+    def warmup(self):
+        """Compile every bucket (dummy rows write nothing) and wait for it."""
+        for b in self.prefill_buckets:
+            jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
+        jax.block_until_ready(self.decode(self.empty_decode_inputs()))
