@@ -221,3 +221,43 @@ def test_agentx_sessions_against_fake_server(fake_server, tmp_path):
     # the chat history sent back is the text the server generated
     roots = [b for b in fs.bodies if any(msg["role"] == "assistant" for msg in b["messages"])]
     assert any(" w0 w1" in msg["content"] for b in roots for msg in b["messages"] if msg["role"] == "assistant")
+
+
+def test_duration_bounded_run(fake_server, tmp_path):
+    fs, url = fake_server(ttft=0.01, itl=0.01)
+    t = time.perf_counter()
+    rc = bench_serve.main([
+        "--base-url", url, "--concurrency", "3", "--duration", "1.0", "--input-len", "16", "--output-len", "5",
+        "--out-dir", str(tmp_path), "--no-plot"])
+    wall = time.perf_counter() - t
+    assert rc == 0 and wall < 10
+    m = _load(tmp_path)["points"][0]["metrics"]
+    # the window closes at 1 s; requests in flight then drain (each ~0.05 s)
+    assert 1.0 <= m["duration_s"] < 1.5
+    assert m["completed"] >= 3 * 10 and m["failed"] == 0
+    assert m["request_throughput"] == pytest.approx(m["completed"] / m["duration_s"])
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()                                   # nothing listens there now
+    rc = bench_serve.main(["--base-url", f"http://127.0.0.1:{port}/v1", "--out-dir", str(tmp_path)])
+    assert rc == 2
+    assert "error" in capsys.readouterr().err
+    assert not list(tmp_path.glob("serve_*"))
+
+
+def test_module_entry_points():
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(bench_serve.__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "dsflash.bench.serve", "--help"], cwd=root, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "--sweep" in r.stdout and "--gpu-hour-usd" in r.stdout
+    if (root / "dsflash" / "bench" / "__main__.py").exists():
+        r = subprocess.run([sys.executable, "-m", "dsflash.bench", "serve", "--help"], cwd=root,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "--sweep" in r.stdout

@@ -152,7 +152,11 @@ def test_peak_rates_one_second_buckets():
     r2 = rec_from_chunks(1.1, [1.3, 1.4, 1.5, 2.6])
     peak, live = peak_rates([r1, r2])
     assert peak == 4            # bucket [1, 2): 1.2, 1.3, 1.4, 1.5
-    assert live == 2            # both active during second 1
+    assert live == 2            # overlap during [1.1, 1.2)
+    # back-to-back requests inside one second never overlap: peak concurrency 1
+    seq = [rec_from_chunks(0.0, [0.1, 0.2]), rec_from_chunks(0.2, [0.3, 0.4]), rec_from_chunks(0.4, [0.5, 0.9])]
+    peak, live = peak_rates(seq)
+    assert (peak, live) == (6, 1)
 
 
 def test_warmup_records_never_count(records):

@@ -323,6 +323,31 @@ class PointRun:
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
+_AGENTX_HELP = {
+    "system_tokens": "system prompt + tools, shared by a root and its subagents",
+    "first_turn_tokens": "first user message (task, files)",
+    "turn_tokens": "median new tokens per later turn (tool results; lognormal)",
+    "turn_sigma": "lognormal sigma of the new tokens per turn",
+    "output_tokens": "median output tokens per request (lognormal)",
+    "output_sigma": "lognormal sigma of output tokens",
+    "min_output_tokens": "output tokens lower clip",
+    "max_output_tokens": "output tokens upper clip",
+    "min_turns": "root turns per session, lower bound",
+    "max_turns": "root turns per session, upper bound",
+    "think_time": "mean seconds between an answer and the next request (exponential)",
+    "max_think_time": "cap on one think-time gap, seconds",
+    "subagent_prob": "probability that a root turn fans out to subagents",
+    "max_fanout": "subagents per fan-out, uniform in 1..N (<= 10)",
+    "subagent_min_turns": "turns per subagent, lower bound",
+    "subagent_max_turns": "turns per subagent, upper bound",
+    "subagent_task_tokens": "first message of a subagent",
+    "subagent_result_tokens": "tokens each subagent result adds to the root context",
+    "max_context_tokens": "a session ends before its context would exceed this",
+    "scale": "multiplies every token length above (e.g. 16 for AgentX-sized contexts)",
+    "history": "actual: send back the server's answers; synthetic: planned text (server-independent)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dsflash.bench serve",
@@ -371,9 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in ("warmup_requests",):
             continue
         flag = "--agentx-" + f.name.replace("_", "-")
-        kw = {"choices": ("actual", "synthetic")} if f.name == "history" else {"type": type(getattr(d, f.name))}
+        typ = type(getattr(d, f.name))
+        kw = ({"choices": ("actual", "synthetic")} if f.name == "history"
+              else {"type": typ, "metavar": "N" if typ is int else "X"})
         g.add_argument(flag, dest="agentx_" + f.name, default=getattr(d, f.name),
-                       help=f"agentx: {f.name.replace('_', ' ')} (default %(default)s)", **kw)
+                       help=f"agentx: {_AGENTX_HELP[f.name]} (default %(default)s)", **kw)
 
     g = p.add_argument_group("reporting")
     g.add_argument("--num-gpus", type=int, default=1, help="GPUs behind the URL (prefill + decode) for per-GPU rates")

@@ -131,8 +131,9 @@ def token_timestamps(r: RequestRecord) -> list[float]:
 
 
 def peak_rates(records: Sequence[RequestRecord]) -> tuple[float, int]:
-    """vLLM's peak output tokens/s and max concurrent requests, from 1-second buckets counted from
-    the first request's send time; one content chunk counts as one token, as in vLLM."""
+    """vLLM's peak output tokens/s (content chunks counted in 1-second buckets from the first
+    request's send time; one chunk counts as one token, as in vLLM) and peak concurrent requests
+    (exact sweep over the half-open intervals [send, last token), as in current vLLM)."""
     ok = [r for r in records if r.success]
     if not ok:
         return 0.0, 0
@@ -140,14 +141,17 @@ def peak_rates(records: Sequence[RequestRecord]) -> tuple[float, int]:
     t1 = max(r.start_time + r.latency for r in ok)
     n = int(math.ceil(t1 - t0)) + 1
     tokens = np.zeros(n)
-    live = np.zeros(n)
     for r in ok:
         for t in token_timestamps(r):
-            tokens[min(int(t - t0), n - 1)] += 1
-        a = int(r.start_time - t0)
-        b = min(int(r.start_time + r.latency - t0), n - 1)
-        live[a:b + 1] += 1
-    return float(tokens.max()), int(live.max())
+            b = int(t - t0)
+            if 0 <= b < n:
+                tokens[b] += 1
+    events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
+    live = peak = 0
+    for _, delta in events:          # at equal times the departure (-1) sorts first
+        live += delta
+        peak = max(peak, live)
+    return float(tokens.max()), int(peak)
 
 
 def compute_metrics(
