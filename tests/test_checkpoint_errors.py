@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dsflash.checkpoint import SafetensorsFile, load_checkpoint, write_safetensors
-from dsflash.checkpoint.synth import write_synthetic_checkpoint
+from dsflash.checkpoint.synth import random_stored_params, write_synthetic_checkpoint
 from dsflash.config import preset
 
 INDEX = "model.safetensors.index.json"
@@ -17,7 +17,8 @@ INDEX = "model.safetensors.index.json"
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
     cfg = preset("tiny")
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("pristine"), cfg, seed=1, tokenizer=False)
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("pristine"), cfg, params=random_stored_params(cfg, 1),
+                                      tokenizer=False)
 
 
 @pytest.fixture

@@ -40,6 +40,31 @@ def _vision_tensors(cfg: ModelConfig, seed: int) -> list[tuple[str, np.ndarray, 
             ("image_newline", bf16(d), "BF16")]
 
 
+def random_stored_params(cfg: ModelConfig, seed: int = 0, *, scale_range: tuple = (112, 136)) -> dict:
+    """Params of ``cfg`` with random *stored bytes* (numpy only, fast): every FP8 code except NaN, every
+    E2M1 nibble pair, UE8M0 scales in ``scale_range``, normal bf16/f32 values.
+
+    Meant for format tests (loader, dequantisation); a model with these weights is not a sensible LM,
+    use ``init_params`` for that."""
+    from dsflash.model.params import param_specs
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in param_specs(cfg):
+        dt = np.dtype(s.dtype)
+        if s.fmt == "scale":
+            out[s.name] = rng.integers(scale_range[0], scale_range[1], s.shape, dtype=np.uint8)
+        elif dt == np.dtype(ml_dtypes.float8_e4m3fn):
+            b = rng.integers(0, 256, s.shape, dtype=np.uint8)
+            b[(b & 0x7F) == 0x7F] ^= 0x01  # no NaN codes
+            out[s.name] = b.view(dt)
+        elif dt == np.dtype(np.int8):
+            out[s.name] = rng.integers(-128, 128, s.shape, dtype=np.int8)
+        else:
+            out[s.name] = (rng.standard_normal(s.shape, dtype=np.float32) / np.sqrt(s.shape[-1])).astype(dt)
+    return out
+
+
 def official_tensors(cfg: ModelConfig, params: dict) -> Iterator[tuple[str, np.ndarray, str]]:
     """``(official name, numpy array, stored dtype)`` for every text tensor, experts split per expert.
 
