@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send and /v1/models lists (default: the engine's model name)")
     g.add_argument("--mesh", default=None,
                    help="device mesh spec passed to the engine, e.g. 'dep=2', 'dep=8,tp=2' (default: one device)")
-    g.add_argument("--max-model-len", type=int, default=512,
+    g.add_argument("--max-model-len", type=int, default=2048,
                    help="longest sequence (prompt + completion) in tokens; longer requests get HTTP 400")
     g.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
@@ -130,6 +130,10 @@ def main(argv=None) -> int:
                          sig, args.drain_timeout, engine.num_in_flight)
             engine.begin_drain()
             super().handle_exit(sig, frame)
+            # a drained shutdown is a clean exit (status 0): do not let uvicorn re-raise the signal
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
 
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
                             timeout_keep_alive=5, access_log=args.log_level == "debug")

@@ -110,7 +110,7 @@ class AsyncEngine:
     """
 
     def __init__(self, engine_factory: Callable[[], Any], *, idle_wait_s: float = 0.25,
-                 snapshot_interval_s: float = 0.25):
+                 snapshot_interval_s: float = 0.5):
         self._factory = engine_factory
         self._idle_wait_s = idle_wait_s
         self._snapshot_interval_s = snapshot_interval_s

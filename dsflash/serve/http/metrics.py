@@ -10,8 +10,10 @@ Two sources:
 * **Engine-side**: every numeric entry of ``engine.metrics_snapshot()`` (nested dicts flattened
   with ``_``) as a gauge ``dsflash_engine_<key>``, plus the standard gauges
   ``dsflash_num_requests_running`` / ``_waiting`` / ``dsflash_kv_cache_usage_perc`` /
-  ``dsflash_spec_decode_acceptance_rate`` / ``dsflash_spec_decode_mean_acceptance_length`` taken from
-  the snapshot keys listed in ``_STANDARD`` when the engine reports them.
+  ``dsflash_spec_decode_acceptance_rate`` / ``dsflash_spec_decode_mean_acceptance_length`` / prefix-cache
+  hit rate / preemptions taken from the snapshot keys listed in ``_STANDARD`` when the engine reports
+  them; lists of numbers named ``*_per_pos`` become one gauge labelled by ``position``. Other lists
+  (the engine's raw latency samples) are not exported: the server's own histograms cover them.
 """
 from __future__ import annotations
 
@@ -31,13 +33,14 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.
 
 # standard gauge name -> snapshot keys to try, first hit wins
 _STANDARD = {
-    "dsflash_num_requests_running": ("num_requests_running", "num_running", "running"),
-    "dsflash_num_requests_waiting": ("num_requests_waiting", "num_waiting", "waiting", "queue_size"),
-    "dsflash_kv_cache_usage_perc": ("kv_cache_usage", "kv_usage", "kv_cache_usage_perc", "page_usage"),
-    "dsflash_spec_decode_acceptance_rate": ("spec_decode_acceptance_rate", "acceptance_rate",
-                                            "draft_acceptance_rate"),
-    "dsflash_spec_decode_mean_acceptance_length": ("spec_decode_mean_acceptance_length",
-                                                   "mean_acceptance_length"),
+    "dsflash_num_requests_running": ("num_requests_running", "num_running"),
+    "dsflash_num_requests_waiting": ("num_requests_waiting", "num_waiting"),
+    "dsflash_kv_cache_usage_perc": ("kv_usage", "kv_cache_usage"),
+    "dsflash_spec_decode_acceptance_rate": ("spec_acceptance_rate", "spec_decode_acceptance_rate"),
+    "dsflash_spec_decode_mean_acceptance_length": ("spec_mean_acceptance_length",
+                                                   "spec_decode_mean_acceptance_length"),
+    "dsflash_prefix_cache_hit_rate": ("prefix_hit_rate",),
+    "dsflash_num_preemptions": ("num_preemptions",),
 }
 
 
@@ -77,6 +80,15 @@ class _EngineCollector:
             g = GaugeMetricFamily(f"dsflash_engine_{_metric_name(k)}", f"engine metrics_snapshot()['{k}']")
             g.add_metric([], v)
             yield g
+        # per-draft-position lists (e.g. spec_accepted_per_pos) as one labelled gauge each
+        for k, v in sorted(snap.items()):
+            if k.endswith("_per_pos") and isinstance(v, (list, tuple)) and all(
+                    isinstance(x, (int, float)) for x in v):
+                g = GaugeMetricFamily(f"dsflash_engine_{_metric_name(k)}", f"engine metrics_snapshot()['{k}']",
+                                      labels=["position"])
+                for i, x in enumerate(v):
+                    g.add_metric([str(i)], float(x))
+                yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,131 @@
+"""Helpers for the server tests: start the real ``python -m dsflash.serve`` process on a free loopback
+port, wait for ``/health``, read ``/metrics``, stop it. (No tests here; the test modules import it.)"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default_test_model() -> str:
+    """The model the real-engine server tests use: ``$DSFLASH_TEST_SERVER_MODEL``, else the built-in
+    default (``tiny``) when the engine can load it, else the model-free ``dummy`` engine (reported)."""
+    env = os.environ.get("DSFLASH_TEST_SERVER_MODEL")
+    if env:
+        return env
+    try:
+        import dsflash
+        from dsflash.serve.engine import LLMEngine  # noqa: F401
+        if hasattr(dsflash, "load"):
+            return "tiny"
+    except Exception:  # noqa: BLE001
+        pass
+    return "dummy"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, *args: str, startup_timeout: float = 300.0):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="dsflash-serve-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)          # the test process fakes 8 devices; the server needs one
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        self.cmd = [sys.executable, "-m", "dsflash.serve", "--port", str(self.port), *args]
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
+        self.startup_s = time.time() - t0
+        print(f"\n[server] {' '.join(self.cmd[1:])} up in {self.startup_s:.1f}s", flush=True)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()[-20000:]
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics as {name: value} (labelled ones keyed with their labels)."""
+        text = httpx.get(self.base + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            m = re.match(r"^([^\s]+)\s+([-+0-9.eEinfNa]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def wait_metric(self, name: str, pred, timeout: float = 20.0) -> float:
+        t_end = time.time() + timeout
+        val = None
+        while time.time() < t_end:
+            val = self.metrics().get(name)
+            if val is not None and pred(val):
+                return val
+            time.sleep(0.2)
+        raise AssertionError(f"metric {name} = {val} did not reach the expected value in {timeout}s")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        self.terminate(30)
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+def error_of(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    return err
