@@ -220,9 +220,7 @@ def _merge_tool_messages(messages: list[dict]) -> list[dict]:
             blocks = [{"type": "text", "text": msg["content"]}]
             if merged and merged[-1]["role"] == "user" and "blocks" in merged[-1] \
                     and merged[-1].get("task") is None:
-                merged[-1]["blocks"].extend(blocks)
-                if msg.get("task") is not None:
-                    merged[-1]["task"] = msg["task"]
+                merged[-1]["blocks"].extend(blocks)  # (the reference drops a task set here too)
             else:
                 new = dict(msg)
                 new["blocks"] = blocks

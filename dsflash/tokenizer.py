@@ -15,7 +15,6 @@ from __future__ import annotations
 import codecs
 import json
 import os
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterable, Sequence
 
@@ -274,13 +273,6 @@ def partial_stop_len(text: str, stops: Sequence[str]) -> int:
                 best = k
                 break
     return best
-
-
-@dataclass
-class DetokOutput:
-    text: str           # newly releasable text
-    stopped: bool       # a stop string was found (text ends before it unless include_stop)
-    stop: str | None = None
 
 
 class IncrementalDetokenizer:

@@ -212,3 +212,13 @@ def test_token_ids_on_synthetic_tokenizer(tmp_path):
     assert ids.count(tok.user_id) == 2 and ids.count(tok.assistant_id) == 2 and ids.count(tok.eos_id) == 1
     assert ids[-2:] == [tok.assistant_id, tok.think_start_id]
     assert tok.decode(ids) == encode_chat(msgs, thinking=True)
+
+
+def test_latest_reminder_and_tasks():
+    msgs = [{"role": "user", "content": "q"}, {"role": "latest_reminder", "content": "today is Monday"}]
+    assert encode_chat(msgs) == f"{B}{U}q{A}{TE}<｜latest_reminder｜>today is Monday"
+    assert encode_chat([{"role": "user", "content": "q", "task": "query"}]) == f"{B}{U}q<｜query｜>"
+    assert encode_chat([{"role": "user", "content": "q", "task": "action"}]) == f"{B}{U}q{A}{TE}<｜action｜>"
+    # an assistant turn answering a task carries no reasoning, even in thinking mode
+    msgs = [{"role": "user", "content": "q", "task": "title"}, {"role": "assistant", "content": "Title"}]
+    assert encode_chat(msgs, thinking=True, reasoning_effort=60) == f"{B}{S}{effort(60)}{U}q<｜title｜>Title{E}"
