@@ -152,9 +152,15 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
     assert res["config"]["model"] == "fake-model"              # discovered via GET /models
     assert [p["concurrency"] for p in res["points"]] == [1, 2]
     assert (tmp_path / (sorted(tmp_path.glob("serve_*.json"))[0].stem + ".png")).exists()
-    # every request carried ignore_eos + max_tokens and asked for usage in the stream
+    # two 1-token probes calibrate server tokens per prompt word (the fake server: one per word)
+    probes = [b for b in fs.bodies if b["messages"][0]["content"].startswith("[probe ")]
+    assert len(probes) == 2 and all(b["max_tokens"] == 1 for b in probes)
+    assert res["config"]["tokens_per_word"] == pytest.approx(1.0)
+    # every other request carried ignore_eos + max_tokens and asked for usage in the stream
+    rest = [b for b in fs.bodies if b not in probes]
+    assert len(rest) == 2 * 4 + 1 + 2
     assert all(b["ignore_eos"] is True and b["stream"] is True and b["max_tokens"] == n_out
-               and b["stream_options"] == {"include_usage": True} for b in fs.bodies)
+               and b["stream_options"] == {"include_usage": True} for b in rest)
     for p in res["points"]:
         m = p["metrics"]
         c = p["concurrency"]
@@ -179,6 +185,8 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
         assert m["usd_per_million_output_tokens"] == pytest.approx(3.6 * 2 / 3600 / m["output_throughput"] * 1e6)
         assert m["good_completed"] == 4 and m["goodput"] == pytest.approx(m["request_throughput"])
         assert m["cached_input_tokens"] is not None      # server reported cached_tokens
+        assert p["prompt_tokens_vs_estimate"] == pytest.approx(1.0, abs=0.1)
+        assert m["mean_input_tokens"] == pytest.approx(64, abs=2)
 
 
 def test_failures_mark_run_invalid(fake_server, tmp_path):

@@ -268,3 +268,16 @@ def test_config_validation():
         AgentXConfig(max_context_tokens=100).validate()
     with pytest.raises(ValueError):
         FixedConfig(range_ratio=1.0).validate()
+
+
+def test_tokens_per_word_calibration_scales_word_counts():
+    # a server tokenizer that makes 2 tokens of every word: half the words for the same token lengths
+    wl = FixedWorkload(FixedConfig(input_len=200, output_len=8), seed=0, endpoint="completions", tokens_per_word=2.0)
+    s = wl.request(0, 0)
+    assert len(s.prompt.split()) == 100 and s.est_prompt_tokens == 200 and s.max_tokens == 8
+    ax1 = AgentXWorkload(small_agentx(), seed=0)
+    ax2 = AgentXWorkload(small_agentx(), seed=0, tokens_per_word=2.0)
+    assert len(ax2.system_text.split()) == len(ax1.system_text.split()) // 2
+    assert ax2.plan(0, 0) == ax1.plan(0, 0)            # plans stay in tokens
+    first = [s for s, _ in drive(ax2, limit=2).sent][1]
+    assert abs(first.est_prompt_tokens - [s for s, _ in drive(ax1, limit=2).sent][1].est_prompt_tokens) < 40

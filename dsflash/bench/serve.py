@@ -34,7 +34,7 @@ from typing import Optional
 from dsflash.bench.serve_metrics import (
     DEFAULT_PERCENTILES, RequestRecord, compute_metrics, format_summary, parse_slos)
 from dsflash.bench.workloads import (
-    AgentXConfig, AgentXWorkload, FixedConfig, FixedWorkload, RequestSpec, StopLane)
+    AgentXConfig, AgentXWorkload, FixedConfig, FixedWorkload, RequestSpec, StopLane, tokenish)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _OVERFLOW_RE = re.compile(r"context length|context window|maximum context|max_model_len|too long|"
@@ -85,7 +85,8 @@ class StreamingClient:
     async def run(self, spec: RequestSpec, request_id: str) -> RequestRecord:
         url, body = self.payload(spec)
         rec = RequestRecord(request_id=request_id, lane=spec.lane, session_id=spec.session_id, kind=spec.kind,
-                            warmup=spec.warmup, max_tokens=spec.max_tokens, prompt_tokens=spec.est_prompt_tokens)
+                            warmup=spec.warmup, max_tokens=spec.max_tokens, prompt_tokens=spec.est_prompt_tokens,
+                            est_prompt_tokens=spec.est_prompt_tokens)
         texts: list[str] = []
         st = time.perf_counter()
         rec.start_time = st
@@ -391,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-format", choices=("text", "token-ids"), default="text",
                    help="fixed: token-ids sends random ids (exact lengths; --endpoint completions)")
     g.add_argument("--vocab-size", type=int, default=1000, help="fixed + token-ids: ids drawn from [10, V)")
+    g.add_argument("--tokens-per-word", type=float, default=None,
+                   help="server tokens per prompt word; default: measured with two 1-token probe requests "
+                        "before the run (so token lengths are the server's), 1.0 if the server reports no usage")
     d = AgentXConfig()
     for f in dataclasses.fields(AgentXConfig):
         if f.name in ("warmup_requests",):
@@ -426,14 +430,43 @@ def _agentx_config(args) -> AgentXConfig:
     return AgentXConfig(**kw)
 
 
-def make_workload(args, nonce: str):
+def make_workload(args, nonce: str, tokens_per_word: float = 1.0):
     if args.workload == "fixed":
         cfg = FixedConfig(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                           prefix_len=args.prefix_len, prompt_format=args.prompt_format, vocab_size=args.vocab_size,
                           warmup_requests=1 if args.warmup_requests is None else args.warmup_requests)
-        return FixedWorkload(cfg, seed=args.seed, nonce=nonce, endpoint=args.endpoint), dataclasses.asdict(cfg)
+        return (FixedWorkload(cfg, seed=args.seed, nonce=nonce, endpoint=args.endpoint,
+                              tokens_per_word=tokens_per_word), dataclasses.asdict(cfg))
+    if args.endpoint != "chat":
+        raise ValueError("the agentx workload needs --endpoint chat")
     cfg = _agentx_config(args)
-    return AgentXWorkload(cfg, seed=args.seed, nonce=nonce), dataclasses.asdict(cfg)
+    return AgentXWorkload(cfg, seed=args.seed, nonce=nonce, tokens_per_word=tokens_per_word), dataclasses.asdict(cfg)
+
+
+PROBE_WORDS = (32, 128)
+
+
+async def calibrate_tokens_per_word(client: "StreamingClient", nonce: str) -> tuple[float, str]:
+    """Server tokens per token-ish word, from the usage of two 1-token requests of different
+    lengths (the difference cancels the chat template's fixed overhead). Returns (1.0, reason)
+    when the server does not report usage or a probe fails."""
+    import numpy as np
+    counts = []
+    for i, n in enumerate(PROBE_WORDS):
+        text = f"[probe {nonce}-{i}] " + tokenish(np.random.default_rng(1000 + i), n)
+        spec = RequestSpec(max_tokens=1, kind="probe", warmup=True,
+                           **({"messages": [{"role": "user", "content": text}]} if client.endpoint == "chat"
+                              else {"prompt": text}))
+        rec = await client.run(spec, request_id=f"probe-{i}")
+        if not rec.success:
+            return 1.0, f"probe request failed ({rec.error}); assuming 1 token per word"
+        if not rec.prompt_tokens_from_server:
+            return 1.0, "the server reports no usage.prompt_tokens; assuming 1 token per word"
+        counts.append(rec.prompt_tokens)
+    tpw = (counts[1] - counts[0]) / (PROBE_WORDS[1] - PROBE_WORDS[0])
+    if not tpw > 0:
+        return 1.0, f"probe token counts {counts} make no sense; assuming 1 token per word"
+    return tpw, f"measured {tpw:.3f} server tokens per prompt word (probes: {counts} tokens)"
 
 
 def git_commit() -> dict:
@@ -499,6 +532,17 @@ async def run_benchmark(args) -> dict:
     model = args.model or await _discover_model(args.base_url, args.api_key, min(args.request_timeout, 30.0))
     base_nonce = args.nonce or uuid.uuid4().hex[:8]
     _, wl_config = make_workload(args, base_nonce)   # validates the workload flags before any load
+    tpw, tpw_note = args.tokens_per_word, "given by --tokens-per-word"
+    if tpw is None and args.prompt_format == "text":
+        probe = StreamingClient(args.base_url, model, api_key=args.api_key, endpoint=args.endpoint,
+                                temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
+                                request_timeout=args.request_timeout)
+        try:
+            tpw, tpw_note = await calibrate_tokens_per_word(probe, base_nonce)
+        finally:
+            await probe.aclose()
+        print(f"bench serve: {tpw_note}")
+    tpw = tpw or 1.0
     fanout = args.agentx_max_fanout if args.workload == "agentx" else 0
     label = args.label or args.workload
     result: dict = {
@@ -513,7 +557,7 @@ async def run_benchmark(args) -> dict:
             "num_requests": args.num_requests, "duration": args.duration, "seed": args.seed, "nonce": base_nonce,
             "temperature": args.temperature, "ignore_eos": args.ignore_eos, "extra_body": extra,
             "num_gpus": args.num_gpus, "gpu_hour_usd": args.gpu_hour_usd, "slos_ms": {k: v * 1e3 for k, v in slos.items()},
-            "percentiles": percentiles,
+            "percentiles": percentiles, "tokens_per_word": tpw, "tokens_per_word_note": tpw_note,
         },
         "points": [],
     }
@@ -523,7 +567,7 @@ async def run_benchmark(args) -> dict:
         reps = []
         for rep in range(args.repeats):
             nonce = f"{base_nonce}c{conc}r{rep}"        # fresh cache-busting markers per point
-            workload, _ = make_workload(args, nonce)
+            workload, _ = make_workload(args, nonce, tpw)
             budget = args.num_requests
             if budget is None and args.duration is None:
                 budget = 10 * conc
@@ -553,6 +597,7 @@ async def run_benchmark(args) -> dict:
                 "requests_by_kind": _count(r.kind for r in measured),
                 "output_len_mismatch": sum(1 for r in measured if r.success and args.ignore_eos
                                            and r.output_tokens != r.max_tokens),
+                "prompt_tokens_vs_estimate": _ratio([r for r in measured if r.success and r.prompt_tokens_from_server]),
             }
             if args.save_requests:
                 entry["requests"] = [dict(r.to_json(), start_time=r.start_time - out["window_start"],
@@ -564,6 +609,11 @@ async def run_benchmark(args) -> dict:
         result.setdefault("summary", []).append({"concurrency": conc, **_summarise(reps)})
     result["valid"] = all(s["valid"] for s in result["summary"])
     return result
+
+
+def _ratio(recs) -> Optional[float]:
+    est = sum(r.est_prompt_tokens for r in recs)
+    return sum(r.prompt_tokens for r in recs) / est if est else None
 
 
 def _count(it) -> dict:

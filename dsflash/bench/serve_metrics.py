@@ -49,6 +49,7 @@ class RequestRecord:
     latency: float = 0.0                  # E2EL: send -> last content chunk
     prompt_tokens: int = 0                # server usage if reported, else the client's estimate
     prompt_tokens_from_server: bool = False
+    est_prompt_tokens: int = 0            # the client's estimate (diagnostic)
     cached_tokens: Optional[int] = None   # usage.prompt_tokens_details.cached_tokens, if reported
     output_tokens: int = 0                # server usage if reported, else the number of content chunks
     output_tokens_from_server: bool = False

@@ -58,9 +58,15 @@ def tokenish(rng: np.random.Generator, n: int) -> str:
     return " ".join(WORDS[i] for i in idx)
 
 
-def estimate_tokens(text: str) -> int:
-    """Client-side estimate: one token per whitespace-separated word (exact for ``tokenish`` text)."""
-    return len(text.split())
+def estimate_tokens(text: str, tokens_per_word: float = 1.0) -> int:
+    """Client-side estimate: ``tokens_per_word`` tokens per whitespace-separated word (1.0 unless
+    calibrated against the server, see ``bench serve --tokens-per-word``)."""
+    return int(round(len(text.split()) * tokens_per_word))
+
+
+def words_for(n_tokens: int, tokens_per_word: float = 1.0) -> int:
+    """How many token-ish words make about ``n_tokens`` tokens."""
+    return max(int(round(n_tokens / tokens_per_word)), 1) if n_tokens > 0 else 0
 
 
 # per chat message, templates add a few tokens (role markers); an estimate only
@@ -158,11 +164,15 @@ class FixedWorkload:
     (apart from the deliberate ``prefix_len`` shared prefix)."""
     name = "fixed"
 
-    def __init__(self, cfg: FixedConfig, seed: int = 0, nonce: str = "0", endpoint: str = "chat"):
+    def __init__(self, cfg: FixedConfig, seed: int = 0, nonce: str = "0", endpoint: str = "chat",
+                 tokens_per_word: float = 1.0):
         cfg.validate()
         if cfg.prompt_format == "token-ids" and endpoint != "completions":
             raise ValueError("token-id prompts need the completions endpoint")
+        if not tokens_per_word > 0:
+            raise ValueError("tokens_per_word must be > 0")
         self.cfg, self.seed, self.nonce, self.endpoint = cfg, seed, nonce, endpoint
+        self.tpw = tokens_per_word
         self._n = _nonce_int(nonce)
         r = _rng(seed, 7, self._n)
         if cfg.prompt_format == "token-ids":
@@ -170,7 +180,7 @@ class FixedWorkload:
             self.prefix_text = ""
         else:
             self.prefix_ids = []
-            self.prefix_text = tokenish(r, cfg.prefix_len)
+            self.prefix_text = tokenish(r, words_for(cfg.prefix_len, self.tpw))
 
     def lengths(self, lane: int, index: int) -> tuple[int, int]:
         c = self.cfg
@@ -191,8 +201,8 @@ class FixedWorkload:
             ids = self.prefix_ids + [int(x) for x in r.integers(10, c.vocab_size, size=body_len)]
             return RequestSpec(max_tokens=n_out, prompt=ids, est_prompt_tokens=len(ids), lane=lane,
                                session_id=sid, turn=index, warmup=warmup)
-        text = (self.prefix_text + " " if self.prefix_text else "") + tokenish(r, body_len)
-        est = estimate_tokens(text)
+        text = (self.prefix_text + " " if self.prefix_text else "") + tokenish(r, words_for(body_len, self.tpw))
+        est = estimate_tokens(text, self.tpw)
         if self.endpoint == "chat":
             return RequestSpec(max_tokens=n_out, messages=[{"role": "user", "content": text}],
                                est_prompt_tokens=est + CHAT_MESSAGE_OVERHEAD, lane=lane, session_id=sid,
@@ -292,13 +302,14 @@ class SessionPlan:
 
 
 class _Conversation:
-    def __init__(self, system: str):
+    def __init__(self, system: str, tpw: float):
+        self.tpw = tpw
         self.messages: list[dict] = [{"role": "system", "content": system}]
-        self.est = estimate_tokens(system) + CHAT_MESSAGE_OVERHEAD
+        self.est = estimate_tokens(system, tpw) + CHAT_MESSAGE_OVERHEAD
 
     def add(self, role: str, content: str) -> None:
         self.messages.append({"role": role, "content": content})
-        self.est += estimate_tokens(content) + CHAT_MESSAGE_OVERHEAD
+        self.est += estimate_tokens(content, self.tpw) + CHAT_MESSAGE_OVERHEAD
 
     def snapshot(self) -> list[dict]:
         return [dict(m) for m in self.messages]
@@ -307,12 +318,14 @@ class _Conversation:
 class AgentXWorkload:
     name = "agentx"
 
-    def __init__(self, cfg: AgentXConfig, seed: int = 0, nonce: str = "0"):
+    def __init__(self, cfg: AgentXConfig, seed: int = 0, nonce: str = "0", tokens_per_word: float = 1.0):
         cfg.validate()
-        self.cfg, self.seed, self.nonce = cfg, seed, nonce
+        if not tokens_per_word > 0:
+            raise ValueError("tokens_per_word must be > 0")
+        self.cfg, self.seed, self.nonce, self.tpw = cfg, seed, nonce, tokens_per_word
         # the system prompt text is the same for every session (real agents share it); the
         # per-replay marker in front of it is what keeps sessions from sharing cached prefixes
-        self.system_text = tokenish(_rng(seed, 11), cfg.scaled(cfg.system_tokens))
+        self.system_text = tokenish(_rng(seed, 11), words_for(cfg.scaled(cfg.system_tokens), tokens_per_word))
 
     # -- planning (pure, seeded) ---------------------------------------------------------------
     def _think(self, r: np.random.Generator) -> float:
@@ -363,7 +376,7 @@ class AgentXWorkload:
         return int(_rng(self.seed, 5, plan.lane).integers(lo, hi + 1)) if n > 1 else 0
 
     def _text(self, lane: int, replay: int, *key: int, n: int) -> str:
-        return tokenish(_rng(self.seed, 4, lane, replay, *key), n)
+        return tokenish(_rng(self.seed, 4, lane, replay, *key), words_for(n, self.tpw))
 
     # -- driving -------------------------------------------------------------------------------
     async def run_lane(self, ctx: LaneContext) -> None:
@@ -385,7 +398,7 @@ class AgentXWorkload:
         c, lane, replay = self.cfg, plan.lane, plan.replay
         sid = f"s{lane}.{replay}"
         system = cache_bust_marker(self.nonce, lane, replay) + " " + self.system_text
-        conv = _Conversation(system)
+        conv = _Conversation(system, self.tpw)
         pending_results = ""
         # history before the warm-up start point is synthetic (it was "recorded", not generated)
         for t, turn in enumerate(plan.turns[:start]):
@@ -421,7 +434,7 @@ class AgentXWorkload:
 
     async def _run_subagent(self, ctx: LaneContext, system: str, sid: str, lane: int, replay: int, t: int,
                             i: int, sub: SubagentPlan, warm: bool) -> None:
-        conv = _Conversation(system)
+        conv = _Conversation(system, self.tpw)
         for j, turn in enumerate(sub.turns):
             if j:
                 await ctx.think(turn.think_s)
