@@ -1,0 +1,373 @@
+"""Triton (jax-triton) routed-expert grouped GEMM with MXFP4 weights dequantised in-kernel.
+
+Same signature and contract as ``moe_gemm.routed_moe_reference``; see that module for the numerics.
+
+How it works
+------------
+* JAX side (cheap, O(T k)): activations take the FP8 E4M3 per-32 quantisation of the reference
+  (``quant.fp8_quant``: codes + pow2 scales, bit-identical to the reference round trip); the T*k token
+  slots are sorted by expert (stable) and cut into M-tiles of ``BM`` rows that never cross an expert
+  (tile table: expert, first row, end row; spare tiles carry expert -1 and exit at once).
+* Kernel 1 ``_moe_up_kernel`` (fused gate/up): per (M-tile, N-block of I) it reads the gathered FP8 token
+  rows and the MXFP4 W1 and W3 rows of that expert, 32 K-elements at a time. An E2M1 nibble maps
+  exactly onto an E4M3 byte worth value * 2^-6 (sign to bit 7, the 3 magnitude bits to bits 2-4;
+  subnormal 0.5 included), so the weights go to the FP8 tensor cores without any float math; each
+  32-wide K block's partial product is scaled by act_scale * weight_scale * 2^6 (all powers of two,
+  exact) and accumulated in fp32. Epilogue: clamp, SiLU, routing weight before W2, bf16 rounding,
+  FP8 E4M3 per-32 quantisation of h (codes + pow2 scales) -- the reference's round trip, fused.
+* Kernel 2 ``_moe_down_kernel``: h (sorted rows, FP8) times MXFP4 W2 the same way, bf16 rounding,
+  rows stored back at their unsorted slot; the k slots of a token are summed in fp32 by XLA.
+* ``precision="bf16"`` (clearly a variant, not the released numerics): no FP8 activation round trips;
+  bf16 activations, weights decoded E2M1 -> E4M3 -> bf16 in-kernel, bf16 tensor cores, h stored bf16.
+  ``precision="fp32"`` is not offered by the kernel (use the reference).
+* Nibble decoding: ``DECODE="asm"`` (default on GPU) decodes 8 nibbles per 32-bit register with four
+  shifts/ands (inline PTX); ``DECODE="tl"`` is the same in plain Triton ops (also runs in Triton's
+  interpreter).
+Two configs: decode (few rows per expert: BM=16, weight-streaming) and prefill (BM=128); ``config``
+picks one by rows per expert unless given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from dsflash.model import quant
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    BM: int = 16          # token rows per tile (never crosses an expert)
+    BN_UP: int = 64       # columns of I per program in the gate/up kernel (multiple of 32)
+    BN_DOWN: int = 64     # columns of d per program in the down kernel
+    KSUB: int = 4         # 32-wide K blocks per loop iteration
+    warps_up: int = 4
+    warps_down: int = 4
+    stages: int = 4
+    decode: str = "asm"   # "asm" | "tl"
+
+
+DECODE_CONFIG = MoeConfig()
+PREFILL_CONFIG = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
+
+
+def pick_config(rows: int, experts: int) -> MoeConfig:
+    return DECODE_CONFIG if rows <= 32 * experts else PREFILL_CONFIG
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _e2m1_to_e4m3_tl(p):
+    """uint8 [R, C] nibble pairs -> float8e4nv [R, 2C] worth E2M1 * 2^-6 (low nibble first)."""
+    v = p.to(tl.int32)
+    lo = v & 0xF
+    hi = (v >> 4) & 0xF
+    blo = ((lo & 8) << 4) | ((lo & 7) << 2)
+    bhi = ((hi & 8) << 4) | ((hi & 7) << 2)
+    b = tl.join(blo, bhi)                                   # [R, C, 2]
+    b = tl.reshape(b, (p.shape[0], 2 * p.shape[1]))
+    return b.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _e2m1_to_e4m3_asm(p):
+    lo, hi = tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t0, t1;
+        shl.b32 t0, $2, 4;
+        and.b32 t0, t0, 0x80808080;
+        shl.b32 t1, $2, 2;
+        and.b32 t1, t1, 0x1C1C1C1C;
+        or.b32 $0, t0, t1;
+        and.b32 t0, $2, 0x80808080;
+        shr.b32 t1, $2, 2;
+        and.b32 t1, t1, 0x1C1C1C1C;
+        or.b32 $1, t0, t1;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[p],
+        dtype=(tl.uint8, tl.uint8),
+        is_pure=True,
+        pack=4,
+    )
+    b = tl.join(lo, hi)
+    b = tl.reshape(b, (p.shape[0], 2 * p.shape[1]))
+    return b.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp8_to_bf16(w, DECODE: tl.constexpr):
+    if DECODE == "asm":
+        return w.to(tl.bfloat16)
+    return w.to(tl.float32).to(tl.bfloat16)   # Triton's interpreter mis-converts fp8 -> bf16 directly
+
+
+@triton.jit
+def _dot_bf16(a, b, DECODE: tl.constexpr):
+    if DECODE == "asm":
+        return tl.dot(a, b)
+    # "tl" mode exists for Triton's interpreter, whose bf16 dot is wrong: bf16 products are exact in fp32,
+    # so an IEEE fp32 dot of the same values is the same math.
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _e8m0_to_f32(s):
+    """UE8M0 bytes -> 2^(s-127) as fp32 (normal range; 0 and 255 never appear in real scales)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_w_block(w_base, s_base, offs_n, kb, KPACK: tl.constexpr, KSC: tl.constexpr, DECODE: tl.constexpr):
+    """One 32-wide K block of an expert's [N, K] MXFP4 matrix: (float8 [BN, 32] worth value*2^-6, scale [BN])."""
+    p = tl.load(w_base + offs_n[:, None] * KPACK + kb * 16 + tl.arange(0, 16)[None, :])
+    s = tl.load(s_base + offs_n * KSC + kb)
+    if DECODE == "asm":
+        w = _e2m1_to_e4m3_asm(p)
+    else:
+        w = _e2m1_to_e4m3_tl(p)
+    return w, _e8m0_to_f32(s) * 64.0
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> nearest bf16 value (ties to even) as fp32, in integer arithmetic: the same as the hardware
+    conversion for finite values, and also right in Triton's interpreter (whose fp32->bf16 cast truncates)."""
+    b = v.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round fp32 (|v| <= 448) to the E4M3 grid, ties to even, in fp32 arithmetic (so the final conversion is
+    exact whatever rounding the conversion instruction uses): add and subtract 2^(E+20), whose fp32 ulp is the
+    E4M3 ulp 2^(E-3) of the binade E = max(floor(log2|v|), -6) (fixed 2^-9 in the subnormal range)."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _fp8_quant_store(h, q_ptr, s_ptr, rows, rmask, offs_n, n0, NCOLS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr):
+    """FP8 E4M3 per-32 quantisation of h (fp32 holding bf16 values) exactly as quant.fp8_quant, then store
+    codes [rows, offs_n] and pow2 scales [rows, n0/32 + j]."""
+    NB: tl.constexpr = BN // 32
+    h3 = tl.reshape(h, (BM, NB, 32))
+    amax = tl.max(tl.abs(h3), axis=2)                                   # [BM, NB]
+    y = tl.maximum(amax, 1e-4) * (1.0 / 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)            # ceil(log2 y) + 127
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)               # exact 1/s
+    q = tl.minimum(tl.maximum(h3 * inv[:, :, None], -448.0), 448.0)
+    q = tl.reshape(_round_e4m3(q), (BM, BN)).to(tl.float8e4nv)   # exact: q is already on the E4M3 grid
+    tl.store(q_ptr + rows[:, None] * NCOLS + offs_n[None, :], q, mask=rmask[:, None])
+    offs_b = n0 // 32 + tl.arange(0, NB)
+    tl.store(s_ptr + rows[:, None] * (NCOLS // 32) + offs_b[None, :], s, mask=rmask[:, None])
+
+
+@triton.jit
+def _moe_up_kernel(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                   w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                   hq_ptr, hs_ptr,
+                   D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, KSUB: tl.constexpr,
+                   ACT_FP8: tl.constexpr, DECODE: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = D // 2
+    KSC: tl.constexpr = D // 32
+    e64 = e.to(tl.int64)
+    w1b = w1_ptr + e64 * (I * KPACK)
+    w3b = w3_ptr + e64 * (I * KPACK)
+    s1b = s1_ptr + e64 * (I * KSC)
+    s3b = s3_ptr + e64 * (I * KSC)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for kk in tl.range(0, KSC, KSUB):
+        for j in tl.static_range(KSUB):
+            kb = kk + j
+            xa = tl.load(xq_ptr + tok[:, None] * D + kb * 32 + tl.arange(0, 32)[None, :])
+            wg, sg = _load_w_block(w1b, s1b, offs_n, kb, KPACK, KSC, DECODE)
+            wu, su = _load_w_block(w3b, s3b, offs_n, kb, KPACK, KSC, DECODE)
+            if ACT_FP8:
+                sx = tl.load(xs_ptr + tok * KSC + kb)
+                dg = tl.dot(xa, tl.trans(wg))
+                du = tl.dot(xa, tl.trans(wu))
+                acc_g += dg * (sx[:, None] * sg[None, :])
+                acc_u += du * (sx[:, None] * su[None, :])
+            else:
+                dg = _dot_bf16(xa, tl.trans(_fp8_to_bf16(wg, DECODE)), DECODE)
+                du = _dot_bf16(xa, tl.trans(_fp8_to_bf16(wu, DECODE)), DECODE)
+                acc_g += dg * sg[None, :]
+                acc_u += du * su[None, :]
+    g = tl.minimum(acc_g, LIMIT)
+    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+    hb = _round_bf16(h)
+    if ACT_FP8:
+        _fp8_quant_store(hb, hq_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN)
+    else:
+        tl.store(hq_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _moe_down_kernel(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                     w2_ptr, s2_ptr,
+                     o_ptr,
+                     D: tl.constexpr, I: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, KSUB: tl.constexpr,
+                     ACT_FP8: tl.constexpr, DECODE: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = I // 2
+    KSC: tl.constexpr = I // 32
+    e64 = e.to(tl.int64)
+    w2b = w2_ptr + e64 * (D * KPACK)
+    s2b = s2_ptr + e64 * (D * KSC)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for kk in tl.range(0, KSC, KSUB):
+        for j in tl.static_range(KSUB):
+            kb = kk + j
+            ha = tl.load(hq_ptr + rows_c[:, None] * I + kb * 32 + tl.arange(0, 32)[None, :])
+            w, sw = _load_w_block(w2b, s2b, offs_n, kb, KPACK, KSC, DECODE)
+            if ACT_FP8:
+                sh = tl.load(hs_ptr + rows_c * KSC + kb)
+                acc += tl.dot(ha, tl.trans(w)) * (sh[:, None] * sw[None, :])
+            else:
+                acc += _dot_bf16(ha, tl.trans(_fp8_to_bf16(w, DECODE)), DECODE) * sw[None, :]
+    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+
+
+# ------------------------------------------------------------------------------------------ JAX side
+def tile_schedule(idx, E: int, BM: int):
+    """Sort the T*k slots by expert (stable) and cut them into M-tiles that never cross an expert.
+
+    Returns (order, tile_e, tile_start, tile_end): order [S] slot ids in sorted order; per tile the expert
+    (-1 for spare tiles), first sorted row, and the end row of that expert's run."""
+    flat_e = idx.reshape(-1).astype(jnp.int32)
+    S = flat_e.shape[0]
+    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+    gs = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    offs = jnp.cumsum(gs) - gs
+    ntile = (gs + BM - 1) // BM
+    tcum = jnp.cumsum(ntile)
+    TM = num_tiles(S, E, BM)
+    t = jnp.arange(TM, dtype=jnp.int32)
+    e_of_t = jnp.searchsorted(tcum, t, side="right").astype(jnp.int32)
+    valid = e_of_t < E
+    ec = jnp.minimum(e_of_t, E - 1)
+    local = t - (tcum[ec] - ntile[ec])
+    tile_start = offs[ec] + local * BM
+    tile_end = offs[ec] + gs[ec]
+    tile_e = jnp.where(valid, ec, -1).astype(jnp.int32)
+    return order, tile_e, tile_start.astype(jnp.int32), tile_end.astype(jnp.int32)
+
+
+def num_tiles(S: int, E: int, BM: int) -> int:
+    return S // BM + min(E, S)
+
+
+def prepare(x, idx, weight, *, E, BM, act_fp8):
+    """Everything the kernels read besides the weights (pure JAX)."""
+    T, d = x.shape
+    k = idx.shape[1]
+    order, tile_e, tile_s, tile_end = tile_schedule(idx, E, BM)
+    tok = order // k
+    rw = weight.reshape(-1).astype(jnp.float32)[order]
+    xb = x.astype(jnp.bfloat16)
+    if act_fp8:
+        xq, xs = quant.fp8_quant(xb, 32)
+    else:
+        xq, xs = xb, jnp.zeros((T, d // 32), jnp.float32)
+    return dict(xq=xq, xs=xs, tok=tok, rw=rw, order=order, tile_e=tile_e, tile_s=tile_s, tile_end=tile_end)
+
+
+def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
+    T, d = x.shape
+    E, I, dh = w1.shape
+    assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
+    assert s1.shape == (E, I, d // 32) and s3.shape == s1.shape and s2.shape == (E, d, I // 32)
+    for n, b in (("I", cfg.BN_UP), ("d", cfg.BN_DOWN)):
+        size = I if n == "I" else d
+        if size % b or b % 32:
+            raise ValueError(f"{n}={size} must be a multiple of the block {b} (itself a multiple of 32)")
+    if (d // 32) % cfg.KSUB or (I // 32) % cfg.KSUB:
+        raise ValueError(f"KSUB={cfg.KSUB} must divide d/32={d // 32} and I/32={I // 32}")
+
+
+def _as_u8(a):
+    return jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.int8 else a
+
+
+def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference",
+                      config: MoeConfig | None = None, return_intermediates=False):
+    import jax_triton as jt  # lazy: GPU only
+
+    if precision not in ("reference", "bf16"):
+        raise NotImplementedError(f"the Triton MoE GEMM implements precision 'reference' (FP8 activations) and "
+                                  f"'bf16'; got {precision!r} (use backend='xla')")
+    act_fp8 = precision == "reference"
+    T, d = x.shape
+    k = idx.shape[1]
+    E, I, _ = w1.shape
+    S = T * k
+    cfg = config or pick_config(S, E)
+    _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg)
+    p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
+    TM = num_tiles(S, E, cfg.BM)
+    w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)
+    hdt = jnp.float8_e4m3fn if act_fp8 else jnp.bfloat16
+    hq, hs = jt.triton_call(
+        p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,
+        kernel=_moe_up_kernel,
+        out_shape=(jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32)),
+        grid=(TM, I // cfg.BN_UP), num_warps=cfg.warps_up, num_stages=cfg.stages,
+        D=d, I=I, LIMIT=float(limit), BM=cfg.BM, BN=cfg.BN_UP, KSUB=cfg.KSUB, ACT_FP8=act_fp8,
+        DECODE=cfg.decode)
+    o = jt.triton_call(
+        hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2,
+        kernel=_moe_down_kernel,
+        out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+        grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
+        D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, KSUB=cfg.KSUB, ACT_FP8=act_fp8, DECODE=cfg.decode)
+    out = jnp.sum(o.reshape(T, k, d).astype(jnp.float32), axis=1)
+    if return_intermediates:
+        return out, dict(p, hq=hq, hs=hs, o=o)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def jitted(limit, precision="reference", config: MoeConfig | None = None):
+    return jax.jit(functools.partial(routed_moe_triton, limit=limit, precision=precision, config=config))
