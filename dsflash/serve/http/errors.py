@@ -60,6 +60,9 @@ def value_error_to_api(e: Exception, default_param: Optional[str] = None, rename
     return APIError(400, msg, param=param, code=code)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+
+
 def _loc_to_param(loc) -> Optional[str]:
     parts = [p for p in loc if p != "body"]
     # drop the tagged-union member names pydantic inserts (e.g. 'str', 'list[int]', 'function-after[...]')
@@ -67,7 +70,8 @@ def _loc_to_param(loc) -> Optional[str]:
     for p in parts:
         if isinstance(p, int):
             out.append(f"[{p}]")
-        elif isinstance(p, str) and (p[:1].islower() or p[:1] == "_") and not any(c in p for c in "[]-,"):
+        elif isinstance(p, str) and p not in _UNION_TAGS and (p[:1].islower() or p[:1] == "_") \
+                and not any(c in p for c in "[]-,"):
             out.append(("." if out else "") + p)
     s = "".join(out)
     return s or None

@@ -1,0 +1,242 @@
+"""Unit-level server tests (no server process): tool-call parsing of known model outputs into OpenAI
+``tool_calls`` (whole and streamed), request-field mapping, error bodies, and the AsyncEngine's
+threading contract (one engine thread, batching, abort, bad input, engine failure)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from dsflash.serve.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError
+from dsflash.serve.http import chat_io
+from dsflash.serve.http.errors import validation_error_to_api, value_error_to_api
+from dsflash.serve.http.protocol import ChatCompletionRequest, CompletionRequest
+from dsflash.serve.types import CompletionOutput, RequestOutput, SamplingParams
+
+D = "｜DSML｜"
+WEATHER_CALL = (f'Let me check.\n\n<{D} calls>\n<{D} invoke name="get_weather">\n'
+                f'<{D} parameter name="city" string="true">Paris</{D} parameter>\n'
+                f'<{D} parameter name="days" string="false">3</{D} parameter>\n</{D} invoke>\n'
+                f'<{D} invoke name="get_time">\n</{D} invoke>\n</{D} calls>')
+
+
+# ---------------------------------------------------------------------------------------------- tool calls
+def test_parse_full_tool_calls():
+    msg = chat_io.parse_full(WEATHER_CALL, thinking=False, parse_tools=True)
+    assert msg["content"] == "Let me check."
+    calls = msg["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_parse_full_thinking_and_plain():
+    msg = chat_io.parse_full("I should greet.</think>Hello!", thinking=True, parse_tools=False)
+    assert msg == {"role": "assistant", "content": "Hello!", "reasoning_content": "I should greet."}
+    # no thinking, no tools: the text is the content, untouched
+    assert chat_io.parse_full("a </think> b", thinking=False, parse_tools=False)["content"] == "a </think> b"
+    msg = chat_io.parse_full("hmm</think>" + WEATHER_CALL, thinking=True, parse_tools=True)
+    assert msg["reasoning_content"] == "hmm" and len(msg["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_streamed_tool_calls_match_whole(piece):
+    text = "thinking...</think>" + WEATHER_CALL
+    st = chat_io.ChatStreamer(thinking=True, parse_tools=True)
+    deltas = []
+    for i in range(0, len(text), piece):
+        deltas += st.feed(text[i:i + piece])
+    deltas += st.finish()
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            c = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+            if tc.get("id"):
+                c["id"] = tc["id"]
+            fn = tc.get("function", {})
+            if fn.get("name"):
+                c["name"] = fn["name"]
+            c["arguments"] += fn.get("arguments", "")
+    assert reasoning == "thinking..." and content == "Let me check."
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
+    assert all(c["id"] for c in calls.values())
+    assert st.n_tool_calls == 2
+    # no partial DSML tag ever leaked into content
+    assert all("｜DSML" not in d.get("content", "") and "<" not in d.get("content", "") for d in deltas)
+
+
+def test_tool_request_mapping():
+    req = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+                  {"type": "function", "function": {"name": "g"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}})
+    tools, parse = chat_io.select_tools(req)
+    assert parse and [t["function"]["name"] for t in tools] == ["g"]
+    msgs = chat_io.to_chat_messages(req.messages)
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{\"x\": 1}"}
+    assert msgs[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+    from dsflash.chat import encode_chat
+    prompt = encode_chat(msgs, tools=tools)
+    assert "<tool_result>42</tool_result>" in prompt and f'<{D} invoke name="f">' in prompt
+    none = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                 "tools": req.model_dump()["tools"], "tool_choice": "none"})
+    assert chat_io.select_tools(none) == (None, False)
+
+
+def test_thinking_resolution():
+    def r(**kw):
+        return chat_io.resolve_thinking(ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], **kw}))
+    assert r() == (False, None)
+    assert r(reasoning_effort="high") == (True, "high")
+    assert r(reasoning_effort="medium") == (True, "high")
+    assert r(reasoning_effort="minimal") == (True, "low")
+    assert r(reasoning_effort=90) == (True, 90)
+    assert r(reasoning_effort="none") == (False, None)
+    assert r(thinking={"type": "enabled"}) == (True, None)
+    assert r(chat_template_kwargs={"thinking": True}) == (True, None)
+    assert r(thinking=False, reasoning_effort="max") == (False, None)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_error_mapping_names_fields():
+    from pydantic import ValidationError
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": "many"})
+    e = validation_error_to_api(ei.value.errors())
+    assert (e.status, e.param) == (400, "max_tokens") and "max_tokens" in e.message
+    with pytest.raises(ValidationError) as ei:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": 5}]})
+    assert validation_error_to_api(ei.value.errors()).param == "messages[0].content"
+    e = value_error_to_api(ValueError("SamplingParams.top_p: must be in (0, 1], got 0"))
+    assert e.param == "top_p" and e.message.startswith("top_p:")
+    e = value_error_to_api(ValueError("prompt: 900 tokens leave no room for output (max_model_len=512)"))
+    assert e.param == "prompt" and e.code == "context_length_exceeded"
+
+
+# ---------------------------------------------------------------------------------------------- AsyncEngine
+class FakeEngine:
+    """Records which thread calls it and how many requests each step advances."""
+
+    def __init__(self, tokens_per_request=5, fail_step_at=None):
+        self.tokenizer, self.model_name, self.max_model_len = None, "fake", 64
+        self.reqs: dict[str, list] = {}
+        self.threads: set[str] = set()
+        self.batch_sizes: list[int] = []
+        self.aborted: list[str] = []
+        self.n = tokens_per_request
+        self.fail_step_at = fail_step_at
+        self.steps = 0
+
+    def _t(self):
+        self.threads.add(threading.current_thread().name)
+
+    def add_request(self, rid, prompt, params, arrival_time=None):
+        self._t()
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        self.reqs[rid] = []
+
+    def abort_request(self, rid):
+        self._t()
+        if self.reqs.pop(rid, None) is not None:
+            self.aborted.append(rid)
+
+    def has_unfinished_requests(self):
+        self._t()
+        return bool(self.reqs)
+
+    def step(self):
+        self._t()
+        self.steps += 1
+        if self.fail_step_at is not None and self.steps >= self.fail_step_at:
+            raise RuntimeError("device fell over")
+        time.sleep(0.005)
+        self.batch_sizes.append(len(self.reqs))
+        outs = []
+        for rid, toks in list(self.reqs.items()):
+            toks.append(len(toks))
+            done = len(toks) >= self.n
+            outs.append(RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * len(toks), list(toks),
+                                                                        "length" if done else None)], done))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+    def metrics_snapshot(self):
+        self._t()
+        return {"num_requests_running": len(self.reqs)}
+
+
+def test_async_engine_batches_concurrent_requests_on_one_thread():
+    fake = FakeEngine(tokens_per_request=20)
+    eng = AsyncEngine(lambda: fake)
+    eng.start()
+
+    async def one(i):
+        stream = await eng.add_request(f"r{i}", [1, 2], SamplingParams(max_tokens=20))
+        last = None
+        async for out in stream:
+            last = out
+        return last
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    outs = asyncio.run(main())
+    assert all(o.finished and len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert fake.threads == {"dsflash-engine"}
+    assert max(fake.batch_sizes) == 8, fake.batch_sizes       # batched, not serialised
+    assert eng.num_in_flight == 0
+    eng.shutdown()
+
+
+def test_async_engine_abort_bad_input_and_drain():
+    fake = FakeEngine(tokens_per_request=10 ** 6)
+    eng = AsyncEngine(lambda: fake)
+    eng.start()
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt"):
+            await eng.add_request("bad", [], SamplingParams())
+        stream = await eng.add_request("long", [1], SamplingParams())
+        await stream.get()
+        await stream.get()
+        stream.abort()
+        assert await eng.wait_idle(timeout=5)
+        eng.begin_drain()
+        with pytest.raises(EngineDrainingError):
+            await eng.add_request("late", [1], SamplingParams())
+
+    asyncio.run(main())
+    assert fake.aborted == ["long"] and not fake.reqs
+    eng.shutdown()
+
+
+def test_async_engine_failure_fails_requests_instead_of_hanging():
+    eng = AsyncEngine(lambda: FakeEngine(tokens_per_request=100, fail_step_at=3))
+    eng.start()
+
+    async def main():
+        stream = await eng.add_request("r", [1], SamplingParams())
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("r2", [1], SamplingParams())
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert not eng.is_running
+    eng.shutdown()
