@@ -60,6 +60,7 @@ class Sequence:
         self.stop_reason = None
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.last_token_time = None
+        self.detok = None            # IncrementalDetokenizer when the model has a tokenizer
 
     @property
     def all_ids(self):
@@ -115,7 +116,7 @@ class LLMEngine:
         self.pages_per_seq = math.ceil((max_model_len + (self.decode_steps + 1) * self.K1) / page_size)
         if num_pages is None:
             num_pages = max_num_seqs * self.pages_per_seq
-        if num_pages * page_size < max_model_len + self.K1:
+        if num_pages < math.ceil((max_model_len + self.K1) / page_size):
             raise ValueError(f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of "
                              f"max_model_len={max_model_len}")
         self.geo = CacheGeometry(num_slots=max_num_seqs, num_pages=num_pages, page_size=page_size,
@@ -144,7 +145,7 @@ class LLMEngine:
         self.runner.warmup()
         self.warmup_time = time.perf_counter() - t1
         self.startup_time = time.perf_counter() - t0
-        self._compiles_at_warmup = R.compile_count()
+        self._compiles_in_steps = 0
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -154,7 +155,10 @@ class LLMEngine:
             return model                                          # already an engine backend
         bounded = opts.pop("bounded_replay", None)
         kernel_backend = opts.pop("backend", "xla")
-        load_opts = opts.pop("load_options", {}) or {}
+        load_opts = dict(opts.pop("load_options", {}) or {})
+        if opts.get("mesh") is not None:
+            load_opts["mesh"] = opts.pop("mesh")
+        opts.pop("mesh", None)
         if isinstance(model, str):
             import dsflash
             model = dsflash.load(model, **load_opts)
@@ -162,7 +166,8 @@ class LLMEngine:
 
     @property
     def compiles_after_warmup(self) -> int:
-        return R.compile_count() - self._compiles_at_warmup
+        """Traces / compiles / cache loads that happened inside ``step()`` (serving must cause none)."""
+        return self._compiles_in_steps
 
     # ------------------------------------------------------------------ requests
     def _encode(self, prompt):
@@ -176,6 +181,14 @@ class LLMEngine:
         except (TypeError, ValueError):
             raise ValueError("prompt: must be a string or a list of token ids") from None
         return None, ids
+
+    def _new_detok(self, params):
+        tok = self.tokenizer
+        if tok is None or not hasattr(tok, "token_bytes"):
+            return None
+        from dsflash.tokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(tok, params.stop, skip_special_tokens=params.skip_special_tokens,
+                                      include_stop=params.include_stop_str_in_output)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -212,7 +225,9 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seqs = []
         for i in range(params.n):
-            seqs.append(Sequence(request_id, i, text, ids, params, arrival, base_seed + i, stop))
+            s = Sequence(request_id, i, text, ids, params, arrival, base_seed + i, stop)
+            s.detok = self._new_detok(params)
+            seqs.append(s)
         self.groups[request_id] = seqs
         self.waiting.extend(seqs)
         self.metrics.requests_added += 1
@@ -248,6 +263,8 @@ class LLMEngine:
 
     def _finish(self, s: Sequence, reason, stop_reason=None):
         s.finish_reason, s.stop_reason = reason, stop_reason
+        if reason == "abort" and s.detok is not None and not s.detok.stopped:
+            s.detok.finish()
         if s.status == WAITING:
             try:
                 self.waiting.remove(s)
@@ -417,6 +434,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         t_start = time.perf_counter()
+        c0 = R.compile_count()
         progressed: set[str] = set()
         plan, decode = self._schedule()
         pf_res = dc_res = None
@@ -453,6 +471,7 @@ class LLMEngine:
         m.num_waiting = len(self.waiting)
         m.kv_pages_used = self.pool.num_used
         m.kv_usage = self.pool.usage()
+        self._compiles_in_steps += R.compile_count() - c0
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
 
@@ -509,37 +528,25 @@ class LLMEngine:
             if t in s.stop_ids:
                 eos = t == self.backend.eos_token_id and t not in p.stop_token_ids
                 return self._done(s, "stop", None if eos else t)
-            if p.stop and self.tokenizer is not None:
-                text = self._detok(s)
-                hit = self._find_stop(text, p.stop)
-                if hit is not None:
-                    idx, st = hit
-                    s.text = text[:idx + (len(st) if p.include_stop_str_in_output else 0)]
-                    return self._done(s, "stop", st, detok=False)
+            if s.detok is not None:
+                s.detok.add(t)
+                if s.detok.stopped:
+                    return self._done(s, "stop", s.detok.stop_reason)
             if len(s.out_ids) >= p.max_tokens:
                 return self._done(s, "length", None)
         return False
 
-    @staticmethod
-    def _find_stop(text, stops):
-        best = None
-        for st in stops:
-            i = text.find(st)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, st)
-        return best
-
     def _detok(self, s):
+        if s.detok is not None:
+            return s.detok.text
         if self.tokenizer is None:
             return ""
-        try:
-            return self.tokenizer.decode(s.out_ids, skip_special_tokens=s.params.skip_special_tokens)
-        except TypeError:
-            return self.tokenizer.decode(s.out_ids)
+        return self.tokenizer.decode(s.out_ids, skip_special_tokens=s.params.skip_special_tokens)
 
-    def _done(self, s, reason, stop_reason, detok=True):
-        if detok:
-            s.text = self._detok(s)
+    def _done(self, s, reason, stop_reason):
+        if s.detok is not None and not s.detok.stopped:
+            s.detok.finish()
+        s.text = self._detok(s)
         self._finish(s, reason, stop_reason)
         return True
 
@@ -605,10 +612,7 @@ class LLMEngine:
         seqs = self.groups[rid]
         outs = []
         for s in seqs:
-            if s.params.stop and self.tokenizer is not None and s.finished:
-                text = s.text
-            else:
-                text = s.text = self._detok(s) if self.tokenizer is not None else ""
+            text = s.text = self._detok(s)
             outs.append(CompletionOutput(index=s.index, text=text, token_ids=list(s.out_ids),
                                          finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                                          logprobs=list(s.logprobs) if s.logprobs is not None else None))
