@@ -189,25 +189,37 @@ class AsyncEngine:
                           arrival_time: Optional[float] = None) -> RequestStream:
         """Submit one request; returns once the engine accepted it. Raises ``ValueError`` for bad
         input (from ``engine.add_request``), :class:`EngineDrainingError`, :class:`EngineDeadError`."""
+        return (await self.add_requests([(request_id, prompt, params)], arrival_time))[0]
+
+    async def add_requests(self, items, arrival_time: Optional[float] = None) -> list[RequestStream]:
+        """Submit several ``(request_id, prompt, params)`` at once (they reach the engine between the
+        same two steps). All or nothing: if one is refused, the accepted ones are aborted and the
+        first error is raised."""
         if self.error is not None or not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         if self._draining:
             raise EngineDrainingError("server is shutting down; not accepting new requests")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id)
-        fut = loop.create_future()
-        sub = _Submit(request_id, prompt, params, time.time() if arrival_time is None else arrival_time,
-                      stream, loop, fut)
+        now = time.time() if arrival_time is None else arrival_time
+        subs = [_Submit(rid, prompt, params, now, RequestStream(self, rid), loop, loop.create_future())
+                for rid, prompt, params in items]
         with self._cv:
-            self._inbox_add.append(sub)
+            self._inbox_add.extend(subs)
             self._cv.notify_all()
         try:
-            await fut
+            results = await asyncio.gather(*(s.future for s in subs), return_exceptions=True)
         except asyncio.CancelledError:
-            # the caller went away while we waited: make sure the request does not linger
-            self.abort(request_id)
+            # the caller went away while we waited: make sure nothing lingers
+            for s in subs:
+                self.abort(s.request_id)
             raise
-        return stream
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for s, r in zip(subs, results):
+                if not isinstance(r, BaseException):
+                    s.stream.abort()
+            raise errors[0]
+        return [s.stream for s in subs]
 
     def abort(self, request_id: str) -> None:
         """Free ``request_id`` in the engine (no-op if it already finished). Never blocks."""

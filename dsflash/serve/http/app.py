@@ -249,31 +249,20 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
 
 async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
                   texts: Optional[list[Optional[str]]] = None) -> list[RequestStream]:
-    """n engine requests per prompt (seeds seed+i). All or nothing: a failure aborts those added."""
-    streams: list[RequestStream] = []
-    now = time.time()
+    """n engine requests per prompt (seeds seed+i), submitted together. All or nothing."""
+    items = []
+    for p, ids in enumerate(prompts):
+        for i in range(n):
+            sp = params if n == 1 or params.seed is None else params.replace(seed=params.seed + i)
+            items.append((f"{base_id}-{p}-{i}", list(ids), sp))
     try:
-        for p, ids in enumerate(prompts):
-            for i in range(n):
-                sp = params if n == 1 or params.seed is None else params.replace(seed=params.seed + i)
-                rid = f"{base_id}-{p}-{i}"
-                streams.append(await st.engine.add_request(rid, list(ids), sp, arrival_time=now))
+        streams = await st.engine.add_requests(items)
     except ValueError as e:
-        for s in streams:
-            s.abort()
         raise value_error_to_api(e, default_param="prompt") from None
     except EngineDrainingError as e:
-        for s in streams:
-            s.abort()
         raise APIError(503, str(e), code="server_shutting_down") from None
     except EngineDeadError as e:
-        for s in streams:
-            s.abort()
         raise APIError(503, str(e), code="engine_dead") from None
-    except BaseException:
-        for s in streams:
-            s.abort()
-        raise
     st.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
     return streams
 
