@@ -78,7 +78,7 @@ def test_ep_matches_single_device_tiny(spec, settings):
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_ep_matches_single_device_wide(collective, mode):
     """Wider: 32 experts (4 per device), top-6, skewed routing, padding rows masked."""
-    E, d, I, k, T = 32, 512, 128, 6, 48
+    E, d, I, k, T = 32, 256, 64, 6, 32
     experts = make_experts(jax.random.PRNGKey(2), E, d, I)
     x, idx, weight = make_routing(jax.random.PRNGKey(3), T, d, E, k, skew=3.0)
     valid = jnp.arange(T) < T - 5
@@ -118,3 +118,18 @@ def test_settings_validation():
         x, idx, weight = make_routing(jax.random.PRNGKey(1), 16, cfg.hidden_size, 8, 2)
         ep_routed_moe(x, idx, weight, *experts, mesh=make_mesh("dep=4,tp=2"), limit=LIMIT,
                       settings=EPSettings("all_to_all"))
+
+
+def test_wide_ep_with_eplb_replicas_matches_logical():
+    """wide-EP: 8 logical + 8 redundant experts over dep=8 (2 physical per device), EPLB-routed."""
+    from dsflash.sharding import eplb
+    E, R, d, I, k, T = 8, 8, 256, 64, 2, 32
+    experts = make_experts(jax.random.PRNGKey(4), E, d, I)
+    x, idx, weight = make_routing(jax.random.PRNGKey(5), T, d, E, k, skew=4.0)
+    want = reference(x, idx, weight, experts)
+    load = np.bincount(np.asarray(idx).reshape(-1), minlength=E)[None]
+    phy2log, log2phy, cnt = eplb.rebalance_experts(load, E + R, 1, 1, 8)
+    phys_experts = tuple(jnp.take(w, jnp.asarray(phy2log[0]), axis=0) for w in experts)
+    pid, _ = eplb.route(idx, jnp.asarray(log2phy[0]), jnp.asarray(cnt[0]), num_physical=E + R)
+    got, stats = run_ep(make_mesh("dep=8"), EPSettings("all_to_all", "prefill"), x, pid, weight, phys_experts)
+    _close(got, want, k)
