@@ -116,7 +116,7 @@ def fake_server():
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(fs.app, log_level="warning", lifespan="off"))
+        server = uvicorn.Server(uvicorn.Config(fs.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
         th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         th.start()
         deadline = time.time() + 10
@@ -269,3 +269,18 @@ def test_module_entry_points():
         r = subprocess.run([sys.executable, "-m", "dsflash.bench", "serve", "--help"], cwd=root,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "--sweep" in r.stdout
+
+
+def test_requests_still_running_after_drain_are_cancelled_and_fail(fake_server, tmp_path):
+    fs, url = fake_server(ttft=0.01, itl=0.2)       # 30 tokens: ~6 s per request
+    t = time.perf_counter()
+    rc = bench_serve.main([
+        "--base-url", url, "--concurrency", "2", "--duration", "0.3", "--drain-timeout", "0.3",
+        "--warmup-requests", "0", "--input-len", "16", "--output-len", "30", "--tokens-per-word", "1",
+        "--out-dir", str(tmp_path), "--no-plot"])
+    assert rc == 3 and time.perf_counter() - t < 5
+    p = _load(tmp_path)["points"][0]
+    m = p["metrics"]
+    assert m["completed"] == 0 and m["failed"] == 2 and not m["valid"]
+    assert any("cancelled" in e for e in m["errors"])
+    assert any("drain" in n for n in p["notes"])
