@@ -193,7 +193,7 @@ def _warn_unknown(req) -> None:
         log.info("ignoring unknown request fields: %s", ", ".join(extra))
 
 
-def _sampling_params(req, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, logprobs: Optional[int], vocab_size: int = 0) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
     if req.min_tokens:
@@ -205,7 +205,7 @@ def _sampling_params(req, max_tokens: int, logprobs: Optional[int]) -> SamplingP
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
+        top_k=0 if req.top_k is None else req.top_k,   # >= vocab size is the same as off (clamped below)
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=req.seed,
         stop=list(stop or []),
@@ -221,6 +221,8 @@ def _sampling_params(req, max_tokens: int, logprobs: Optional[int]) -> SamplingP
     )
     if req.n is None or not 1 <= req.n <= 128:
         raise APIError(400, f"n: must be an integer in [1, 128], got {req.n!r}", param="n")
+    if vocab_size and kw["top_k"] >= vocab_size:
+        kw["top_k"] = 0
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -396,7 +398,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     max_toks = [_max_tokens(st, req.max_tokens, len(p), "max_tokens", "prompt") for p in prompts]
     if len(set(max_toks)) != 1:  # max_tokens None with prompts of different lengths: one engine call each
         pass
-    params0 = _sampling_params(req, max_toks[0], req.logprobs)
+    params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
         streams = await _submit(st, base, prompts, params0, n)
@@ -519,7 +521,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")
-    params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None)
+    params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None, tok.vocab_size)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _submit(st, base, [ids], params, n)
     created = int(time.time())
