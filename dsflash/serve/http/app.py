@@ -345,10 +345,16 @@ def _streaming_response(gen, streams: list[RequestStream]) -> StreamingResponse:
 
 
 def _tok_str(tok, tid: int) -> str:
+    if tok is None:
+        return f"<{tid}>"
     try:
         return tok.token_bytes(tid).decode("utf-8", errors="replace")
     except Exception:  # noqa: BLE001
         return tok.decode([tid])
+
+
+def _decode(tok, ids) -> str:
+    return tok.decode(ids) if tok is not None else ""
 
 
 def _tok_bytes(tok, tid: int) -> list[int]:
@@ -384,21 +390,24 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     texts: list[Optional[str]] = []
     for j, p in enumerate(raw_list):
         if isinstance(p, str):
+            if tok is None:
+                raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
             ids = tok.encode(p)
             if not ids or ids[0] != tok.bos_id:
                 ids = [tok.bos_id] + ids
             prompts.append(ids)
             texts.append(p)
         else:
-            bad = [t for t in p if not 0 <= t < tok.vocab_size]
+            V = tok.vocab_size if tok is not None else None
+            bad = [t for t in p if t < 0 or (V is not None and t >= V)]
             if bad:
-                raise APIError(400, f"prompt: token id {bad[0]} out of range [0, {tok.vocab_size})", param="prompt")
+                raise APIError(400, f"prompt: token id {bad[0]} out of range [0, {V})", param="prompt")
             prompts.append(list(p))
             texts.append(None)
     max_toks = [_max_tokens(st, req.max_tokens, len(p), "max_tokens", "prompt") for p in prompts]
     if len(set(max_toks)) != 1:  # max_tokens None with prompts of different lengths: one engine call each
         pass
-    params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size)
+    params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
         streams = await _submit(st, base, prompts, params0, n)
@@ -412,7 +421,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                 s.abort()
             raise
     created = int(time.time())
-    echo_texts = [(t if t is not None else tok.decode(p)) if req.echo else "" for t, p in zip(texts, prompts)]
+    echo_texts = [(t if t is not None else _decode(tok, p)) if req.echo else "" for t, p in zip(texts, prompts)]
     prompt_tokens = sum(len(p) for p in prompts)
 
     def choice_logprobs(out, start: int, text_offset0: int) -> Optional[dict]:
@@ -499,6 +508,9 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     _warn_unknown(req)
     chat = chat_io.chat_module()
     tok = st.tokenizer
+    if tok is None:
+        raise APIError(400, "messages: this model has no tokenizer, so chat is unavailable; use /v1/completions "
+                            "with token ids", param="messages")
     n = req.n if req.n is not None else 1
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= 20:
