@@ -329,9 +329,15 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, lasts=None, n: int = 1) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if lasts:
+        # prefix-cache hits of each prompt, from its first copy (the prompt is counted once)
+        cached = sum(int(getattr(o.metrics, "num_cached_tokens", 0) or 0)
+                     for o in lasts[::n] if o is not None and o.metrics is not None)
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
 
 
 def _stream_error_event(e: BaseException) -> str:
@@ -450,6 +456,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
             sent_lp = [0] * len(streams)
             offsets = [0] * len(streams)
             done_tokens = [0] * len(streams)
+            lasts: list = [None] * len(streams)
             try:
                 async with contextlib.aclosing(_merge(st, streams)) as it:
                     if req.echo:
@@ -465,6 +472,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                         lp = choice_logprobs(out, sent_lp[idx], offsets[idx])
                         sent_lp[idx] = len(c.token_ids)
                         done_tokens[idx] = len(c.token_ids)
+                        lasts[idx] = out
                         if not delta and not out.finished and not (lp and lp["tokens"]):
                             continue
                         sent_text[idx] = len(c.text)
@@ -477,7 +485,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                         yield _sse(chunk)
                 if include_usage:
                     yield _sse({"id": base, "object": "text_completion", "created": created, "model": st.model,
-                                "choices": [], "usage": _usage(prompt_tokens * 1, sum(done_tokens))})
+                                "choices": [], "usage": _usage(prompt_tokens, sum(done_tokens), lasts, n)})
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - never leave a stream hanging
@@ -499,7 +507,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason
                         if isinstance(c.stop_reason, (str, int, type(None))) else str(c.stop_reason)})
     return {"id": base, "object": "text_completion", "created": created, "model": st.model,
-            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
 
 
 # ====================================================================== /v1/chat/completions
@@ -568,6 +576,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
             sent_text = [0] * len(streams)
             sent_lp = [0] * len(streams)
             done_tokens = [0] * len(streams)
+            lasts: list = [None] * len(streams)
             try:
                 async with contextlib.aclosing(_merge(st, streams)) as it:
                     for idx in range(len(streams)):
@@ -579,6 +588,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
                         lp = chat_logprobs(out, sent_lp[idx])
                         sent_lp[idx] = len(c.token_ids)
                         done_tokens[idx] = len(c.token_ids)
+                        lasts[idx] = out
                         deltas = streamers[idx].feed(text_delta)
                         if out.finished:
                             deltas += streamers[idx].finish()
@@ -596,7 +606,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
                 if include_usage:
                     yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
                                 "model": st.model, "choices": [],
-                                "usage": _usage(prompt_tokens, sum(done_tokens))})
+                                "usage": _usage(prompt_tokens, sum(done_tokens), lasts, n)})
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - never leave a stream hanging
@@ -620,4 +630,4 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
                         "stop_reason": c.stop_reason if isinstance(c.stop_reason, (str, int, type(None)))
                         else str(c.stop_reason)})
     return {"id": base, "object": "chat.completion", "created": created, "model": st.model,
-            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
