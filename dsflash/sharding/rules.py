@@ -110,7 +110,7 @@ class Strategy:
     def describe(self) -> str:
         s = self.name
         if self.redundant_experts or self.draft_redundant_experts:
-            s += f"+r{self.redundant_experts}/{self.draft_redundant_experts}"
+            s += f"+r{self.redundant_experts}-{self.draft_redundant_experts}"
         if not self.draft_expert_parallel:
             s += "+draft_dp"
         return s
@@ -364,7 +364,7 @@ def sharding_snapshot(cfg: ModelConfig, mesh, strategy: "str | Strategy", config
             groups[key].append(layer)
     entries = sorted(k + (f" layers={_ranges(v)}" if v else "") for k, v in groups.items())
     return {"config": config_name or cfg.hash(), "mesh": mesh_spec(mesh), "strategy": strategy.describe(),
-            "rules": [[k, list(v) if v else None] for k, v in strategy.rules], "params": entries}
+            "rules": [f"{k} -> {'(' + ','.join(v) + ')' if v else '_'}" for k, v in strategy.rules], "params": entries}
 
 
 def golden_path(config_name: str, mesh, strategy: "str | Strategy") -> str:
