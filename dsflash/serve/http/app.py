@@ -249,8 +249,8 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
     return requested
 
 
-async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-                  texts: Optional[list[Optional[str]]] = None) -> list[RequestStream]:
+async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
+                  n: int) -> list[RequestStream]:
     """n engine requests per prompt (seeds seed+i), submitted together. All or nothing."""
     items = []
     for p, ids in enumerate(prompts):
@@ -411,13 +411,11 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
             prompts.append(list(p))
             texts.append(None)
     max_toks = [_max_tokens(st, req.max_tokens, len(p), "max_tokens", "prompt") for p in prompts]
-    if len(set(max_toks)) != 1:  # max_tokens None with prompts of different lengths: one engine call each
-        pass
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
         streams = await _submit(st, base, prompts, params0, n)
-    else:
+    else:  # max_tokens omitted and prompts of different lengths: each gets the rest of its context
         streams = []
         try:
             for j, (p, mt) in enumerate(zip(prompts, max_toks)):

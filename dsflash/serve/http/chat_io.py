@@ -11,8 +11,7 @@
 from __future__ import annotations
 
 import json
-import uuid
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from dsflash.serve.http.errors import APIError
 
