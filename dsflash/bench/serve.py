@@ -37,6 +37,7 @@ from dsflash.bench.workloads import (
     AgentXConfig, AgentXWorkload, FixedConfig, FixedWorkload, RequestSpec, StopLane, tokenish)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+CLIENT_CPU_WARN = 0.7
 _OVERFLOW_RE = re.compile(r"context length|context window|maximum context|max_model_len|too long|"
                           r"exceeds the model", re.I)
 
@@ -291,6 +292,7 @@ class PointRun:
             notes.append(f"warm-up did not finish within {self.warmup_timeout:g} s")
             self.stop.set()
         t0 = time.perf_counter()
+        cpu0 = time.process_time()
         self.profile_open.set()
         if not self.stop.is_set():
             deadline = None if self.duration is None else t0 + self.duration
@@ -309,6 +311,9 @@ class PointRun:
         measured = [r for r in self.records if not r.warmup]
         ends = [r.end_time for r in measured if r.end_time]
         t_end = max(ends) if ends else time.perf_counter()
+        # the client's own CPU use over the window: near one core means the client, not the
+        # server, may be what limits the numbers (one Python event loop parses every chunk)
+        cpu_frac = (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
         return {
             "records": self.records,
             "window_start": t0,
@@ -317,6 +322,7 @@ class PointRun:
             "stop_s": t_stop - t0,
             "drain_s": time.perf_counter() - t_stop,
             "cancelled_lanes": len(pending),
+            "client_cpu_fraction": cpu_frac,
             "notes": notes + self.lane_errors,
         }
 
@@ -589,11 +595,16 @@ async def run_benchmark(args) -> dict:
             if out["notes"]:
                 metrics["valid"] = False
                 metrics["invalid_reasons"] += out["notes"]
+            if out["client_cpu_fraction"] > CLIENT_CPU_WARN:
+                print(f"bench serve: warning: the client used {out['client_cpu_fraction']:.0%} of a CPU core "
+                      f"during the window at concurrency {conc}; it may be limiting the measurement",
+                      file=sys.stderr)
             measured = [r for r in records if not r.warmup]
             entry = {
                 "concurrency": conc, "repeat": rep, "metrics": metrics,
                 "warmup_requests": len(records) - len(measured), "warmup_s": out["warmup_s"],
                 "drain_s": out["drain_s"], "notes": out["notes"],
+                "client_cpu_fraction": out["client_cpu_fraction"],
                 "requests_by_kind": _count(r.kind for r in measured),
                 "output_len_mismatch": sum(1 for r in measured if r.success and args.ignore_eos
                                            and r.output_tokens != r.max_tokens),
