@@ -93,6 +93,10 @@ class ModelConfig:
             object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
         object.__setattr__(self, "rope_scaling", dict(self.rope_scaling or {}))
         self.validate()
+        object.__setattr__(self, "_hash", hash(json.dumps(self.to_hf_dict(), sort_keys=True)))
+
+    def __hash__(self):  # rope_scaling is a dict; configs are static jit arguments, so hash the JSON once
+        return self._hash
 
     # ------------------------------------------------------------------ derived schedule
     @property

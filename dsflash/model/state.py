@@ -222,6 +222,7 @@ class RunOptions:
     logits          "last" ([B, V] at each row's last valid token) | "all" ([B, S, V]) | "none"
     taps            return DSpark taps ``main_hidden`` [B, S, T*d] for every row position
     backend         kernel backend "xla" (pure-JAX references) | "triton" (GPU kernels)
+    page_size       tokens per global-KV page (the CacheGeometry the state was built with)
     """
     precision: str = "reference"
     bounded_replay: str | None = None
@@ -229,8 +230,11 @@ class RunOptions:
     logits: str = "last"
     taps: bool = False
     backend: str = "xla"
+    page_size: int = 64
 
     def __post_init__(self):
+        if self.page_size < 2 or self.page_size % 2:
+            raise ValueError("RunOptions.page_size must be even and >= 2 (must equal CacheGeometry.page_size)")
         if self.precision not in PRECISIONS:
             raise ValueError(f"RunOptions.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.bounded_replay not in (None, "report", "layer20_full"):

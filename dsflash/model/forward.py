@@ -1,0 +1,169 @@
+"""The text forward of DeepSeek-V4.1-Flash: ``forward(params, cfg, batch, state, opts) -> (out, new_state)``.
+
+SPEC §2 (top level), §5-§6 (CED and bounded replay), §7 (delayed mHC wiring), §9 (Engram). See
+docs/model-contract.md for the batch/state contract.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dsflash.config import ModelConfig
+from dsflash.model import engram, mhc
+from dsflash.model.attention import Ctx, csa_attention, ring_write_mask, scatter_ring
+from dsflash.model.layers import act_dtype, linear_f32, rms_norm
+from dsflash.model.moe import moe
+from dsflash.model.state import Batch, RunOptions
+
+
+def make_ctx(batch: Batch, opts: RunOptions, floor) -> Ctx:
+    return Ctx(pos=batch.positions, valid=batch.valid, start=batch.start, lengths=batch.lengths,
+               slots=batch.slots, page_table=batch.page_table, floor=floor, kv_write_from=batch.kv_write_from,
+               precision=opts.precision, page_size=opts.page_size, backend=opts.backend)
+
+
+def tail_view(batch: Batch, ctx: Ctx, T: int):
+    """The last T valid rows of every sequence (bounded replay): (row index [B, T], Ctx of the tail)."""
+    first = jnp.maximum(batch.lengths - T, 0)
+    rows = first[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    start = batch.start + first
+    lengths = jnp.minimum(batch.lengths, T)
+    S = batch.tokens.shape[1]
+    rows = jnp.minimum(rows, S - 1)
+    valid = jnp.arange(T, dtype=jnp.int32)[None] < lengths[:, None]
+    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    floor = jnp.maximum(batch.dec_floor, start)        # SWA keys below the replay start do not exist
+    return rows, Ctx(pos=pos, valid=valid, start=start, lengths=lengths, slots=ctx.slots,
+                     page_table=ctx.page_table, floor=floor, kv_write_from=ctx.kv_write_from,
+                     precision=ctx.precision, page_size=ctx.page_size, backend=ctx.backend)
+
+
+def _take_rows(a, rows):
+    return jnp.take_along_axis(a, rows.reshape(*rows.shape, *([1] * (a.ndim - 2))), axis=1)
+
+
+def embed_streams(params, tokens, cfg, precision):
+    e = params["embed.weight"][tokens].astype(act_dtype(precision))
+    X = jnp.broadcast_to(e[..., None, :], (*e.shape[:-1], cfg.hc_mult, e.shape[-1]))
+    p = jnp.zeros((*tokens.shape, cfg.hc_mult), jnp.float32).at[..., 0].set(1.0)
+    return X, p
+
+
+def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None):
+    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre)."""
+    pre = f"{name}"
+    a_pre, a_post, a_comb = mhc.coefficients(X, params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"],
+                                             params[f"{pre}.hc_attn_scale"], cfg)
+    x = rms_norm(mhc.collapse(X, p, precision), params[f"{pre}.attn_norm.weight"], cfg.rms_norm_eps, precision)
+    y = attn_fn(x)
+    X1 = mhc.expand(y, X, a_post, a_comb, precision)
+    f_pre, f_post, f_comb = mhc.coefficients(X1, params[f"{pre}.hc_ffn_fn"], params[f"{pre}.hc_ffn_base"],
+                                             params[f"{pre}.hc_ffn_scale"], cfg)
+    h = rms_norm(mhc.collapse(X1, a_pre, precision), params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
+    z = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn)
+    return mhc.expand(z, X1, f_post, f_comb, precision), f_pre
+
+
+def engram_step(params, cfg, k, layer, X, batch, cids_ext, precision):
+    if batch.engram_rows is not None:
+        emb = batch.engram_rows[:, :, k].astype(act_dtype(precision))
+    else:
+        if f"layers.{layer}.engram.embed.weight" not in params:
+            raise ValueError(f"Engram table of layer {layer} is not in params (kept on the host?): pass "
+                             "Batch.engram_rows gathered by the engine")
+        rows = engram.hash_rows(cids_ext, cfg, k)
+        emb = engram.gather_rows(params, f"layers.{layer}.engram", rows, precision)
+    return engram.inject(X, emb, params, f"layers.{layer}.engram", cfg, precision)
+
+
+def engram_history(params, cfg, batch, state):
+    """Compressed ids with the N-1 previous positions in front ([B, N-1+S]); pad before the sequence start."""
+    N = cfg.engram_max_ngram_size
+    hist = state["engram_hist"]
+    Rc = hist.shape[1]
+    pad = engram.compressed_ids(jnp.asarray([cfg.engram_pad_token_id]), params, cfg)[0]
+    prev_pos = batch.start[:, None] - (N - 1) + jnp.arange(N - 1, dtype=jnp.int32)[None]
+    prev = hist[batch.slots[:, None], jnp.mod(prev_pos, Rc)]
+    prev = jnp.where((prev_pos >= 0) & (prev >= 0), prev, pad)
+    cids = engram.compressed_ids(batch.tokens, params, cfg)
+    return jnp.concatenate([prev, cids], axis=1), cids
+
+
+def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOptions = RunOptions(),
+            routed_fn=None):
+    """Pure forward; jit with ``cfg``/``opts`` static. ``routed_fn`` optionally replaces the routed-expert
+    GEMM (expert-parallel sharding hook)."""
+    prec = opts.precision
+    L = cfg.num_hidden_layers
+    ctx = make_ctx(batch, opts, batch.enc_floor)
+    X, p = embed_streams(params, batch.tokens, cfg, prec)
+    shared: dict = {}
+    state = dict(state)
+    if cfg.engram_layer_ids:
+        cids_ext, cids = engram_history(params, cfg, batch, state)
+        mask = ring_write_mask(ctx, state["engram_hist"].shape[1])
+        state["engram_hist"] = scatter_ring({"x": state["engram_hist"]}, batch.slots, ctx.pos, cids, mask,
+                                            lambda v, _: {"x": v}, None)["x"]
+    replay = opts.bounded_replay
+    switch_at = None
+    if replay == "report":
+        switch_at = cfg.decoder_start
+    elif replay == "layer20_full":
+        switch_at = cfg.decoder_start + 1
+        late = [l for l in list(cfg.kv_source_layer_ids) + list(cfg.engram_layer_ids) if l >= switch_at]
+        if late:
+            raise ValueError(f"bounded_replay='layer20_full' needs no KV source/Engram at or after layer "
+                             f"{switch_at}, found {late}")
+    taps = {}
+    tail_rows = None
+    dec_ctx = make_ctx(batch, opts, batch.dec_floor)
+    for l in range(L):
+        name = f"layers.{l}"
+        comp_x = comp_ctx = None
+        if l == switch_at:
+            tail_rows, tctx = tail_view(batch, ctx, opts.replay_tail)
+            X_full, p_full, ctx_full = X, p, dec_ctx
+            X, p = _take_rows(X, tail_rows), _take_rows(p, tail_rows)
+            shared = {k: _take_rows(v, tail_rows) for k, v in shared.items()}
+            ctx = dec_ctx = tctx
+            taps = {k: _take_rows(v, tail_rows) for k, v in taps.items()}
+            if replay == "report" and l in cfg.kv_source_layer_ids:
+                # the compressor of layer 20 still reads every row (decoder global KV for all tokens)
+                comp_ctx = ctx_full
+                comp_x = rms_norm(mhc.collapse(X_full, p_full, prec), params[f"{name}.attn_norm.weight"],
+                                  cfg.rms_norm_eps, prec)
+        elif l == cfg.decoder_start:
+            ctx = dec_ctx
+        if l in cfg.engram_layer_ids:
+            X = engram_step(params, cfg, cfg.engram_index(l), l, X, batch, cids_ext, prec)
+        if l in cfg.dspark_target_layer_ids:
+            taps[l] = jnp.mean(X.astype(jnp.float32), axis=-2).astype(act_dtype(prec))
+
+        def attn_fn(x, l=l, ctx=ctx, comp_x=comp_x, comp_ctx=comp_ctx):
+            nonlocal state, shared
+            y, state, shared = csa_attention(params, cfg, l, x, ctx, state, shared, comp_x, comp_ctx)
+            return y
+
+        X, p = block(params, cfg, name, X, p, attn_fn, prec, opts.backend, routed_fn=routed_fn)
+
+    h = rms_norm(mhc.collapse(X, p, prec), params["norm.weight"], cfg.rms_norm_eps, prec)
+    out = {}
+    lengths = ctx.lengths
+    if opts.logits == "all":
+        out["logits"] = linear_f32(h, params["head.weight"])
+    elif opts.logits == "last":
+        last = jnp.maximum(lengths - 1, 0)
+        hl = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+        out["logits"] = linear_f32(hl, params["head.weight"])
+    if opts.taps:
+        out["taps"] = jnp.concatenate([taps[l] for l in cfg.dspark_target_layer_ids], axis=-1)
+        out["taps_start"] = ctx.start
+        out["taps_lengths"] = ctx.lengths
+    return out, state
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4), donate_argnums=(3,))
+def forward_jit(params, cfg, batch, state, opts):
+    return forward(params, cfg, batch, state, opts)

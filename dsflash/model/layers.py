@@ -1,0 +1,98 @@
+"""Small numeric building blocks shared by every block: linears by storage format, RMSNorm, RoPE.
+
+Precision policy (``RunOptions.precision``):
+* "reference": bf16 activations, FP8 E4M3 activation round trip (per 32) before every FP8 linear,
+  fp32 accumulation, bf16 outputs — the released numerics.
+* "bf16": the same casting points without any quantise-dequantise round trip.
+* "fp32": everything in fp32, no round trips (the ideal model).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsflash.config import ModelConfig
+from dsflash.model import quant
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def act_dtype(precision: str):
+    return jnp.float32 if precision == "fp32" else jnp.bfloat16
+
+
+def _dot(x, w_t, precision):
+    """x [..., K] @ w_t [K, N] with fp32 accumulation, result fp32."""
+    return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32, precision=HIGHEST)
+
+
+def linear_fp8(x, params, name, precision, act_quant=True):
+    """An FP8-stored linear (``{name}.weight`` E4M3 [out, in] + ``{name}.scale`` UE8M0 32x32 blocks)."""
+    dt = act_dtype(precision)
+    if precision == "reference":
+        w = quant.dequant_fp8_weight(params[f"{name}.weight"], params[f"{name}.scale"], jnp.float32)
+        xa = quant.fp8_roundtrip(x.astype(jnp.bfloat16), 32).astype(jnp.float32) if act_quant \
+            else x.astype(jnp.bfloat16).astype(jnp.float32)
+    else:
+        w = quant.dequant_fp8_weight(params[f"{name}.weight"], params[f"{name}.scale"], dt)
+        xa = x.astype(dt)
+    return _dot(xa, w.T, precision).astype(dt)
+
+
+def linear_bf16(x, w, precision, out_dtype=None):
+    """A bf16-stored linear without activation quantisation."""
+    dt = act_dtype(precision)
+    y = _dot(x.astype(dt), w.astype(dt).T, precision)
+    return y.astype(out_dtype or dt)
+
+
+def linear_f32(x, w):
+    """Linears the reference runs in fp32 (gate, compressor ratio 2, LM head, confidence head)."""
+    return _dot(x.astype(jnp.float32), w.astype(jnp.float32).T, "fp32")
+
+
+def rms_norm(x, w, eps, precision):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(act_dtype(precision))
+
+
+# ------------------------------------------------------------------ RoPE (interleaved pairs, tail dims)
+def rope_freqs(cfg: ModelConfig, compressed: bool) -> np.ndarray:
+    """Per-pair angular frequencies omega_i (i < rd/2); YaRN-corrected on compressed (ratio > 0) layers."""
+    rd = cfg.qk_rope_head_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    i = np.arange(rd // 2, dtype=np.float64)
+    omega = base ** (-2.0 * i / rd)
+    if compressed and cfg.rope_scaling.get("rope_type") == "yarn":
+        rs = cfg.rope_scaling
+        factor, orig = float(rs["factor"]), float(rs["original_max_position_embeddings"])
+
+        def corr(r):
+            return rd * math.log(orig / (2 * math.pi * r)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(rs["beta_fast"])), 0)
+        high = min(math.ceil(corr(rs["beta_slow"])), rd - 1)
+        ramp = np.clip((i - low) / max(high - low, 1e-3), 0, 1)
+        omega = omega * (1 - ramp) + omega / factor * ramp
+    return omega.astype(np.float32)
+
+
+def apply_rope(x, pos, omega, inverse=False):
+    """Rotate the last ``2*len(omega)`` channels of x (pairs (2i, 2i+1)) by pos*omega (conjugate if inverse).
+
+    x [..., S, (H,) D]; pos broadcastable to x.shape[:-1] without the head axis handled by caller."""
+    rd = 2 * omega.shape[0]
+    ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(omega)
+    c, s = jnp.cos(ang), jnp.sin(ang)
+    if inverse:
+        s = -s
+    head, tail = x[..., :-rd], x[..., -rd:].astype(jnp.float32)
+    t = tail.reshape(*tail.shape[:-1], rd // 2, 2)
+    x0, x1 = t[..., 0], t[..., 1]
+    r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
+    rot = jnp.stack([r0, r1], axis=-1).reshape(tail.shape).astype(x.dtype)
+    return jnp.concatenate([head, rot], axis=-1)

@@ -1,0 +1,45 @@
+"""MoE: sqrt-softplus gate with aux-free bias, top-k (ties to the lowest id), routed + shared SwiGLU. SPEC §8."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsflash.config import ModelConfig
+from dsflash.kernels import moe_gemm
+from dsflash.model import quant
+from dsflash.model.layers import act_dtype, linear_f32, linear_fp8
+
+
+def route(x, gate_w, bias, topk: int, cfg: ModelConfig):
+    """x [T, d] -> (idx [T, k] int32, weight [T, k] f32). Selection uses s + bias, weights the unbiased s."""
+    u = linear_f32(x, gate_w) / cfg.gate_temp
+    s = jnp.sqrt(jax.nn.softplus(u))
+    _, idx = jax.lax.top_k(s + bias.astype(jnp.float32), topk)  # lax.top_k: equal values -> lower index first
+    w = jnp.take_along_axis(s, idx, axis=-1)
+    if cfg.norm_topk_prob and topk > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
+
+
+def shared_expert(x, params, prefix, cfg: ModelConfig, precision):
+    L = cfg.swiglu_limit
+    g = linear_fp8(x, params, f"{prefix}.w1", precision).astype(jnp.float32)
+    u = linear_fp8(x, params, f"{prefix}.w3", precision).astype(jnp.float32)
+    h = (jax.nn.silu(jnp.minimum(g, L)) * jnp.clip(u, -L, L)).astype(act_dtype(precision))
+    return linear_fp8(h, params, f"{prefix}.w2", precision)
+
+
+def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=False, routed_fn=None):
+    """x [..., d] -> [..., d]. ``routed_fn`` replaces the routed-expert call (expert-parallel sharding hook)."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    topk = cfg.dspark_num_experts_per_tok if draft else cfg.num_experts_per_tok
+    idx, w = route(xt, params[f"{prefix}.gate.weight"], params[f"{prefix}.gate.bias"], topk, cfg)
+    e = f"{prefix}.experts"
+    fn = routed_fn or moe_gemm.routed_moe
+    routed = fn(xt, idx, w, params[f"{e}.w1.weight"], params[f"{e}.w1.scale"], params[f"{e}.w3.weight"],
+                params[f"{e}.w3.scale"], params[f"{e}.w2.weight"], params[f"{e}.w2.scale"],
+                limit=cfg.swiglu_limit, precision=precision, backend=backend)
+    shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision)
+    y = routed + shared.astype(jnp.float32)
+    return y.astype(act_dtype(precision)).reshape(shape)
