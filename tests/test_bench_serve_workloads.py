@@ -281,3 +281,11 @@ def test_tokens_per_word_calibration_scales_word_counts():
     assert ax2.plan(0, 0) == ax1.plan(0, 0)            # plans stay in tokens
     first = [s for s, _ in drive(ax2, limit=2).sent][1]
     assert abs(first.est_prompt_tokens - [s for s, _ in drive(ax1, limit=2).sent][1].est_prompt_tokens) < 40
+
+
+def test_scale_multiplies_inputs_not_outputs():
+    a = AgentXWorkload(small_agentx(), seed=5).plan(1, 0)
+    b = AgentXWorkload(small_agentx(scale=0.5), seed=5).plan(1, 0)
+    assert b.turns[0].user_tokens == 50 and a.turns[0].user_tokens == 100
+    n = min(len(a.turns), len(b.turns))
+    assert [t.output_tokens for t in a.turns[:n]] == [t.output_tokens for t in b.turns[:n]]

@@ -350,7 +350,7 @@ _AGENTX_HELP = {
     "subagent_task_tokens": "first message of a subagent",
     "subagent_result_tokens": "tokens each subagent result adds to the root context",
     "max_context_tokens": "a session ends before its context would exceed this",
-    "scale": "multiplies every token length above (e.g. 16 for AgentX-sized contexts)",
+    "scale": "multiplies the input token lengths above, not outputs (e.g. 16 for AgentX-sized contexts)",
     "history": "actual: send back the server's answers; synthetic: planned text (server-independent)",
 }
 

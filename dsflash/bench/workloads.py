@@ -226,7 +226,8 @@ class FixedWorkload:
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class AgentXConfig:
-    """Shape of the generated sessions. Token counts are multiplied by ``scale``.
+    """Shape of the generated sessions. Input token counts are multiplied by ``scale``; output
+    lengths are not (SERVING.md §10: scale the input down, keep hundreds of output tokens).
 
     Real AgentX corpus (for reference): median request 142k input / 444 output tokens, >= 20
     requests per session, <= 10 concurrent subagents, ~44 % of sessions with subagents, ~99 %
@@ -250,7 +251,7 @@ class AgentXConfig:
     subagent_task_tokens: int = 512
     subagent_result_tokens: int = 128  # what each subagent's result adds to the root context
     max_context_tokens: int = 32768    # a session ends (like a compaction) before exceeding this
-    scale: float = 1.0
+    scale: float = 1.0                 # multiplies the input lengths above (not outputs, not max_context)
     warmup_requests: int = 2           # root turns per lane after the primer (AgentX: 10)
     history: str = "actual"            # actual: append the server's answer text; synthetic: planned text
 
@@ -334,7 +335,7 @@ class AgentXWorkload:
 
     def _out(self, r: np.random.Generator) -> int:
         c = self.cfg
-        n = c.scaled(c.output_tokens) * math.exp(c.output_sigma * r.standard_normal())
+        n = c.output_tokens * math.exp(c.output_sigma * r.standard_normal())     # not scaled: "hundreds"
         return int(min(max(round(n), c.min_output_tokens), c.max_output_tokens))
 
     def _user(self, r: np.random.Generator, base: int) -> int:
