@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from test_server_util import ServerProcess, default_test_model, error_of
+from test_server_util import default_test_model, error_of, start_server
 
 MODEL = default_test_model()
 
@@ -22,7 +22,7 @@ MODEL = default_test_model()
 @pytest.fixture(scope="module")
 def server():
     args = [] if MODEL == "tiny" else ["--model", MODEL]   # tiny is the no-argument default
-    srv = ServerProcess(*args)
+    srv = start_server(*args)   # $DSFLASH_TEST_SERVER_URL drives an already running server instead
     print(f"[server] model under test: {MODEL}")
     yield srv
     rc = srv.terminate()

@@ -122,6 +122,45 @@ class ServerProcess:
             pass
 
 
+class ExistingServer(ServerProcess):
+    """A server someone else started (``$DSFLASH_TEST_SERVER_URL``, e.g. on a GPU machine): same
+    interface, but nothing is started or stopped."""
+
+    def __init__(self, base: str):
+        self.base = base.rstrip("/")
+        self.proc = None
+        self.startup_s = 0.0
+        self._wait_healthy_url(60)
+
+    def _wait_healthy_url(self, timeout):
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.base} not healthy")
+
+    def output(self) -> str:
+        return ""
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        return 0
+
+    def kill(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start_server(*args: str) -> ServerProcess:
+    url = os.environ.get("DSFLASH_TEST_SERVER_URL")
+    return ExistingServer(url) if url else ServerProcess(*args)
+
+
 def error_of(resp: httpx.Response) -> dict:
     body = resp.json()
     assert set(body) == {"error"}, body
