@@ -28,7 +28,6 @@ picks one by rows per expert unless given.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -36,27 +35,8 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.model import quant
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig:
-    BM: int = 16          # token rows per tile (never crosses an expert)
-    BN_UP: int = 64       # columns of I per program in the gate/up kernel (multiple of 32)
-    BN_DOWN: int = 64     # columns of d per program in the down kernel
-    KSUB: int = 4         # 32-wide K blocks per loop iteration
-    warps_up: int = 4
-    warps_down: int = 4
-    stages: int = 4
-    decode: str = "asm"   # "asm" | "tl"
-
-
-DECODE_CONFIG = MoeConfig()
-PREFILL_CONFIG = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
-
-
-def pick_config(rows: int, experts: int) -> MoeConfig:
-    return DECODE_CONFIG if rows <= 32 * experts else PREFILL_CONFIG
+from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, num_tiles, pick_config,  # noqa: F401
+                                      prepare, tile_schedule)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -271,49 +251,6 @@ def _moe_down_kernel(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_
 
 
 # ------------------------------------------------------------------------------------------ JAX side
-def tile_schedule(idx, E: int, BM: int):
-    """Sort the T*k slots by expert (stable) and cut them into M-tiles that never cross an expert.
-
-    Returns (order, tile_e, tile_start, tile_end): order [S] slot ids in sorted order; per tile the expert
-    (-1 for spare tiles), first sorted row, and the end row of that expert's run."""
-    flat_e = idx.reshape(-1).astype(jnp.int32)
-    S = flat_e.shape[0]
-    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
-    gs = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    offs = jnp.cumsum(gs) - gs
-    ntile = (gs + BM - 1) // BM
-    tcum = jnp.cumsum(ntile)
-    TM = num_tiles(S, E, BM)
-    t = jnp.arange(TM, dtype=jnp.int32)
-    e_of_t = jnp.searchsorted(tcum, t, side="right").astype(jnp.int32)
-    valid = e_of_t < E
-    ec = jnp.minimum(e_of_t, E - 1)
-    local = t - (tcum[ec] - ntile[ec])
-    tile_start = offs[ec] + local * BM
-    tile_end = offs[ec] + gs[ec]
-    tile_e = jnp.where(valid, ec, -1).astype(jnp.int32)
-    return order, tile_e, tile_start.astype(jnp.int32), tile_end.astype(jnp.int32)
-
-
-def num_tiles(S: int, E: int, BM: int) -> int:
-    return S // BM + min(E, S)
-
-
-def prepare(x, idx, weight, *, E, BM, act_fp8):
-    """Everything the kernels read besides the weights (pure JAX)."""
-    T, d = x.shape
-    k = idx.shape[1]
-    order, tile_e, tile_s, tile_end = tile_schedule(idx, E, BM)
-    tok = order // k
-    rw = weight.reshape(-1).astype(jnp.float32)[order]
-    xb = x.astype(jnp.bfloat16)
-    if act_fp8:
-        xq, xs = quant.fp8_quant(xb, 32)
-    else:
-        xq, xs = xb, jnp.zeros((T, d // 32), jnp.float32)
-    return dict(xq=xq, xs=xs, tok=tok, rw=rw, order=order, tile_e=tile_e, tile_s=tile_s, tile_end=tile_end)
-
-
 def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
     T, d = x.shape
     E, I, dh = w1.shape

@@ -1,0 +1,31 @@
+"""``python -m dsflash.bench <subcommand> [args]``: dispatch to dsflash/bench/<subcommand>.py ``main(argv)``."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from dsflash.bench import SUBCOMMANDS
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m dsflash.bench {{{'|'.join(SUBCOMMANDS)}}} [options]")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        mod = importlib.import_module(f"dsflash.bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"dsflash.bench.{name}":
+            print(f"subcommand {name!r} is not implemented yet (no dsflash/bench/{name}.py)", file=sys.stderr)
+            return 2
+        raise
+    rc = mod.main(rest)
+    return 0 if rc is None else int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

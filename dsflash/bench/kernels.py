@@ -1,0 +1,383 @@
+"""``python -m dsflash.bench kernels``: the hot kernels at V4.1 shapes on one GPU, all ratios from one run.
+
+For the routed-expert MoE grouped GEMM (d=5120, I=2304, E local experts, top-k, MXFP4 weights) at decode
+(1-256 tokens per rank) and prefill (4K-16K tokens) sizes it measures, in the same process:
+* dsflash Triton kernel (``moe_gemm_triton``, reference numerics: FP8 activations, MXFP4 weights decoded
+  in-kernel), the whole op including the JAX-side routing sort and activation quantisation;
+* the XLA lowering of the pure-JAX reference (jit of ``routed_moe_reference``: dequantise to bf16 +
+  ``ragged_dot``), up to ``--xla-max-tokens``;
+* peers: ``torch._grouped_mm`` bf16 and ``torch._scaled_grouped_mm`` FP8 (row-wise scales) on pre-sorted rows
+  with the same group sizes: gate/up GEMM (N=2I) + SwiGLU/clamp/weight in torch + down GEMM (the peer is
+  given sorted rows: no routing sort, gather or combine, so it is a lower bound for a torch pipeline);
+* the roofline: max(bytes / copy bandwidth, flops / bf16 matmul rate), with the copy bandwidth
+  (device-to-device copy, bytes read + written) and the bf16 matmul rate (8192^3) measured in this run.
+  Bytes = the FP4 bytes + UE8M0 scales of the experts the batch touches + x (bf16) + out (fp32);
+  flops = 6 * slots * I * d.
+
+Timing (METHOD.md): JAX ops run ``n`` times inside one jitted ``fori_loop`` over rotating input sets (no host
+dispatch in the numbers), after a warm-up call, median of ``--reps`` runs divided by ``n``; torch ops use
+CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), falling back to ``do_bench``.
+Writes benchmarks/results/kernels_<date>_<device>.json (or --out DIR) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def _commit():
+    c = os.environ.get("DSFLASH_COMMIT")
+    if c:
+        return c
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(__file__)).decode().strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------ timing
+def time_jax_loop(op, varying, fixed, *, reps=5, target_s=0.08, max_n=400):
+    """Median seconds per call of ``op(*varying[j], *fixed)``, run n times in one jitted fori_loop, with
+    j rotating over the stacked input sets in ``varying`` (a tuple of arrays with a leading set axis)."""
+    import jax
+    import jax.numpy as jnp
+
+    nsets = varying[0].shape[0]
+
+    @jax.jit
+    def loop(n, varying, fixed):
+        def body(i, acc):
+            j = i % nsets
+            out = op(*(v[j] for v in varying), *fixed)
+            return acc + jnp.sum(out.astype(jnp.float32))
+        return jax.lax.fori_loop(0, n, body, jnp.float32(0))
+
+    jax.block_until_ready(loop(jnp.int32(1), varying, fixed))       # compile + warm-up
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(jnp.int32(1), varying, fixed))
+    est = time.perf_counter() - t0
+    n = int(max(1, min(max_n, math.ceil(target_s / max(est, 1e-6)))))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(jnp.int32(n), varying, fixed))
+        ts.append((time.perf_counter() - t0) / n)
+    return float(np.median(ts)), n
+
+
+def time_torch(fn):
+    import triton.testing as tt
+    try:
+        return float(tt.do_bench_cudagraph(fn, rep=60, return_mode="median")) * 1e-3, "cudagraph"
+    except Exception:  # noqa: BLE001
+        import torch
+        torch.cuda.synchronize()
+        return float(tt.do_bench(fn, warmup=10, rep=60, return_mode="median")) * 1e-3, "events"
+
+
+# ------------------------------------------------------------------------------------------ ceilings
+def measure_ceilings(quick=False):
+    res = {}
+    try:
+        import torch
+        nbytes = (1 if quick else 4) << 30
+        src = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        t, how = time_torch(lambda: dst.copy_(src))
+        res["copy_TBps_torch"] = 2 * nbytes / t / 1e12
+        del src, dst
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        t, _ = time_torch(lambda: a @ b)
+        res["bf16_matmul_TFLOPs_torch"] = 2 * n ** 3 / t / 1e12
+        try:
+            a8 = a.to(torch.float8_e4m3fn)
+            b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
+            one = torch.ones((), device="cuda", dtype=torch.float32)
+            t, _ = time_torch(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+            res["fp8_matmul_TFLOPs_torch"] = 2 * n ** 3 / t / 1e12
+        except Exception as e:  # noqa: BLE001
+            res["fp8_matmul_error"] = repr(e)[:200]
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        res["torch_error"] = repr(e)[:300]
+    try:
+        import jax
+        import jax.numpy as jnp
+        x = jnp.ones(((1 if quick else 4) << 29,), jnp.bfloat16)   # 1 or 4 GiB, read + written once
+        f = jax.jit(lambda v: v * 2)
+        jax.block_until_ready(f(x))
+        ts = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            ts.append(time.perf_counter() - t0)
+        res["copy_TBps_jax_elementwise"] = 2 * x.nbytes / float(np.median(ts)) / 1e12
+        del x
+    except Exception as e:  # noqa: BLE001
+        res["jax_copy_error"] = repr(e)[:300]
+    res["copy_TBps"] = max(res.get("copy_TBps_torch", 0), res.get("copy_TBps_jax_elementwise", 0))
+    res["bf16_TFLOPs"] = res.get("bf16_matmul_TFLOPs_torch", 0)
+    return res
+
+
+# ------------------------------------------------------------------------------------------ peers
+def torch_peers(gs, T, k, d, I, E, limit, reps_note):
+    """torch._grouped_mm (bf16) and torch._scaled_grouped_mm (fp8 row-wise) pipelines on sorted rows."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    S = int(sum(gs))
+    offs = torch.tensor(np.cumsum(gs), device="cuda", dtype=torch.int32)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    A = torch.randn(S, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rw = torch.rand(S, device="cuda", dtype=torch.float32, generator=gen)
+    W13 = (torch.randn(E, 2 * I, d, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
+    W2 = (torch.randn(E, d, I, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
+
+    def swiglu(gu):
+        g, u = gu[:, :I].float(), gu[:, I:].float()
+        return (F.silu(g.clamp(max=limit)) * u.clamp(-limit, limit) * rw[:, None]).to(torch.bfloat16)
+
+    try:
+        w13t, w2t = W13.transpose(1, 2), W2.transpose(1, 2)
+
+        def bf16_pipe():
+            h = swiglu(torch._grouped_mm(A, w13t, offs=offs, out_dtype=torch.bfloat16))
+            return torch._grouped_mm(h, w2t, offs=offs, out_dtype=torch.bfloat16)
+        bf16_pipe()
+        out["torch_grouped_mm_bf16_s"], out["torch_bf16_timer"] = time_torch(bf16_pipe)
+    except Exception as e:  # noqa: BLE001
+        out["torch_grouped_mm_bf16_error"] = repr(e)[:300]
+    try:
+        f8 = torch.float8_e4m3fn
+        A8 = A.to(f8)
+        sa = torch.ones(S, device="cuda", dtype=torch.float32)
+        W13_8 = W13.to(f8)
+        W2_8 = W2.to(f8)
+        sb13 = torch.ones(E, 2 * I, device="cuda", dtype=torch.float32)
+        sb2 = torch.ones(E, d, device="cuda", dtype=torch.float32)
+        w13t8, w2t8 = W13_8.transpose(1, 2), W2_8.transpose(1, 2)
+
+        def fp8_pipe():
+            gu = torch._scaled_grouped_mm(A8, w13t8, sa, sb13, offs=offs, out_dtype=torch.bfloat16)
+            h = swiglu(gu).float()
+            amax = h.abs().amax(dim=1).clamp(min=1e-4)
+            sh = amax / 448.0
+            h8 = (h / sh[:, None]).to(f8)
+            return torch._scaled_grouped_mm(h8, w2t8, sh, sb2, offs=offs, out_dtype=torch.bfloat16)
+        fp8_pipe()
+        out["torch_scaled_grouped_mm_fp8_s"], out["torch_fp8_timer"] = time_torch(fp8_pipe)
+    except Exception as e:  # noqa: BLE001
+        out["torch_scaled_grouped_mm_fp8_error"] = repr(e)[:300]
+    del A, W13, W2
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ MoE GEMM
+def bench_moe(args, ceilings, log, rows, variants, save=lambda: None):
+    import jax
+    import jax.numpy as jnp
+
+    from dsflash.kernels import moe_gemm, moe_gemm_triton as mt, moe_plan
+
+    d, I, E, k, limit = args.d, args.inter, args.experts, args.topk, 10.0
+    key = jax.random.PRNGKey(0)
+    # one weight set (1.8 GB of MXFP4 at E=96) for all sizes; fresh routing / activations per size
+    _, _, _, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(key, 1, k, E, d, I)
+    fixed = (w1, s1, w3, s3, w2, s2)
+    jax.block_until_ready(fixed)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for T in tokens:
+        nsets = 4 if T <= 256 else 2
+        sets = [moe_plan.random_moe_problem(jax.random.fold_in(key, 1000 * T + j), T, k, E, 32, 32)[:3]
+                for j in range(nsets)]
+        xs = jnp.stack([jax.random.normal(jax.random.fold_in(key, 7 * T + j), (T, d), jnp.float32)
+                        .astype(jnp.bfloat16) for j in range(nsets)])
+        idxs = jnp.stack([s[1] for s in sets])
+        ws = jnp.stack([s[2] for s in sets])
+        varying = (xs, idxs, ws)
+        S = T * k
+        gs0 = np.bincount(np.asarray(idxs[0]).reshape(-1), minlength=E)
+        active = float(np.mean([np.count_nonzero(np.bincount(np.asarray(idxs[j]).reshape(-1), minlength=E))
+                                for j in range(nsets)]))
+        wbytes = active * 3 * I * d // 2 + active * 3 * I * d // 32
+        bytes_min = wbytes + T * d * 2 + T * d * 4
+        flops = 6.0 * S * I * d
+        t_roof = max(bytes_min / (max(ceilings["copy_TBps"], 1e-9) * 1e12),
+                     flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
+        row = dict(T=T, slots=S, experts=E, topk=k, active_experts=active, weight_bytes=wbytes,
+                   bytes_min=bytes_min, flops=flops, roofline_s=t_roof)
+        cfg = moe_plan.pick_config(S, E)
+        row["config"] = cfg.__dict__.copy()
+
+        def tri(cfg_, precision="reference"):
+            return lambda x, i, w, *f: mt.routed_moe_triton(x, i, w, *f, limit=limit, precision=precision,
+                                                            config=cfg_)
+        try:
+            row["triton_s"], row["triton_n"] = time_jax_loop(tri(cfg), varying, fixed, reps=args.reps)
+        except Exception as e:  # noqa: BLE001
+            row["triton_error"] = repr(e)[:500]
+            log(traceback.format_exc())
+        if T <= args.xla_max_tokens:
+            ref_op = lambda x, i, w, *f: moe_gemm.routed_moe_reference(x, i, w, *f, limit=limit)  # noqa: E731
+            try:
+                row["xla_ref_s"], row["xla_ref_n"] = time_jax_loop(ref_op, varying, fixed,
+                                                                   reps=3 if T >= 1024 else args.reps)
+                a = (xs[0], idxs[0], ws[0]) + fixed
+                ref = np.asarray(jax.jit(ref_op)(*a))
+                got = np.asarray(jax.jit(tri(cfg))(*a))
+                row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                row["max_abs_err_vs_ref"] = float(np.abs(got - ref).max())
+                row["nan"] = bool(np.isnan(got).any())
+            except Exception as e:  # noqa: BLE001
+                row["xla_ref_error"] = repr(e)[:500]
+                log(traceback.format_exc())
+        if not args.no_torch:
+            try:
+                row.update(torch_peers(gs0, T, k, d, I, E, limit, None))
+            except Exception as e:  # noqa: BLE001
+                row["torch_error"] = repr(e)[:300]
+        t = row.get("triton_s")
+        if t:
+            row["weight_TBps"] = wbytes / t / 1e12
+            row["TFLOPs"] = flops / t / 1e12
+            row["frac_of_roofline"] = t_roof / t
+            for name in ("xla_ref_s", "torch_grouped_mm_bf16_s", "torch_scaled_grouped_mm_fp8_s"):
+                if row.get(name):
+                    row["speedup_vs_" + name[:-2]] = row[name] / t
+        rows.append(row)
+        log(json.dumps({kk: (round(v, 6) if isinstance(v, float) else v) for kk, v in row.items()
+                        if kk != "config"}))
+        if args.variants and T in [int(v) for v in args.variant_tokens.split(",")]:
+            cands = {
+                "decode_cfg": moe_plan.DECODE_CONFIG,
+                "prefill_cfg": moe_plan.PREFILL_CONFIG,
+                "decode_cfg_tl_nibbles": moe_plan.MoeConfig(decode="tl"),
+                "decode_cfg_BN32": moe_plan.MoeConfig(BN_UP=32, BN_DOWN=32),
+                "decode_cfg_BN128_down": moe_plan.MoeConfig(BN_DOWN=128),
+                "prefill_cfg_BM64": moe_plan.MoeConfig(BM=64, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=4,
+                                                       warps_down=4, stages=3),
+            }
+            for name, c in cands.items():
+                for prec in (("reference", "bf16") if name in ("decode_cfg", "prefill_cfg") else ("reference",)):
+                    v = dict(T=T, variant=name, precision=prec)
+                    try:
+                        v["s"], _ = time_jax_loop(tri(c, prec), varying, fixed, reps=3)
+                        v["weight_TBps"] = wbytes / v["s"] / 1e12
+                        v["TFLOPs"] = flops / v["s"] / 1e12
+                    except Exception as e:  # noqa: BLE001
+                        v["error"] = repr(e)[:300]
+                    variants.append(v)
+                    log(json.dumps(v))
+        save()
+        del xs, idxs, ws, varying
+    return rows, variants
+
+
+def _fmt(v, scale=1e3, nd=3):
+    return "-" if v is None else f"{v * scale:.{nd}f}"
+
+
+def table(rows, ceilings):
+    lines = [f"copy {ceilings.get('copy_TBps', 0):.2f} TB/s, bf16 matmul {ceilings.get('bf16_TFLOPs', 0):.0f} TFLOP/s"
+             f", fp8 matmul {ceilings.get('fp8_matmul_TFLOPs_torch', 0):.0f} TFLOP/s (measured in this run)",
+             f"{'T':>6} {'slots':>6} {'act':>5} {'triton ms':>10} {'xla ms':>9} {'bf16peer':>9} {'fp8peer':>9} "
+             f"{'roof ms':>8} {'%roof':>6} {'wTB/s':>6} {'TFLOP/s':>8} {'xXLA':>6} {'xbf16':>6} {'xfp8':>6} {'relerr':>8}"]
+    for r in rows:
+        g = r.get
+        lines.append(
+            f"{r['T']:>6} {r['slots']:>6} {r['active_experts']:>5.0f} {_fmt(g('triton_s')):>10} {_fmt(g('xla_ref_s')):>9} "
+            f"{_fmt(g('torch_grouped_mm_bf16_s')):>9} {_fmt(g('torch_scaled_grouped_mm_fp8_s')):>9} "
+            f"{_fmt(g('roofline_s')):>8} {_fmt(g('frac_of_roofline'), 100, 1):>6} {_fmt(g('weight_TBps'), 1, 2):>6} "
+            f"{_fmt(g('TFLOPs'), 1, 0):>8} {_fmt(g('speedup_vs_xla_ref'), 1, 2):>6} "
+            f"{_fmt(g('speedup_vs_torch_grouped_mm_bf16'), 1, 2):>6} "
+            f"{_fmt(g('speedup_vs_torch_scaled_grouped_mm_fp8'), 1, 2):>6} "
+            f"{(format(g('rel_err_vs_ref'), '.1e') if g('rel_err_vs_ref') is not None else '-'):>8}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dsflash.bench kernels", description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="1,16,64,256,4096,16384", help="tokens per rank, comma-separated")
+    ap.add_argument("--experts", type=int, default=96, help="local routed experts")
+    ap.add_argument("--topk", type=int, default=6)
+    ap.add_argument("--d", type=int, default=5120)
+    ap.add_argument("--inter", type=int, default=2304)
+    ap.add_argument("--xla-max-tokens", type=int, default=4096, help="skip the XLA reference above this")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", action="store_true", help="also time other kernel configs / precisions")
+    ap.add_argument("--variant-tokens", default="16,256,4096")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
+    ap.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
+    ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # dry run of the code paths
+    args = ap.parse_args(argv)
+
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" and not args.allow_cpu:
+        print(f"bench kernels needs a CUDA GPU (jax sees {dev.platform}); set JAX_PLATFORMS=cuda", file=sys.stderr)
+        return 2
+    log_lines = []
+
+    def log(s):
+        log_lines.append(s)
+        print(s, flush=True)
+
+    versions = {"python": platform.python_version(), "jax": jax.__version__}
+    for m in ("jaxlib", "triton", "jax_triton", "torch"):
+        try:
+            versions[m] = __import__(m).__version__
+        except Exception:  # noqa: BLE001
+            versions[m] = None
+    t0 = time.time()
+    now = _dt.datetime.now(_dt.timezone.utc)
+    kind = dev.device_kind.replace(" ", "_").lower()
+    out_dir = args.out or os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    short = "h200" if "h200" in kind else kind
+    path = os.path.join(out_dir, f"kernels_{now.strftime('%Y%m%d')}_{short}.json")
+    result = dict(benchmark="kernels/moe_gemm", device=dev.device_kind, commit=_commit(),
+                  date=now.isoformat(timespec="seconds"), versions=versions,
+                  command="python -m dsflash.bench kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+                  config=dict(d=args.d, inter=args.inter, experts=args.experts, topk=args.topk,
+                              tokens=args.tokens, reps=args.reps,
+                              weights="MXFP4 (E2M1 + UE8M0/32), random bytes, scales 2^-8..2^-4",
+                              precision="reference (FP8 E4M3/32 activations)", routing="uniform random distinct"),
+                  ceilings={}, moe_gemm=[], moe_gemm_variants=[])
+
+    def save():   # after every size, so a run cut short still leaves its numbers
+        result["wall_s"] = time.time() - t0
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result["ceilings"] = ceilings = measure_ceilings(args.quick)
+    log(json.dumps(ceilings))
+    save()
+    rows, variants = bench_moe(args, ceilings, log, result["moe_gemm"], result["moe_gemm_variants"], save)
+    save()
+    print(f"\nwrote {path}")
+    if variants:
+        print("variants (ms):")
+        for v in variants:
+            print(f"  T={v['T']:>6} {v['variant']:<24} {v['precision']:<9} "
+                  f"{_fmt(v.get('s')) if v.get('s') else v.get('error', '')[:60]:>10} "
+                  f"wTB/s {v.get('weight_TBps', 0):.2f} TFLOP/s {v.get('TFLOPs', 0):.0f}")
+    print(table(rows, ceilings))
+    return 0

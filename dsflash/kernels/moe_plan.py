@@ -1,0 +1,96 @@
+"""Pure-JAX planning for the Triton MoE grouped GEMM (no Triton import, runs on CPU): kernel configs, the
+expert-sorted tile schedule and the activation preparation. Tested on CPU in tests/test_kernels_moe_plan.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from dsflash.model import quant
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    BM: int = 16          # token rows per tile (never crosses an expert)
+    BN_UP: int = 64       # columns of I per program in the gate/up kernel (multiple of 32)
+    BN_DOWN: int = 64     # columns of d per program in the down kernel
+    KSUB: int = 4         # 32-wide K blocks per loop iteration
+    warps_up: int = 4
+    warps_down: int = 4
+    stages: int = 4
+    decode: str = "asm"   # "asm" | "tl"
+
+
+DECODE_CONFIG = MoeConfig()
+PREFILL_CONFIG = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
+
+
+def pick_config(rows: int, experts: int) -> MoeConfig:
+    return DECODE_CONFIG if rows <= 32 * experts else PREFILL_CONFIG
+
+
+def tile_schedule(idx, E: int, BM: int):
+    """Sort the T*k slots by expert (stable) and cut them into M-tiles that never cross an expert.
+
+    Returns (order, tile_e, tile_start, tile_end): order [S] slot ids in sorted order; per tile the expert
+    (-1 for spare tiles), first sorted row, and the end row of that expert's run."""
+    flat_e = idx.reshape(-1).astype(jnp.int32)
+    S = flat_e.shape[0]
+    order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
+    gs = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    offs = jnp.cumsum(gs) - gs
+    ntile = (gs + BM - 1) // BM
+    tcum = jnp.cumsum(ntile)
+    TM = num_tiles(S, E, BM)
+    t = jnp.arange(TM, dtype=jnp.int32)
+    e_of_t = jnp.searchsorted(tcum, t, side="right").astype(jnp.int32)
+    valid = e_of_t < E
+    ec = jnp.minimum(e_of_t, E - 1)
+    local = t - (tcum[ec] - ntile[ec])
+    tile_start = offs[ec] + local * BM
+    tile_end = offs[ec] + gs[ec]
+    tile_e = jnp.where(valid, ec, -1).astype(jnp.int32)
+    return order, tile_e, tile_start.astype(jnp.int32), tile_end.astype(jnp.int32)
+
+
+def num_tiles(S: int, E: int, BM: int) -> int:
+    return S // BM + min(E, S)
+
+
+def prepare(x, idx, weight, *, E, BM, act_fp8):
+    """Everything the kernels read besides the weights (pure JAX)."""
+    T, d = x.shape
+    k = idx.shape[1]
+    order, tile_e, tile_s, tile_end = tile_schedule(idx, E, BM)
+    tok = order // k
+    rw = weight.reshape(-1).astype(jnp.float32)[order]
+    xb = x.astype(jnp.bfloat16)
+    if act_fp8:
+        xq, xs = quant.fp8_quant(xb, 32)
+    else:
+        xq, xs = xb, jnp.zeros((T, d // 32), jnp.float32)
+    return dict(xq=xq, xs=xs, tok=tok, rw=rw, order=order, tile_e=tile_e, tile_s=tile_s, tile_end=tile_end)
+
+
+def random_moe_problem(key, T: int, k: int, E: int, d: int, I: int, *, scale_range=(119, 123), x_scale=1.0):
+    """Fresh random inputs in the checkpoint formats (tests and benchmarks): x bf16 [T, d]; distinct experts per
+    token (top-k of Gumbel noise); positive routing weights summing to 1.5 (V4.1); MXFP4 weights as random
+    nibble bytes (every byte is a valid E2M1 pair) with UE8M0 scales drawn from ``scale_range``."""
+    import jax
+
+    ks = jax.random.split(key, 10)
+    x = (jax.random.normal(ks[0], (T, d), jnp.float32) * x_scale).astype(jnp.bfloat16)
+    idx = jax.lax.top_k(jax.random.gumbel(ks[1], (T, E)), k)[1].astype(jnp.int32)
+    s = jax.random.uniform(ks[2], (T, k), jnp.float32, 0.1, 1.0)
+    weight = s / jnp.sum(s, axis=-1, keepdims=True) * 1.5
+
+    def mx(kw, ks_, shape):
+        w = jax.random.randint(kw, shape[:-1] + (shape[-1] // 2,), -128, 128, jnp.int32).astype(jnp.int8)
+        sc = jax.random.randint(ks_, shape[:-1] + (shape[-1] // 32,), scale_range[0], scale_range[1] + 1,
+                                jnp.int32).astype(jnp.uint8)
+        return w, sc
+
+    w1, s1 = mx(ks[3], ks[4], (E, I, d))
+    w3, s3 = mx(ks[5], ks[6], (E, I, d))
+    w2, s2 = mx(ks[7], ks[8], (E, d, I))
+    return x, idx, weight, w1, s1, w3, s3, w2, s2

@@ -1,0 +1,35 @@
+"""GPU tests: skipped unless jax sees a CUDA GPU and jax-triton imports.
+
+The root conftest defaults JAX_PLATFORMS to cpu, so on the GPU machine run
+``JAX_PLATFORMS=cuda python -m pytest tests/gpu``."""
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason():
+    try:
+        import jax
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            return "no CUDA GPU visible to jax (set JAX_PLATFORMS=cuda on a GPU machine)"
+    except Exception as e:  # noqa: BLE001
+        return f"jax has no GPU backend: {e}"
+    try:
+        import jax_triton  # noqa: F401
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"jax-triton / triton not importable: {e}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    mine = [it for it in items if "tests/gpu/" in str(it.fspath).replace("\\", "/")]
+    if not mine:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for it in mine:
+        it.add_marker(skip)
