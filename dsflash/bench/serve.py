@@ -243,9 +243,7 @@ class _Lane:
 
     async def warmup_done(self) -> None:
         p = self.point
-        p.warm_lanes += 1
-        if p.warm_lanes >= p.concurrency:
-            p.all_warm.set()
+        p.lane_warm(self.lane)
         await p.profile_open.wait()
         if p.stop.is_set():
             raise StopLane()
@@ -263,8 +261,13 @@ class PointRun:
         self.issued = 0
         self.seq = 0
         self.in_flight = 0
-        self.warm_lanes = 0
+        self.warm_lanes: set[int] = set()
         self.lane_errors: list[str] = []
+
+    def lane_warm(self, lane: int) -> None:
+        self.warm_lanes.add(lane)
+        if len(self.warm_lanes) >= self.concurrency:
+            self.all_warm.set()
 
     async def _lane_main(self, i: int) -> None:
         try:
@@ -275,9 +278,7 @@ class PointRun:
             raise
         except Exception as e:  # a workload bug must not hang the run
             self.lane_errors.append(f"lane {i}: {type(e).__name__}: {e}")
-            self.warm_lanes += 1      # never block the barrier on a dead lane
-            if self.warm_lanes >= self.concurrency:
-                self.all_warm.set()
+            self.lane_warm(i)         # never block the barrier on a dead lane
 
     async def run(self) -> dict:
         self.stop = asyncio.Event()
