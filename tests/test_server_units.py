@@ -240,3 +240,74 @@ def test_async_engine_failure_fails_requests_instead_of_hanging():
     asyncio.run(asyncio.wait_for(main(), 10))
     assert not eng.is_running
     eng.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- tool calls over HTTP
+class ScriptedEngine:
+    """Factory of a DummyEngine that 'generates' a fixed text (then EOS), token by token."""
+
+    @staticmethod
+    def make(script: str):
+        from dsflash.serve.http.dummy_engine import DummyEngine
+
+        class _E(DummyEngine):
+            def _choose(self, r):
+                if not hasattr(self, "_ids"):
+                    self._ids = self.tokenizer.encode(script)
+                k = len(r.token_ids)
+                return self._ids[k] if k < len(self._ids) else self.tokenizer.eos_id
+
+        return _E("scripted", step_delay_s=0.0, max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def scripted_client():
+    import openai
+    from starlette.testclient import TestClient
+
+    from dsflash.serve.http.app import build_app
+
+    eng = AsyncEngine(lambda: ScriptedEngine.make("checking</think>" + WEATHER_CALL))
+    eng.start()
+    with TestClient(build_app(eng, "scripted")) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    eng.shutdown()
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_tool_calls_through_the_http_layer(scripted_client):
+    kw = dict(model="scripted", messages=[{"role": "user", "content": "Weather in Paris for 3 days?"}],
+              tools=TOOLS, reasoning_effort="low", max_tokens=400)
+    r = scripted_client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.content == "Let me check."
+    assert ch.message.reasoning_content == "checking"
+    assert [tc.function.name for tc in ch.message.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(ch.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
+    # streamed: the same calls assembled from deltas, the same finish reason
+    calls, content, reasoning, finish = {}, "", "", None
+    for chunk in scripted_client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"name": "", "args": "", "id": None})
+            c["id"] = tc.id or c["id"]
+            if tc.function and tc.function.name:
+                c["name"] = tc.function.name
+            if tc.function and tc.function.arguments:
+                c["args"] += tc.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == "Let me check." and reasoning == "checking"
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["args"]) == {"city": "Paris", "days": 3} and all(c["id"] for c in calls.values())
+    # tool_choice none: no parsing, the DSML stays text (thinking still split)
+    r = scripted_client.chat.completions.create(**dict(kw, tool_choice="none", reasoning_effort=None))
+    assert r.choices[0].message.tool_calls is None and "invoke" in r.choices[0].message.content

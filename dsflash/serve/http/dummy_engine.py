@@ -111,12 +111,7 @@ class DummyEngine:
         eos = self.tokenizer.eos_id
         for r in list(self._running):
             p = r.params
-            if p.temperature == 0.0:
-                tok = self._vocab[(sum(r.prompt_ids) + 7 * len(r.token_ids)) % len(self._vocab)]
-            elif not p.ignore_eos and r.rng.random() < self.eos_prob:
-                tok = eos
-            else:
-                tok = r.rng.choice(self._vocab)
+            tok = self._choose(r)
             r.token_ids.append(tok)
             now = time.time()
             if r.metrics.first_token_time is None:
@@ -149,6 +144,15 @@ class DummyEngine:
                                           list(r.logprobs) if r.logprobs is not None else None)],
                 finished=r.finish_reason is not None, metrics=r.metrics))
         return outs
+
+    def _choose(self, r: _Req) -> int:
+        """The next token of ``r`` (subclasses may script it)."""
+        p = r.params
+        if p.temperature == 0.0:
+            return self._vocab[(sum(r.prompt_ids) + 7 * len(r.token_ids)) % len(self._vocab)]
+        if not p.ignore_eos and r.rng.random() < self.eos_prob:
+            return self.tokenizer.eos_id
+        return r.rng.choice(self._vocab)
 
     def metrics_snapshot(self) -> dict:
         used = sum(len(r.prompt_ids) + len(r.token_ids) for r in self._running)
