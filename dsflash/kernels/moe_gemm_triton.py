@@ -83,14 +83,14 @@ def _e2m1_to_e4m3_asm(p):
 
 @triton.jit
 def _fp8_to_bf16(w, DECODE: tl.constexpr):
-    if DECODE == "asm":
+    if DECODE == 1:
         return w.to(tl.bfloat16)
     return w.to(tl.float32).to(tl.bfloat16)   # Triton's interpreter mis-converts fp8 -> bf16 directly
 
 
 @triton.jit
 def _dot_bf16(a, b, DECODE: tl.constexpr):
-    if DECODE == "asm":
+    if DECODE == 1:
         return tl.dot(a, b)
     # "tl" mode exists for Triton's interpreter, whose bf16 dot is wrong: bf16 products are exact in fp32,
     # so an IEEE fp32 dot of the same values is the same math.
@@ -108,7 +108,7 @@ def _load_w_block(w_base, s_base, offs_n, kb, KPACK: tl.constexpr, KSC: tl.const
     """One 32-wide K block of an expert's [N, K] MXFP4 matrix: (float8 [BN, 32] worth value*2^-6, scale [BN])."""
     p = tl.load(w_base + offs_n[:, None] * KPACK + kb * 16 + tl.arange(0, 16)[None, :])
     s = tl.load(s_base + offs_n * KSC + kb)
-    if DECODE == "asm":
+    if DECODE == 1:
         w = _e2m1_to_e4m3_asm(p)
     else:
         w = _e2m1_to_e4m3_tl(p)
@@ -291,14 +291,14 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
         kernel=_moe_up_kernel,
         out_shape=(jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32)),
         grid=(TM, I // cfg.BN_UP), num_warps=cfg.warps_up, num_stages=cfg.stages,
-        D=d, I=I, LIMIT=float(limit), BM=cfg.BM, BN=cfg.BN_UP, KSUB=cfg.KSUB, ACT_FP8=act_fp8,
-        DECODE=cfg.decode)
+        D=d, I=I, LIMIT=float(limit), BM=cfg.BM, BN=cfg.BN_UP, KSUB=cfg.KSUB, ACT_FP8=int(act_fp8),
+        DECODE=int(cfg.decode == "asm"))
     o = jt.triton_call(
         hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2,
         kernel=_moe_down_kernel,
         out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
         grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
-        D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, KSUB=cfg.KSUB, ACT_FP8=act_fp8, DECODE=cfg.decode)
+        D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, KSUB=cfg.KSUB, ACT_FP8=int(act_fp8), DECODE=int(cfg.decode == "asm"))
     out = jnp.sum(o.reshape(T, k, d).astype(jnp.float32), axis=1)
     if return_intermediates:
         return out, dict(p, hq=hq, hs=hs, o=o)
