@@ -284,3 +284,18 @@ def test_requests_still_running_after_drain_are_cancelled_and_fail(fake_server, 
     assert m["completed"] == 0 and m["failed"] == 2 and not m["valid"]
     assert any("cancelled" in e for e in m["errors"])
     assert any("drain" in n for n in p["notes"])
+
+
+def test_compare_two_sweeps_at_fixed_interactivity(tmp_path, capsys):
+    def result(label, pts):
+        return {"label": label, "commit": "c" * 40, "summary": [
+            {"concurrency": c, "valid": True, "p90_interactivity": {"median": x},
+             "output_throughput_per_gpu": {"median": y}} for c, (x, y) in enumerate(pts)]}
+    base = tmp_path / "base.json"
+    new = tmp_path / "new.json"
+    base.write_text(json.dumps(result("base", [(60, 100), (40, 200), (15, 400)])))
+    new.write_text(json.dumps(result("new", [(60, 150), (40, 300), (25, 500)])))
+    assert bench_serve.main(["--compare", str(base), str(new), "--at-interactivity", "40,60,20"]) == 0
+    out = capsys.readouterr().out
+    assert "40 tok/s/user" in out and "ratio 1.500" in out           # both measured exactly at 40 and 60
+    assert "n/a (outside a measured range)" in out                    # 20 is beyond the new sweep

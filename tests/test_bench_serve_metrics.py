@@ -164,3 +164,22 @@ def test_warmup_records_never_count(records):
     m_measured = compute_metrics(records[:4], duration_s=4.0)
     for k in ("completed", "total_input_tokens", "total_output_tokens", "ttft_ms", "itl_ms"):
         assert m_all[k] == m_measured[k]
+
+
+def test_pareto_front_and_monotone_interpolation():
+    from dsflash.bench.serve_metrics import monotone_interpolate, pareto_front, throughput_at_interactivity
+    pts = [(10, 100), (20, 80), (15, 70), (30, 40), (5, 90)]      # (15, 70) and (5, 90) are dominated
+    assert pareto_front(pts) == [(10.0, 100.0), (20.0, 80.0), (30.0, 40.0)]
+    xs, ys = [10.0, 20.0, 30.0], [100.0, 80.0, 40.0]
+    # through the data points, none outside the measured range, linear data stays linear
+    assert [monotone_interpolate(xs, ys, x) for x in (10, 20, 30)] == [100, 80, 40]
+    assert monotone_interpolate(xs, ys, 9.9) is None and monotone_interpolate(xs, ys, 30.1) is None
+    assert monotone_interpolate([0, 1, 2], [0, 2, 4], 0.5) == pytest.approx(1.0)
+    # monotone and without overshoot on a sharply bent front
+    xs2, ys2 = [1.0, 2.0, 3.0, 10.0], [1000.0, 999.0, 100.0, 99.0]
+    grid = [1 + i * 0.01 for i in range(901)]
+    vals = [monotone_interpolate(xs2, ys2, x) for x in grid]
+    assert all(a >= b - 1e-9 for a, b in zip(vals, vals[1:]))
+    assert max(vals) <= 1000 + 1e-9 and min(vals) >= 99 - 1e-9
+    got = throughput_at_interactivity(pts, [15, 50])
+    assert got["50"] is None and 80 < got["15"] < 100

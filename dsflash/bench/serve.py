@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from dsflash.bench.serve_metrics import (
-    DEFAULT_PERCENTILES, RequestRecord, compute_metrics, format_summary, parse_slos)
+    DEFAULT_PERCENTILES, RequestRecord, compute_metrics, format_summary, parse_slos, throughput_at_interactivity)
 from dsflash.bench.workloads import (
     AgentXConfig, AgentXWorkload, FixedConfig, FixedWorkload, RequestSpec, StopLane, tokenish)
 
@@ -419,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=2000,tpot=50 (also e2el, itl)")
     g.add_argument("--percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES),
                    help="latency percentiles (p90 is always included)")
+    g.add_argument("--at-interactivity", default="20,50",
+                   help="p90 interactivity targets (tok/s/user) at which to read output tok/s/GPU off the sweep's "
+                        "Pareto front by monotone interpolation (default %(default)s)")
+    g.add_argument("--compare", nargs=2, metavar=("BASE.json", "NEW.json"), default=None,
+                   help="run nothing: print NEW / BASE output tok/s/GPU ratios at the --at-interactivity targets")
     g.add_argument("--label", default=None, help="result label (default: <workload>)")
     g.add_argument("--device", default="", help="free-text description of the server hardware, recorded in the JSON")
     g.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"))
@@ -620,7 +625,37 @@ async def run_benchmark(args) -> dict:
             sys.stdout.flush()
         result.setdefault("summary", []).append({"concurrency": conc, **_summarise(reps)})
     result["valid"] = all(s["valid"] for s in result["summary"])
+    result["output_throughput_per_gpu_at_p90_interactivity"] = sweep_at_interactivity(
+        result, _targets(args.at_interactivity))
     return result
+
+
+def _targets(spec: str) -> list[float]:
+    return [float(x) for x in spec.split(",") if x.strip()]
+
+
+def sweep_at_interactivity(result: dict, targets: list[float]) -> dict:
+    """Output tok/s/GPU at fixed p90 interactivity from a result's valid sweep points (medians)."""
+    pts = [(s["p90_interactivity"]["median"], s["output_throughput_per_gpu"]["median"])
+           for s in result.get("summary", []) if s.get("valid") and "p90_interactivity" in s
+           and "output_throughput_per_gpu" in s]
+    return throughput_at_interactivity(pts, targets)
+
+
+def compare_results(base_path: str, new_path: str, targets: list[float]) -> str:
+    base, new = (json.loads(Path(p).read_text()) for p in (base_path, new_path))
+    a, b = sweep_at_interactivity(base, targets), sweep_at_interactivity(new, targets)
+    lines = [f"output tok/s/GPU at fixed p90 interactivity: {new.get('label')} ({str(new.get('commit'))[:10]}) "
+             f"vs {base.get('label')} ({str(base.get('commit'))[:10]})"]
+    for k in a:
+        ratio = (b[k] / a[k]) if a[k] and b[k] is not None else None
+        lines.append(f"  {k:>6} tok/s/user: base {_fmt(a[k])}  new {_fmt(b[k])}  ratio "
+                     + (f"{ratio:.3f}" if ratio is not None else "n/a (outside a measured range)"))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:10.2f}" if v is not None else "       n/a"
 
 
 def _ratio(recs) -> Optional[float]:
@@ -653,6 +688,13 @@ def save_results(result: dict, out_dir: str, plot: bool = True) -> tuple[Path, O
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare:
+        try:
+            print(compare_results(*args.compare, _targets(args.at_interactivity)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         result = asyncio.run(run_benchmark(args))
     except (ValueError, RuntimeError) as e:
@@ -661,6 +703,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:  # e.g. the server is not there
         print(f"bench serve: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    at = result["output_throughput_per_gpu_at_p90_interactivity"]
+    print("output tok/s/GPU at p90 interactivity: "
+          + ", ".join(f"{k} tok/s/user -> {_fmt(v).strip()}" for k, v in at.items()))
     if not args.no_save:
         json_path, png = save_results(result, args.out_dir, plot=not args.no_plot)
         print(f"results: {json_path}" + (f"\nplot:    {png}" if png else ""))

@@ -334,3 +334,56 @@ def format_summary(m: dict, title: str = "Serving benchmark result") -> str:
         lines.append("INVALID RUN: " + "; ".join(m["invalid_reasons"]))
     lines.append("=" * w)
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# comparing sweeps at fixed interactivity (AgentX / InferenceX style)
+# ----------------------------------------------------------------------------------------------
+def pareto_front(points: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (interactivity, throughput) points no other point beats on both axes (higher is better
+    on both), sorted by interactivity; throughput then falls as interactivity rises."""
+    pts = sorted({(float(x), float(y)) for x, y in points if x is not None and y is not None},
+                 key=lambda p: (-p[0], -p[1]))
+    front: list[tuple[float, float]] = []
+    best_y = -math.inf
+    for x, y in pts:                      # from the most interactive point down
+        if y > best_y:
+            front.append((x, y))
+            best_y = y
+    return sorted(front)
+
+
+def monotone_interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> Optional[float]:
+    """Monotone piecewise-cubic Hermite interpolation (Fritsch–Carlson) through (xs, ys), xs strictly
+    increasing; None outside [xs[0], xs[-1]] (no extrapolation). Never overshoots the data."""
+    n = len(xs)
+    if n == 0 or x < xs[0] or x > xs[-1]:
+        return None
+    if n == 1:
+        return float(ys[0])
+    h = [xs[i + 1] - xs[i] for i in range(n - 1)]
+    d = [(ys[i + 1] - ys[i]) / h[i] for i in range(n - 1)]
+    m = [0.0] * n
+    m[0], m[-1] = d[0], d[-1]
+    for i in range(1, n - 1):
+        if d[i - 1] * d[i] <= 0:
+            m[i] = 0.0
+        else:                              # weighted harmonic mean keeps the interpolant monotone
+            w1, w2 = 2 * h[i] + h[i - 1], h[i] + 2 * h[i - 1]
+            m[i] = (w1 + w2) / (w1 / d[i - 1] + w2 / d[i])
+    for i in range(n - 1):                 # end slopes: clip to keep monotonicity
+        if d[i] == 0:
+            m[i] = m[i + 1] = 0.0
+    k = max(i for i in range(n - 1) if xs[i] <= x) if x < xs[-1] else n - 2
+    t = (x - xs[k]) / h[k]
+    h00, h10 = 2 * t ** 3 - 3 * t ** 2 + 1, t ** 3 - 2 * t ** 2 + t
+    h01, h11 = -2 * t ** 3 + 3 * t ** 2, t ** 3 - t ** 2
+    return float(h00 * ys[k] + h10 * h[k] * m[k] + h01 * ys[k + 1] + h11 * h[k] * m[k + 1])
+
+
+def throughput_at_interactivity(points: Iterable[tuple[float, float]], targets: Iterable[float]) -> dict:
+    """Output tokens/s/GPU at each target p90 interactivity (tok/s/user), read off the Pareto front
+    of a sweep by monotone interpolation; None where the sweep does not reach the target."""
+    front = pareto_front(points)
+    xs, ys = [p[0] for p in front], [p[1] for p in front]
+    return {f"{t:g}": monotone_interpolate(xs, ys, float(t)) for t in targets}
