@@ -25,7 +25,7 @@ def spec_engine():
 
 @pytest.fixture(scope="module")
 def plain_engine():
-    return make(False)
+    return make(False, async_scheduling=False)   # the spec engine schedules asynchronously (the default)
 
 
 def prompts(n, seed=0, lo=3, hi=60):
@@ -94,7 +94,7 @@ def test_prefix_cache_hits_equal_misses(spec_engine):
 
 def test_tiny_pool_preempts_and_completes_everything():
     eng = make(True, num_pages=14)                                  # one max-length sequence needs 13 pages
-    ref = make(True)
+    ref = make(True, async_scheduling=False)
     ps = prompts(6, seed=3, lo=20, hi=40)
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     items = [(f"p{i}", p, sp) for i, p in enumerate(ps)]

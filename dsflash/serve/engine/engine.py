@@ -61,6 +61,9 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
         self.last_token_time = None
         self.detok = None            # IncrementalDetokenizer when the model has a tokenizer
+        self.pending = 0             # upper bound of tokens that dispatched, unprocessed calls may add
+        self.pending_lb = 0          # tokens they add unless the sequence finishes
+        self.last_slot = None
 
     @property
     def all_ids(self):
@@ -101,6 +104,7 @@ class LLMEngine:
         self.prefix_replay = opts.pop("prefix_replay", "bounded")
         if self.prefix_replay not in ("bounded", "exact"):
             raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window) or 'exact'")
+        self.async_scheduling = bool(opts.pop("async_scheduling", True))
         self.draft_sampling = bool(opts.pop("draft_sampling", getattr(be, "supports_row_keys", True)))
         buckets = opts.pop("prefill_buckets", None)
         if opts:
@@ -134,6 +138,7 @@ class LLMEngine:
         self.running: list[Sequence] = []
         self.groups: dict[str, list[Sequence]] = {}
         self._pending_outputs: dict[str, RequestOutput] = {}
+        self._inflight = None
         # per-slot host mirrors of what the decode call needs
         self._pt = np.zeros((max_num_seqs, self.pages_per_seq), np.int32)
         self._sp = R.empty_sampling(max_num_seqs, self.max_stop_ids)
@@ -245,7 +250,7 @@ class LLMEngine:
         self._retire_group(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_outputs)
+        return bool(self.waiting or self.running or self._pending_outputs or self._inflight is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
@@ -256,6 +261,7 @@ class LLMEngine:
             self.pool.free(s.pages)
             s.pages = []
         if s.slot is not None:
+            s.last_slot = s.slot
             self.slots.free(s.slot)
             self._pt[s.slot] = 0
             s.slot = None
@@ -272,6 +278,7 @@ class LLMEngine:
                 pass
         elif s in self.running:
             self.running.remove(s)
+            self._register(s, s.computed if s.status == PREFILL else len(s.all_ids) - 1)
         self._free(s)
         s.status = FINISHED
         now = time.time()
@@ -383,8 +390,11 @@ class LLMEngine:
         for s in sorted([s for s in self.running if s.status == DECODE], key=lambda v: v.order):
             if s.status != DECODE:
                 continue  # preempted while growing an older sequence
-            pos = len(s.all_ids) - 2
-            h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids)))
+            pos = len(s.all_ids) - 2 + s.pending
+            rem = s.params.max_tokens - len(s.out_ids) - s.pending_lb
+            if rem <= 0:
+                continue                          # finishes with what is in flight
+            h = min(self.decode_steps, rem)
             if not self._grow(s, pos + 1 + h * K1):
                 if not self._grow(s, pos + 1 + K1):
                     self._preempt(s)
@@ -394,7 +404,7 @@ class LLMEngine:
         decode = [(s, h) for s, h in decode if s.status == DECODE]
         # 2. admission, strictly FCFS
         while self.waiting and self.slots.num_free:
-            if not self._admit(self.waiting[0]):
+            if self.waiting[0].pending or not self._admit(self.waiting[0]):
                 break
             self.waiting.popleft()
         # 3. prefill chunks into the best bucket
@@ -433,30 +443,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """One scheduling step. With ``async_scheduling`` (default) the device work of this step is
+        dispatched *before* the results of the previous step are read back and processed, so host work
+        (output processing, detokenisation, stop strings, the next schedule) overlaps the device."""
         t_start = time.perf_counter()
         c0 = R.compile_count()
         progressed: set[str] = set()
         plan, decode = self._schedule()
-        pf_res = dc_res = None
-        if plan:
-            pf_inp = self._prefill_inputs(*plan)
-            pf_res = self.runner.prefill(pf_inp)
-            self.metrics.num_prefill_calls += 1
-        if decode:
-            dc_inp = self._decode_inputs(decode)
-            dc_res = self.runner.decode(dc_inp)
-            self.metrics.num_decode_calls += 1
-        t_dispatched = time.perf_counter()
-        if pf_res is not None:
-            pf_res = jax.device_get(pf_res)
-        if dc_res is not None:
-            dc_res = jax.device_get(dc_res)
-        t_ready = time.perf_counter()
-        now = time.time()
-        if plan:
-            self._process_prefill(plan[1], pf_res, now, progressed)
-        if decode:
-            self._process_decode(decode, dc_res, now, progressed)
+        rec = self._dispatch(plan, decode)
+        if self.async_scheduling:
+            todo, self._inflight = self._inflight, rec
+        else:
+            todo = rec
+        wait = 0.0
+        if todo is not None:
+            wait = self._process(todo, progressed)
         outs = [self._make_output(rid) for rid in progressed if rid in self.groups]
         for rid in [o.request_id for o in outs]:
             self._retire_group(rid)
@@ -466,7 +467,7 @@ class LLMEngine:
         m = self.metrics
         m.num_steps += 1
         m.step_time.append(t_end - t_start)
-        m.host_time.append((t_dispatched - t_start) + (t_end - t_ready))
+        m.host_time.append(t_end - t_start - wait)
         m.num_running = len(self.running)
         m.num_waiting = len(self.waiting)
         m.kv_pages_used = self.pool.num_used
@@ -474,6 +475,49 @@ class LLMEngine:
         self._compiles_in_steps += R.compile_count() - c0
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
+
+    def _dispatch(self, plan, decode):
+        """Launch this step's device programs (asynchronously) and advance the optimistic host state."""
+        if not plan and not decode:
+            return None
+        rec = {"prefill": None, "decode": None}
+        if plan:
+            bucket, chunks = plan
+            inp = self._prefill_inputs(bucket, chunks)
+            res = self.runner.prefill(inp)
+            items = []
+            for s, n in chunks:
+                last = s.computed + n == len(s.all_ids)
+                s.computed += n
+                if last:
+                    s.status = DECODE
+                    s.pending += 1
+                    s.pending_lb += 1
+                items.append((s, n, last))
+            rec["prefill"] = (items, res)
+            self.metrics.num_prefill_calls += 1
+        if decode:
+            inp = self._decode_inputs(decode)
+            res = self.runner.decode(inp)
+            for s, h in decode:
+                s.pending += h * self.K1
+                s.pending_lb += h
+            rec["decode"] = (decode, res)
+            self.metrics.num_decode_calls += 1
+        return rec
+
+    def _process(self, rec, progressed) -> float:
+        """Read back one dispatched step and apply it; returns the seconds spent waiting for the device."""
+        t0 = time.perf_counter()
+        pf = jax.device_get(rec["prefill"][1]) if rec["prefill"] else None
+        dc = jax.device_get(rec["decode"][1]) if rec["decode"] else None
+        wait = time.perf_counter() - t0
+        now = time.time()
+        if pf is not None:
+            self._process_prefill(rec["prefill"][0], pf, now, progressed)
+        if dc is not None:
+            self._process_decode(rec["decode"][0], dc, now, progressed)
+        return wait
 
     def _prefill_inputs(self, bucket, plan):
         inp = self.runner.empty_prefill_inputs(bucket)
@@ -550,15 +594,15 @@ class LLMEngine:
         self._finish(s, reason, stop_reason)
         return True
 
-    def _process_prefill(self, plan, res, now, progressed):
-        for r, (s, n) in enumerate(plan):
-            if s.status != PREFILL:
-                continue
-            s.computed += n
+    def _process_prefill(self, items, res, now, progressed):
+        for r, (s, n, last) in enumerate(items):
             self.metrics.computed_prompt_tokens += n
+            if s.finished:
+                continue
             self._register(s, s.computed)
-            if s.computed == len(s.all_ids):
-                s.status = DECODE
+            if last:
+                s.pending -= 1
+                s.pending_lb -= 1
                 lps = (res["lp"][r:r + 1], res["top_ids"][r:r + 1], res["top_lp"][r:r + 1])
                 self._append(s, [int(res["tok"][r])], lps, now)
                 progressed.add(s.request_id)
@@ -567,9 +611,11 @@ class LLMEngine:
         m = self.metrics
         m.num_decode_iters += int(res["iters"])
         for s, h in decode:
-            if s.status != DECODE:
+            s.pending -= h * self.K1
+            s.pending_lb -= h
+            if s.finished:
                 continue
-            i = s.slot
+            i = s.slot if s.slot is not None else s.last_slot
             n = int(res["n_out"][i])
             if self.speculative:
                 nd = int(res["drafts"][i])
@@ -591,11 +637,12 @@ class LLMEngine:
             self._append(s, toks, lps, now)
             progressed.add(s.request_id)
             if s.status == DECODE:
-                assert int(res["pos"][i]) == len(s.all_ids) - 2, (int(res["pos"][i]), len(s.all_ids))
+                if s.pending == 0:
+                    assert int(res["pos"][i]) == len(s.all_ids) - 2, (int(res["pos"][i]), len(s.all_ids))
                 self._register(s, len(s.all_ids) - 1)
 
     def _register(self, s: Sequence, committed: int):
-        if not self.prefix_caching:
+        if not self.prefix_caching or not s.pages:
             return
         P = self.page_size
         full = committed // P

@@ -18,6 +18,7 @@ penalties), so the host only sends page tables and sampling parameters (small ar
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
@@ -98,6 +99,7 @@ class Runner:
         self.rows = self._init_rows()
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+        self._compiled: dict = {}
 
     # ------------------------------------------------------------------ state
     def _init_rows(self):
@@ -301,15 +303,27 @@ class Runner:
         return max(b[1] for b in self.prefill_buckets)
 
     def prefill(self, inp):
-        self.state, self.rows, res = self._prefill(self.params, self.state, self.rows, inp)
+        fn = self._compiled.get(("prefill", inp["tokens"].shape)) or self._prefill
+        self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
     def decode(self, inp):
-        self.state, self.rows, res = self._decode(self.params, self.state, self.rows, inp)
+        fn = self._compiled.get(("decode",)) or self._decode
+        self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
-    def warmup(self):
-        """Compile every bucket (dummy rows write nothing) and wait for it."""
+    def warmup(self, threads: int | None = None):
+        """Compile every bucket ahead of time (concurrently: XLA compiles release the GIL), then run each
+        once with dummy rows (which write nothing). Serving calls the compiled executables directly, so a
+        shape outside the buckets is an error, never a silent recompile."""
+        from concurrent.futures import ThreadPoolExecutor
+        jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
+        jobs.append((("decode",), self._decode, self.empty_decode_inputs()))
+        lowered = [(key, fn.lower(self.params, self.state, self.rows, inp)) for key, fn, inp in jobs]
+        threads = threads or int(os.environ.get("DSFLASH_COMPILE_THREADS", "1"))
+        with ThreadPoolExecutor(threads) as ex:
+            compiled = list(ex.map(lambda kl: (kl[0], kl[1].compile()), lowered))
+        self._compiled = dict(compiled)
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
         jax.block_until_ready(self.decode(self.empty_decode_inputs()))
