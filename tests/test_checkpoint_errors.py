@@ -63,6 +63,16 @@ def test_pristine_loads(pristine):
     load(pristine)
 
 
+def test_check_cli(pristine, ckpt, capsys):
+    """python -m dsflash.checkpoint FOLDER validates from headers; exit 1 with the loader's message."""
+    from dsflash.checkpoint.__main__ import main
+    assert main([pristine]) == 0
+    assert '"ignored_vision": 5' in capsys.readouterr().out
+    os.remove(ckpt / weight_map(ckpt)["norm.weight"])
+    assert main([str(ckpt)]) == 1
+    assert "is missing" in capsys.readouterr().err
+
+
 def test_missing_tensor(ckpt):
     name = "layers.2.attn.wkv.scale"
     rewrite_shard_of(ckpt, name, lambda items: [i for i in items if i[0] != name])

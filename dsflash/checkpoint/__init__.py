@@ -5,10 +5,11 @@
 * :func:`write_synthetic_checkpoint` (``dsflash.checkpoint.synth``) — tiny random checkpoints in that
   exact layout, plus a tokenizer.
 * :func:`save_params` / :func:`restore_params` — orbax-checkpoint of converted, sharded params.
+* :func:`check_checkpoint` / ``python -m dsflash.checkpoint FOLDER`` — validate a checkpoint from its headers.
 
 See ``docs/checkpoints.md``.
 """
-from dsflash.checkpoint.loader import CheckpointError, load_checkpoint, read_weight_map
+from dsflash.checkpoint.loader import CheckpointError, check_checkpoint, load_checkpoint, read_weight_map
 from dsflash.checkpoint.names import official_inventory, split_official
 from dsflash.checkpoint.orbax_io import restore_params, save_params
 from dsflash.checkpoint.safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
@@ -20,6 +21,6 @@ def write_synthetic_checkpoint(*args, **kwargs):
     return _w(*args, **kwargs)
 
 
-__all__ = ["CheckpointError", "SafetensorsError", "SafetensorsFile", "load_checkpoint", "official_inventory",
+__all__ = ["CheckpointError", "check_checkpoint", "SafetensorsError", "SafetensorsFile", "load_checkpoint", "official_inventory",
            "read_weight_map", "restore_params", "save_params", "split_official", "write_safetensors",
            "write_synthetic_checkpoint"]

@@ -104,6 +104,27 @@ def _check_index(folder: str, weight_map: dict[str, str], inventory: dict[str, O
     return files
 
 
+def check_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None) -> dict:
+    """Validate a checkpoint folder from its headers alone (no tensor data is read): the checks
+    ``load_checkpoint`` runs before streaming. Returns a summary; raises ``CheckpointError`` like the loader."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
+    if cfg is None:
+        if not os.path.exists(os.path.join(folder, CONFIG_FILE)):
+            raise CheckpointError(f"{folder}: no {CONFIG_FILE} (pass cfg= to check without one)")
+        cfg = ModelConfig.load_json(os.path.join(folder, CONFIG_FILE))
+    inventory = official_inventory(cfg)
+    weight_map = read_weight_map(folder)
+    files = _check_index(folder, weight_map, inventory, set(inventory))
+    by_dtype: dict[str, int] = {}
+    for t in inventory.values():
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
+    return {"config": cfg.hash(), "tensors": len(inventory), "params": len({t.param for t in inventory.values()}),
+            "shards": len(files), "bytes": sum(by_dtype.values()), "bytes_by_dtype": by_dtype,
+            "ignored_vision": sum(1 for n in weight_map if is_vision(n))}
+
+
 def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *,
                     shardings: Mapping[str, jax.sharding.Sharding] | None = None,
                     host_tables: str = "device", progress: bool = True) -> tuple[ModelConfig, dict]:
