@@ -202,6 +202,20 @@ def test_no_checkpoint_files(tmp_path):
         load(tmp_path / "empty")
 
 
+def test_bad_config_json(ckpt):
+    with open(ckpt / "config.json") as f:
+        d = json.load(f)
+    d["text_config"]["o_groups"] = 3
+    with open(ckpt / "config.json", "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match=r"config\.json: ModelConfig\.o_groups"):
+        load(ckpt)
+    with open(ckpt / "config.json", "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: Expecting"):
+        load(ckpt)
+
+
 def test_config_mismatch(pristine):
     """Loading with the config of another model names a tensor that does not fit."""
     cfg = preset("tiny").replace(n_routed_experts=4)

@@ -104,6 +104,16 @@ def _check_index(folder: str, weight_map: dict[str, str], inventory: dict[str, O
     return files
 
 
+def read_config(folder: str) -> ModelConfig:
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{folder}: no {CONFIG_FILE} (pass cfg= to load without one)")
+    try:
+        return ModelConfig.load_json(path)
+    except (OSError, ValueError, TypeError) as e:   # JSONDecodeError and ModelConfig validation are ValueErrors
+        raise CheckpointError(f"{path}: {e}") from e
+
+
 def check_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None) -> dict:
     """Validate a checkpoint folder from its headers alone (no tensor data is read): the checks
     ``load_checkpoint`` runs before streaming. Returns a summary; raises ``CheckpointError`` like the loader."""
@@ -111,9 +121,7 @@ def check_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None) 
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder {folder!r} does not exist")
     if cfg is None:
-        if not os.path.exists(os.path.join(folder, CONFIG_FILE)):
-            raise CheckpointError(f"{folder}: no {CONFIG_FILE} (pass cfg= to check without one)")
-        cfg = ModelConfig.load_json(os.path.join(folder, CONFIG_FILE))
+        cfg = read_config(folder)
     inventory = official_inventory(cfg)
     weight_map = read_weight_map(folder)
     files = _check_index(folder, weight_map, inventory, set(inventory))
@@ -151,9 +159,7 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
         raise ValueError(f"host_tables must be one of {HOST_TABLE_MODES}, got {host_tables!r}")
     cfg_path = os.path.join(folder, CONFIG_FILE)
     if cfg is None:
-        if not os.path.exists(cfg_path):
-            raise CheckpointError(f"{folder}: no {CONFIG_FILE} (pass cfg= to load without one)")
-        cfg = ModelConfig.load_json(cfg_path)
+        cfg = read_config(folder)
     elif os.path.exists(cfg_path):
         try:
             on_disk = ModelConfig.load_json(cfg_path)
