@@ -194,8 +194,7 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
             last_use[weight_map[t.name]] = i
     total = sum(t.nbytes for n, t in inventory.items() if n in wanted)
 
-    from tqdm.auto import tqdm
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading checkpoint",
+    bar = _progress_bar(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="loading checkpoint",
                disable=not progress, dynamic_ncols=True)
     params: dict = {}
     try:
@@ -212,6 +211,28 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
     if skip:
         log.info("host_tables='skip': not loading %s", ", ".join(sorted(skip)))
     return cfg, {s: params[s] for s in specs if s in params}
+
+
+class _NoBar:
+    def __init__(self, *a, **k):
+        pass
+
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(*args, disable=False, **kw):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency, but a bare environment should still load
+        return _NoBar()
+    return tqdm(*args, disable=disable, **kw)
 
 
 def _materialise(spec: ParamSpec, tensors: list[OfficialTensor], files: dict[str, SafetensorsFile],
