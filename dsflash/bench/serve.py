@@ -545,6 +545,8 @@ async def run_benchmark(args) -> dict:
     base_nonce = args.nonce or uuid.uuid4().hex[:8]
     _, wl_config = make_workload(args, base_nonce)   # validates the workload flags before any load
     tpw, tpw_note = args.tokens_per_word, "given by --tokens-per-word"
+    if args.prompt_format == "token-ids":
+        tpw, tpw_note = 1.0, "not used (token-id prompts have exact lengths)"
     if tpw is None and args.prompt_format == "text":
         probe = StreamingClient(args.base_url, model, api_key=args.api_key, endpoint=args.endpoint,
                                 temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
