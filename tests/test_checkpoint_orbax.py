@@ -60,6 +60,18 @@ def test_sharded_and_host(tmp_path, loaded):
     assert same_bytes(back["engram.token_map"], extra["engram.token_map"])
 
 
+def test_host_memmaps_save(tmp_path, loaded):
+    """Params loaded with host_tables='host' (np.memmap tables) save and restore as they are."""
+    cfg, params = loaded
+    src = tmp_path / "src"
+    write_synthetic_checkpoint(src, cfg, params=params, tokenizer=False, include_vision=False)
+    _, host = load_checkpoint(src, host_tables="host", progress=False)
+    assert isinstance(host["layers.1.engram.embed.scale"], np.memmap)
+    back = restore_params(save_params(tmp_path / "o", host), cfg, host_tables="host")
+    for name in ("layers.1.engram.embed.weight", "layers.1.engram.embed.scale", "layers.1.engram.wkv.weight"):
+        assert same_bytes(back[name], params[name]), name
+
+
 def load_checkpoint_into(loaded, shardings):
     cfg, params = loaded
     return cfg, {k: (jax.device_put(v, shardings[k]) if k in shardings else v) for k, v in params.items()}

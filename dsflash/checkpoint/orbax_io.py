@@ -21,12 +21,13 @@ _FLOAT8 = {jnp.dtype(getattr(jnp, n)) for n in ("float8_e4m3fn", "float8_e5m2", 
 
 
 def _to_storable(x):
-    dt = jnp.dtype(x.dtype)
-    if dt not in _FLOAT8:
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x)                                   # np.memmap views (host tables) -> plain ndarray
+    if jnp.dtype(x.dtype) not in _FLOAT8:
         return x
     if isinstance(x, jax.Array):
         return jax.lax.bitcast_convert_type(x, jnp.uint8)   # elementwise: keeps the sharding
-    return np.asarray(x).view(np.uint8)
+    return x.view(np.uint8)
 
 
 def _checkpointer():
