@@ -218,3 +218,15 @@ def ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, mesh, limit, precis
     if return_stats:
         return out, {"dropped": dropped}
     return out
+
+
+def make_routed_fn(mesh, settings: EPSettings = EPSettings()):
+    """A drop-in for ``routed_moe`` (same signature) that runs expert-parallel on ``mesh``: pass it as the
+    model's ``routed_fn`` hook (``dsflash.model.forward.forward(..., routed_fn=...)``). With no expert
+    axes (e.g. a draft whose experts are replicated) every device runs its own token rows."""
+
+    def routed_fn(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla"):
+        return ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, mesh=mesh, limit=limit, precision=precision,
+                             backend=backend, settings=settings)
+
+    return routed_fn
