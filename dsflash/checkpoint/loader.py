@@ -252,18 +252,24 @@ def _materialise(spec: ParamSpec, tensors: list[OfficialTensor], files: dict[str
             return view(tensors[0])
         return np.stack([view(by_e[e]) for e in range(spec.shape[0])])
 
+    # On an accelerator the host->device transfer copies anyway, so memmap views go straight in. On the
+    # CPU backend a numpy buffer may be aliased (zero-copy) by the jax.Array, so we hand over a private
+    # copy instead of a view of the shard file.
+    devices = sharding.device_set if sharding is not None else {jax.devices()[0]}
+    copy = any(d.platform == "cpu" for d in devices)
+    own = np.array if copy else np.asarray
+
     if sharding is not None:
         def cb(index):
             if not stacked:
-                return np.array(view(tensors[0])[index])
+                return own(view(tensors[0])[index])
             rows = range(*index[0].indices(spec.shape[0])) if isinstance(index[0], slice) else [index[0]]
-            return np.stack([np.asarray(view(by_e[e])[index[1:]]) for e in rows])
+            return np.stack([view(by_e[e])[index[1:]] for e in rows])
         return jax.make_array_from_callback(spec.shape, sharding, cb)
 
     if not stacked:
-        host = np.array(view(tensors[0]))
-    else:
-        host = np.empty(spec.shape, dt)
-        for e in range(spec.shape[0]):
-            host[e] = view(by_e[e])
+        return jax.device_put(own(view(tensors[0])))
+    host = np.empty(spec.shape, dt)      # one [E, ...] buffer for this tensor only, freed after the transfer
+    for e in range(spec.shape[0]):
+        host[e] = view(by_e[e])
     return jax.device_put(host)
