@@ -250,8 +250,12 @@ def _name_hash(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
+# Constants derived from the tokenizer, not stored in checkpoints (replicated, optional).
+DERIVED = {"engram.token_map"}
+
+
 def check_params(cfg: ModelConfig, params: dict, allow_missing_host: bool = True) -> None:
-    """Raise ValueError naming the first missing, extra or mis-shaped tensor."""
+    """Raise ValueError naming the first missing, extra or mis-shaped tensor (DERIVED names are allowed)."""
     specs = spec_map(cfg)
     for name, s in specs.items():
         if name not in params:
@@ -262,6 +266,6 @@ def check_params(cfg: ModelConfig, params: dict, allow_missing_host: bool = True
         if tuple(a.shape) != s.shape or jnp.dtype(a.dtype) != jnp.dtype(s.dtype):
             raise ValueError(f"parameter {name!r} has {tuple(a.shape)} {jnp.dtype(a.dtype).name}, "
                              f"expected {s.shape} {jnp.dtype(s.dtype).name}")
-    extra = sorted(set(params) - set(specs))
+    extra = sorted(set(params) - set(specs) - DERIVED)
     if extra:
         raise ValueError(f"unexpected parameter {extra[0]!r}" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))

@@ -1,0 +1,153 @@
+"""The notebook entry point: ``dsflash.load(path_or_preset, **options) -> Model``.
+
+A ``Model`` bundles config, params, tokenizer (if any) and run options, and offers the few calls a
+researcher needs: full-prefill ``logits``, a stateful ``forward`` for prefill/decode experiments, and
+DSpark ``propose``. Everything is a thin layer over the pure functions of ``dsflash.model``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsflash.config import PRESETS, ModelConfig, preset
+from dsflash.model import dspark
+from dsflash.model.forward import forward
+from dsflash.model.params import check_params, init_params
+from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
+
+log = logging.getLogger(__name__)
+
+
+def _token_map(cfg: ModelConfig, tokenizer):
+    """SPEC §9.2 compressed-id map from the tokenizer; identity for synthetic checkpoints whose config
+    declares the identity (compressed vocab == vocab, SPEC §13.6)."""
+    if tokenizer is None or not cfg.engram_layer_ids:
+        return None
+    from dsflash.engram_map import build_compressed_token_map
+    table, n = build_compressed_token_map(tokenizer)
+    if n == cfg.engram_compressed_vocab_size:
+        return jnp.asarray(table, jnp.int32)
+    if cfg.engram_compressed_vocab_size == cfg.vocab_size:
+        return None
+    raise ValueError(f"ModelConfig.engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size} but the "
+                     f"tokenizer's compressed vocabulary (SPEC §9.2) has {n} ids")
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, params: dict, tokenizer=None, opts: RunOptions = RunOptions(),
+                 name: str = "model"):
+        check_params(cfg, params)
+        self.cfg, self.params, self.tokenizer, self.opts, self.name = cfg, params, tokenizer, opts, name
+        tmap = _token_map(cfg, tokenizer)
+        if tmap is not None:
+            self.params = dict(params, **{"engram.token_map": tmap})
+        self._fwd = jax.jit(functools.partial(forward, cfg=cfg), static_argnames=("opts",))
+
+    # ------------------------------------------------------------------ state
+    def init_state(self, batch_size: int = 1, max_len: int = 512, page_size: int | None = None,
+                   ring_slack: int = 16):
+        ps = page_size or self.opts.page_size
+        pages = -(-max_len // ps)
+        geo = CacheGeometry(num_slots=batch_size, num_pages=batch_size * pages, page_size=ps, ring_slack=ring_slack)
+        return {"state": init_state(self.cfg, geo, self.opts.precision), "pages_per_seq": pages}
+
+    def forward(self, token_ids, session, start=0, lengths=None, **opts):
+        """One forward over ``token_ids`` [B, S] at positions start.. (int or per row). ``session`` comes from
+        ``init_state``; it is updated in place. Options override the model's RunOptions (e.g. logits="all")."""
+        tokens = self._tokens(token_ids)
+        B = tokens.shape[0]
+        start = np.broadcast_to(np.asarray(start, np.int32), (B,))
+        batch = make_batch(tokens, start=start, lengths=lengths, pages_per_seq=session["pages_per_seq"])
+        o = self.opts.replace(**opts) if opts else self.opts
+        out, session["state"] = self._fwd(self.params, batch=batch, state=session["state"], opts=o)
+        return out
+
+    def logits(self, token_ids, **opts):
+        """Full-prefill logits ``[batch, seq, vocab]`` (float32, numpy) of a fresh sequence per row."""
+        tokens = self._tokens(token_ids)
+        sess = self.init_state(tokens.shape[0], max(tokens.shape[1], 1))
+        return np.asarray(self.forward(tokens, sess, logits="all", **opts)["logits"])
+
+    def propose(self, token_ids, y=None, **opts):
+        """Prefill ``token_ids`` [B, S], seed the DSpark context from the taps, draft a block after ``y``
+        (default: the target's greedy next token). Returns numpy dict(drafts, logits, confidence, y)."""
+        tokens = self._tokens(token_ids)
+        B, S = tokens.shape
+        sess = self.init_state(B, S + self.cfg.dspark_block_size + 1)
+        opts = dict(opts, taps=True, logits="last")
+        o = self.opts.replace(**opts)
+        out = self.forward(tokens, sess, **opts)
+        st = dspark.update_context(self.params, self.cfg, out["taps"], out["taps_start"], out["taps_lengths"],
+                                   jnp.arange(B, dtype=jnp.int32), sess["state"], o)
+        if y is None:
+            y = jnp.argmax(out["logits"], axis=-1)
+        y = jnp.asarray(y, jnp.int32).reshape(B)
+        pos = jnp.full((B,), S, jnp.int32)
+        res = dspark.propose(self.params, self.cfg, st, y, pos, jnp.arange(B, dtype=jnp.int32), o)
+        return {k: np.asarray(v) for k, v in res.items()} | {"y": np.asarray(y)}
+
+    def _tokens(self, token_ids):
+        if isinstance(token_ids, str):
+            if self.tokenizer is None:
+                raise ValueError("token_ids: this model has no tokenizer; pass token ids")
+            token_ids = [self.tokenizer.encode(token_ids)]
+        arr = np.asarray(token_ids)
+        if arr.ndim == 1:
+            arr = arr[None]
+        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"token_ids must be [batch, seq] integers, got shape {arr.shape} dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.cfg.vocab_size):
+            raise ValueError(f"token_ids must be in [0, {self.cfg.vocab_size}), got range [{arr.min()}, {arr.max()}]")
+        return jnp.asarray(arr, jnp.int32)
+
+    def __repr__(self):
+        return f"Model({self.name}, layers={self.cfg.num_hidden_layers}, d={self.cfg.hidden_size}, opts={self.opts})"
+
+
+def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "reference",
+         bounded_replay: str | None = None, replay_tail: int | None = None, backend: str = "xla",
+         page_size: int = 64, mesh=None, progress: bool = True, **cfg_overrides) -> Model:
+    """A preset name (deterministic random weights from ``seed``) or an official checkpoint folder.
+
+    ``cfg_overrides`` replace config fields of a preset (e.g. ``num_hidden_layers=4``)."""
+    if mesh is not None:
+        raise NotImplementedError("load(mesh=...): sharded loading lives in dsflash.sharding "
+                                  "(use dsflash.sharding.rules.param_shardings with load_checkpoint)")
+    path = os.fspath(model)
+    tokenizer = None
+    if os.path.isdir(path):
+        from dsflash.checkpoint import load_checkpoint
+        cfg, params = load_checkpoint(path, progress=progress)
+        if cfg_overrides:
+            raise ValueError("load(): config overrides apply to presets only")
+        if os.path.exists(os.path.join(path, "tokenizer.json")):
+            from dsflash.tokenizer import Tokenizer
+            tokenizer = Tokenizer.from_folder(path)
+        name = os.path.basename(os.path.normpath(path))
+    elif path in PRESETS:
+        cfg = preset(path).replace(**cfg_overrides) if cfg_overrides else preset(path)
+        params = init_params(cfg, seed)
+        tokenizer = _synthetic_tokenizer(cfg)
+        name = path
+    else:
+        raise ValueError(f"model: {path!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+    tail = replay_tail if replay_tail is not None else cfg.sliding_window + cfg.dspark_block_size
+    opts = RunOptions(precision=precision, bounded_replay=bounded_replay, replay_tail=tail if bounded_replay else 0,
+                      backend=backend, page_size=page_size)
+    return Model(cfg, params, tokenizer, opts, name)
+
+
+def _synthetic_tokenizer(cfg: ModelConfig):
+    """Presets with a small vocabulary get the deterministic synthetic tokenizer (for text in/out)."""
+    if cfg.vocab_size > 4096:
+        return None
+    from dsflash.tokenizer import Tokenizer, write_synthetic_tokenizer
+    with tempfile.TemporaryDirectory() as d:
+        write_synthetic_tokenizer(d, cfg)
+        return Tokenizer.from_folder(d)
