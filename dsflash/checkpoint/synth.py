@@ -65,6 +65,58 @@ def random_stored_params(cfg: ModelConfig, seed: int = 0, *, scale_range: tuple 
     return out
 
 
+def fast_init_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """A numpy-only stand-in for ``init_params`` (no jit, no jax.random: seconds even at real widths).
+
+    Same table, same init kinds ("ones", "zeros", "normal" with fan-in std, hc_* x 0.1), quantised
+    tensors built directly in their stored formats: FP8 codes with magnitudes in [0.25, 2) and a UE8M0
+    block scale of ~1/sqrt(fan_in); MXFP4 nibbles with a per-32 scale of ~1/(3 sqrt(fan_in)); Engram
+    rows FP8 with unit-ish scale. A model with these weights gives finite, varied logits; the values
+    differ from ``init_params`` (use it when you need those exact weights)."""
+    from dsflash.model.params import param_specs
+
+    rng = np.random.default_rng(seed)
+
+    def e8m0(x: float) -> int:
+        return int(np.clip(127 + np.round(np.log2(x)), 1, 254))
+
+    def fp8_codes(shape):
+        sign = rng.integers(0, 2, shape, dtype=np.uint8) << 7
+        exp = rng.integers(5, 8, shape, dtype=np.uint8) << 3          # 2^-2 .. 2^0
+        man = rng.integers(0, 8, shape, dtype=np.uint8)
+        return (sign | exp | man).view(ml_dtypes.float8_e4m3fn)
+
+    out: dict = {}
+    specs = param_specs(cfg)
+    for s in specs:
+        if s.fmt == "scale":
+            continue
+        dt = np.dtype(s.dtype)
+        scale_name = s.name[: -len(".weight")] + ".scale"
+        if s.init == "fp8":
+            fan_in = s.shape[-1]
+            out[s.name] = fp8_codes(s.shape)
+            sshape = (*s.shape[:-2], s.shape[-2] // 32, s.shape[-1] // 32)
+            out[scale_name] = np.full(sshape, e8m0(1 / np.sqrt(fan_in)), np.uint8)
+        elif s.init == "fp8rows":
+            out[s.name] = fp8_codes(s.shape)
+            out[scale_name] = np.full((*s.shape[:-1], s.shape[-1] // 32), 127, np.uint8)
+        elif s.init == "mxfp4":
+            fan_in = 2 * s.shape[-1]
+            out[s.name] = rng.integers(-128, 128, s.shape, dtype=np.int8)
+            out[scale_name] = np.full((*s.shape[:-1], fan_in // 32), e8m0(1 / (3 * np.sqrt(fan_in))), np.uint8)
+        elif s.init == "ones":
+            out[s.name] = np.ones(s.shape, dt)
+        elif s.init == "zeros":
+            out[s.name] = np.zeros(s.shape, dt)
+        elif s.init == "normal":
+            std = (0.1 if "hc_" in s.name else 1.0) / np.sqrt(s.shape[-1])
+            out[s.name] = (rng.standard_normal(s.shape, dtype=np.float32) * std).astype(dt)
+        else:
+            raise ValueError(f"fast_init_params: unknown init {s.init!r} for {s.name}")
+    return {s.name: out[s.name] for s in specs}
+
+
 def official_tensors(cfg: ModelConfig, params: dict) -> Iterator[tuple[str, np.ndarray, str]]:
     """``(official name, numpy array, stored dtype)`` for every text tensor, experts split per expert.
 
@@ -153,12 +205,15 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--config", help="a config.json to use instead of --preset")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fast-init", action="store_true",
+                    help="numpy-only weights (fast_init_params) instead of init_params: for big presets")
     ap.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     ap.add_argument("--no-vision", action="store_true", help="do not write the vision stand-in tensors")
     ap.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
     a = ap.parse_args(argv)
     cfg = ModelConfig.load_json(a.config) if a.config else preset(a.preset)
-    out = write_synthetic_checkpoint(a.out_dir, cfg, seed=a.seed, max_shard_bytes=a.max_shard_bytes,
+    params = fast_init_params(cfg, a.seed) if a.fast_init else None
+    out = write_synthetic_checkpoint(a.out_dir, cfg, seed=a.seed, params=params, max_shard_bytes=a.max_shard_bytes,
                                      include_vision=not a.no_vision, tokenizer=not a.no_tokenizer)
     with open(os.path.join(out, INDEX_FILE)) as f:
         idx = json.load(f)
