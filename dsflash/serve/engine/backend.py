@@ -6,26 +6,42 @@ with a trivially cheap model so the scheduler and decode loop can be tested in s
 
 Protocol (all functions pure and jit-able; ``state`` is donated by the caller):
 
+* ``bind_geometry(geo)`` (optional) — told the cache geometry before ``init_state``
 * ``init_state(geo)`` -> state pytree
 * ``forward(params, batch, state, *, logits, taps)`` -> (out, state): ``out["logits"]`` fp32 ``[B, V]``
   (``logits="last"``) or ``[B, S, V]`` (``"all"``); ``out["taps"]`` when ``taps``
-* ``update_context(params, taps, batch, state)`` -> state
-* ``propose(params, state, y, pos, slots, temperature, keys)`` -> (drafts ``[B, k]``, logits ``[B, k, V]``
-  (log of the distribution each draft was sampled from, up to a constant), confidence ``[B, k]``)
+* ``update_context(params, out, batch, state)`` -> state (DSpark context from the forward's taps)
+* ``propose(params, state, y, pos, slots, floor, temperature, keys)`` -> (drafts ``[B, k]``, logits ``[B, k, V]``,
+  confidence ``[B, k]``). ``y`` is the token just sampled for position ``pos + 1``; ``keys [B, 2]`` are per-row
+  keys and ``temperature [B]`` per-row temperatures (0 = greedy drafts); ``logits`` are the log of the
+  distribution each draft was sampled from, up to a constant (the rejection sampler's ``q``).
 * ``block`` (drafts per step, 0 = no draft model), ``vocab_size``, ``eos_token_id``, ``sliding_window``,
   ``num_layers``, ``global_kv_arrays(state)`` (the paged leaves, for memory accounting)
 """
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 
 
+def load_model(name_or_path, **load_opts):
+    """``dsflash.load`` (the lead's loader); until it exists, a preset name builds random weights."""
+    import dsflash
+    if hasattr(dsflash, "load"):
+        return dsflash.load(name_or_path, **load_opts)
+    from types import SimpleNamespace
+
+    from dsflash.config import preset
+    from dsflash.model.params import init_params
+    cfg = preset(name_or_path)
+    return SimpleNamespace(cfg=cfg, params=init_params(cfg, load_opts.get("seed", 0)), tokenizer=None,
+                           name=name_or_path)
+
+
 class ModelBackend:
+    supports_row_keys = True
+
     def __init__(self, model, *, precision: str = "reference", bounded_replay=None, backend: str = "xla"):
-        from dsflash.model.state import RunOptions  # noqa: F401 (fail early if the model is absent)
         self.model = model
         self.cfg = model.cfg
         self.params = model.params
@@ -37,41 +53,56 @@ class ModelBackend:
         self.block = cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0
         self.vocab_size = cfg.vocab_size
         self.eos_token_id = cfg.eos_token_id
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_id", None) is not None:
+            self.eos_token_id = self.tokenizer.eos_id
         self.sliding_window = cfg.sliding_window
         self.num_layers = cfg.num_hidden_layers
         self.name = getattr(model, "name", None) or getattr(model, "model_name", None) or "dsflash"
-        from dsflash.model import dspark
-        sig = inspect.signature(dspark.propose)
-        self._propose_params = list(sig.parameters)
+        self.page_size = 64
+
+    def bind_geometry(self, geo):
+        self.page_size = geo.page_size
 
     def _opts(self, **kw):
         from dsflash.model.state import RunOptions
         base = dict(precision=self.precision, backend=self.backend)
+        if "page_size" in RunOptions.__dataclass_fields__:
+            base["page_size"] = self.page_size
         if self.bounded_replay:
             base.update(bounded_replay=self.bounded_replay, replay_tail=self.sliding_window + self.block + 1)
         base.update(kw)
+        if base.get("logits") == "all" and base.get("bounded_replay"):
+            base["bounded_replay"] = None          # verification rows are short: run them exactly
         return RunOptions(**base)
 
     def init_state(self, geo):
         from dsflash.model.state import init_state
+        self.bind_geometry(geo)
         return init_state(self.cfg, geo, self.precision)
 
     def forward(self, params, batch, state, *, logits="last", taps=False):
         from dsflash.model.forward import forward
-        opts = self._opts(logits=logits, taps=taps)
-        if logits == "all" and opts.bounded_replay:
-            opts = opts.replace(bounded_replay=None)  # verification rows are short: exact
-        return forward(params, self.cfg, batch, state, opts)
+        return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps))
 
-    def update_context(self, params, taps, batch, state):
+    def update_context(self, params, out, batch, state):
         from dsflash.model import dspark
-        return dspark.update_context(params, self.cfg, taps, batch, state, self._opts())
+        start = out.get("taps_start", batch.start)
+        lengths = out.get("taps_lengths", batch.lengths)
+        return dspark.update_context(params, self.cfg, out["taps"], start, lengths, batch.slots, state, self._opts())
 
-    def propose(self, params, state, y, pos, slots, temperature, keys):
+    def propose(self, params, state, y, pos, slots, floor, temperature, keys):
         from dsflash.model import dspark
-        drafts, logits, conf = dspark.propose(params, self.cfg, state, y, pos, slots, self._opts(),
-                                              temperature, keys)
-        return drafts, logits, conf
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+        def sampler(li, i):
+            k = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
+            g = jax.vmap(lambda kk: jax.random.gumbel(kk, (li.shape[-1],), jnp.float32))(k)
+            s = jnp.argmax(li / t + g, axis=-1)
+            return jnp.where(temperature > 0, s, jnp.argmax(li, axis=-1)).astype(jnp.int32)
+
+        out = dspark.propose(params, self.cfg, state, y, pos + 1, slots, self._opts(), sampler=sampler,
+                             ring_floor=floor)
+        return out["drafts"], out["logits"] / t[:, :, None], out["confidence"]
 
     def global_kv_arrays(self, state):
         return [a for kind in ("main_kv", "index_k") for d in state[kind].values() for a in d.values()]

@@ -155,7 +155,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _make_backend(model, precision, opts):
-        from dsflash.serve.engine.backend import ModelBackend
+        from dsflash.serve.engine.backend import ModelBackend, load_model
         if hasattr(model, "propose") and hasattr(model, "init_state") and hasattr(model, "forward"):
             return model                                          # already an engine backend
         bounded = opts.pop("bounded_replay", None)
@@ -165,8 +165,7 @@ class LLMEngine:
             load_opts["mesh"] = opts.pop("mesh")
         opts.pop("mesh", None)
         if isinstance(model, str):
-            import dsflash
-            model = dsflash.load(model, **load_opts)
+            model = load_model(model, **load_opts)
         return ModelBackend(model, precision=precision, bounded_replay=bounded, backend=kernel_backend)
 
     @property
@@ -346,7 +345,11 @@ class LLMEngine:
             return False
         ids = s.all_ids
         P = self.page_size
-        hashes = block_hashes(ids, P, max_blocks=(len(ids) - 1) // P) if self.prefix_caching else []
+        sp = s.params
+        # penalties need every earlier token's counts, which a replay from the middle would not see
+        penalised = sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+        use_cache = self.prefix_caching and not penalised
+        hashes = block_hashes(ids, P, max_blocks=(len(ids) - 1) // P) if use_cache else []
         hit = self.pool.lookup(hashes)
         need = math.ceil(len(ids) / P) - len(hit)
         if need > self.pool.num_free:

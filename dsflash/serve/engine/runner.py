@@ -86,6 +86,9 @@ class Runner:
         self.V = backend.vocab_size
         self.k = backend.block if speculative else 0
         self.spec = self.k > 0
+        # the prefill keeps the draft context current whenever the model has a draft model, so the prefill
+        # programs of speculative and plain engines are the same (one compile, shared via the cache)
+        self.draft_ctx = backend.block > 0
         self.K1 = self.k + 1
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
@@ -130,7 +133,7 @@ class Runner:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params, state, rows, inp):
-        be, spec, V, S_ = self.backend, self.spec, self.V, self.S
+        be, spec, V, S_ = self.backend, self.draft_ctx, self.V, self.S
         tokens = inp["tokens"]
         Bp, T = tokens.shape
         floor = inp["floor"]
@@ -138,7 +141,7 @@ class Runner:
                       inp["kv_write_from"])
         out, state = be.forward(params, batch, state, logits="last", taps=spec)
         if spec:
-            state = be.update_context(params, out["taps"], batch, state)
+            state = be.update_context(params, out, batch, state)
         sp = inp["sp"]
         rs = inp["row_slot"]
         rsc = jnp.clip(rs, 0, S_ - 1)
@@ -204,7 +207,7 @@ class Runner:
             j = jnp.arange(K1)
             if spec:
                 dkeys = S.purpose(S.request_keys(sp["seed_lo"], sp["seed_hi"], nidx), S.DRAFT)
-                drafts, dlogits, _ = be.propose(params, state, y, p, slots, sp["draft_temp"], dkeys)
+                drafts, dlogits, _ = be.propose(params, state, y, p, slots, floor, sp["draft_temp"], dkeys)
                 drafts = drafts.astype(jnp.int32)
                 tokens = jnp.concatenate([y[:, None], drafts], axis=1)
             else:
@@ -213,7 +216,7 @@ class Runner:
                           floor, floor, jnp.zeros_like(p))
             out, state = be.forward(params, batch, state, logits="all", taps=spec)
             if spec:
-                state = be.update_context(params, out["taps"], batch, state)
+                state = be.update_context(params, out, batch, state)
             raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
             counts = rows["counts"][:, None, :]
             seen = rows["seen"][:, None, :]

@@ -85,14 +85,15 @@ class ToyBackend:
             out["taps"] = tok[..., None].astype(jnp.float32)
         return out, {**state, "ring": ring, "kv": kv}
 
-    def update_context(self, params, taps, batch, state):
+    def update_context(self, params, out, batch, state):
+        taps = out["taps"]
         R = state["dring"].shape[1]
         pos, valid = batch.positions, batch.valid
         d = state["dring"].at[jnp.where(valid, batch.slots[:, None], 10**9), pos % R].set(
             taps[..., 0].astype(jnp.int32), mode="drop")
         return {**state, "dring": d}
 
-    def propose(self, params, state, y, pos, slots, temperature, keys):
+    def propose(self, params, state, y, pos, slots, floor, temperature, keys):
         R = state["dring"].shape[1]
         B = y.shape[0]
         prev = state["dring"][slots, pos % R]                      # token at position pos (context)
