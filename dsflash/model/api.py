@@ -17,7 +17,7 @@ import numpy as np
 
 from dsflash.config import PRESETS, ModelConfig, preset
 from dsflash.model import dspark
-from dsflash.model.forward import forward
+from dsflash.model.forward import forward_jit
 from dsflash.model.params import check_params, init_params
 from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
 
@@ -39,6 +39,10 @@ def _token_map(cfg: ModelConfig, tokenizer):
                      f"tokenizer's compressed vocabulary (SPEC §9.2) has {n} ids")
 
 
+_update_context_jit = jax.jit(dspark.update_context, static_argnums=(1, 7))
+_propose_jit = jax.jit(dspark.propose, static_argnums=(1, 6))
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer=None, opts: RunOptions = RunOptions(),
                  name: str = "model"):
@@ -47,7 +51,6 @@ class Model:
         tmap = _token_map(cfg, tokenizer)
         if tmap is not None:
             self.params = dict(params, **{"engram.token_map": tmap})
-        self._fwd = jax.jit(functools.partial(forward, cfg=cfg), static_argnames=("opts",))
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch_size: int = 1, max_len: int = 512, page_size: int | None = None,
@@ -65,7 +68,7 @@ class Model:
         start = np.broadcast_to(np.asarray(start, np.int32), (B,))
         batch = make_batch(tokens, start=start, lengths=lengths, pages_per_seq=session["pages_per_seq"])
         o = self.opts.replace(**opts) if opts else self.opts
-        out, session["state"] = self._fwd(self.params, batch=batch, state=session["state"], opts=o)
+        out, session["state"] = forward_jit(self.params, self.cfg, batch, session["state"], o)
         return out
 
     def logits(self, token_ids, **opts):
@@ -83,13 +86,13 @@ class Model:
         opts = dict(opts, taps=True, logits="last")
         o = self.opts.replace(**opts)
         out = self.forward(tokens, sess, **opts)
-        st = dspark.update_context(self.params, self.cfg, out["taps"], out["taps_start"], out["taps_lengths"],
-                                   jnp.arange(B, dtype=jnp.int32), sess["state"], o)
+        slots = jnp.arange(B, dtype=jnp.int32)
+        st = _update_context_jit(self.params, self.cfg, out["taps"], out["taps_start"], out["taps_lengths"],
+                                 slots, sess["state"], o)
         if y is None:
             y = jnp.argmax(out["logits"], axis=-1)
         y = jnp.asarray(y, jnp.int32).reshape(B)
-        pos = jnp.full((B,), S, jnp.int32)
-        res = dspark.propose(self.params, self.cfg, st, y, pos, jnp.arange(B, dtype=jnp.int32), o)
+        res = _propose_jit(self.params, self.cfg, st, y, jnp.full((B,), S, jnp.int32), slots, o)
         return {k: np.asarray(v) for k, v in res.items()} | {"y": np.asarray(y)}
 
     def _tokens(self, token_ids):

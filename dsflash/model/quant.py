@@ -19,10 +19,12 @@ FP4_MAX = 6.0
 
 
 def _ceil_pow2(y):
-    """2^ceil(log2(y)) for y > 0, exactly (frexp, no transcendental rounding)."""
-    m, e = jnp.frexp(y)
-    e = jnp.where(m == 0.5, e - 1, e)
-    return jnp.ldexp(jnp.ones_like(y), e)
+    """2^ceil(log2(y)) for normal fp32 y > 0, exactly, by bit arithmetic (cheap to compile, no rounding):
+    a power of two stays, anything else rounds its exponent up."""
+    bits = jax.lax.bitcast_convert_type(y.astype(jnp.float32), jnp.uint32)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(exp << 23, jnp.float32)
 
 
 def _grouped(x, block):
@@ -115,13 +117,15 @@ def nvfp4_roundtrip(x, block: int = 16):
 
 # ---------------------------------------------------------------- UE8M0 bytes
 def e8m0_to_f32(b):
-    """UE8M0 byte b -> 2^(b-127) (as float32; 255 is NaN in the format, never produced here)."""
-    return jnp.ldexp(jnp.ones(b.shape, jnp.float32), b.astype(jnp.int32) - 127)
+    """UE8M0 byte b -> 2^(b-127) as float32 (b = 0 is the subnormal 2^-127; 255 is NaN in the format)."""
+    b = b.astype(jnp.uint32)
+    normal = jax.lax.bitcast_convert_type(b << 23, jnp.float32)
+    return jnp.where(b == 0, jnp.float32(2.0 ** -127), normal)
 
 
 def f32_pow2_to_e8m0(s):
-    _, e = jnp.frexp(s)
-    return (e - 1 + 127).astype(jnp.uint8)
+    """A normal fp32 power of two -> its UE8M0 byte (the biased exponent)."""
+    return ((jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32) >> 23) & 0xFF).astype(jnp.uint8)
 
 
 # ---------------------------------------------------------------- stored weights
