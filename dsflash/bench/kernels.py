@@ -190,7 +190,7 @@ def torch_peers(gs, T, k, d, I, E, limit, reps_note):
 
 
 # ------------------------------------------------------------------------------------------ MoE GEMM
-def bench_moe(args, ceilings, log, rows, variants, save=lambda: None):
+def bench_moe(args, ceilings, log, rows, save=lambda: None):
     import jax
     import jax.numpy as jnp
 
@@ -222,32 +222,70 @@ def bench_moe(args, ceilings, log, rows, variants, save=lambda: None):
         t_roof = max(bytes_min / (max(ceilings["copy_TBps"], 1e-9) * 1e12),
                      flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
         row = dict(T=T, slots=S, experts=E, topk=k, active_experts=active, weight_bytes=wbytes,
-                   bytes_min=bytes_min, flops=flops, roofline_s=t_roof)
-        cfg = moe_plan.pick_config(S, E)
-        row["config"] = cfg.__dict__.copy()
+                   bytes_min=bytes_min, flops=flops, roofline_s=t_roof, configs={})
 
         def tri(cfg_, precision="reference"):
             return lambda x, i, w, *f: mt.routed_moe_triton(x, i, w, *f, limit=limit, precision=precision,
                                                             config=cfg_)
-        try:
-            row["triton_s"], row["triton_n"] = time_jax_loop(tri(cfg), varying, fixed, reps=args.reps)
-        except Exception as e:  # noqa: BLE001
-            row["triton_error"] = repr(e)[:500]
-            log(traceback.format_exc())
+        names = [n for n in (args.decode_configs if S <= 32 * E else args.prefill_configs).split(",") if n]
+        for name in names:
+            try:
+                row["configs"][name], _ = time_jax_loop(tri(moe_plan.NAMED_CONFIGS[name]), varying, fixed,
+                                                        reps=args.reps)
+            except Exception as e:  # noqa: BLE001
+                row["configs"][name] = None
+                row.setdefault("config_errors", {})[name] = repr(e)[:400]
+                log(traceback.format_exc()[-2000:])
+        ok = {n: v for n, v in row["configs"].items() if v}
+        if ok:
+            best = min(ok, key=ok.get)
+            row["triton_best_config"], row["triton_s"] = best, ok[best]
+            bcfg = moe_plan.NAMED_CONFIGS[best]
+            # the two kernel launches alone, on prepared inputs (no routing sort / activation quantisation)
+            try:
+                keys = ("xq", "xs", "tok", "rw", "order", "tile_e", "tile_s", "tile_end")
+                ps = [moe_plan.prepare(xs[j], idxs[j], ws[j], E=E, BM=bcfg.BM, act_fp8=True) for j in range(nsets)]
+                pv = tuple(jnp.stack([pp[kk] for pp in ps]) for kk in keys)
+                w8 = tuple(mt._as_u8(a) for a in fixed)
+
+                def kern_only(*a):
+                    p_ = dict(zip(keys, a[:len(keys)]))
+                    w1_, s1_, w3_, s3_, w2_, s2_ = a[len(keys):]
+                    return mt._launch(p_, w1_, s1_, w3_, s3_, w2_, s2_, T=T, k=k, d=d, I=I, E=E, limit=limit,
+                                      act_fp8=True, cfg=bcfg)[0]
+                row["kernels_only_s"], _ = time_jax_loop(kern_only, pv, w8, reps=args.reps)
+                del ps, pv
+            except Exception as e:  # noqa: BLE001
+                row["kernels_only_error"] = repr(e)[:400]
+                log(traceback.format_exc()[-2000:])
+            if T in [int(v) for v in args.bf16_tokens.split(",") if v]:
+                try:
+                    row["triton_bf16_variant_s"], _ = time_jax_loop(tri(bcfg, "bf16"), varying, fixed, reps=3)
+                except Exception as e:  # noqa: BLE001
+                    row["triton_bf16_variant_error"] = repr(e)[:300]
+        ref_op = lambda x, i, w, *f: moe_gemm.routed_moe_reference(x, i, w, *f, limit=limit)  # noqa: E731
         if T <= args.xla_max_tokens:
-            ref_op = lambda x, i, w, *f: moe_gemm.routed_moe_reference(x, i, w, *f, limit=limit)  # noqa: E731
             try:
                 row["xla_ref_s"], row["xla_ref_n"] = time_jax_loop(ref_op, varying, fixed,
                                                                    reps=3 if T >= 1024 else args.reps)
-                a = (xs[0], idxs[0], ws[0]) + fixed
-                ref = np.asarray(jax.jit(ref_op)(*a))
-                got = np.asarray(jax.jit(tri(cfg))(*a))
-                row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-                row["max_abs_err_vs_ref"] = float(np.abs(got - ref).max())
-                row["nan"] = bool(np.isnan(got).any())
             except Exception as e:  # noqa: BLE001
                 row["xla_ref_error"] = repr(e)[:500]
-                log(traceback.format_exc())
+                log(traceback.format_exc()[-2000:])
+        if T <= args.check_max_tokens and ok:
+            try:
+                a = (xs[0], idxs[0], ws[0]) + fixed
+                ref_eager = np.asarray(ref_op(*a))          # op by op: every rounding of the reference happens
+                ref_jit = np.asarray(jax.jit(ref_op)(*a))   # one XLA program (may keep excess precision)
+                got = np.asarray(jax.jit(tri(bcfg))(*a))
+                nrm = np.linalg.norm(ref_eager)
+                row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref_eager) / nrm)
+                row["max_abs_err_vs_ref"] = float(np.abs(got - ref_eager).max())
+                row["rel_err_vs_jit_ref"] = float(np.linalg.norm(got - ref_jit) / nrm)
+                row["jit_ref_vs_eager_ref_rel"] = float(np.linalg.norm(ref_jit - ref_eager) / nrm)
+                row["nan"] = bool(np.isnan(got).any())
+            except Exception as e:  # noqa: BLE001
+                row["check_error"] = repr(e)[:500]
+                log(traceback.format_exc()[-2000:])
         if not args.no_torch:
             try:
                 row.update(torch_peers(gs0, T, k, d, I, E, limit, None))
@@ -262,32 +300,10 @@ def bench_moe(args, ceilings, log, rows, variants, save=lambda: None):
                 if row.get(name):
                     row["speedup_vs_" + name[:-2]] = row[name] / t
         rows.append(row)
-        log(json.dumps({kk: (round(v, 6) if isinstance(v, float) else v) for kk, v in row.items()
-                        if kk != "config"}))
-        if args.variants and T in [int(v) for v in args.variant_tokens.split(",")]:
-            cands = {
-                "decode_cfg": moe_plan.DECODE_CONFIG,
-                "prefill_cfg": moe_plan.PREFILL_CONFIG,
-                "decode_cfg_tl_nibbles": moe_plan.MoeConfig(decode="tl"),
-                "decode_cfg_BN32": moe_plan.MoeConfig(BN_UP=32, BN_DOWN=32),
-                "decode_cfg_BN128_down": moe_plan.MoeConfig(BN_DOWN=128),
-                "prefill_cfg_BM64": moe_plan.MoeConfig(BM=64, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=4,
-                                                       warps_down=4, stages=3),
-            }
-            for name, c in cands.items():
-                for prec in (("reference", "bf16") if name in ("decode_cfg", "prefill_cfg") else ("reference",)):
-                    v = dict(T=T, variant=name, precision=prec)
-                    try:
-                        v["s"], _ = time_jax_loop(tri(c, prec), varying, fixed, reps=3)
-                        v["weight_TBps"] = wbytes / v["s"] / 1e12
-                        v["TFLOPs"] = flops / v["s"] / 1e12
-                    except Exception as e:  # noqa: BLE001
-                        v["error"] = repr(e)[:300]
-                    variants.append(v)
-                    log(json.dumps(v))
+        log(json.dumps({kk: (round(v, 6) if isinstance(v, float) else v) for kk, v in row.items()}))
         save()
         del xs, idxs, ws, varying
-    return rows, variants
+    return rows
 
 
 def _fmt(v, scale=1e3, nd=3):
@@ -321,8 +337,12 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=2304)
     ap.add_argument("--xla-max-tokens", type=int, default=4096, help="skip the XLA reference above this")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", action="store_true", help="also time other kernel configs / precisions")
-    ap.add_argument("--variant-tokens", default="16,256,4096")
+    ap.add_argument("--decode-configs", default="fp8mma_decode,ds_decode,ds_decode_bk128,ds_decode_bn32",
+                    help="named configs (moe_plan.NAMED_CONFIGS) timed when slots <= 32 * experts")
+    ap.add_argument("--prefill-configs", default="fp8mma_prefill,ds_prefill,ds_prefill_bm64,ds_prefill_bn128",
+                    help="named configs timed above that")
+    ap.add_argument("--bf16-tokens", default="64,4096", help="sizes where the bf16-activation variant is timed")
+    ap.add_argument("--check-max-tokens", type=int, default=4096, help="error vs reference up to this size")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
     ap.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
@@ -360,7 +380,7 @@ def main(argv=None):
                               tokens=args.tokens, reps=args.reps,
                               weights="MXFP4 (E2M1 + UE8M0/32), random bytes, scales 2^-8..2^-4",
                               precision="reference (FP8 E4M3/32 activations)", routing="uniform random distinct"),
-                  ceilings={}, moe_gemm=[], moe_gemm_variants=[])
+                  ceilings={}, moe_gemm=[])
 
     def save():   # after every size, so a run cut short still leaves its numbers
         result["wall_s"] = time.time() - t0
@@ -370,14 +390,21 @@ def main(argv=None):
     result["ceilings"] = ceilings = measure_ceilings(args.quick)
     log(json.dumps(ceilings))
     save()
-    rows, variants = bench_moe(args, ceilings, log, result["moe_gemm"], result["moe_gemm_variants"], save)
+    bench_moe(args, ceilings, log, result["moe_gemm"], save)
+    rows = result["moe_gemm"]
     save()
     print(f"\nwrote {path}")
-    if variants:
-        print("variants (ms):")
-        for v in variants:
-            print(f"  T={v['T']:>6} {v['variant']:<24} {v['precision']:<9} "
-                  f"{_fmt(v.get('s')) if v.get('s') else v.get('error', '')[:60]:>10} "
-                  f"wTB/s {v.get('weight_TBps', 0):.2f} TFLOP/s {v.get('TFLOPs', 0):.0f}")
+    print("per-config ms (best marked *):")
+    for r in rows:
+        cells = []
+        for n, v in r["configs"].items():
+            mark = "*" if n == r.get("triton_best_config") else ""
+            cells.append(f"{n}{mark}={_fmt(v) if v else 'ERR'}")
+        extra = f" kernels-only {_fmt(r.get('kernels_only_s'))}"
+        if r.get("triton_bf16_variant_s"):
+            extra += f" bf16-act {_fmt(r['triton_bf16_variant_s'])}"
+        if r.get("jit_ref_vs_eager_ref_rel") is not None:
+            extra += f" | err vs jit-ref {r['rel_err_vs_jit_ref']:.1e}, jit-ref vs eager-ref {r['jit_ref_vs_eager_ref_rel']:.1e}"
+        print(f"  T={r['T']:>6} " + " ".join(cells) + extra)
     print(table(rows, ceilings))
     return 0

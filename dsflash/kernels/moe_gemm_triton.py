@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from dsflash.model import quant
 from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, num_tiles, pick_config,  # noqa: F401
                                       prepare, tile_schedule)
 
@@ -139,7 +140,7 @@ def _round_e4m3(v):
 
 @triton.jit
 def _fp8_quant_store(h, q_ptr, s_ptr, rows, rmask, offs_n, n0, NCOLS: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, SCALE_U8: tl.constexpr = 0):
     """FP8 E4M3 per-32 quantisation of h (fp32 holding bf16 values) exactly as quant.fp8_quant, then store
     codes [rows, offs_n] and pow2 scales [rows, n0/32 + j]."""
     NB: tl.constexpr = BN // 32
@@ -154,7 +155,10 @@ def _fp8_quant_store(h, q_ptr, s_ptr, rows, rmask, offs_n, n0, NCOLS: tl.constex
     q = tl.reshape(_round_e4m3(q), (BM, BN)).to(tl.float8e4nv)   # exact: q is already on the E4M3 grid
     tl.store(q_ptr + rows[:, None] * NCOLS + offs_n[None, :], q, mask=rmask[:, None])
     offs_b = n0 // 32 + tl.arange(0, NB)
-    tl.store(s_ptr + rows[:, None] * (NCOLS // 32) + offs_b[None, :], s, mask=rmask[:, None])
+    if SCALE_U8:
+        tl.store(s_ptr + rows[:, None] * (NCOLS // 32) + offs_b[None, :], e.to(tl.uint8), mask=rmask[:, None])
+    else:
+        tl.store(s_ptr + rows[:, None] * (NCOLS // 32) + offs_b[None, :], s, mask=rmask[:, None])
 
 
 @triton.jit
@@ -250,6 +254,101 @@ def _moe_down_kernel(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_
     tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
 
 
+@triton.jit
+def _moe_up_kernel_ds(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                      w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                      hq_ptr, hs_ptr,
+                      D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT_FP8: tl.constexpr):
+    """Gate/up via ``tl.dot_scaled``: x as E4M3 with UE8M0 scales per 32 (or bf16), W as packed E2M1 with its
+    UE8M0 scales; on Hopper Triton upcasts both to bf16 with the scales applied (exact) and runs bf16 MMA with
+    fp32 accumulation over a BK-wide chunk -- the reference's math, no per-32 accumulator rescaling."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = D // 2
+    KSC: tl.constexpr = D // 32
+    e64 = e.to(tl.int64)
+    w1b = w1_ptr + e64 * (I * KPACK) + offs_n[:, None] * KPACK
+    w3b = w3_ptr + e64 * (I * KPACK) + offs_n[:, None] * KPACK
+    s1b = s1_ptr + e64 * (I * KSC) + offs_n[:, None] * KSC
+    s3b = s3_ptr + e64 * (I * KSC) + offs_n[:, None] * KSC
+    offs_k = tl.arange(0, BK)
+    offs_kp = tl.arange(0, BK // 2)
+    offs_ks = tl.arange(0, BK // 32)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in tl.range(0, D, BK):
+        xa = tl.load(xq_ptr + tok[:, None] * D + k0 + offs_k[None, :])
+        wg = tl.load(w1b + k0 // 2 + offs_kp[None, :])
+        wu = tl.load(w3b + k0 // 2 + offs_kp[None, :])
+        sg = tl.load(s1b + k0 // 32 + offs_ks[None, :])
+        su = tl.load(s3b + k0 // 32 + offs_ks[None, :])
+        if ACT_FP8:
+            sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + offs_ks[None, :])
+            acc_g = tl.dot_scaled(xa, sx, "e4m3", tl.trans(wg), sg, "e2m1", acc_g)
+            acc_u = tl.dot_scaled(xa, sx, "e4m3", tl.trans(wu), su, "e2m1", acc_u)
+        else:
+            acc_g = tl.dot_scaled(xa, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g)
+            acc_u = tl.dot_scaled(xa, None, "bf16", tl.trans(wu), su, "e2m1", acc_u)
+    g = tl.minimum(acc_g, LIMIT)
+    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
+    hb = _round_bf16(h)
+    if ACT_FP8:
+        _fp8_quant_store(hb, hq_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN, 1)
+    else:
+        tl.store(hq_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _moe_down_kernel_ds(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                        w2_ptr, s2_ptr,
+                        o_ptr,
+                        D: tl.constexpr, I: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT_FP8: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = I // 2
+    KSC: tl.constexpr = I // 32
+    e64 = e.to(tl.int64)
+    w2b = w2_ptr + e64 * (D * KPACK) + offs_n[:, None] * KPACK
+    s2b = s2_ptr + e64 * (D * KSC) + offs_n[:, None] * KSC
+    offs_k = tl.arange(0, BK)
+    offs_kp = tl.arange(0, BK // 2)
+    offs_ks = tl.arange(0, BK // 32)
+    acc = tl.zeros((BM, BN), tl.float32)
+    for k0 in tl.range(0, I, BK):
+        ha = tl.load(hq_ptr + rows_c[:, None] * I + k0 + offs_k[None, :])
+        w = tl.load(w2b + k0 // 2 + offs_kp[None, :])
+        sw = tl.load(s2b + k0 // 32 + offs_ks[None, :])
+        if ACT_FP8:
+            sh = tl.load(hs_ptr + rows_c[:, None] * KSC + k0 // 32 + offs_ks[None, :])
+            acc = tl.dot_scaled(ha, sh, "e4m3", tl.trans(w), sw, "e2m1", acc)
+        else:
+            acc = tl.dot_scaled(ha, None, "bf16", tl.trans(w), sw, "e2m1", acc)
+    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+
+
 # ------------------------------------------------------------------------------------------ JAX side
 def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
     T, d = x.shape
@@ -260,6 +359,8 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         size = I if n == "I" else d
         if size % b or b % 32:
             raise ValueError(f"{n}={size} must be a multiple of the block {b} (itself a multiple of 32)")
+    if cfg.kind == "ds" and (d % cfg.BK or I % cfg.BK or cfg.BK % 32):
+        raise ValueError(f"BK={cfg.BK} must be a multiple of 32 dividing d={d} and I={I}")
     if (d // 32) % cfg.KSUB or (I // 32) % cfg.KSUB:
         raise ValueError(f"KSUB={cfg.KSUB} must divide d/32={d // 32} and I/32={I // 32}")
 
@@ -268,24 +369,28 @@ def _as_u8(a):
     return jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.int8 else a
 
 
-def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference",
-                      config: MoeConfig | None = None, return_intermediates=False):
+def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
+    """The two kernel launches on prepared inputs (``prepare``) -> (o [S, d] bf16 per slot, hq, hs)."""
     import jax_triton as jt  # lazy: GPU only
 
-    if precision not in ("reference", "bf16"):
-        raise NotImplementedError(f"the Triton MoE GEMM implements precision 'reference' (FP8 activations) and "
-                                  f"'bf16'; got {precision!r} (use backend='xla')")
-    act_fp8 = precision == "reference"
-    T, d = x.shape
-    k = idx.shape[1]
-    E, I, _ = w1.shape
     S = T * k
-    cfg = config or pick_config(S, E)
-    _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg)
-    p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
     TM = num_tiles(S, E, cfg.BM)
-    w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)
     hdt = jnp.float8_e4m3fn if act_fp8 else jnp.bfloat16
+    if cfg.kind == "ds":
+        xs = quant.f32_pow2_to_e8m0(p["xs"]) if act_fp8 else p["xs"]
+        hq, hs = jt.triton_call(
+            p["xq"], xs, p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,
+            kernel=_moe_up_kernel_ds,
+            out_shape=(jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.uint8)),
+            grid=(TM, I // cfg.BN_UP), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            D=d, I=I, LIMIT=float(limit), BM=cfg.BM, BN=cfg.BN_UP, BK=cfg.BK, ACT_FP8=int(act_fp8))
+        o = jt.triton_call(
+            hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2,
+            kernel=_moe_down_kernel_ds,
+            out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+            grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, BK=cfg.BK, ACT_FP8=int(act_fp8))
+        return o, hq, hs
     hq, hs = jt.triton_call(
         p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,
         kernel=_moe_up_kernel,
@@ -299,6 +404,24 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
         out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
         grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
         D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, KSUB=cfg.KSUB, ACT_FP8=int(act_fp8), DECODE=int(cfg.decode == "asm"))
+    return o, hq, hs
+
+
+def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference",
+                      config: MoeConfig | None = None, return_intermediates=False):
+    if precision not in ("reference", "bf16"):
+        raise NotImplementedError(f"the Triton MoE GEMM implements precision 'reference' (FP8 activations) and "
+                                  f"'bf16'; got {precision!r} (use backend='xla')")
+    act_fp8 = precision == "reference"
+    T, d = x.shape
+    k = idx.shape[1]
+    E, I, _ = w1.shape
+    S = T * k
+    cfg = config or pick_config(S, E)
+    _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg)
+    p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
+    w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)
+    o, hq, hs = _launch(p, w1, s1, w3, s3, w2, s2, T=T, k=k, d=d, I=I, E=E, limit=limit, act_fp8=act_fp8, cfg=cfg)
     out = jnp.sum(o.reshape(T, k, d).astype(jnp.float32), axis=1)
     if return_intermediates:
         return out, dict(p, hq=hq, hs=hs, o=o)

@@ -18,11 +18,30 @@ class MoeConfig:
     warps_up: int = 4
     warps_down: int = 4
     stages: int = 4
-    decode: str = "asm"   # "asm" | "tl"
+    decode: str = "asm"   # "asm" | "tl" (kind "fp8mma" only)
+    kind: str = "fp8mma"  # "fp8mma": E2M1 -> E4M3 bytes, FP8 MMA per 32-wide K block, fp32 rescale per block
+                          # "ds": tl.dot_scaled (Hopper: upcast to bf16 with scales, bf16 MMA over BK)
+    BK: int = 128         # K chunk of the "ds" kernels (multiple of 32 dividing d and I)
 
 
-DECODE_CONFIG = MoeConfig()
-PREFILL_CONFIG = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
+FP8MMA_DECODE = MoeConfig()
+FP8MMA_PREFILL = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
+DS_DECODE = MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=256, warps_up=4, warps_down=4, stages=3)
+DS_PREFILL = MoeConfig(kind="ds", BM=128, BN_UP=64, BN_DOWN=128, BK=128, warps_up=8, warps_down=8, stages=3)
+DECODE_CONFIG = FP8MMA_DECODE
+PREFILL_CONFIG = FP8MMA_PREFILL
+NAMED_CONFIGS = {
+    "fp8mma_decode": FP8MMA_DECODE,
+    "fp8mma_prefill": FP8MMA_PREFILL,
+    "ds_decode": DS_DECODE,
+    "ds_decode_bk128": MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=4),
+    "ds_decode_bn32": MoeConfig(kind="ds", BM=16, BN_UP=32, BN_DOWN=64, BK=256, stages=3),
+    "ds_prefill": DS_PREFILL,
+    "ds_prefill_bm64": MoeConfig(kind="ds", BM=64, BN_UP=64, BN_DOWN=128, BK=128, warps_up=4, warps_down=4,
+                                 stages=3),
+    "ds_prefill_bn128": MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8,
+                                  stages=3),
+}
 
 
 def pick_config(rows: int, experts: int) -> MoeConfig:

@@ -35,10 +35,22 @@ def _triton():
 SMALL = [(1, 6, 16, 512, 256), (5, 6, 8, 512, 256), (64, 6, 16, 1024, 512), (300, 4, 8, 512, 768)]
 REAL_DECODE = (16, 6, 96, 5120, 2304)      # V4.1 expert shape, decode
 REAL_PREFILL = (1024, 6, 96, 5120, 2304)   # V4.1 expert shape, 6K slots
-COMBOS = ([(c, "decode", "reference") for c in SMALL] + [(c, "prefill", "reference") for c in SMALL[2:]]
-          + [(SMALL[1], "decode_tl", "reference"), (SMALL[2], "decode", "bf16"), (SMALL[3], "prefill", "bf16")]
-          + [(REAL_DECODE, "decode", "reference"), (REAL_DECODE, "decode", "bf16"),
-             (REAL_PREFILL, "prefill", "reference"), (REAL_PREFILL, "decode", "reference")])
+COMBOS = (
+    # tl.dot_scaled kernels ("ds")
+    [(c, "ds_decode", "reference") for c in SMALL] + [(c, "ds_prefill", "reference") for c in SMALL[2:]]
+    + [(SMALL[2], "ds_decode", "bf16"), (SMALL[3], "ds_prefill", "bf16"), (SMALL[1], "ds_prefill_bm64", "reference")]
+    + [(REAL_DECODE, "ds_decode", "reference"), (REAL_PREFILL, "ds_prefill", "reference"),
+       (REAL_PREFILL, "ds_decode", "reference")]
+    # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
+    + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
+       (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
+       (REAL_DECODE, "fp8mma_decode", "reference")])
+
+
+def _cfg(name):
+    if name == "decode_tl":
+        return moe_plan.MoeConfig(decode="tl")
+    return moe_plan.NAMED_CONFIGS[name]
 
 
 @pytest.mark.parametrize("case,cfg_name,precision", COMBOS,
@@ -46,8 +58,7 @@ COMBOS = ([(c, "decode", "reference") for c in SMALL] + [(c, "prefill", "referen
 def test_matches_reference(case, cfg_name, precision):
     mt = _triton()
     T, k, E, d, I = case
-    cfg = {"decode": mt.DECODE_CONFIG, "prefill": mt.PREFILL_CONFIG,
-           "decode_tl": moe_plan.MoeConfig(decode="tl")}[cfg_name]
+    cfg = _cfg(cfg_name)
     key = jax.random.PRNGKey(zlib.crc32(repr((case, cfg_name, precision)).encode()) % (2 ** 31))
     args = moe_plan.random_moe_problem(key, T, k, E, d, I)
     ref = moe_gemm.routed_moe_reference(*args, limit=LIMIT, precision=precision)
@@ -75,13 +86,16 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
     return quant.fp8_quant(h.astype(jnp.bfloat16), 32)
 
 
-@pytest.mark.parametrize("cfg_name", ["decode", "prefill"])
+@pytest.mark.parametrize("cfg_name", ["ds_decode", "ds_prefill", "fp8mma_decode", "fp8mma_prefill"])
 def test_intermediates_fully_written_twice(cfg_name):
     """Two runs at one shape with different inputs: every FP8 code of h and every output row must match the
-    reference each time, so nothing can be left over from the previous run (a stale or unwritten element)."""
+    reference each time, so nothing can be left over from the previous run (a stale or unwritten element).
+    The FP8-MMA prefill kernel (wgmma on FP8: Hopper accumulates FP8 products inside one MMA with reduced
+    precision) is allowed 0.5 % flipped h codes, the others 0.1 %."""
     mt = _triton()
     T, k, E, d, I = 96, 6, 12, 512, 256
-    cfg = mt.DECODE_CONFIG if cfg_name == "decode" else mt.PREFILL_CONFIG
+    cfg = _cfg(cfg_name)
+    need = 0.995 if cfg_name == "fp8mma_prefill" else 0.999
     f = jax.jit(lambda *a: mt.routed_moe_triton(*a, limit=LIMIT, config=cfg, return_intermediates=True))
     for seed in (11, 12):
         args = moe_plan.random_moe_problem(jax.random.PRNGKey(seed), T, k, E, d, I)
@@ -89,8 +103,11 @@ def test_intermediates_fully_written_twice(cfg_name):
         rq, rs = _reference_h_codes(*args[:7], im["order"])
         hq = np.asarray(im["hq"].astype(jnp.float32))
         same = np.mean(hq == np.asarray(rq.astype(jnp.float32)))
-        assert same >= 0.999, same
-        assert np.mean(np.asarray(im["hs"]) == np.asarray(rs)) >= 0.999
+        print(f"{cfg_name} seed {seed}: h codes equal {same:.5f}")
+        assert same >= need, same
+        hs = im["hs"]
+        hs = quant.e8m0_to_f32(hs) if hs.dtype == jnp.uint8 else hs
+        assert np.mean(np.asarray(hs) == np.asarray(rs)) >= need
         o = np.asarray(im["o"].astype(jnp.float32))
         assert np.all(np.isfinite(o)) and np.all(np.isfinite(hq))
         ref = moe_gemm.routed_moe_reference(*args, limit=LIMIT)
