@@ -8,6 +8,6 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import jax, jaxlib, triton, jax_triton, torch; print('jax', jax.__version__, 'triton', triton.__version__, 'jax_triton', jax_triton.__version__, 'torch', torch.__version__, jax.devices())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q -rA --maxfail=4 -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|error|Error" | tail -40
+  timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q -rA -s --maxfail=4 -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|error|Error|rel err|codes equal" | tail -40
 fi
 timeout "${BENCH_TIMEOUT:-300}" python3 -m dsflash.bench kernels --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
