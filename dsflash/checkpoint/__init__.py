@@ -21,6 +21,6 @@ def write_synthetic_checkpoint(*args, **kwargs):
     return _w(*args, **kwargs)
 
 
-__all__ = ["CheckpointError", "check_checkpoint", "SafetensorsError", "SafetensorsFile", "load_checkpoint", "official_inventory",
-           "read_weight_map", "restore_params", "save_params", "split_official", "write_safetensors",
-           "write_synthetic_checkpoint"]
+__all__ = ["CheckpointError", "SafetensorsError", "SafetensorsFile", "check_checkpoint", "load_checkpoint",
+           "official_inventory", "read_weight_map", "restore_params", "save_params", "split_official",
+           "write_safetensors", "write_synthetic_checkpoint"]
