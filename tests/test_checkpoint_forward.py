@@ -1,25 +1,15 @@
-"""Logits from a loaded synthetic checkpoint equal logits from the in-memory params it was written from."""
+"""Logits from a loaded synthetic checkpoint equal logits from the in-memory params it was written from
+(through ``dsflash.load``, the path a user takes), and again after an orbax round trip."""
 import jax
 import numpy as np
 import pytest
 
-forward_mod = pytest.importorskip("dsflash.model.forward", reason="dsflash.model.forward not available yet")
+api = pytest.importorskip("dsflash.model.api", reason="dsflash.load / dsflash.model.api not available yet")
 
-from dsflash.checkpoint import load_checkpoint, restore_params, save_params  # noqa: E402
+import dsflash  # noqa: E402
+from dsflash.checkpoint import restore_params, save_params  # noqa: E402
 from dsflash.checkpoint.synth import fast_init_params, write_synthetic_checkpoint  # noqa: E402
 from dsflash.config import preset  # noqa: E402
-from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch  # noqa: E402
-
-PAGE = 16
-
-
-def run(params, cfg, tokens):
-    B, S = tokens.shape
-    pages = -(-S // PAGE)
-    state = init_state(cfg, CacheGeometry(num_slots=B, num_pages=B * pages, page_size=PAGE))
-    batch = make_batch(tokens, pages_per_seq=pages)
-    out, _ = forward_mod.forward_jit(params, cfg, batch, state, RunOptions(logits="all", page_size=PAGE))
-    return np.asarray(out["logits"])
 
 
 def small_cfg():
@@ -34,13 +24,14 @@ def test_loaded_logits_equal_in_memory(tmp_path):
     cfg = small_cfg()
     params = {k: jax.numpy.asarray(v) for k, v in fast_init_params(cfg, seed=0).items()}   # numpy-only: no init jit
     folder = write_synthetic_checkpoint(tmp_path / "ckpt", cfg, params=params)
-    cfg2, loaded = load_checkpoint(folder, progress=False)
-    assert cfg2 == cfg
+    loaded = dsflash.load(folder, progress=False)
+    assert loaded.cfg == cfg and loaded.tokenizer is not None
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 24)).astype(np.int32)
-    want = run(params, cfg, tokens)
-    assert np.isfinite(want).all() and want.std() > 0
-    got = run(loaded, cfg2, tokens)
+    got = loaded.logits(tokens)
+    in_memory = api.Model(cfg, params, loaded.tokenizer, loaded.opts)
+    want = in_memory.logits(tokens)
+    assert want.shape == (2, 24, cfg.vocab_size) and np.isfinite(want).all() and want.std() > 0
     np.testing.assert_array_equal(got, want)
     # and through orbax
-    back = restore_params(save_params(tmp_path / "orbax", loaded), cfg)
-    np.testing.assert_array_equal(run(back, cfg, tokens), want)
+    back = restore_params(save_params(tmp_path / "orbax", loaded.params), cfg)
+    np.testing.assert_array_equal(api.Model(cfg, back, None, loaded.opts).logits(tokens), want)
