@@ -161,3 +161,30 @@ def test_single_file_checkpoint(tmp_path, cfg, params):
     _, loaded = load_checkpoint(tmp_path, progress=False)
     for name, ref in params.items():
         assert same_bytes(loaded[name], ref), name
+
+
+def test_load_wide_ep_physical_slots(ckpt, cfg, params):
+    """Wide-EP with redundant experts: stacked experts load straight into physical slots (phy2log) under
+    the sharding rules of dsflash.sharding, equal to expanding the logical params."""
+    rules = pytest.importorskip("dsflash.sharding.rules")
+    from dsflash.checkpoint import expert_slots_from_phy2log
+    from dsflash.sharding.mesh import make_mesh
+
+    mesh = make_mesh("dep=8")
+    strategy = rules.get_strategy("wide_ep", redundant_experts=8, draft_expert_parallel=False)
+    shardings = rules.param_shardings(cfg, mesh, strategy)
+    P_ = cfg.n_routed_experts + 8
+    phy2log = np.array([(np.arange(P_) * (3 + l)) % cfg.n_routed_experts for l in range(cfg.num_hidden_layers)])
+    _, loaded = load_checkpoint(ckpt, shardings=shardings, expert_slots=expert_slots_from_phy2log(phy2log),
+                                progress=False)
+    for l in range(cfg.num_hidden_layers):
+        for t in ("w1.weight", "w1.scale", "w2.weight", "w3.scale"):
+            name = f"layers.{l}.ffn.experts.{t}"
+            a = loaded[name]
+            assert a.shape[0] == P_ and a.sharding.is_equivalent_to(shardings[name], a.ndim)
+            assert same_bytes(a, np.asarray(params[name])[phy2log[l]]), name
+    assert same_bytes(loaded["mtp.0.ffn.experts.w2.weight"], params["mtp.0.ffn.experts.w2.weight"])
+    with pytest.raises(ValueError, match="expert_slots"):
+        load_checkpoint(ckpt, expert_slots={"layers.0.ffn.experts": [0, 99]}, progress=False)
+    with pytest.raises(ValueError, match="expert_slots"):
+        load_checkpoint(ckpt, expert_slots={"layers.0.attn": [0]}, progress=False)

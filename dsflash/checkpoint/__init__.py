@@ -9,7 +9,8 @@
 
 See ``docs/checkpoints.md``.
 """
-from dsflash.checkpoint.loader import CheckpointError, check_checkpoint, load_checkpoint, read_weight_map
+from dsflash.checkpoint.loader import (CheckpointError, check_checkpoint, expert_slots_from_phy2log, load_checkpoint,
+                                      read_weight_map)
 from dsflash.checkpoint.names import official_inventory, split_official
 from dsflash.checkpoint.orbax_io import restore_params, save_params
 from dsflash.checkpoint.safetensors_io import SafetensorsError, SafetensorsFile, write_safetensors
@@ -21,6 +22,7 @@ def write_synthetic_checkpoint(*args, **kwargs):
     return _w(*args, **kwargs)
 
 
-__all__ = ["CheckpointError", "SafetensorsError", "SafetensorsFile", "check_checkpoint", "load_checkpoint",
+__all__ = ["CheckpointError", "SafetensorsError", "SafetensorsFile", "check_checkpoint", "expert_slots_from_phy2log",
+           "load_checkpoint",
            "official_inventory", "read_weight_map", "restore_params", "save_params", "split_official",
            "write_safetensors", "write_synthetic_checkpoint"]

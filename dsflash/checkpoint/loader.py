@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import numpy as np
 
-from dsflash.checkpoint.names import OfficialTensor, is_vision, official_inventory
+from dsflash.checkpoint.names import OfficialTensor, is_stacked, is_vision, official_inventory
 from dsflash.checkpoint.safetensors_io import ST_TO_NP, SafetensorsError, SafetensorsFile
 from dsflash.config import ModelConfig
 from dsflash.model.params import ParamSpec, param_specs
@@ -135,7 +135,8 @@ def check_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None) 
 
 def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *,
                     shardings: Mapping[str, jax.sharding.Sharding] | None = None,
-                    host_tables: str = "device", progress: bool = True) -> tuple[ModelConfig, dict]:
+                    host_tables: str = "device", progress: bool = True,
+                    expert_slots: Mapping[str, Sequence[int]] | None = None) -> tuple[ModelConfig, dict]:
     """Load an official-layout checkpoint -> ``(cfg, params)`` in the stored formats of the param table.
 
     folder:      directory with ``config.json`` and ``model.safetensors.index.json`` + shards (or one
@@ -147,6 +148,11 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
     host_tables: Engram tables (``host=True`` specs): ``"device"`` (like any other tensor), ``"host"``
                  (read-only ``np.memmap`` views of the shard, nothing read up front) or ``"skip"``.
     progress:    tqdm progress bar over the bytes read.
+    expert_slots: optional physical expert layout (wide-EP with redundant experts, EPLB):
+                 ``{"layers.{l}.ffn.experts" | "mtp.{s}.ffn.experts": logical expert of each physical slot}``
+                 (a row of ``phy2log``; see :func:`expert_slots_from_phy2log`). The stacked tensors of
+                 that block are then ``[len(slots), ...]`` and each device reads only the experts of its
+                 slots. Blocks not named keep the logical layout ``[E, ...]``.
 
     Raises ``ValueError`` (``CheckpointError``) naming the tensor (official name) or file for a missing,
     extra, mis-shaped or wrongly typed tensor, a missing shard file, a truncated/corrupt shard, or an
@@ -174,6 +180,7 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
     if unknown:
         raise ValueError(f"shardings names {_first(unknown, 'unknown parameter')}")
     inventory = official_inventory(cfg, list(specs.values()))
+    slots = _check_expert_slots(expert_slots, specs)
     weight_map = read_weight_map(folder)
     skip = {n for n, s in specs.items() if s.host and host_tables == "skip"}
     wanted = {n for n, t in inventory.items() if t.param not in skip}
@@ -201,7 +208,8 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
         for i, pname in enumerate(order):
             spec, tensors = specs[pname], parts[pname]
             bar.set_postfix_str(weight_map[tensors[-1].name], refresh=False)
-            params[pname] = _materialise(spec, tensors, files, weight_map, shardings.get(pname), host_tables)
+            params[pname] = _materialise(spec, tensors, files, weight_map, shardings.get(pname), host_tables,
+                                         slots.get(pname.rsplit(".", 2)[0]))
             bar.update(sum(t.nbytes for t in tensors))
             for f, last in last_use.items():
                 if last == i:
@@ -235,8 +243,34 @@ def _progress_bar(*args, disable=False, **kw):
     return tqdm(*args, disable=disable, **kw)
 
 
+def expert_slots_from_phy2log(phy2log=None, draft_phy2log=None) -> dict[str, list[int]]:
+    """``expert_slots`` for :func:`load_checkpoint` from EPLB tables ``phy2log [layers, P]`` (backbone)
+    and ``draft_phy2log [stages, P']`` (DSpark draft)."""
+    out: dict[str, list[int]] = {}
+    for prefix, table in (("layers", phy2log), ("mtp", draft_phy2log)):
+        if table is not None:
+            for i, row in enumerate(np.asarray(table)):
+                out[f"{prefix}.{i}.ffn.experts"] = [int(v) for v in row]
+    return out
+
+
+def _check_expert_slots(expert_slots, specs: dict[str, ParamSpec]) -> dict[str, tuple]:
+    out = {}
+    for block, row in (expert_slots or {}).items():
+        w = specs.get(f"{block}.w1.weight")
+        if w is None or not is_stacked(w.name):
+            raise ValueError(f"expert_slots: {block!r} is not a routed-expert block of this model "
+                             "(expected e.g. 'layers.3.ffn.experts')")
+        row = tuple(int(v) for v in row)
+        E = w.shape[0]
+        if not row or min(row) < 0 or max(row) >= E:
+            raise ValueError(f"expert_slots[{block!r}]: logical expert ids must be in [0, {E}), got {list(row)}")
+        out[block] = row
+    return out
+
+
 def _materialise(spec: ParamSpec, tensors: list[OfficialTensor], files: dict[str, SafetensorsFile],
-                 weight_map: dict[str, str], sharding, host_tables: str):
+                 weight_map: dict[str, str], sharding, host_tables: str, slots: tuple | None = None):
     dt = np.dtype(spec.dtype)
 
     def view(t: OfficialTensor) -> np.ndarray:
@@ -244,13 +278,16 @@ def _materialise(spec: ParamSpec, tensors: list[OfficialTensor], files: dict[str
         return a if a.dtype == dt else a.view(dt)  # F8_E8M0 bytes are held as uint8 already
 
     stacked = tensors[0].expert is not None
+    shape = spec.shape
     if stacked:
         by_e = {t.expert: t for t in tensors}
         assert sorted(by_e) == list(range(spec.shape[0])), spec.name
+        slots = slots if slots is not None else tuple(range(spec.shape[0]))   # physical row -> logical expert
+        shape = (len(slots), *spec.shape[1:])
     if spec.host and host_tables == "host":
         if not stacked:
             return view(tensors[0])
-        return np.stack([view(by_e[e]) for e in range(spec.shape[0])])
+        return np.stack([view(by_e[e]) for e in slots])
 
     # On an accelerator the host->device transfer copies anyway, so memmap views go straight in. On the
     # CPU backend a numpy buffer may be aliased (zero-copy) by the jax.Array, so we hand over a private
@@ -263,13 +300,13 @@ def _materialise(spec: ParamSpec, tensors: list[OfficialTensor], files: dict[str
         def cb(index):
             if not stacked:
                 return own(view(tensors[0])[index])
-            rows = range(*index[0].indices(spec.shape[0])) if isinstance(index[0], slice) else [index[0]]
-            return np.stack([view(by_e[e])[index[1:]] for e in rows])
-        return jax.make_array_from_callback(spec.shape, sharding, cb)
+            rows = range(*index[0].indices(shape[0])) if isinstance(index[0], slice) else [index[0]]
+            return np.stack([view(by_e[slots[r]])[index[1:]] for r in rows])
+        return jax.make_array_from_callback(shape, sharding, cb)
 
     if not stacked:
         return jax.device_put(own(view(tensors[0])))
-    host = np.empty(spec.shape, dt)      # one [E, ...] buffer for this tensor only, freed after the transfer
-    for e in range(spec.shape[0]):
-        host[e] = view(by_e[e])
+    host = np.empty(shape, dt)           # one [E, ...] buffer for this tensor only, freed after the transfer
+    for r, e in enumerate(slots):
+        host[r] = view(by_e[e])
     return jax.device_put(host)
