@@ -72,6 +72,15 @@ def test_host_memmaps_save(tmp_path, loaded):
         assert same_bytes(back[name], params[name]), name
 
 
+def test_physical_expert_slots(tmp_path, loaded):
+    """Wide-EP params (stacked experts with redundant physical slots) save and restore."""
+    cfg, params = loaded
+    name = "layers.2.ffn.experts.w3.weight"
+    phys = dict(params, **{name: jnp.concatenate([params[name], params[name][:3]])})
+    back = restore_params(save_params(tmp_path / "p", phys), cfg)
+    assert back[name].shape[0] == cfg.n_routed_experts + 3 and same_bytes(back[name], phys[name])
+
+
 def load_checkpoint_into(loaded, shardings):
     cfg, params = loaded
     return cfg, {k: (jax.device_put(v, shardings[k]) if k in shardings else v) for k, v in params.items()}

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsflash.checkpoint.names import is_stacked
 from dsflash.config import ModelConfig
 from dsflash.model.params import spec_map
 
@@ -53,7 +54,7 @@ def restore_params(path: str | os.PathLike, cfg: ModelConfig,
 
     ``host_tables="host"`` restores Engram tables (``host=True`` specs) as numpy arrays in host memory.
     Raises ``ValueError`` naming the tensor if the checkpoint lacks a (non-host) parameter of ``cfg`` or
-    holds one with another shape."""
+    holds one with another shape (stacked experts may hold any number of physical slots: wide-EP)."""
     import orbax.checkpoint as ocp
     if host_tables not in ("device", "host"):
         raise ValueError(f"host_tables must be 'device' or 'host', got {host_tables!r}")
@@ -77,7 +78,10 @@ def restore_params(path: str | os.PathLike, cfg: ModelConfig,
         s = specs.get(name)
         if s is not None:
             stored = np.dtype(np.uint8) if jnp.dtype(s.dtype) in _FLOAT8 else jnp.dtype(s.dtype)
-            if tuple(m.shape) != tuple(s.shape) or jnp.dtype(m.dtype) != stored:
+            want = tuple(s.shape)
+            if is_stacked(name) and len(m.shape) == len(want):    # physical expert slots (wide-EP) may differ
+                want = (m.shape[0], *want[1:])
+            if tuple(m.shape) != want or jnp.dtype(m.dtype) != stored:
                 raise ValueError(f"{path}: parameter {name!r} is stored as {jnp.dtype(m.dtype).name} "
                                  f"{list(m.shape)}, expected {stored.name} {list(s.shape)}")
         if s is not None and s.host and host_tables == "host" and name not in shardings:
