@@ -220,12 +220,20 @@ def ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, mesh, limit, precis
     return out
 
 
-def make_routed_fn(mesh, settings: EPSettings = EPSettings()):
+def make_routed_fn(mesh, settings: EPSettings = EPSettings(), log2phy=None, logcnt=None, spread: str = "token"):
     """A drop-in for ``routed_moe`` (same signature) that runs expert-parallel on ``mesh``: pass it as the
     model's ``routed_fn`` hook (``dsflash.model.forward.forward(..., routed_fn=...)``). With no expert
-    axes (e.g. a draft whose experts are replicated) every device runs its own token rows."""
+    axes (e.g. a draft whose experts are replicated) every device runs its own token rows.
+
+    With ``log2phy [E, R]`` / ``logcnt [E]`` (one layer's EPLB tables) the incoming ids are logical and
+    the expert arrays physical (``[P, ...]``, redundant replicas): ids are mapped to replicas first
+    (:func:`dsflash.sharding.eplb.route`). The hook carries no layer index yet, so this form only serves
+    a model with one MoE layer (the tiny draft) or a layout shared by every layer."""
 
     def routed_fn(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla"):
+        if log2phy is not None:
+            from dsflash.sharding.eplb import route
+            idx, _ = route(idx, jnp.asarray(log2phy), jnp.asarray(logcnt), num_physical=w1.shape[0], spread=spread)
         return ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, mesh=mesh, limit=limit, precision=precision,
                              backend=backend, settings=settings)
 
