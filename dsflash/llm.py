@@ -32,6 +32,14 @@ class LLM:
         self.engine = LLMEngine(model, **engine_options)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """Wrap an existing engine (shares its compiled programs and caches)."""
+        self = cls.__new__(cls)
+        self.engine = engine
+        self._ids = itertools.count()
+        return self
+
     # ------------------------------------------------------------------ properties
     @property
     def tokenizer(self):

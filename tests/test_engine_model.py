@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dsflash.serve.engine import LLMEngine
-from dsflash.serve.engine.backend import ModelBackend, load_model
+from dsflash.serve.engine.backend import ModelBackend
 from dsflash.serve.types import SamplingParams
 
 OPTS = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_tokens=64, decode_steps=2,
@@ -15,7 +15,12 @@ OPTS = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_toke
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny")
+    # dsflash.load("tiny") with numpy-initialised weights (init_params takes ~20 s on 2 cores)
+    from dsflash.checkpoint.synth import fast_init_params
+    from dsflash.config import preset
+    from dsflash.model.api import Model, _synthetic_tokenizer
+    cfg = preset("tiny")
+    return Model(cfg, fast_init_params(cfg, 0), _synthetic_tokenizer(cfg), name="tiny")
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +90,24 @@ def test_real_model_prefix_cache(spec_engine):
         else:   # SPEC §6.1 bounded replay is an approximation: same length, reported agreement only
             assert len(hit.outputs[0].token_ids) == len(miss)
     eng.prefix_replay = "bounded"
+
+
+def test_real_model_text_api_stop_strings_and_chat(spec_engine):
+    from dsflash.llm import LLM
+    llm = LLM.from_engine(spec_engine)
+    tok = llm.tokenizer
+    assert tok is not None
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.generate(["hello world", "a b c"], sp)
+    o = out[0].outputs[0]
+    assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+    assert out[0].prompt == "hello world" and out[0].prompt_token_ids == tok.encode("hello world")
+    # a stop string taken from the free-running text ends generation there
+    if len(o.text) > 2:
+        stop = o.text[1:3]
+        s2 = llm.generate("hello world", sp.replace(stop=[stop]))[0].outputs[0]
+        assert s2.finish_reason == "stop" and s2.stop_reason == stop
+        assert s2.text == o.text[:o.text.index(stop)]
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0))
+    assert chat[0].outputs[0].token_ids and len(chat[0].outputs[0].token_ids) <= 4
+    assert spec_engine.compiles_after_warmup == 0

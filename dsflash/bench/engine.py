@@ -18,7 +18,8 @@ import time
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m dsflash.bench engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", "--model", dest="model", default="tiny", help="preset name or checkpoint folder")
+    p.add_argument("--preset", "--model", dest="model", default="tiny",
+                   help="preset name, checkpoint folder, or 'toy' (the engine's cheap test model)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -27,6 +28,7 @@ def parse(argv):
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--page-size", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
+    p.add_argument("--prefill-buckets", default="4x32", help="comma list of ROWSxTOKENS prefill buckets")
     p.add_argument("--decode-steps", type=int, default=4, help="decode iterations per device call")
     p.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"])
     p.add_argument("--modes", default="spec,plain", help="comma list of spec, plain")
@@ -45,7 +47,8 @@ def run_mode(model, args, speculative: bool) -> dict:
     eng = LLMEngine(model, speculative=speculative, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                     precision=args.precision, decode_steps=args.decode_steps, async_scheduling=not args.sync,
-                    seed=args.seed, enable_prefix_caching=False)
+                    seed=args.seed, enable_prefix_caching=False,
+                    prefill_buckets=[tuple(int(v) for v in b.split("x")) for b in args.prefill_buckets.split(",")])
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size
     rng = np.random.default_rng(args.seed)
@@ -91,7 +94,11 @@ def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from dsflash.serve.engine.backend import ModelBackend, load_model
     t = time.perf_counter()
-    m = load_model(args.model)
+    if args.model == "toy":      # the toy backend (dsflash.serve.engine.testing): drafts that often match
+        from dsflash.serve.engine.testing import ToyBackend
+        m = None
+    else:
+        m = load_model(args.model)
     print(f"model {args.model}: loaded in {time.perf_counter() - t:.1f}s; {args.num_prompts} prompts x "
           f"{args.prompt_len} tokens, max_tokens {args.max_tokens}, temperature {args.temperature}, "
           f"max_num_seqs {args.max_num_seqs}, decode_steps {args.decode_steps}, precision {args.precision}")
@@ -99,7 +106,8 @@ def main(argv=None) -> int:
     for mode in [x.strip() for x in args.modes.split(",") if x.strip()]:
         if mode not in ("spec", "plain"):
             raise SystemExit(f"--modes: unknown mode {mode!r}")
-        r = run_mode(ModelBackend(m, precision=args.precision), args, mode == "spec")
+        be = ToyBackend() if m is None else ModelBackend(m, precision=args.precision)
+        r = run_mode(be, args, mode == "spec")
         results.append(r)
         line = (f"[{mode:5s}] {r['tokens_per_s']:8.1f} tok/s  ({r['generated_tokens']} tokens in {r['elapsed_s']:.2f}s, "
                 f"{r['steps']} steps, {r['step_time_ms']:.1f} ms/step, host {r['host_overhead_per_step_ms']:.2f} "

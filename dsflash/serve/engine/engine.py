@@ -109,10 +109,9 @@ class LLMEngine:
         buckets = opts.pop("prefill_buckets", None)
         if opts:
             raise ValueError(f"unknown engine options: {', '.join(sorted(opts))}")
-        if buckets is None:
-            b = max_num_batched_tokens
+        if buckets is None:   # one bucket: every extra bucket is one more forward to compile at start-up
             r = min(4, max_num_seqs)
-            buckets = sorted({(1, min(32, b)), (r, max(1, b // r)), (1, b)})
+            buckets = [(r, max(1, max_num_batched_tokens // r))]
         for rb, tb in buckets:
             if rb < 1 or tb < 1 or rb * tb > max(max_num_batched_tokens, tb):
                 raise ValueError(f"prefill bucket {(rb, tb)} exceeds max_num_batched_tokens={max_num_batched_tokens}")
