@@ -66,6 +66,7 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.last: Optional[RequestOutput] = None
+        self.arrival: float = time.time()
 
     # called on the event loop by the engine thread's dispatch
     def _put(self, item) -> None:
@@ -203,6 +204,8 @@ class AsyncEngine:
         now = time.time() if arrival_time is None else arrival_time
         subs = [_Submit(rid, prompt, params, now, RequestStream(self, rid), loop, loop.create_future())
                 for rid, prompt, params in items]
+        for s in subs:
+            s.stream.arrival = now
         with self._cv:
             self._inbox_add.extend(subs)
             self._cv.notify_all()

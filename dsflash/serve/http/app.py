@@ -250,7 +250,7 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
 
 
 async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                  n: int) -> list[RequestStream]:
+                  n: int, arrival: Optional[float] = None) -> list[RequestStream]:
     """n engine requests per prompt (seeds seed+i), submitted together. All or nothing."""
     items = []
     for p, ids in enumerate(prompts):
@@ -258,7 +258,7 @@ async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], param
             sp = params if n == 1 or params.seed is None else params.replace(seed=params.seed + i)
             items.append((f"{base_id}-{p}-{i}", list(ids), sp))
     try:
-        streams = await st.engine.add_requests(items)
+        streams = await st.engine.add_requests(items, arrival_time=arrival)
     except ValueError as e:
         raise value_error_to_api(e, default_param="prompt") from None
     except EngineDrainingError as e:
@@ -272,7 +272,7 @@ async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], param
 async def _merge(st: ServerState, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several engine requests as they come: ``(index, cumulative output)``. Leaving early
     (client gone, cancellation) aborts every unfinished request."""
-    timers = [RequestTimer(st.metrics) for _ in streams]
+    timers = [RequestTimer(st.metrics, s.arrival) for s in streams]
     tasks = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
     st.metrics.in_flight.inc()
     try:
@@ -372,6 +372,7 @@ def _tok_bytes(tok, tid: int) -> list[int]:
 
 # ====================================================================== /v1/completions
 async def _completions(st: ServerState, req: CompletionRequest, request: Request):
+    arrival = time.time()
     _check_model(st, req.model)
     _warn_unknown(req)
     if req.suffix:
@@ -414,12 +415,12 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
-        streams = await _submit(st, base, prompts, params0, n)
+        streams = await _submit(st, base, prompts, params0, n, arrival)
     else:  # max_tokens omitted and prompts of different lengths: each gets the rest of its context
         streams = []
         try:
             for j, (p, mt) in enumerate(zip(prompts, max_toks)):
-                streams += await _submit(st, f"{base}-{j}", [p], params0.replace(max_tokens=mt), n)
+                streams += await _submit(st, f"{base}-{j}", [p], params0.replace(max_tokens=mt), n, arrival)
         except BaseException:
             for s in streams:
                 s.abort()
@@ -510,6 +511,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
 
 # ====================================================================== /v1/chat/completions
 async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
+    arrival = time.time()
     _check_model(st, req.model)
     _warn_unknown(req)
     chat = chat_io.chat_module()
@@ -541,7 +543,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")
     params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None, tok.vocab_size)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await _submit(st, base, [ids], params, n)
+    streams = await _submit(st, base, [ids], params, n, arrival)
     created = int(time.time())
     prompt_tokens = len(ids)
 
