@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from typing import Iterator
 
 import ml_dtypes
@@ -144,7 +145,8 @@ def write_synthetic_checkpoint(folder: str | os.PathLike, cfg: ModelConfig, *, s
     """Write ``cfg`` with ``params`` (default ``init_params(cfg, seed)``) in the official layout; -> folder.
 
     Shards are filled in parameter-table order (vision stand-ins first, like the official shard 1) and a
-    new shard starts when the next tensor would push the current one past ``max_shard_bytes``."""
+    new shard starts when the next tensor would push the current one past ``max_shard_bytes``. Shard files
+    of an earlier write into the same folder (``model-*-of-*.safetensors``) are replaced."""
     from dsflash.model.params import check_params, init_params
 
     folder = os.fspath(folder)
@@ -188,6 +190,9 @@ def write_synthetic_checkpoint(folder: str | os.PathLike, cfg: ModelConfig, *, s
         batch.append((name, arr, st))
     flush()
 
+    stale = [f for f in os.listdir(folder) if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", f) and f not in fname]
+    for f in stale:  # shards of an earlier write with another shard count
+        os.remove(os.path.join(folder, f))
     index = {"metadata": {"total_size": total},
              "weight_map": {n: fname[shard_of[n]] for n in sorted(shard_of)}}
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
