@@ -162,6 +162,24 @@ def _fp8_quant_store(h, q_ptr, s_ptr, rows, rmask, offs_n, n0, NCOLS: tl.constex
 
 
 @triton.jit
+def _fp8_roundtrip_store_bf16(h, q_ptr, rows, rmask, offs_n, NCOLS: tl.constexpr, BM: tl.constexpr,
+                              BN: tl.constexpr):
+    """h (fp32 holding bf16 values) -> its FP8 E4M3 per-32 round trip (quant.fp8_roundtrip), stored as bf16.
+    Exact: codes have 4 significant bits and the scales are powers of two, so code * scale is a bf16 value."""
+    NB: tl.constexpr = BN // 32
+    h3 = tl.reshape(h, (BM, NB, 32))
+    amax = tl.max(tl.abs(h3), axis=2)
+    y = tl.maximum(amax, 1e-4) * (1.0 / 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    q = _round_e4m3(tl.minimum(tl.maximum(h3 * inv[:, :, None], -448.0), 448.0))
+    r = tl.reshape(q * s[:, :, None], (BM, BN))
+    tl.store(q_ptr + rows[:, None] * NCOLS + offs_n[None, :], r.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
 def _moe_up_kernel(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
                    w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                    hq_ptr, hs_ptr,
@@ -292,7 +310,7 @@ def _moe_up_kernel_ds(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
         wu = tl.load(w3b + k0 // 2 + offs_kp[None, :])
         sg = tl.load(s1b + k0 // 32 + offs_ks[None, :])
         su = tl.load(s3b + k0 // 32 + offs_ks[None, :])
-        if ACT_FP8:
+        if ACT_FP8 == 1:
             sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + offs_ks[None, :])
             acc_g = tl.dot_scaled(xa, sx, "e4m3", tl.trans(wg), sg, "e2m1", acc_g)
             acc_u = tl.dot_scaled(xa, sx, "e4m3", tl.trans(wu), su, "e2m1", acc_u)
@@ -304,8 +322,10 @@ def _moe_up_kernel_ds(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
     h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
     hb = _round_bf16(h)
-    if ACT_FP8:
+    if ACT_FP8 == 1:
         _fp8_quant_store(hb, hq_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN, 1)
+    elif ACT_FP8 == 2:
+        _fp8_roundtrip_store_bf16(hb, hq_ptr, rows, rmask, offs_n, I, BM, BN)
     else:
         tl.store(hq_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
 
@@ -340,7 +360,7 @@ def _moe_down_kernel_ds(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_e
         ha = tl.load(hq_ptr + rows_c[:, None] * I + k0 + offs_k[None, :])
         w = tl.load(w2b + k0 // 2 + offs_kp[None, :])
         sw = tl.load(s2b + k0 // 32 + offs_ks[None, :])
-        if ACT_FP8:
+        if ACT_FP8 == 1:
             sh = tl.load(hs_ptr + rows_c[:, None] * KSC + k0 // 32 + offs_ks[None, :])
             acc = tl.dot_scaled(ha, sh, "e4m3", tl.trans(w), sw, "e2m1", acc)
         else:
@@ -377,19 +397,28 @@ def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
     TM = num_tiles(S, E, cfg.BM)
     hdt = jnp.float8_e4m3fn if act_fp8 else jnp.bfloat16
     if cfg.kind == "ds":
-        xs = quant.f32_pow2_to_e8m0(p["xs"]) if act_fp8 else p["xs"]
+        mode = (2 if cfg.act == "bf16rt" else 1) if act_fp8 else 0
+        if mode == 2:
+            # bf16 carriers of the FP8 round trips: x enters as quant.fp8_roundtrip(x) (the reference's own xa,
+            # bit for bit) and h leaves the gate/up kernel already round-tripped, so both GEMMs take bf16 lhs.
+            xq = quant.fp8_dequant(p["xq"], p["xs"], 32, jnp.bfloat16)
+            xs = p["xs"]
+            hdt = jnp.bfloat16
+        else:
+            xq = p["xq"]
+            xs = quant.f32_pow2_to_e8m0(p["xs"]) if act_fp8 else p["xs"]
         hq, hs = jt.triton_call(
-            p["xq"], xs, p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,
+            xq, xs, p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,
             kernel=_moe_up_kernel_ds,
             out_shape=(jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.uint8)),
             grid=(TM, I // cfg.BN_UP), num_warps=cfg.warps_up, num_stages=cfg.stages,
-            D=d, I=I, LIMIT=float(limit), BM=cfg.BM, BN=cfg.BN_UP, BK=cfg.BK, ACT_FP8=int(act_fp8))
+            D=d, I=I, LIMIT=float(limit), BM=cfg.BM, BN=cfg.BN_UP, BK=cfg.BK, ACT_FP8=mode)
         o = jt.triton_call(
             hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2,
             kernel=_moe_down_kernel_ds,
             out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
             grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
-            D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, BK=cfg.BK, ACT_FP8=int(act_fp8))
+            D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, BK=cfg.BK, ACT_FP8=mode)
         return o, hq, hs
     hq, hs = jt.triton_call(
         p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,

@@ -22,6 +22,8 @@ class MoeConfig:
     kind: str = "fp8mma"  # "fp8mma": E2M1 -> E4M3 bytes, FP8 MMA per 32-wide K block, fp32 rescale per block
                           # "ds": tl.dot_scaled (Hopper: upcast to bf16 with scales, bf16 MMA over BK)
     BK: int = 128         # K chunk of the "ds" kernels (multiple of 32 dividing d and I)
+    act: str = "fp8"      # "ds" + reference precision: "fp8" = E4M3 codes + UE8M0 scales into dot_scaled;
+                          # "bf16rt" = bf16 carriers of the same round-tripped values (exact), bf16 lhs
 
 
 FP8MMA_DECODE = MoeConfig()
@@ -41,6 +43,9 @@ NAMED_CONFIGS = {
                                  stages=3),
     "ds_prefill_bn128": MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8,
                                   stages=3),
+    "ds_decode_rt": MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=4, act="bf16rt"),
+    "ds_prefill_rt": MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8,
+                               stages=3, act="bf16rt"),
 }
 
 
