@@ -525,11 +525,11 @@ def sample_topk(popularity_row: np.ndarray, num_tokens: int, k: int, rng: np.ran
     return np.argsort(-(np.log(popularity_row)[None] + g), axis=1)[:, :k].astype(np.int32)
 
 
-def _bench(argv=None):
+def bench_main(argv=None):
     """python -m dsflash.sharding.eplb [--preset v41_flash] [--ranks 32] [--redundant 32] [--steps 50]"""
     import argparse
     from dsflash.config import preset
-    ap = argparse.ArgumentParser(description=_bench.__doc__)
+    ap = argparse.ArgumentParser(description=bench_main.__doc__)
     ap.add_argument("--preset", default="v41_flash")
     ap.add_argument("--ranks", type=int, default=32)
     ap.add_argument("--redundant", type=int, default=32)
@@ -568,4 +568,4 @@ def _bench(argv=None):
 
 
 if __name__ == "__main__":
-    _bench()
+    bench_main()
