@@ -162,6 +162,15 @@ def _fp8_quant_store(h, q_ptr, s_ptr, rows, rmask, offs_n, n0, NCOLS: tl.constex
 
 
 @triton.jit
+def _fp8_dequant_bf16(q, sc, BM: tl.constexpr, BK: tl.constexpr):
+    """E4M3 codes [BM, BK] times f32 pow2 scales [BM, BK/32] -> bf16 (exact). Done in-kernel on purpose: XLA
+    (allow_excess_precision) may drop an f32 -> f8 -> f32 convert pair inside one jitted program, so a JAX-side
+    dequantisation next to the quantisation can silently skip the round trip."""
+    q3 = tl.reshape(q.to(tl.float32), (BM, BK // 32, 32))
+    return tl.reshape(q3 * sc[:, :, None], (BM, BK)).to(tl.bfloat16)
+
+
+@triton.jit
 def _fp8_roundtrip_store_bf16(h, q_ptr, rows, rmask, offs_n, NCOLS: tl.constexpr, BM: tl.constexpr,
                               BN: tl.constexpr):
     """h (fp32 holding bf16 values) -> its FP8 E4M3 per-32 round trip (quant.fp8_roundtrip), stored as bf16.
@@ -314,6 +323,11 @@ def _moe_up_kernel_ds(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
             sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + offs_ks[None, :])
             acc_g = tl.dot_scaled(xa, sx, "e4m3", tl.trans(wg), sg, "e2m1", acc_g)
             acc_u = tl.dot_scaled(xa, sx, "e4m3", tl.trans(wu), su, "e2m1", acc_u)
+        elif ACT_FP8 == 2:
+            sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + offs_ks[None, :])    # f32 pow2 scales
+            xb = _fp8_dequant_bf16(xa, sx, BM, BK)
+            acc_g = tl.dot_scaled(xb, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g)
+            acc_u = tl.dot_scaled(xb, None, "bf16", tl.trans(wu), su, "e2m1", acc_u)
         else:
             acc_g = tl.dot_scaled(xa, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g)
             acc_u = tl.dot_scaled(xa, None, "bf16", tl.trans(wu), su, "e2m1", acc_u)
@@ -399,10 +413,10 @@ def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
     if cfg.kind == "ds":
         mode = (2 if cfg.act == "bf16rt" else 1) if act_fp8 else 0
         if mode == 2:
-            # bf16 carriers of the FP8 round trips: x enters as quant.fp8_roundtrip(x) (the reference's own xa,
-            # bit for bit) and h leaves the gate/up kernel already round-tripped, so both GEMMs take bf16 lhs.
-            xq = quant.fp8_dequant(p["xq"], p["xs"], 32, jnp.bfloat16)
-            xs = p["xs"]
+            # bf16 carriers of the FP8 round trips: x codes are dequantised to bf16 in-kernel (the reference's own
+            # xa, bit for bit; not in JAX, where XLA may elide the f32->f8->f32 pair) and h leaves the gate/up
+            # kernel already round-tripped as bf16, so both GEMMs take bf16 lhs.
+            xq, xs = p["xq"], p["xs"]
             hdt = jnp.bfloat16
         else:
             xq = p["xq"]
