@@ -138,6 +138,7 @@ class LLMEngine:
         self.groups: dict[str, list[Sequence]] = {}
         self._pending_outputs: dict[str, RequestOutput] = {}
         self._inflight = None
+        self._executor = None
         # per-slot host mirrors of what the decode call needs
         self._pt = np.zeros((max_num_seqs, self.pages_per_seq), np.int32)
         self._sp = R.empty_sampling(max_num_seqs, self.max_stop_ids)
@@ -479,14 +480,19 @@ class LLMEngine:
         return outs
 
     def _dispatch(self, plan, decode):
-        """Launch this step's device programs (asynchronously) and advance the optimistic host state."""
+        """Launch this step's device programs and advance the optimistic host state.
+
+        Inputs are built here, on the calling thread. With ``async_scheduling`` the calls themselves run on
+        a one-thread executor: JAX dispatch is asynchronous on CPU, but a ``while_loop`` on GPU returns only
+        when the loop ends (its predicate goes to the host every iteration), so the thread is what lets the
+        host process the previous step while the device runs this one. The executor keeps calls in order."""
         if not plan and not decode:
             return None
         rec = {"prefill": None, "decode": None}
+        pf_inp = dc_inp = None
         if plan:
             bucket, chunks = plan
-            inp = self._prefill_inputs(bucket, chunks)
-            res = self.runner.prefill(inp)
+            pf_inp = self._prefill_inputs(bucket, chunks)
             items = []
             for s, n in chunks:
                 last = s.computed + n == len(s.all_ids)
@@ -496,29 +502,43 @@ class LLMEngine:
                     s.pending += 1
                     s.pending_lb += 1
                 items.append((s, n, last))
-            rec["prefill"] = (items, res)
+            rec["prefill"] = items
             self.metrics.num_prefill_calls += 1
         if decode:
-            inp = self._decode_inputs(decode)
-            res = self.runner.decode(inp)
+            dc_inp = self._decode_inputs(decode)
             for s, h in decode:
                 s.pending += h * self.K1
                 s.pending_lb += h
-            rec["decode"] = (decode, res)
+            rec["decode"] = decode
             self.metrics.num_decode_calls += 1
+        runner = self.runner
+
+        def launch():
+            pf = runner.prefill(pf_inp) if pf_inp is not None else None
+            dc = runner.decode(dc_inp) if dc_inp is not None else None
+            return pf, dc
+
+        if self.async_scheduling:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="dsflash-dispatch")
+            rec["future"] = self._executor.submit(launch)
+        else:
+            rec["result"] = launch()
         return rec
 
     def _process(self, rec, progressed) -> float:
         """Read back one dispatched step and apply it; returns the seconds spent waiting for the device."""
         t0 = time.perf_counter()
-        pf = jax.device_get(rec["prefill"][1]) if rec["prefill"] else None
-        dc = jax.device_get(rec["decode"][1]) if rec["decode"] else None
+        pf, dc = rec["future"].result() if "future" in rec else rec["result"]
+        pf = jax.device_get(pf) if pf is not None else None
+        dc = jax.device_get(dc) if dc is not None else None
         wait = time.perf_counter() - t0
         now = time.time()
         if pf is not None:
-            self._process_prefill(rec["prefill"][0], pf, now, progressed)
+            self._process_prefill(rec["prefill"], pf, now, progressed)
         if dc is not None:
-            self._process_decode(rec["decode"][0], dc, now, progressed)
+            self._process_decode(rec["decode"], dc, now, progressed)
         return wait
 
     def _prefill_inputs(self, bucket, plan):
