@@ -237,3 +237,14 @@ def test_plan_moves_local_first_and_senders_split():
     assert moves[5] == eplb.Move(5, 4, 3, True) and moves[7].src == 5 and not moves[7].local
     src = eplb.source_index(plan_moves(old, new, 4)[0], 8)
     assert old[0][src].tolist() == new[0].tolist()
+
+
+def test_balancedness_is_a_ratio_of_sums_over_layers():
+    # layer 0: ranks (10, 0) -> mean 5, max 10; layer 1: ranks (1, 1) -> mean 1, max 1
+    load = np.array([[10, 0, 0, 0], [1, 0, 1, 0]])
+    assert balancedness(load, 2) == pytest.approx((5 + 1) / (10 + 1))      # not mean(0.5, 1.0) = 0.75
+    assert eplb.rank_loads(load, 2).tolist() == [[10, 0], [1, 1]]
+    st = EplbState(2, 4, 2, EplbConfig(window_size=4))
+    st.record(load)
+    m = st.metrics()
+    assert m["balancedness"] == pytest.approx(6 / 11) and m["avg_tokens"] == 6 and m["max_tokens"] == 11
