@@ -306,6 +306,65 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
     return rows
 
 
+# ------------------------------------------------------------------------------------------ sparse attention
+def bench_sparse_attn(args, ceilings, log, rows, save=lambda: None):
+    """Sparse sink attention decode (V4.1: 64 heads x 512, one shared latent, 128 window + 512 compressed entries
+    per query row) at B sequences x S query rows over N cached rows per sequence: Triton kernel vs the XLA
+    lowering of the reference vs the roofline (unique KV bytes read / copy bandwidth, flops / bf16 rate). No torch
+    peer: SDPA / flex attention cannot gather per-row index lists without materialising them."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsflash.kernels import sparse_attention as sa
+
+    H, D, K, N = 64, 512, 640, args.attn_ctx
+    scale = D ** -0.5
+    for spec in args.attn_shapes.split(","):
+        B, S = (int(v) for v in spec.split("x"))
+        key = jax.random.PRNGKey(B * 100 + S)
+        ks = jax.random.split(key, 6)
+        nsets = 3
+        kv = jax.random.normal(ks[0], (B, N, D), jnp.float32).astype(jnp.bfloat16)
+        qs = (jax.random.normal(ks[1], (nsets, B, S, H, D), jnp.float32) * 2).astype(jnp.bfloat16)
+        win = jnp.arange(N - 128, N, dtype=jnp.int32)                       # the SWA window: last 128 rows
+        sel = jax.random.randint(ks[2], (nsets, B, S, K - 128), 0, N - 128, jnp.int32)
+        idxs = jnp.concatenate([jnp.broadcast_to(win, (nsets, B, S, 128)), sel], axis=-1)
+        sink = jax.random.normal(ks[3], (H,), jnp.float32)
+        uniq = float(np.mean([len(np.unique(np.asarray(idxs[0, b]))) for b in range(B)]))
+        bytes_min = B * uniq * D * 2 + 2 * B * S * H * D * 2
+        flops = 4.0 * B * S * H * K * D
+        t_roof = max(bytes_min / (max(ceilings["copy_TBps"], 1e-9) * 1e12),
+                     flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
+        row = dict(B=B, S=S, H=H, D=D, K=K, N=N, unique_rows_per_seq=uniq, bytes_min=bytes_min, flops=flops,
+                   roofline_s=t_roof)
+        for name, backend in (("triton", "triton"), ("xla_ref", "xla")):
+            op = lambda q, i, kv_, sk, backend=backend: sa.sparse_sink_attention(q, kv_, i, sk, scale,  # noqa: E731
+                                                                                   backend=backend)
+            try:
+                row[name + "_s"], _ = time_jax_loop(op, (qs, idxs), (kv, sink), reps=args.reps)
+            except Exception as e:  # noqa: BLE001
+                row[name + "_error"] = repr(e)[:400]
+                log(traceback.format_exc()[-1500:])
+        try:
+            a = (qs[0], kv, idxs[0], sink)
+            ref = np.asarray(sa.sparse_sink_attention_reference(*a, scale, out_dtype=jnp.float32))
+            got = np.asarray(jax.jit(lambda *x: sa.sparse_sink_attention(*x, scale, out_dtype=jnp.float32,
+                                                                        backend="triton"))(*a))
+            row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = repr(e)[:400]
+        t = row.get("triton_s")
+        if t:
+            row["frac_of_roofline"] = t_roof / t
+            row["TBps"] = bytes_min / t / 1e12
+            if row.get("xla_ref_s"):
+                row["speedup_vs_xla_ref"] = row["xla_ref_s"] / t
+        rows.append(row)
+        log(json.dumps(row))
+        save()
+        del kv, qs, idxs
+
+
 def _fmt(v, scale=1e3, nd=3):
     return "-" if v is None else f"{v * scale:.{nd}f}"
 
@@ -344,6 +403,10 @@ def main(argv=None):
     ap.add_argument("--bf16-tokens", default="64,4096", help="sizes where the bf16-activation variant is timed")
     ap.add_argument("--check-max-tokens", type=int, default=4096, help="error vs reference up to this size")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--attn-shapes", default="1x1,32x1,128x1,32x6",
+                    help="sparse attention decode shapes BxS (sequences x query rows); empty to skip")
+    ap.add_argument("--attn-ctx", type=int, default=4096, help="cached rows per sequence for sparse attention")
+    ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
     ap.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # dry run of the code paths
@@ -380,7 +443,7 @@ def main(argv=None):
                               tokens=args.tokens, reps=args.reps,
                               weights="MXFP4 (E2M1 + UE8M0/32), random bytes, scales 2^-8..2^-4",
                               precision="reference (FP8 E4M3/32 activations)", routing="uniform random distinct"),
-                  ceilings={}, moe_gemm=[])
+                  ceilings={}, moe_gemm=[], sparse_attention=[])
 
     def save():   # after every size, so a run cut short still leaves its numbers
         result["wall_s"] = time.time() - t0
@@ -390,8 +453,12 @@ def main(argv=None):
     result["ceilings"] = ceilings = measure_ceilings(args.quick)
     log(json.dumps(ceilings))
     save()
-    bench_moe(args, ceilings, log, result["moe_gemm"], save)
+    if not args.skip_moe:
+        bench_moe(args, ceilings, log, result["moe_gemm"], save)
     rows = result["moe_gemm"]
+    result["sparse_attention"] = []
+    if args.attn_shapes:
+        bench_sparse_attn(args, ceilings, log, result["sparse_attention"], save)
     save()
     print(f"\nwrote {path}")
     print("per-config ms (best marked *):")
@@ -407,4 +474,13 @@ def main(argv=None):
             extra += f" | err vs jit-ref {r['rel_err_vs_jit_ref']:.1e}, jit-ref vs eager-ref {r['jit_ref_vs_eager_ref_rel']:.1e}"
         print(f"  T={r['T']:>6} " + " ".join(cells) + extra)
     print(table(rows, ceilings))
+    if result["sparse_attention"]:
+        print("sparse sink attention (H=64, D=512, K=640):")
+        print(f"{'B':>5} {'S':>3} {'triton ms':>10} {'xla ms':>9} {'roof ms':>8} {'%roof':>6} {'TB/s':>6} {'xXLA':>6} {'relerr':>8}")
+        for r in result["sparse_attention"]:
+            g = r.get
+            print(f"{r['B']:>5} {r['S']:>3} {_fmt(g('triton_s')):>10} {_fmt(g('xla_ref_s')):>9} {_fmt(g('roofline_s')):>8} "
+                  f"{_fmt(g('frac_of_roofline'), 100, 1):>6} {_fmt(g('TBps'), 1, 2):>6} "
+                  f"{_fmt(g('speedup_vs_xla_ref'), 1, 2):>6} "
+                  f"{(format(g('rel_err_vs_ref'), '.1e') if g('rel_err_vs_ref') is not None else '-'):>8}")
     return 0
