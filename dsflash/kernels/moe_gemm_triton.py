@@ -23,8 +23,12 @@ How it works
 * Nibble decoding: ``DECODE="asm"`` (default on GPU) decodes 8 nibbles per 32-bit register with four
   shifts/ands (inline PTX); ``DECODE="tl"`` is the same in plain Triton ops (also runs in Triton's
   interpreter).
-Two configs: decode (few rows per expert: BM=16, weight-streaming) and prefill (BM=128); ``config``
-picks one by rows per expert unless given.
+* ``kind="ds"`` kernels (``_moe_*_kernel_ds``) use ``tl.dot_scaled`` instead: E4M3 activations with UE8M0 scales
+  (or bf16) times packed E2M1 weights with their UE8M0 scales; on Hopper Triton upcasts both to bf16 with the
+  scales applied (exact) and accumulates a BK-wide chunk in one bf16 MMA. ``act="bf16rt"`` feeds bf16 carriers of
+  the same FP8 round-tripped values (x dequantised in-kernel, h round-tripped in the epilogue).
+Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert (defaults from the
+2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 """
 from __future__ import annotations
 
