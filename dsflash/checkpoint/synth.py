@@ -67,58 +67,9 @@ def random_stored_params(cfg: ModelConfig, seed: int = 0, *, scale_range: tuple 
 
 
 def fast_init_params(cfg: ModelConfig, seed: int = 0) -> dict:
-    """A numpy-only stand-in for ``init_params`` (no jit, no jax.random: fast even at real widths).
-
-    Same table, same init kinds ("ones", "zeros", "normal" -> uniform with the fan-in variance, hc_* x 0.1),
-    quantised tensors built directly in their stored formats: FP8 codes with magnitudes in [1/8, 2) and a UE8M0
-    block scale of ~1/sqrt(fan_in); MXFP4 nibbles with a per-32 scale of ~1/(3 sqrt(fan_in)); Engram
-    rows FP8 with unit-ish scale. A model with these weights gives finite, varied logits; the values
-    differ from ``init_params`` (use it when you need those exact weights)."""
-    from dsflash.model.params import param_specs
-
-    rng = np.random.default_rng(seed)
-
-    def e8m0(x: float) -> int:
-        return int(np.clip(127 + np.round(np.log2(x)), 1, 254))
-
-    def rand_u8(shape):
-        return np.frombuffer(rng.bytes(int(np.prod(shape))), np.uint8).reshape(shape)
-
-    def fp8_codes(shape):
-        b = rand_u8(shape)   # keep sign + mantissa bits, exponent field 4..7 from two more bits
-        return ((b & 0x87) | ((4 + ((b >> 3) & 3)) << 3)).astype(np.uint8).view(ml_dtypes.float8_e4m3fn)
-
-    out: dict = {}
-    specs = param_specs(cfg)
-    for s in specs:
-        if s.fmt == "scale":
-            continue
-        dt = np.dtype(s.dtype)
-        scale_name = s.name[: -len(".weight")] + ".scale"
-        if s.init == "fp8":
-            fan_in = s.shape[-1]
-            out[s.name] = fp8_codes(s.shape)
-            sshape = (*s.shape[:-2], s.shape[-2] // 32, s.shape[-1] // 32)
-            out[scale_name] = np.full(sshape, e8m0(1 / np.sqrt(fan_in)), np.uint8)
-        elif s.init == "fp8rows":
-            out[s.name] = fp8_codes(s.shape)
-            out[scale_name] = np.full((*s.shape[:-1], s.shape[-1] // 32), 127, np.uint8)
-        elif s.init == "mxfp4":
-            fan_in = 2 * s.shape[-1]
-            out[s.name] = rand_u8(s.shape).view(np.int8)
-            out[scale_name] = np.full((*s.shape[:-1], fan_in // 32), e8m0(1 / (3 * np.sqrt(fan_in))), np.uint8)
-        elif s.init == "ones":
-            out[s.name] = np.ones(s.shape, dt)
-        elif s.init == "zeros":
-            out[s.name] = np.zeros(s.shape, dt)
-        elif s.init == "normal":
-            std = (0.1 if "hc_" in s.name else 1.0) / np.sqrt(s.shape[-1])
-            # uniform with the fan-in variance from random bytes: ~10x cheaper than standard_normal
-            u = rand_u8(s.shape).view(np.int8).astype(np.float32)
-            out[s.name] = (u * np.float32(std * np.sqrt(3.0) / 128.0)).astype(dt)
-        else:
-            raise ValueError(f"fast_init_params: unknown init {s.init!r} for {s.name}")
-    return {s.name: out[s.name] for s in specs}
+    """Numpy params in the stored formats (kept for callers; ``init_params`` itself is numpy-built)."""
+    from dsflash.model.params import init_params
+    return init_params(cfg, seed, as_numpy=True)
 
 
 def official_tensors(cfg: ModelConfig, params: dict) -> Iterator[tuple[str, np.ndarray, str]]:
