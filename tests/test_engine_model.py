@@ -25,7 +25,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def spec_engine(model):
-    return LLMEngine(ModelBackend(model), speculative=True, **OPTS)
+    return LLMEngine(ModelBackend(model), speculative=True, async_scheduling=True, **OPTS)
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ def make(spec, **kw):
 
 @pytest.fixture(scope="module")
 def spec_engine():
-    return make(True)
+    return make(True, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
 def plain_engine():
-    return make(False, async_scheduling=False)   # the spec engine schedules asynchronously (the default)
+    return make(False)   # synchronous (the default); the spec engine schedules asynchronously
 
 
 def prompts(n, seed=0, lo=3, hi=60):
@@ -93,7 +93,7 @@ def test_prefix_cache_hits_equal_misses(spec_engine):
 
 
 def test_tiny_pool_preempts_and_completes_everything():
-    eng = make(True, num_pages=14)                                  # one max-length sequence needs 13 pages
+    eng = make(True, num_pages=14, async_scheduling=True)  # one max-length sequence needs 13 pages
     ref = make(True, async_scheduling=False)
     ps = prompts(6, seed=3, lo=20, hi=40)
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)

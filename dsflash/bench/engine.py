@@ -32,7 +32,10 @@ def parse(argv):
     p.add_argument("--decode-steps", type=int, default=4, help="decode iterations per device call")
     p.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"])
     p.add_argument("--modes", default="spec,plain", help="comma list of spec, plain")
-    p.add_argument("--sync", action="store_true", help="synchronous scheduling (no host/device overlap)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="dispatch step N+1 before processing step N (on a dispatch thread)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval for the run (GIL hand-off latency of the dispatch thread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
     return p.parse_args(argv)
@@ -46,7 +49,7 @@ def run_mode(model, args, speculative: bool) -> dict:
     t0 = time.perf_counter()
     eng = LLMEngine(model, speculative=speculative, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                    precision=args.precision, decode_steps=args.decode_steps, async_scheduling=not args.sync,
+                    precision=args.precision, decode_steps=args.decode_steps, async_scheduling=args.async_scheduling,
                     seed=args.seed, enable_prefix_caching=False,
                     prefill_buckets=[tuple(int(v) for v in b.split("x")) for b in args.prefill_buckets.split(",")])
     startup = time.perf_counter() - t0
@@ -92,6 +95,8 @@ def run_mode(model, args, speculative: bool) -> dict:
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     from dsflash.serve.engine.backend import ModelBackend, load_model
     t = time.perf_counter()
     if args.model == "toy":      # the toy backend (dsflash.serve.engine.testing): drafts that often match

@@ -102,9 +102,12 @@ class LLMEngine:
         self.max_stop_ids = int(opts.pop("max_stop_ids", 16))
         self.prefix_caching = bool(opts.pop("enable_prefix_caching", True))
         self.prefix_replay = opts.pop("prefix_replay", "bounded")
-        if self.prefix_replay not in ("bounded", "exact"):
-            raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window) or 'exact'")
-        self.async_scheduling = bool(opts.pop("async_scheduling", True))
+        if self.prefix_replay not in ("bounded", "exact") and not (
+                isinstance(self.prefix_replay, int) and self.prefix_replay >= 1):
+            raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window), 'exact' or a token count")
+        # measured on one H200 (tiny model, docs/engine.md): the host work per step is ~0.5 ms, and the
+        # dispatch thread's hand-offs cost more than the overlap gains, so synchronous is the default
+        self.async_scheduling = bool(opts.pop("async_scheduling", False))
         self.draft_sampling = bool(opts.pop("draft_sampling", getattr(be, "supports_row_keys", True)))
         buckets = opts.pop("prefill_buckets", None)
         if opts:
@@ -365,8 +368,9 @@ class LLMEngine:
         C = len(hit) * P
         s.hashes = hashes[:len(hit)]
         if C:
-            replay = self.backend.sliding_window if self.prefix_replay == "bounded" else \
-                (self.backend.num_layers + 2) * self.backend.sliding_window
+            replay = {"bounded": self.backend.sliding_window,
+                      "exact": (self.backend.num_layers + 2) * self.backend.sliding_window}.get(
+                self.prefix_replay, self.prefix_replay)
             s.computed = max(0, C - replay)
             s.floor, s.kv_from = s.computed, C
             self.metrics.replay_tokens += C - s.computed
@@ -446,7 +450,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """One scheduling step. With ``async_scheduling`` (default) the device work of this step is
+        """One scheduling step. With ``async_scheduling`` the device work of this step is
         dispatched *before* the results of the previous step are read back and processed, so host work
         (output processing, detokenisation, stop strings, the next schedule) overlaps the device."""
         t_start = time.perf_counter()
@@ -513,10 +517,10 @@ class LLMEngine:
             self.metrics.num_decode_calls += 1
         runner = self.runner
 
-        def launch():
+        def launch():   # dispatch, then bring the (small) results to the host on the same thread
             pf = runner.prefill(pf_inp) if pf_inp is not None else None
             dc = runner.decode(dc_inp) if dc_inp is not None else None
-            return pf, dc
+            return jax.device_get(pf), jax.device_get(dc)
 
         if self.async_scheduling:
             if self._executor is None:
@@ -524,15 +528,13 @@ class LLMEngine:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="dsflash-dispatch")
             rec["future"] = self._executor.submit(launch)
         else:
-            rec["result"] = launch()
+            rec["launch"] = launch         # run (and waited for) by _process in the same step
         return rec
 
     def _process(self, rec, progressed) -> float:
         """Read back one dispatched step and apply it; returns the seconds spent waiting for the device."""
         t0 = time.perf_counter()
-        pf, dc = rec["future"].result() if "future" in rec else rec["result"]
-        pf = jax.device_get(pf) if pf is not None else None
-        dc = jax.device_get(dc) if dc is not None else None
+        pf, dc = rec["future"].result() if "future" in rec else rec["launch"]()
         wait = time.perf_counter() - t0
         now = time.time()
         if pf is not None:
