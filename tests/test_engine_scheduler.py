@@ -63,6 +63,10 @@ def test_greedy_speculative_equals_plain(spec_engine, plain_engine):
     assert 0 < m["spec_acceptance_rate"] < 1
     assert len(m["spec_accepted_per_pos"]) == spec_engine.k
     assert m["ttft_s"] and m["itl_s"]
+    assert m["spec_decode_acceptance_rate"] == m["spec_acceptance_rate"]
+    for key in ("num_requests_running", "num_requests_waiting", "kv_usage", "prefix_hit_rate", "num_preemptions",
+                "spec_decode_mean_acceptance_length", "host_time_mean_s", "kv_bytes_per_token"):
+        assert isinstance(m[key], (int, float)), key
 
 
 def test_same_seed_same_tokens_alone_or_batched(spec_engine, plain_engine):

@@ -710,6 +710,10 @@ class LLMEngine:
         d["speculative"] = self.speculative
         d["draft_block"] = self.k
         d["warmup_time_s"] = self.warmup_time
+        # the names the HTTP server's Prometheus gauges look for (dsflash/serve/http/metrics.py)
+        d["spec_decode_acceptance_rate"] = d["spec_acceptance_rate"]
+        d["spec_decode_mean_acceptance_length"] = d["spec_mean_acceptance_length"]
+        d["kv_cache_usage"] = d["kv_usage"]
         return d
 
     def reset_prefix_cache(self):
