@@ -1,0 +1,217 @@
+"""Scheduling half of ``LLMEngine`` (a mixin): the sequence record, admission with prefix-cache lookup and
+encoder replay, page growth with recompute preemption, and the per-step plan (prefill bucket + decode rows).
+The engine (``engine.py``) owns the queues, pools and runner these methods use."""
+from __future__ import annotations
+
+import math
+import time
+
+from dsflash.serve.engine.kv_cache import OutOfPages, block_hashes
+from dsflash.serve.types import RequestMetrics, SamplingParams
+
+WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+
+class Sequence:
+    def __init__(self, rid, index, prompt, prompt_ids, params: SamplingParams, arrival, seed, stop_ids):
+        self.request_id, self.index = rid, index
+        self.prompt, self.prompt_ids, self.params = prompt, list(prompt_ids), params
+        self.seed, self.stop_ids = seed, stop_ids
+        self.out_ids: list[int] = []
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.status = WAITING
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.computed = 0            # positions whose KV is written (prefill progress)
+        self.floor = 0               # window keys below this position do not exist (encoder replay)
+        self.kv_from = 0             # global KV below this position comes from the prefix cache
+        self.hashes: list[int] = []  # chain hashes of registered full blocks
+        self.order = 0               # admission order (preemption picks the youngest)
+        self.text = ""
+        self.finish_reason = None
+        self.stop_reason = None
+        self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
+        self.last_token_time = None
+        self.detok = None            # IncrementalDetokenizer when the model has a tokenizer
+        self.pending = 0             # upper bound of tokens that dispatched, unprocessed calls may add
+        self.pending_lb = 0          # tokens they add unless the sequence finishes
+        self.last_slot = None
+
+    @property
+    def all_ids(self):
+        return self.prompt_ids + self.out_ids
+
+    @property
+    def finished(self):
+        return self.status == FINISHED
+
+
+
+class SchedulerMixin:
+    def _preempt(self, s: Sequence):
+        """Recompute preemption: drop the sequence's KV and slot; it re-enters the queue at the front."""
+        self.running.remove(s)
+        self._free(s)
+        s.status = WAITING
+        s.computed = 0
+        self.waiting.appendleft(s)
+        self.metrics.num_preemptions += 1
+
+    def _grow(self, s: Sequence, n_tokens: int) -> bool:
+        """Make ``s`` hold pages for positions < n_tokens, preempting the youngest others if needed."""
+        need = min(math.ceil(n_tokens / self.page_size), self.pages_per_seq) - len(s.pages)
+        while need > 0:
+            try:
+                new = self.pool.allocate(need)
+            except OutOfPages:
+                victims = [v for v in self.running if v is not s]
+                if not victims:
+                    return False
+                victim = max(victims, key=lambda v: v.order)
+                if victim.order < s.order:       # s is the youngest: it yields instead
+                    return False
+                self._preempt(victim)
+                continue
+            s.pages.extend(new)
+            self._pt[s.slot, len(s.pages) - len(new):len(s.pages)] = new
+            need = 0
+        return True
+
+    def _set_slot_params(self, s: Sequence):
+        p, i = s.params, s.slot
+        sp = self._sp
+        sp["temp"][i] = p.temperature
+        sp["top_k"][i] = p.top_k if p.top_k > 0 else 0
+        sp["top_p"][i] = p.top_p
+        sp["min_p"][i] = p.min_p
+        sp["pres"][i] = p.presence_penalty
+        sp["freq"][i] = p.frequency_penalty
+        sp["rep"][i] = p.repetition_penalty
+        sp["seed_lo"][i] = s.seed & 0xFFFFFFFF
+        sp["seed_hi"][i] = (s.seed >> 32) & 0xFFFFFFFF
+        sp["max_gen"][i] = p.max_tokens
+        sp["draft_temp"][i] = p.temperature if self.draft_sampling else 0.0
+        sp["stop_ids"][i] = -1
+        sp["stop_ids"][i, :len(s.stop_ids)] = s.stop_ids
+        self._floor[i] = s.floor
+
+    def _admit(self, s: Sequence) -> bool:
+        slot = self.slots.allocate()
+        if slot is None:
+            return False
+        ids = s.all_ids
+        P = self.page_size
+        sp = s.params
+        # penalties need every earlier token's counts, which a replay from the middle would not see
+        penalised = sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+        use_cache = self.prefix_caching and not penalised
+        hashes = block_hashes(ids, P, max_blocks=(len(ids) - 1) // P) if use_cache else []
+        hit = self.pool.lookup(hashes)
+        need = math.ceil(len(ids) / P) - len(hit)
+        if need > self.pool.num_free:
+            self.pool.free(hit)
+            self.pool.query_blocks -= len(hashes)
+            self.pool.hit_blocks -= len(hit)
+            self.slots.free(slot)
+            return False
+        s.slot = slot
+        s.pages = hit + self.pool.allocate(need)
+        self._pt[slot] = 0
+        self._pt[slot, :len(s.pages)] = s.pages
+        C = len(hit) * P
+        s.hashes = hashes[:len(hit)]
+        if C:
+            replay = {"bounded": self.backend.sliding_window,
+                      "exact": (self.backend.num_layers + 2) * self.backend.sliding_window}.get(
+                self.prefix_replay, self.prefix_replay)
+            s.computed = max(0, C - replay)
+            s.floor, s.kv_from = s.computed, C
+            self.metrics.replay_tokens += C - s.computed
+        else:
+            s.computed, s.floor, s.kv_from = 0, 0, 0
+        s.prefill_start = s.computed
+        s.metrics.num_cached_tokens = max(s.metrics.num_cached_tokens, C)
+        self.metrics.prefix_query_tokens += len(ids)
+        self.metrics.prefix_hit_tokens += C
+        s.status = PREFILL
+        s.order = next(self._order)
+        if s.metrics.first_scheduled_time is None:
+            s.metrics.first_scheduled_time = time.time()
+            self.metrics.queue_time.append(s.metrics.first_scheduled_time - s.metrics.arrival_time)
+        self._set_slot_params(s)
+        self.running.append(s)
+        return True
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self):
+        K1, P = self.K1, self.page_size
+        # 1. decode growth, oldest first (the youngest is preempted when the pool runs dry)
+        decode = []
+        for s in sorted([s for s in self.running if s.status == DECODE], key=lambda v: v.order):
+            if s.status != DECODE:
+                continue  # preempted while growing an older sequence
+            pos = len(s.all_ids) - 2 + s.pending
+            rem = s.params.max_tokens - len(s.out_ids) - s.pending_lb
+            if rem <= 0:
+                continue                          # finishes with what is in flight
+            h = min(self.decode_steps, rem)
+            if not self._grow(s, pos + 1 + h * K1):
+                if not self._grow(s, pos + 1 + K1):
+                    self._preempt(s)
+                    continue
+            h = min(h, (len(s.pages) * P - 1 - pos) // K1)
+            decode.append((s, h))
+        decode = [(s, h) for s, h in decode if s.status == DECODE]
+        # 2. admission, strictly FCFS
+        while self.waiting and self.slots.num_free:
+            if self.waiting[0].pending or not self._admit(self.waiting[0]):
+                break
+            self.waiting.popleft()
+        # 3. prefill chunks into the best bucket
+        budget = max(self.max_num_batched_tokens - len(decode) * K1, min(self.max_num_batched_tokens, 16))
+        pre = sorted([s for s in self.running if s.status == PREFILL], key=lambda v: v.order)
+        best, best_key = None, None
+        for bucket in self.runner.prefill_buckets:
+            Bp, T = bucket
+            left, plan = budget, []
+            for s in pre[:Bp]:
+                n = min(len(s.all_ids) - s.computed, T, left)
+                if n <= 0:
+                    break
+                plan.append((s, n))
+                left -= n
+            key = (sum(n for _, n in plan), -Bp * T)
+            if plan and (best_key is None or key > best_key):
+                best, best_key = (bucket, plan), key
+        # sequences finishing their prompt now can decode in the same step (their row is set by prefill)
+        if best:
+            for s, n in best[1]:
+                if s.computed + n == len(s.all_ids):
+                    pos = len(s.all_ids) - 1
+                    h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids) - 1))
+                    if s.params.max_tokens - len(s.out_ids) - 1 <= 0:
+                        continue
+                    if self._grow(s, pos + 1 + h * K1) or self._grow(s, pos + 1 + K1):
+                        h = min(h, (len(s.pages) * P - 1 - pos) // K1)
+                        if h >= 1:
+                            decode.append((s, h))
+            decode = [(s, h) for s, h in decode if s in self.running]
+            best = (best[0], [(s, n) for s, n in best[1] if s in self.running])
+            if not best[1]:
+                best = None
+        return best, decode
+
+
+    def _register(self, s: Sequence, committed: int):
+        if not self.prefix_caching or not s.pages:
+            return
+        P = self.page_size
+        full = committed // P
+        if full <= len(s.hashes):
+            return
+        ids = s.all_ids
+        parent = s.hashes[-1] if s.hashes else None
+        new = block_hashes(ids[len(s.hashes) * P:full * P], P, parent=parent)
+        for j, h in enumerate(new):
+            self.pool.register(s.pages[len(s.hashes) + j], h)
+        s.hashes.extend(new)
