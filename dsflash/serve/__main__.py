@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and uvicorn")
+    from dsflash.serve.pd.server import add_cli_arguments
+    add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
     return p
 
 
@@ -73,6 +75,9 @@ def make_engine_factory(args):
                   max_num_batched_tokens=args.max_num_batched_tokens, precision=args.precision, seed=args.seed)
         if args.mesh:
             kw["mesh"] = args.mesh
+        if getattr(args, "role", "both") != "both":
+            from dsflash.serve.pd.engine import PDEngine
+            return PDEngine(args.model, pd_role=args.role, pd_ttl=args.kv_ttl, **kw)
         return LLMEngine(args.model, **kw)
     return factory
 
@@ -114,6 +119,12 @@ def main(argv=None) -> int:
           f"speculative={args.speculative}, precision={args.precision}, mesh={args.mesh or 'single device'}) ...",
           flush=True)
     t0 = time.time()
+    role = getattr(args, "role", "both")
+    if role != "both" and args.model == "dummy":
+        print("error: --role prefill/decode needs a real model (not 'dummy')", file=sys.stderr)
+        return 2
+    if role != "both":
+        from dsflash.serve.pd.engine import PDAsyncEngine as AsyncEngine  # noqa: F811
     engine = AsyncEngine(make_engine_factory(args))
     try:
         engine.start()
@@ -122,6 +133,10 @@ def main(argv=None) -> int:
         return 1
     served = args.served_model_name or engine.model_name or args.model
     app = build_app(engine, served, api_key=args.api_key)
+    if role != "both":
+        from dsflash.serve.pd.server import install as install_pd
+        install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,
+                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -139,7 +154,8 @@ def main(argv=None) -> int:
                             timeout_keep_alive=5, access_log=args.log_level == "debug")
     server = _Server(config)
     print(f"dsflash.serve: model {served!r} ready in {time.time() - t0:.1f}s; listening on {url} "
-          f"(OpenAI base URL {url}/v1){'; API key required' if args.api_key else ''}", flush=True)
+          f"(OpenAI base URL {url}/v1){'; API key required' if args.api_key else ''}"
+          f"{'; P/D role ' + role if role != 'both' else ''}", flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

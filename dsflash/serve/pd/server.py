@@ -1,0 +1,338 @@
+"""HTTP side of the prefill and decode roles: an ASGI middleware around the ordinary OpenAI app, the KV
+endpoints, and the decode side's pull.
+
+Prefill role (``--role prefill``):
+  * ``POST /v1/completions`` / ``/v1/chat/completions`` with ``kv_transfer_params: {"do_remote_decode": true}``
+    (non-streaming, ``n = 1``; the router sends ``max_tokens = 1``) runs as usual; the KV is held after the
+    request finishes and the JSON response gains ``kv_transfer_params`` (SERVING §4.2 names):
+    ``do_remote_prefill, remote_engine_id, remote_request_id, remote_host, remote_port, remote_url,
+    remote_block_ids, remote_num_tokens, first_token, tp_size, page_size``.
+  * ``GET /pd/info``: the one-time handshake (engine id, layout signature).
+  * ``GET /pd/kv/{rid}?skip_pages=k``: the held KV (global entries from page ``k`` on + in-window rows) as
+    one host-staged body (``dsflash.serve.pd.transfer``).
+  * ``POST /pd/release/{rid}``: the decode side got it; free now (otherwise the TTL frees it).
+Decode role (``--role decode``):
+  * the same OpenAI endpoints; a body with ``kv_transfer_params.do_remote_prefill`` makes the server pull the
+    KV from ``remote_url`` before the request enters the engine, then notify the prefill side. A failed pull
+    is handled by the request's ``kv_load_failure_policy`` (``fail``: HTTP 502 ``kv_transfer_failed``
+    naming the prefill engine and the cause; ``recompute``: prefill locally). Response headers
+    ``x-dsflash-kv-*`` say what happened and how many bytes moved.
+Both roles serve ordinary requests (no ``kv_transfer_params``) exactly as the aggregated server does.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dsflash.serve.pd.transfer import TransferSize, pack, unpack
+
+log = logging.getLogger("dsflash.serve.pd")
+
+GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
+POLICIES = ("fail", "recompute")
+
+
+def add_cli_arguments(parser) -> None:
+    g = parser.add_argument_group("P/D disaggregation (docs/pd.md)")
+    g.add_argument("--role", default="both", choices=["both", "prefill", "decode"],
+                   help="'both' = the aggregated server; 'prefill' holds KV for remote decode after 1 output "
+                        "token; 'decode' pulls KV from a prefill instance (put `python -m dsflash.serve.router` "
+                        "in front)")
+    g.add_argument("--kv-ttl", type=float, default=480.0,
+                   help="prefill role: seconds held KV waits for the decode side before it is freed")
+    g.add_argument("--kv-load-failure-policy", default="fail", choices=list(POLICIES),
+                   help="decode role: default when a request does not say: 'fail' (error the request) or "
+                        "'recompute' (prefill it locally)")
+    g.add_argument("--kv-pull-timeout", type=float, default=60.0, help="decode role: seconds for one KV pull")
+    g.add_argument("--pd-test-hooks", action="store_true", help=argparse_hidden())
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+_ctx: contextvars.ContextVar = contextvars.ContextVar("dsflash_pd", default=None)
+
+
+@dataclass
+class PDRequest:
+    params: dict
+    policy: str
+    rids: list = field(default_factory=list)
+    outcome: Optional[str] = None          # decode: transferred | recomputed ; prefill: held
+    size: Optional[TransferSize] = None
+    error: Optional[str] = None
+    pull_s: float = 0.0
+
+    @property
+    def wants_hold(self) -> bool:
+        return bool(self.params.get("do_remote_decode"))
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.params.get("do_remote_prefill"))
+
+
+class PDState:
+    """Per-process P/D state shared by the middleware, the routes and the engine wrapper."""
+
+    def __init__(self, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
+                 test_hooks: bool = False):
+        self.engine = engine              # PDAsyncEngine
+        self.role = role
+        self.default_policy = default_policy
+        self.pull_timeout = pull_timeout
+        self.test_hooks = test_hooks
+        self.kv_delay_s = 0.0             # test hook: stall in the middle of a KV body
+        self.handshakes: dict[str, dict] = {}
+        self.transfers: list[dict] = []   # decode side: one record per pull (bounded)
+        self.counters = {"pulls_ok": 0, "pulls_failed": 0, "recomputed": 0, "failed_requests": 0,
+                         "bytes_received": 0, "bytes_sent": 0, "notify_failed": 0}
+        self._client = None
+
+    @property
+    def eng(self):
+        return self.engine.engine
+
+    def client(self):
+        import httpx
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.pull_timeout, connect=5.0))
+        return self._client
+
+    # ------------------------------------------------------------------ decode: pull
+    async def handshake(self, url: str) -> dict:
+        if url in self.handshakes:
+            return self.handshakes[url]
+        r = await self.client().get(url + "/pd/info")
+        r.raise_for_status()
+        info = r.json()
+        mine = self.eng.pd_layout.signature()
+        if info.get("layout") != mine:
+            raise RuntimeError(f"prefill engine {info.get('engine_id')} at {url} has an incompatible KV layout")
+        self.handshakes[url] = info
+        return info
+
+    async def pull(self, kv: dict, prompt_ids, params):
+        url = kv.get("remote_url") or f"http://{kv['remote_host']}:{kv['remote_port']}"
+        rid = kv["remote_request_id"]
+        await self.handshake(url)
+        skip = self.eng.peek_prefix_pages(prompt_ids, params)
+        t0 = time.perf_counter()
+        r = await self.client().get(f"{url}/pd/kv/{rid}", params={"skip_pages": skip})
+        if r.status_code != 200:
+            raise RuntimeError(f"GET /pd/kv/{rid} returned HTTP {r.status_code}: {r.text[:200]}")
+        data = r.content
+        meta, arrays = unpack(data)
+        dt = time.perf_counter() - t0
+        return url, rid, meta, arrays, len(data), dt
+
+    async def notify(self, url: str, rid: str):
+        try:
+            await self.client().post(f"{url}/pd/release/{rid}")
+        except Exception as e:  # noqa: BLE001 - the TTL frees it anyway
+            self.counters["notify_failed"] += 1
+            log.warning("P/D: release notification for %s to %s failed: %s", rid, url, e)
+
+    def record(self, rec: dict):
+        self.transfers.append(rec)
+        del self.transfers[:-1000]
+
+
+def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
+            test_hooks: bool = False) -> PDState:
+    """Add the P/D middleware and routes to ``app`` (built by ``dsflash.serve.http.app.build_app``)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    pd = PDState(engine, role, default_policy=default_policy, pull_timeout=pull_timeout, test_hooks=test_hooks)
+    engine.pd = pd
+    app.state.pd = pd
+    app.add_middleware(PDMiddleware, pd=pd)
+
+    @app.get("/pd/info")
+    async def info():
+        e = pd.eng
+        return {"engine_id": e.engine_id, "role": role, "model": engine.model_name, "page_size": e.page_size,
+                "tp_size": 1, "layout": e.pd_layout.signature(), "sizes": e.pd_sizes, "ttl_s": e.pd_ttl}
+
+    @app.get("/pd/stats")
+    async def stats():
+        e = pd.eng
+        return {"engine_id": e.engine_id, "role": role, "held": len(e.held), "engine": dict(e.pd_stats),
+                "counters": dict(pd.counters), "sizes": e.pd_sizes, "transfers": pd.transfers[-200:]}
+
+    @app.get("/pd/kv/{rid}")
+    async def kv(rid: str, skip_pages: int = 0):
+        try:
+            meta, arrays = await engine.run_on_engine(lambda eng: eng.extract(rid, skip_pages))
+        except KeyError:
+            return JSONResponse({"error": {"message": f"no KV held for request {rid!r} (unknown, released or "
+                                                      f"expired after the TTL)", "code": "kv_not_found"}},
+                                status_code=404)
+        body = pack(meta, arrays)
+        pd.counters["bytes_sent"] += len(body)
+        delay = pd.kv_delay_s
+
+        async def chunks():
+            step = 1 << 16
+            half = len(body) // 2
+            yield body[:half]
+            if delay:
+                await asyncio.sleep(delay)
+            for i in range(half, len(body), step):
+                yield body[i:i + step]
+
+        return StreamingResponse(chunks(), media_type="application/octet-stream",
+                                 headers={"content-length": str(len(body))})
+
+    @app.post("/pd/release/{rid}")
+    async def release(rid: str):
+        ok = await engine.run_on_engine(lambda eng: eng.release(rid))
+        return {"released": bool(ok)}
+
+    if test_hooks:
+        @app.post("/pd/test/kv_delay")
+        async def kv_delay(request: Request):
+            pd.kv_delay_s = float((await request.json()).get("seconds", 0.0))
+            return {"kv_delay_s": pd.kv_delay_s}
+
+    return pd
+
+
+class PDMiddleware:
+    """Reads ``kv_transfer_params`` off generation requests (the body is replayed to the app), sets the
+    request's P/D context, and on the prefill side adds the transfer metadata to the JSON response."""
+
+    def __init__(self, app, pd: PDState):
+        self.app = app
+        self.pd = pd
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in GEN_PATHS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        try:
+            obj = json.loads(body) if body.strip() else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        kvp = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
+        if not isinstance(kvp, dict) or not (kvp.get("do_remote_decode") or kvp.get("do_remote_prefill")):
+            return await self.app(scope, replay, send)
+        policy = obj.get("kv_load_failure_policy") or kvp.get("kv_load_failure_policy") or self.pd.default_policy
+        if policy not in POLICIES:
+            return await _error(send, 400, f"kv_load_failure_policy: must be one of {list(POLICIES)}, got {policy!r}",
+                                "kv_load_failure_policy")
+        req = PDRequest(kvp, policy)
+        if req.wants_hold:
+            if self.pd.role != "prefill":
+                return await _error(send, 400, "kv_transfer_params.do_remote_decode: this instance is not a "
+                                               "prefill instance (--role prefill)", "kv_transfer_params")
+            if obj.get("stream") or (obj.get("n") or 1) != 1:
+                return await _error(send, 400, "kv_transfer_params.do_remote_decode: needs stream=false and n=1",
+                                    "kv_transfer_params")
+        elif self.pd.role != "decode":
+            return await _error(send, 400, "kv_transfer_params.do_remote_prefill: this instance is not a decode "
+                                           "instance (--role decode)", "kv_transfer_params")
+        token = _ctx.set(req)
+        try:
+            if req.wants_hold:
+                await self._prefill(scope, replay, send, req)
+            else:
+                await self._decode(scope, replay, send, req)
+        finally:
+            _ctx.reset(token)
+
+    async def _decode(self, scope, receive, send, req: PDRequest):
+        async def send_h(msg):
+            if msg["type"] == "http.response.start":
+                h = list(msg.get("headers", []))
+                h.append((b"x-dsflash-kv-outcome", (req.outcome or "none").encode()))
+                if req.size is not None:
+                    h.append((b"x-dsflash-kv-bytes", str(req.size.wire_bytes).encode()))
+                    h.append((b"x-dsflash-kv-prompt-tokens", str(req.size.prompt_tokens).encode()))
+                msg = {**msg, "headers": h}
+            await send(msg)
+        await self.app(scope, receive, send_h)
+
+    async def _prefill(self, scope, receive, send, req: PDRequest):
+        start, parts = None, []
+
+        async def capture(msg):
+            nonlocal start
+            if msg["type"] == "http.response.start":
+                start = msg
+                return
+            if msg["type"] == "http.response.body":
+                parts.append(msg.get("body", b""))
+                if msg.get("more_body", False):
+                    return
+                body = b"".join(parts)
+                if start["status"] == 200:
+                    try:
+                        obj = json.loads(body)
+                        obj["kv_transfer_params"] = self._params(scope, req)
+                        body = json.dumps(obj, separators=(",", ":")).encode()
+                    except Exception as e:  # noqa: BLE001
+                        log.exception("P/D: could not attach kv_transfer_params")
+                        body = json.dumps({"error": {"message": f"prefill finished but its KV could not be "
+                                                                f"offered: {e}", "code": "kv_transfer_failed",
+                                                     "type": "internal_server_error", "param": None}}).encode()
+                        start = {**start, "status": 500}
+                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({**start, "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                return
+            await send(msg)
+
+        await self.app(scope, receive, capture)
+
+    def _params(self, scope, req: PDRequest) -> dict:
+        eng = self.pd.eng
+        if len(req.rids) != 1:
+            raise RuntimeError(f"expected one engine request, got {len(req.rids)}")
+        rid = req.rids[0]
+        h = eng.held.get(rid)
+        if h is None:
+            raise RuntimeError(f"no KV held for {rid} (aborted?)")
+        host, port = scope.get("server") or ("127.0.0.1", 0)
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": eng.engine_id,
+                "remote_request_id": rid, "remote_host": host, "remote_port": port,
+                "remote_url": f"http://{host}:{port}", "remote_block_ids": list(h.pages),
+                "remote_num_tokens": h.num_tokens, "first_token": h.first_token, "tp_size": 1,
+                "page_size": eng.page_size, "kv_load_failure_policy": req.policy}
+
+
+async def _error(send, status, message, param=None, code=None):
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                 else "internal_server_error", "param": param, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def current() -> Optional[PDRequest]:
+    return _ctx.get()
