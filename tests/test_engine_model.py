@@ -111,3 +111,39 @@ def test_real_model_text_api_stop_strings_and_chat(spec_engine):
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, temperature=0.0))
     assert chat[0].outputs[0].token_ids and len(chat[0].outputs[0].token_ids) <= 4
     assert spec_engine.compiles_after_warmup == 0
+
+
+class OracleDraftBackend(ModelBackend):
+    """The real target model with drafts read from a table of the expected greedy sequence per slot
+    (``params["engine_test.oracle"]`` [slots, len]), every draft at a position divisible by 3 corrupted:
+    verification then accepts some drafts and rejects others, exercising rollback of the real caches."""
+
+    def propose(self, params, state, y, pos, slots, floor, temperature, keys):
+        import jax.numpy as jnp
+        table = params["engine_test.oracle"]
+        q = pos[:, None] + 2 + jnp.arange(self.block)[None]
+        d = table[slots[:, None], jnp.clip(q, 0, table.shape[1] - 1)]
+        d = jnp.where(q % 3 == 0, (d + 1) % self.vocab_size, d).astype(jnp.int32)
+        logits = jnp.where(jnp.arange(self.vocab_size) == d[..., None], 0.0, -jnp.inf)
+        return d, logits, jnp.zeros(d.shape, jnp.float32)
+
+
+@pytest.mark.slow
+def test_real_model_partially_accepted_drafts_equal_plain(model, plain_engine):
+    import jax.numpy as jnp
+    be = OracleDraftBackend(model)
+    be.params = dict(be.params, **{"engine_test.oracle": jnp.zeros((OPTS["max_num_seqs"], 128), jnp.int32)})
+    eng = LLMEngine(be, speculative=True, **OPTS)
+    ps = prompts(4, seed=4, lo=5, hi=60)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = run_all(plain_engine, [(f"q{i}", p, sp) for i, p in enumerate(ps)])
+    table = np.zeros((OPTS["max_num_seqs"], 128), np.int32)
+    for i, p in enumerate(ps):                      # a fresh engine gives request i slot i
+        full = p + want[f"q{i}"].outputs[0].token_ids
+        table[i, :len(full)] = full
+    eng.runner.params = dict(eng.runner.params, **{"engine_test.oracle": jnp.asarray(table)})
+    got = run_all(eng, [(f"q{i}", p, sp) for i, p in enumerate(ps)])
+    for rid in want:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    m = eng.metrics_snapshot()
+    assert 0 < m["spec_acceptance_rate"] < 1 and m["spec_mean_acceptance_length"] > 1.3
