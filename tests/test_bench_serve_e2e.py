@@ -168,19 +168,20 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
         assert p["warmup_requests"] == c                       # one per lane, excluded
         assert m["total_output_tokens"] == 4 * n_out and p["output_len_mismatch"] == 0
         assert m["input_tokens_from_server"] and m["output_tokens_from_server"]
-        # the server's known delays (the empty role chunk must not count as the first token)
-        assert ttft * 1e3 <= m["ttft_ms"]["mean"] < ttft * 1e3 + 40
-        assert ttft * 1e3 <= m["ttft_ms"]["p90"] < ttft * 1e3 + 60
+        # the server's known delays (the empty role chunk must not count as the first token). Lower bounds
+        # are exact (nothing arrives before the server sends it); upper bounds allow scheduling jitter of a
+        # loaded 2-core CI machine, still far below one extra chunk of a wrong definition.
+        assert ttft * 1e3 <= m["ttft_ms"]["mean"] < ttft * 1e3 + 150
+        assert ttft * 1e3 <= m["ttft_ms"]["p90"] < ttft * 1e3 + 200
         assert m["itl_ms"]["count"] == 4 * (n_out - 1)
-        assert abs(m["itl_ms"]["median"] - itl * 1e3) < 12
-        assert abs(m["itl_ms"]["mean"] - itl * 1e3) < 12
-        assert abs(m["tpot_ms"]["mean"] - itl * 1e3) < 12
+        for key in (("itl_ms", "median"), ("itl_ms", "mean"), ("tpot_ms", "mean")):
+            assert -5 < m[key[0]][key[1]] - itl * 1e3 < 30, key
         e2e = (ttft + (n_out - 1) * itl) * 1e3
-        assert e2e <= m["e2el_ms"]["mean"] < e2e + 80
+        assert e2e <= m["e2el_ms"]["mean"] < e2e + 300
         assert m["p90_interactivity"] == pytest.approx(1000.0 / m["itl_ms"]["p90"])
         # closed loop: c lanes each ~one request at a time -> throughput ~ c / E2EL
         expect_rps = c / (e2e / 1e3)
-        assert 0.6 * expect_rps < m["request_throughput"] <= 1.05 * expect_rps
+        assert 0.4 * expect_rps < m["request_throughput"] <= 1.05 * expect_rps
         assert m["output_throughput_per_gpu"] == pytest.approx(m["output_throughput"] / 2)
         assert m["usd_per_million_output_tokens"] == pytest.approx(3.6 * 2 / 3600 / m["output_throughput"] * 1e6)
         assert m["good_completed"] == 4 and m["goodput"] == pytest.approx(m["request_throughput"])
