@@ -175,7 +175,7 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
         assert ttft * 1e3 <= m["ttft_ms"]["p90"] < ttft * 1e3 + 200
         assert m["itl_ms"]["count"] == 4 * (n_out - 1)
         for key in (("itl_ms", "median"), ("itl_ms", "mean"), ("tpot_ms", "mean")):
-            assert -5 < m[key[0]][key[1]] - itl * 1e3 < 30, key
+            assert -15 < m[key[0]][key[1]] - itl * 1e3 < 30, key
         e2e = (ttft + (n_out - 1) * itl) * 1e3
         assert e2e <= m["e2el_ms"]["mean"] < e2e + 300
         assert m["p90_interactivity"] == pytest.approx(1000.0 / m["itl_ms"]["p90"])
