@@ -2,8 +2,7 @@
 
 The draft's 4 routed experts run wide-EP: 4 redundant replicas make 8 physical slots, one per device,
 placed by the EPLB policy from a skewed load; logical ids are mapped to replicas by the EPLB router and
-the MoE runs through ``ep_routed_moe``. ``propose`` has no ``routed_fn`` parameter yet, so the test
-injects it into the draft's ``block`` calls (see docs/sharding.md, "hooks")."""
+the MoE runs through ``ep_routed_moe`` passed as ``propose``'s ``routed_fn`` hook."""
 import functools
 import importlib
 
@@ -30,7 +29,7 @@ def run(fn, *args):
     return jax.jit(fn).lower(*args).compile(compiler_options=CO)(*args)
 
 
-def test_sharded_dspark_matches_single_device(monkeypatch):
+def test_sharded_dspark_matches_single_device():
     cfg = preset("tiny")
     assert cfg.n_stages == 1  # one draft MoE layer: one EPLB table serves the routed_fn hook
     params = init_params(cfg, seed=1)
@@ -44,9 +43,9 @@ def test_sharded_dspark_matches_single_device(monkeypatch):
     y = jnp.arange(B, dtype=jnp.int32) * 37 % cfg.vocab_size
     pos = lengths
 
-    def draft(p, st, taps, y, pos, slots):
+    def draft(p, st, taps, y, pos, slots, routed_fn=None):
         st = dspark.update_context(p, cfg, taps, start, lengths, slots, st, opts)
-        return dspark.propose(p, cfg, st, y, pos, slots, opts)
+        return dspark.propose(p, cfg, st, y, pos, slots, opts, routed_fn=routed_fn)
 
     want = run(draft, params, init_state(cfg, geo, PREC), taps, y, pos, slots)
 
@@ -65,17 +64,14 @@ def test_sharded_dspark_matches_single_device(monkeypatch):
 
     routed = make_routed_fn(mesh, EPSettings("allgather", "decode", capacity=B * cfg.dspark_block_size),
                             log2phy=log2phy[0], logcnt=logcnt[0])
-    orig_block = dspark.block
     calls = []
 
-    @functools.wraps(orig_block)
-    def block_with_ep(*a, draft=False, routed_fn=None, **kw):
-        calls.append(draft)
-        return orig_block(*a, draft=draft, routed_fn=routed if draft else routed_fn, **kw)
+    def routed_spy(*a, **kw):
+        calls.append(kw.get("layer"))
+        return routed(*a, **kw)
 
-    monkeypatch.setattr(dspark, "block", block_with_ep)
-    got = run(draft, sparams, sstate, staps, sy, spos, sslots)
-    assert calls and all(calls)                            # the draft blocks ran the EP MoE
+    got = run(functools.partial(draft, routed_fn=routed_spy), sparams, sstate, staps, sy, spos, sslots)
+    assert calls == ["mtp.0"]                              # the draft block ran the EP MoE
 
     np.testing.assert_array_equal(np.asarray(got["drafts"]), np.asarray(want["drafts"]))
     for k in ("logits", "confidence"):

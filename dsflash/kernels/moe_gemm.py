@@ -52,7 +52,8 @@ def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, preci
     return jnp.zeros((T, d), jnp.float32).at[tok].add(o)
 
 
-def routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla"):
+def routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla", layer=None):
+    """Dispatch by backend. ``layer`` (the block name) is accepted for hook compatibility and unused here."""
     if backend == "xla":
         return routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, limit=limit, precision=precision)
     if backend == "triton":

@@ -80,7 +80,7 @@ def _stage_attention(params, cfg, name, x, ctx: Ctx, state, ring_floor):
     return output_projection(params, p, o, cfg, ctx, omega)
 
 
-def draft_hidden(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, ring_floor=None):
+def draft_hidden(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, ring_floor=None, routed_fn=None):
     """Run the stages over the block [y, noise, ...] at positions pos..pos+block-1 -> x_hat [B, block, d]."""
     B = y.shape[0]
     K = cfg.dspark_block_size
@@ -92,20 +92,21 @@ def draft_hidden(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOption
     X, p = embed_streams(params, ids, cfg, opts.precision)
     for s in range(cfg.n_stages):
         name = f"mtp.{s}"
-        X, p = block(params, cfg, name, X, p,
-                     lambda x, name=name: _stage_attention(params, cfg, name, x, ctx, state, floor),
-                     opts.precision, opts.backend, draft=True)
+        X, p, _ = block(params, cfg, name, X, p,
+                        lambda x, name=name: _stage_attention(params, cfg, name, x, ctx, state, floor),
+                        opts.precision, opts.backend, draft=True, routed_fn=routed_fn)
     from dsflash.model import mhc
     return mhc.collapse(X, p, opts.precision)
 
 
-def propose(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, sampler=None, ring_floor=None):
+def propose(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, sampler=None, ring_floor=None,
+            routed_fn=None):
     """Draft ``block`` tokens after ``y`` (the token sampled for position ``pos``; context = positions < pos).
 
     ``sampler(logits [B, V] f32, i) -> tokens [B]`` picks each draft (default greedy, first maximal index).
     Returns dict(drafts [B, block] int32, logits [B, block, V] f32 — the distribution each draft was
     drawn from —, confidence [B, block] f32 raw logits)."""
-    x_hat = draft_hidden(params, cfg, state, y, pos, slots, opts, ring_floor)
+    x_hat = draft_hidden(params, cfg, state, y, pos, slots, opts, ring_floor, routed_fn)
     last = f"mtp.{cfg.n_stages - 1}"
     base = linear_f32(rms_norm(x_hat, params[f"{last}.norm.weight"], cfg.rms_norm_eps, opts.precision),
                       params["head.weight"])

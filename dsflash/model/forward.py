@@ -51,8 +51,8 @@ def embed_streams(params, tokens, cfg, precision):
     return X, p
 
 
-def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None):
-    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre)."""
+def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None, valid=None):
+    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre, expert load [E])."""
     pre = f"{name}"
     a_pre, a_post, a_comb = mhc.coefficients(X, params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"],
                                              params[f"{pre}.hc_attn_scale"], cfg)
@@ -62,8 +62,8 @@ def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, rou
     f_pre, f_post, f_comb = mhc.coefficients(X1, params[f"{pre}.hc_ffn_fn"], params[f"{pre}.hc_ffn_base"],
                                              params[f"{pre}.hc_ffn_scale"], cfg)
     h = rms_norm(mhc.collapse(X1, a_pre, precision), params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
-    z = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn)
-    return mhc.expand(z, X1, f_post, f_comb, precision), f_pre
+    z, load = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn, valid=valid)
+    return mhc.expand(z, X1, f_post, f_comb, precision), f_pre, load
 
 
 def engram_step(params, cfg, k, layer, X, batch, cids_ext, precision):
@@ -94,7 +94,7 @@ def engram_history(params, cfg, batch, state):
 def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOptions = RunOptions(),
             routed_fn=None):
     """Pure forward; jit with ``cfg``/``opts`` static. ``routed_fn`` optionally replaces the routed-expert
-    GEMM (expert-parallel sharding hook)."""
+    GEMM (expert-parallel sharding hook; called with ``layer=`` the block name)."""
     prec = opts.precision
     L = cfg.num_hidden_layers
     ctx = make_ctx(batch, opts, batch.enc_floor)
@@ -117,6 +117,7 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
             raise ValueError(f"bounded_replay='layer20_full' needs no KV source/Engram at or after layer "
                              f"{switch_at}, found {late}")
     taps = {}
+    loads = []
     tail_rows = None
     dec_ctx = make_ctx(batch, opts, batch.dec_floor)
     for l in range(L):
@@ -146,7 +147,9 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
             y, state, shared = csa_attention(params, cfg, l, x, ctx, state, shared, comp_x, comp_ctx)
             return y
 
-        X, p = block(params, cfg, name, X, p, attn_fn, prec, opts.backend, routed_fn=routed_fn)
+        X, p, load = block(params, cfg, name, X, p, attn_fn, prec, opts.backend, routed_fn=routed_fn,
+                           valid=ctx.valid)
+        loads.append(load)
 
     h = rms_norm(mhc.collapse(X, p, prec), params["norm.weight"], cfg.rms_norm_eps, prec)
     out = {}
@@ -157,6 +160,8 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
         last = jnp.maximum(lengths - 1, 0)
         hl = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
         out["logits"] = linear_f32(hl, params["head.weight"])
+    if opts.expert_load:
+        out["expert_load"] = jnp.stack(loads)      # [L, E] tokens per expert (padding / idle rows excluded)
     if opts.taps:
         out["taps"] = jnp.concatenate([taps[l] for l in cfg.dspark_target_layer_ids], axis=-1)
         out["taps_start"] = ctx.start

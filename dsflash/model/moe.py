@@ -29,8 +29,11 @@ def shared_expert(x, params, prefix, cfg: ModelConfig, precision):
     return linear_fp8(h, params, f"{prefix}.w2", precision)
 
 
-def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=False, routed_fn=None):
-    """x [..., d] -> [..., d]. ``routed_fn`` replaces the routed-expert call (expert-parallel sharding hook)."""
+def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=False, routed_fn=None, valid=None):
+    """x [..., d] -> (y [..., d], load [E] f32 tokens routed to each expert among ``valid`` rows).
+
+    ``routed_fn`` replaces the routed-expert call (expert-parallel sharding hook); it receives the block
+    name as ``layer=`` so per-layer EPLB tables can be used."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
     topk = cfg.dspark_num_experts_per_tok if draft else cfg.num_experts_per_tok
@@ -39,7 +42,10 @@ def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=Fal
     fn = routed_fn or moe_gemm.routed_moe
     routed = fn(xt, idx, w, params[f"{e}.w1.weight"], params[f"{e}.w1.scale"], params[f"{e}.w3.weight"],
                 params[f"{e}.w3.scale"], params[f"{e}.w2.weight"], params[f"{e}.w2.scale"],
-                limit=cfg.swiglu_limit, precision=precision, backend=backend)
+                limit=cfg.swiglu_limit, precision=precision, backend=backend, layer=prefix.rsplit(".", 1)[0])
     shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision)
     y = routed + shared.astype(jnp.float32)
-    return y.astype(act_dtype(precision)).reshape(shape)
+    n_experts = params[f"{prefix}.gate.bias"].shape[0]
+    mask = jnp.ones(xt.shape[:1], jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
+    load = jnp.zeros((n_experts,), jnp.float32).at[idx].add(jnp.broadcast_to(mask[:, None], idx.shape))
+    return y.astype(act_dtype(precision)).reshape(shape), load

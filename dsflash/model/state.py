@@ -223,6 +223,7 @@ class RunOptions:
     taps            return DSpark taps ``main_hidden`` [B, S, T*d] for every row position
     backend         kernel backend "xla" (pure-JAX references) | "triton" (GPU kernels)
     page_size       tokens per global-KV page (the CacheGeometry the state was built with)
+    expert_load     return ``out["expert_load"]`` [L, E]: tokens routed to each expert per layer (EPLB input)
     """
     precision: str = "reference"
     bounded_replay: str | None = None
@@ -231,6 +232,7 @@ class RunOptions:
     taps: bool = False
     backend: str = "xla"
     page_size: int = 64
+    expert_load: bool = False
 
     def __post_init__(self):
         if self.page_size < 2 or self.page_size % 2:

@@ -227,13 +227,16 @@ def make_routed_fn(mesh, settings: EPSettings = EPSettings(), log2phy=None, logc
 
     With ``log2phy [E, R]`` / ``logcnt [E]`` (one layer's EPLB tables) the incoming ids are logical and
     the expert arrays physical (``[P, ...]``, redundant replicas): ids are mapped to replicas first
-    (:func:`dsflash.sharding.eplb.route`). The hook carries no layer index yet, so this form only serves
-    a model with one MoE layer (the tiny draft) or a layout shared by every layer."""
+    (:func:`dsflash.sharding.eplb.route`). ``log2phy`` / ``logcnt`` may also be dicts keyed by block name
+    (``"layers.3"``, ``"mtp.0"``): the model passes that name as ``layer=``."""
 
-    def routed_fn(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla"):
+    def routed_fn(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla",
+                  layer=None):
         if log2phy is not None:
             from dsflash.sharding.eplb import route
-            idx, _ = route(idx, jnp.asarray(log2phy), jnp.asarray(logcnt), num_physical=w1.shape[0], spread=spread)
+            l2p = log2phy[layer] if isinstance(log2phy, dict) else log2phy
+            cnt = logcnt[layer] if isinstance(logcnt, dict) else logcnt
+            idx, _ = route(idx, jnp.asarray(l2p), jnp.asarray(cnt), num_physical=w1.shape[0], spread=spread)
         return ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, mesh=mesh, limit=limit, precision=precision,
                              backend=backend, settings=settings)
 
