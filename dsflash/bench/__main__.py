@@ -4,7 +4,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-from dsflash.bench import SUBCOMMANDS
+from dsflash.bench import SUBCOMMANDS as _LISTED
+
+# subcommands with a module that dsflash/bench/__init__.py does not list yet
+SUBCOMMANDS = tuple(_LISTED) + tuple(n for n in ("forward", "eplb") if n not in _LISTED)
 
 
 def main(argv=None):

@@ -95,6 +95,14 @@ def _stats(ts):
             "max": float(ts.max()), "n": int(ts.size)}
 
 
+def load_config(name):
+    """A preset name (dsflash.config.PRESETS) or a path to a config.json (official nested or flat)."""
+    from dsflash.config import ModelConfig, preset
+    if name.endswith(".json") or os.path.isdir(name):
+        return ModelConfig.load_json(name)
+    return preset(name)
+
+
 # ------------------------------------------------------------------------------------------ state fill
 def dummy_fill(abstract_state, cfg, key):
     """Random *finite* contents for every state leaf (jit-able; shapes/dtypes of ``abstract_state``).
@@ -137,13 +145,12 @@ class ForwardBench:
     def __init__(self, args):
         import jax
 
-        from dsflash.config import preset
         from dsflash.model.params import init_params
         from dsflash.sharding import rules
         from dsflash.sharding.mesh import mesh_sizes, parse_spec
 
         self.args = args
-        self.cfg = cfg = preset(args.preset)
+        self.cfg = cfg = load_config(args.preset)
         self.page = args.page_size
         self.mesh = None
         self.strategy = None
@@ -309,6 +316,18 @@ class ForwardBench:
         spec = P(tok_axes if len(tok_axes) != 1 else tok_axes[0])
         return jax.shard_map(body, mesh=self.mesh, in_specs=(spec,), out_specs=spec)(tokens)
 
+    def spin_only_ms(self, batch, iters):
+        """The stagger alone on the mesh (should be close to (N-1)*lag: checks the calibration)."""
+        import jax
+        f = jax.jit(lambda t: self._delay(t, iters))
+        jax.block_until_ready(f(batch.tokens))
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(batch.tokens))
+            ts.append(time.perf_counter() - t0)
+        return float(np.median(ts)) * 1e3
+
     def lag_rate(self):
         """Busy-loop iterations per second on one device (two sizes, so launch overhead cancels)."""
         if self._lag_rate is None:
@@ -410,10 +429,12 @@ class ForwardBench:
         st, _, _, _ = self.run_variant("lag", phase, batch, state, lag_iters=iters)
         stagger = (self.n_dp - 1) * lag_s * 1e3
         exposed = st["median"] - base_stats["median"]
+        spin_only = self.spin_only_ms(batch, iters)
         out = {"lag_s": lag_s, "spin_iters_per_rank": iters, "spin_rate_per_s": rate, "step_lag_ms": st,
+               "spin_only_ms": spin_only,
                "stagger_ms": stagger, "exposed_ms": exposed, "absorbed_ms": stagger - exposed}
-        log(f"    lag {lag_s * 1e3:.3f} ms/rank: step {st['median']:.3f} ms, stagger {stagger:.3f} ms, "
-            f"exposed {exposed:.3f} ms")
+        log(f"    lag {lag_s * 1e3:.3f} ms/rank: step {st['median']:.3f} ms, stagger {stagger:.3f} ms "
+            f"(spin alone {spin_only:.3f} ms), exposed {exposed:.3f} ms")
         return out
 
 
@@ -524,7 +545,7 @@ def plot(result, path):
 # ------------------------------------------------------------------------------------------ main
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m dsflash.bench forward", description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="tiny", help="model preset (tiny, bench, bench-4l-48e, bench-4l-96e, ...)")
+    ap.add_argument("--preset", default="tiny", help="model preset (tiny, bench, bench-4l-48e, bench-4l-96e, ...) or a config.json path")
     ap.add_argument("--mesh", default=None, help="mesh spec (dep=N, dep=4,tp=2); default: one device, no mesh")
     ap.add_argument("--precision", default="reference", choices=("reference", "bf16", "fp32"))
     ap.add_argument("--backend", default="xla", choices=("xla", "triton"))
@@ -557,9 +578,12 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     import jax
 
-    from dsflash.config import preset as _preset
     from dsflash.sharding.mesh import mesh_spec
-    cfg = _preset(args.preset)
+    try:
+        cfg = load_config(args.preset)
+    except (ValueError, OSError) as e:
+        print(f"bench forward: {e}", file=sys.stderr)
+        return 2
     if args.draft_rows is None:
         args.draft_rows = 1 + (cfg.dspark_block_size if cfg.n_stages else 0)
     if args.draft_rows < 1:
