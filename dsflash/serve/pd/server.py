@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fastapi import Request  # module level: FastAPI resolves the (string) annotations of the endpoints here
+
 from dsflash.serve.pd.transfer import TransferSize, pack, unpack
 
 log = logging.getLogger("dsflash.serve.pd")
@@ -148,7 +150,6 @@ class PDState:
 def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
             test_hooks: bool = False) -> PDState:
     """Add the P/D middleware and routes to ``app`` (built by ``dsflash.serve.http.app.build_app``)."""
-    from fastapi import Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     pd = PDState(engine, role, default_policy=default_policy, pull_timeout=pull_timeout, test_hooks=test_hooks)

@@ -1,0 +1,342 @@
+"""P/D disaggregation end to end on loopback: real ``--role prefill``, ``--role decode`` and ``--role both``
+(aggregated) server processes and the router process, tiny model, CPU.
+
+* greedy outputs through the router (P then D, KV pulled over HTTP) equal the aggregated server's for
+  concurrent completions and chats, streaming and not;
+* bytes moved per prompt token are reported and bounded by the global-KV bytes/token plus the window;
+* the prefill side frees held KV on the decode side's notification, and after the TTL when nobody pulls;
+* failure policy per request (``fail``: HTTP 502 naming the prefill engine; ``recompute``: same output);
+* conversation affinity and load balancing (router unit test, plus the real router's affinity header);
+* last: the prefill process is killed in the middle of a KV body; only the affected requests fail (or are
+  recomputed, per policy) and the requests already decoding complete with the aggregated server's output.
+
+Each process starts once per module (model start-up dominates)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from test_server_util import REPO, free_port
+
+ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8"]
+TIMEOUT = 180
+
+
+class Proc:
+    def __init__(self, module: str, *args: str, name: str):
+        self.name = name
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"dsflash-pd-{name}-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        self.cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+
+    def wait_healthy(self, timeout=300.0):
+        t_end = time.time() + timeout
+        while time.time() < t_end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    print(f"\n[pd] {self.name} up in {time.time() - self.t0:.1f}s", flush=True)
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()[-20000:]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    procs = {}
+    try:
+        # the first process fills the persistent compilation cache; the others then start in seconds
+        procs["agg"] = Proc("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
+        procs["p"] = Proc("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--kv-ttl", "8", "--pd-test-hooks",
+                          name="prefill")
+        procs["d"] = Proc("dsflash.serve", *ENGINE_ARGS, "--role", "decode", name="decode")
+        for k in ("p", "d"):
+            procs[k].wait_healthy()
+        procs["router"] = Proc("dsflash.serve.router", "--prefill", procs["p"].base, "--decode", procs["d"].base,
+                               "--affinity-block", "32", name="router").wait_healthy(60)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(1000 + seed).integers(4, 500, size=n)]
+
+
+def _requests(tag: int):
+    """(path, body) pairs: token-id completions of several lengths (1-3 pages), a text completion and chats,
+    streaming and not. Distinct prompts (no prefix sharing, so no prefix-cache replay on either side)."""
+    reqs = []
+    for i, n in enumerate((3, 17, 64, 65, 100, 150)):
+        reqs.append(("/v1/completions", {"prompt": _prompt(tag * 100 + i, n), "max_tokens": 24, "temperature": 0.0,
+                                         "ignore_eos": True, "stream": i % 2 == 1}))
+    reqs.append(("/v1/completions", {"prompt": f"Text prompt number {tag}: the quick brown fox", "max_tokens": 20,
+                                     "temperature": 0.0, "logprobs": 2}))
+    for j in range(3):
+        reqs.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": f"chat {tag}-{j}: hello there"}],
+                                              "max_tokens": 20, "temperature": 0.0, "stream": j == 1}))
+    return reqs
+
+
+async def _call(ac: httpx.AsyncClient, base: str, path: str, body: dict, **extra):
+    """Returns (status, text or error body, headers)."""
+    body = {**body, **extra}
+    if body.get("stream"):
+        async with ac.stream("POST", base + path, json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, json.loads(await r.aread()), r.headers
+            text, err, fin = "", None, None
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    err = ev
+                    continue
+                for c in ev["choices"]:
+                    text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+                    fin = c.get("finish_reason") or fin
+            return (200 if err is None else 599), (err or (text, fin)), r.headers
+    r = await ac.post(base + path, json=body)
+    if r.status_code != 200:
+        return r.status_code, r.json(), r.headers
+    c = r.json()["choices"][0]
+    text = c.get("text") if "text" in c else c["message"].get("content") or ""
+    extra_out = c.get("logprobs", {}) and c["logprobs"].get("tokens") if "text" in c else None
+    return 200, (text, c["finish_reason"], extra_out) if extra_out else (text, c["finish_reason"]), r.headers
+
+
+def _run_all(base_pairs):
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as ac:
+            return await asyncio.gather(*(_call(ac, b, p, body, **kw) for b, p, body, kw in base_pairs))
+    return asyncio.run(main())
+
+
+def test_handshake_and_roles(cluster):
+    pi = httpx.get(cluster["p"].base + "/pd/info").json()
+    di = httpx.get(cluster["d"].base + "/pd/info").json()
+    assert pi["role"] == "prefill" and di["role"] == "decode"
+    assert pi["layout"] == di["layout"] and pi["engine_id"] != di["engine_id"]
+    assert httpx.get(cluster["agg"].base + "/pd/info").status_code == 404      # --role both: today's server
+    # a decode-only instance refuses a prefill-hold request, and vice versa
+    r = httpx.post(cluster["d"].base + "/v1/completions",
+                   json={"prompt": [5, 6], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "prefill" in r.json()["error"]["message"]
+
+
+def test_greedy_outputs_identical_to_aggregated(cluster):
+    reqs = _requests(1)
+    runs = [(cluster["router"].base, p, b, {}) for p, b in reqs] + [(cluster["agg"].base, p, b, {}) for p, b in reqs]
+    t0 = time.time()
+    res = _run_all(runs)
+    n = len(reqs)
+    pd, agg = res[:n], res[n:]
+    for (path, body), (s1, o1, h1), (s2, o2, _) in zip(reqs, pd, agg):
+        assert s1 == 200 and s2 == 200, (path, o1, o2)
+        assert o1 == o2, (path, body.get("stream"), o1, o2)
+        assert h1.get("x-dsflash-kv-outcome") == "transferred", dict(h1)
+        assert h1.get("x-dsflash-prefill") and h1.get("x-dsflash-decode")
+    print(f"\n[pd] {n} concurrent requests via router + {n} on the aggregated server in {time.time() - t0:.1f}s; "
+          f"all greedy outputs identical")
+
+
+def test_bytes_per_prompt_token_bounded(cluster):
+    st = httpx.get(cluster["d"].base + "/pd/stats").json()
+    sizes = st["sizes"]
+    g, win, entry = sizes["global_kv_bytes_per_token"], sizes["window_bytes"], sizes["entry_bytes"]
+    recs = st["transfers"]
+    assert len(recs) >= 10
+    print(f"\n[pd] global KV {g:.1f} B/token, in-window state <= {win} B/request (per-slot total "
+          f"{sizes['per_slot_bytes']:.0f} B)")
+    print("[pd] prompt_tokens  global_B  window_B  wire_B  wire_B/token  bound_B(global*n + entry rounding + window)")
+    for r in sorted(recs, key=lambda r: r["prompt_tokens"]):
+        n = r["prompt_tokens"]
+        bound = g * n + entry + win
+        print(f"[pd] {n:13d} {r['global_bytes']:9d} {r['window_bytes']:9d} {r['wire_bytes']:7d} "
+              f"{r['wire_bytes'] / n:12.1f} {bound:10.0f}")
+        assert r["global_bytes"] <= g * n + entry          # only the prompt's entries, never the pool
+        assert r["window_bytes"] <= win                     # only the in-window rows, never the whole history
+        assert r["global_bytes"] + r["window_bytes"] <= bound
+        assert r["wire_bytes"] <= bound + 16 + 64 * 1024    # + the JSON header
+    # the prefill side freed every pulled request on the notification
+    ps = httpx.get(cluster["p"].base + "/pd/stats").json()
+    t_end = time.time() + 10
+    while ps["held"] and time.time() < t_end:
+        time.sleep(0.2)
+        ps = httpx.get(cluster["p"].base + "/pd/stats").json()
+    assert ps["held"] == 0 and ps["engine"]["released_notify"] >= len(recs), ps
+
+
+def test_prefill_frees_after_ttl(cluster):
+    p = cluster["p"].base
+    before = httpx.get(p + "/pd/stats").json()["engine"]["released_ttl"]
+    r = httpx.post(p + "/v1/completions", json={"prompt": _prompt(7, 40), "max_tokens": 1, "temperature": 0.0,
+                                                "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
+    assert r.status_code == 200
+    kv = r.json()["kv_transfer_params"]
+    assert kv["do_remote_prefill"] and kv["remote_num_tokens"] == 40 and len(kv["remote_block_ids"]) == 1
+    assert kv["remote_engine_id"].startswith("prefill-")
+    assert httpx.get(p + "/pd/stats").json()["held"] >= 1
+    t_end = time.time() + 30          # --kv-ttl 8
+    while time.time() < t_end:
+        st = httpx.get(p + "/pd/stats").json()
+        if st["engine"]["released_ttl"] > before:
+            break
+        time.sleep(0.5)
+    assert st["engine"]["released_ttl"] == before + 1, st
+    # the decode side pulling it now gets a clear failure (policy fail) or recomputes (policy recompute)
+    body = {"prompt": _prompt(7, 40), "max_tokens": 8, "temperature": 0.0, "kv_transfer_params": kv}
+    f = httpx.post(cluster["d"].base + "/v1/completions", json={**body, "kv_load_failure_policy": "fail"}, timeout=60)
+    assert f.status_code == 502, f.text
+    err = f.json()["error"]
+    assert err["code"] == "kv_transfer_failed" and kv["remote_engine_id"] in err["message"]
+    assert "404" in err["message"]
+    rc = httpx.post(cluster["d"].base + "/v1/completions", json={**body, "kv_load_failure_policy": "recompute"},
+                    timeout=60)
+    ref = httpx.post(cluster["agg"].base + "/v1/completions",
+                     json={k: v for k, v in body.items() if k != "kv_transfer_params"}, timeout=60)
+    assert rc.status_code == 200 and rc.headers["x-dsflash-kv-outcome"] == "recomputed"
+    assert rc.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+
+
+def test_router_balances_and_keeps_affinity_unit():
+    from dsflash.serve.router import Router
+    r = Router([], ["http://d0", "http://d1", "http://d2"], affinity_block=16, affinity_slack=2)
+    conv = [{"role": "system", "content": "you are a helpful assistant " * 3},
+            {"role": "user", "content": "first question about something long enough"}]
+    d1, how = r.pick_decode("/v1/chat/completions", {"messages": conv})
+    assert how == "miss"
+    d1.in_flight += 1                          # busy: a new conversation goes elsewhere
+    other, how2 = r.pick_decode("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 40}]})
+    assert other is not d1 and how2 == "miss"
+    other.in_flight += 1
+    turn2 = conv + [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "follow-up"}]
+    d2, how = r.pick_decode("/v1/chat/completions", {"messages": turn2})
+    assert d2 is d1 and how == "hit"           # same conversation -> the instance holding its prefix
+    d1.in_flight += 5                          # too busy: affinity gives way to load
+    d3, how = r.pick_decode("/v1/chat/completions", {"messages": turn2 + [{"role": "user", "content": "more"}]})
+    assert d3 is not d1 and how == "overridden"
+    # least loaded otherwise
+    for i, inst in enumerate(r.decode):
+        inst.in_flight = [3, 0, 2][i]
+    assert r.pick_decode("/v1/completions", {"prompt": "unrelated " * 10})[0] is r.decode[1]
+
+
+def test_router_affinity_multi_turn(cluster):
+    base = cluster["router"].base
+    msgs = [{"role": "user", "content": "Tell me a story about a robot and a very small cat, please."}]
+    r1 = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0.0},
+                    timeout=60)
+    assert r1.status_code == 200
+    answer = r1.json()["choices"][0]["message"].get("content") or ""
+    msgs = msgs + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    r2 = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0.0},
+                    timeout=60)
+    assert r2.status_code == 200
+    assert r2.headers["x-dsflash-affinity"] == "hit"
+    assert r2.headers["x-dsflash-decode"] == r1.headers["x-dsflash-decode"]
+    st = httpx.get(base + "/router/stats").json()
+    assert st["counters"]["affinity_hits"] >= 1
+
+
+def test_kill_prefill_mid_transfer_last(cluster):
+    router, agg, p, d = cluster["router"].base, cluster["agg"].base, cluster["p"], cluster["d"].base
+    survivors = [("/v1/completions", {"prompt": _prompt(500 + i, 30 + 20 * i), "max_tokens": 160,
+                                      "temperature": 0.0, "ignore_eos": True, "stream": True}) for i in range(3)]
+    victims = [("/v1/completions", {"prompt": _prompt(600 + i, 50), "max_tokens": 16, "temperature": 0.0,
+                                    "ignore_eos": True, "stream": i == 0}) for i in range(2)]
+    policies = ["fail", "recompute"]
+    refs = _run_all([(agg, path, b, {}) for path, b in survivors + victims])
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as ac:
+            first_chunk = [asyncio.Event() for _ in survivors]
+
+            async def survivor(i, path, body):
+                async with ac.stream("POST", router + path, json=body) as r:
+                    assert r.status_code == 200
+                    text = ""
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            ev = json.loads(line[6:])
+                            assert "error" not in ev, ev
+                            text += ev["choices"][0]["text"]
+                            if text:
+                                first_chunk[i].set()
+                    return 200, (text, "length"), r.headers
+
+            tasks = [asyncio.ensure_future(survivor(i, pth, b)) for i, (pth, b) in enumerate(survivors)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_chunk)), 120)   # all decoding on D
+            s0 = (await ac.get(p.base + "/pd/stats")).json()
+            await ac.post(p.base + "/pd/test/kv_delay", json={"seconds": 60})               # stall KV bodies
+            vtasks = [asyncio.ensure_future(_call(ac, router, pth, b, kv_load_failure_policy=pol))
+                      for (pth, b), pol in zip(victims, policies)]
+            t_end = time.time() + 60
+            while time.time() < t_end:                    # both victims' KV bodies are half sent
+                st = (await ac.get(p.base + "/pd/stats")).json()
+                if st["engine"]["extracts"] >= s0["engine"]["extracts"] + 2:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)
+            p.proc.send_signal(signal.SIGKILL)           # the prefill process dies mid-transfer
+            out_v = await asyncio.gather(*vtasks)
+            out_s = await asyncio.gather(*tasks)
+            after = await _call(ac, router, "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 4})
+            return out_s, out_v, after
+
+    out_s, out_v, after = asyncio.run(main())
+    for (s, o, h), ref in zip(out_s, refs[:3]):
+        assert s == 200 and o[0] == ref[1][0]                    # requests already decoding complete, same text
+    (sf, of, hf), (sr, orc, hr) = out_v
+    assert sf == 502 and of["error"]["code"] == "kv_transfer_failed", (sf, of)
+    msg = of["error"]["message"]
+    assert "KV transfer from prefill engine prefill-" in msg and "kv_load_failure_policy=fail" in msg
+    print(f"\n[pd] policy fail -> HTTP {sf}: {msg}")
+    assert sr == 200 and hr["x-dsflash-kv-outcome"] == "recomputed" and orc[0] == refs[4][1][0]
+    # the prefill instance is gone: the router reports it, retries nothing
+    assert after[0] == 502 and after[1]["error"]["code"] == "prefill_failed", after
+    st = httpx.get(router + "/router/stats").json()
+    assert st["counters"]["prefill_failures"] >= 1 and st["counters"]["failed_requests"] >= 2
+    ds = httpx.get(d + "/pd/stats").json()["counters"]
+    assert ds["pulls_failed"] >= 2 and ds["recomputed"] >= 1 and ds["failed_requests"] >= 1
