@@ -1,0 +1,81 @@
+"""``python -m dsflash.bench forward`` end to end on CPU (single device, a 4-layer tiny config): decode over a
+dummy-filled KV state (no prefill), prefill over cached context, real-routing balancedness, JSON (and PNG with
+matplotlib). A benchmark never asserts a time: only that fields exist and are sane. Uniform routing, mirror and
+lag: test_bench_forward_mesh*.py; the breakdown: test_bench_forward_breakdown.py (each file < 60 s on CPU)."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from dsflash.bench import forward as FB
+from dsflash.bench.__main__ import main as bench_main
+from dsflash.config import preset
+
+
+def tiny4(path):
+    """tiny with 4 backbone layers (half the compile time; same layer kinds: SWA, Engram, ratio 2, ratio 1)."""
+    cfg = preset("tiny").replace(num_hidden_layers=4, compress_ratios=(0, 0, 2, 1, 0), kv_source_layer_ids=(2, 3),
+                                 index_source_layer_ids=(2, 3), candidate_source_layer_id=3,
+                                 dspark_target_layer_ids=(1, 2, 3))
+    p = path / "tiny4.json"
+    cfg.save_json(p)
+    return cfg, str(p)
+
+
+def test_parse_points():
+    assert FB.parse_points(["1,8@128,1024", "4@0"]) == [(1, 128), (1, 1024), (8, 128), (8, 1024), (4, 0)]
+    assert FB.parse_points("2@16;3@32") == [(2, 16), (3, 32)]
+    for bad in ("8", "a@1", "0@5", "1@-1"):
+        with pytest.raises(ValueError):
+            FB.parse_points(bad)
+
+
+def test_dummy_fill_needs_no_prefill(tmp_path):
+    """The filled state has finite, non-trivial contents in every pool/ring and page tables point at each row's
+    own pages (the decode step over such a state runs in test_bench_forward_end_to_end: finite logits)."""
+    _, cfgp = tiny4(tmp_path)
+    args = FB.build_parser().parse_args(["--preset", cfgp, "--fast-compile", "--reps", "1", "--warmup", "0"])
+    b = FB.ForwardBench(args)
+    C, S = 40, 4
+    batch, state = b.make_inputs(S, [C, C])
+    pt = np.asarray(batch.page_table)
+    assert pt.shape[1] == -(-(C + S) // args.page_size)
+    assert len(set(pt.reshape(-1).tolist())) == pt.size              # disjoint pages per row
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        a = np.asarray(leaf).astype(np.float32)
+        assert np.isfinite(a).all(), jax.tree_util.keystr(path)
+        assert (a != 0).mean() > 0.5, f"{jax.tree_util.keystr(path)} looks unfilled"
+    assert np.asarray(batch.start).tolist() == [C, C] and np.asarray(batch.lengths).tolist() == [S, S]
+
+
+def test_bench_forward_end_to_end(tmp_path):
+    cfg, cfgp = tiny4(tmp_path)
+    out = tmp_path / "res"
+    rc = bench_main(["forward", "--preset", cfgp, "--decode", "2@48", "--prefill", "8@16", "--reps", "2",
+                     "--warmup", "1", "--no-breakdown", "--no-uniform", "--fast-compile", "--out", str(out), "--tag", "t"])
+    assert rc == 0
+    files = sorted(p.name for p in out.iterdir())
+    js = [f for f in files if f.endswith(".json")]
+    assert len(js) == 1 and js[0].startswith("forward_") and js[0].endswith("_cpu_t.json")
+    r = json.loads((out / js[0]).read_text())
+    for k in ("date", "commit", "device", "config_hash", "mesh", "precision", "method", "points"):
+        assert r[k], k
+    assert r["config_hash"] == cfg.hash() and r["mesh"] == "single" and r["draft_rows"] == 1 + cfg.dspark_block_size
+    pts = {p["phase"]: p for p in r["points"]}
+    assert set(pts) == {"prefill", "decode"}
+    d, p = pts["decode"], pts["prefill"]
+    assert (d["B"], d["C"], d["S"], d["rows"]) == (2, 48, 4, 2)
+    assert (p["N"], p["C"], p["S"]) == (8, 16, 8)
+    for pt in (d, p):
+        s = pt["step_ms"]
+        assert 0 < s["min"] <= s["median"] <= s["max"] and s["n"] == 2 and s["compile_s"] > 0
+        assert pt["finite_logits"] and pt["tok_per_s"] > 0
+        bal = pt["balancedness"]
+        assert bal["ranks"] == 8 and 0 < bal["real"] <= 1      # one device: 8 hypothetical EP ranks
+        assert bal["routed_tokens"] == pt["tokens"]                    # every valid token routed once per layer
+    try:
+        import matplotlib  # noqa: F401
+        assert any(f.endswith(".png") for f in files) and r["png"].endswith(".png")
+    except ImportError:
+        pass

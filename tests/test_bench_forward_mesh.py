@@ -1,0 +1,25 @@
+"""``bench forward`` on dep=2 (faked CPU devices): EP MoE through the routed_fn hook, real vs uniform routing
+balancedness over the mesh's 2 EP ranks, and the lag replay (rank 1 starts late by a calibrated on-device spin)."""
+import json
+
+from dsflash.bench.__main__ import main as bench_main
+from test_bench_forward import tiny4
+
+
+def test_mesh_uniform_and_lag(tmp_path):
+    _, cfgp = tiny4(tmp_path)
+    out = tmp_path / "res"
+    rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "2@32", "--reps", "2", "--warmup",
+                     "1", "--no-breakdown", "--lag", "0.005", "--fast-compile", "--out", str(out), "--no-plot"])
+    assert rc == 0
+    r = json.loads(next(out.glob("forward_*.json")).read_text())
+    assert (r["mesh"], r["dp_ranks"], r["ep_ranks"]) == ("dep=2", 2, 2) and r["ep"]["collective"] == "allgather"
+    (pt,) = r["points"]
+    assert pt["rows"] == 4 and pt["rows_per_rank"] == 2 and pt["finite_logits"]
+    bal = pt["balancedness"]
+    assert bal["ranks"] == 2 and 0.5 <= bal["real"] <= 1 and 0.5 <= bal["uniform"] <= 1
+    assert pt["uniform_ms"]["median"] > 0 and pt["real_over_uniform"] > 0
+    lag = pt["lag"]
+    assert lag["lag_s"] == 0.005 and lag["spin_iters_per_rank"] > 0 and lag["stagger_ms"] == 5.0
+    assert lag["step_lag_ms"]["median"] > 0 and lag["spin_only_ms"] > 0
+    assert abs(lag["exposed_ms"] + lag["absorbed_ms"] - lag["stagger_ms"]) < 1e-9
