@@ -329,21 +329,26 @@ class ForwardBench:
         return float(np.median(ts)) * 1e3
 
     def lag_rate(self):
-        """Busy-loop iterations per second on one device (two sizes, so launch overhead cancels)."""
+        """Busy-loop iterations per second on one device: grow n until one call takes >= 50 ms, then the
+        slope between n/10 and n (launch overhead cancels)."""
         if self._lag_rate is None:
             import jax
             import jax.numpy as jnp
             f = jax.jit(_spin)
-            ts = {}
-            for n in (20_000, 220_000):
+
+            def t(n):
                 jax.block_until_ready(f(jnp.int32(n)))
                 reps = []
                 for _ in range(3):
                     t0 = time.perf_counter()
                     jax.block_until_ready(f(jnp.int32(n)))
                     reps.append(time.perf_counter() - t0)
-                ts[n] = float(np.median(reps))
-            self._lag_rate = 200_000 / max(ts[220_000] - ts[20_000], 1e-9)
+                return float(np.median(reps))
+
+            n = 1000
+            while t(n) < 0.05 and n < 1 << 30:
+                n *= 4
+            self._lag_rate = (n - n // 10) / max(t(n) - t(n // 10), 1e-9)
         return self._lag_rate
 
     # ---------------------------------------------------------------- points
