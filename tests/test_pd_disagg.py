@@ -280,6 +280,28 @@ def test_router_affinity_multi_turn(cluster):
     assert st["counters"]["affinity_hits"] >= 1
 
 
+def test_decode_prefix_cache_skips_pages(cluster):
+    """A second turn extending a prompt the decode instance already holds pulls only the new pages (SGLang-style
+    delta). Turn 2 is a prefix-cache hit on the prefill side too (bounded replay), whose result depends on what
+    the replaying slot held before (docs/pd.md), so only turn 1 is compared with the aggregated server."""
+    router, agg, d = cluster["router"].base, cluster["agg"].base, cluster["d"].base
+    a = _prompt(900, 130)                     # two full 64-token pages
+    ab = a + _prompt(901, 70)
+    outs = []
+    for prompt in (a, ab):
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+        outs.append(_run_all([(router, "/v1/completions", body, {}), (agg, "/v1/completions", body, {})]))
+    (s1, o1, _), (s2, o2, _) = outs[0]
+    assert s1 == s2 == 200 and o1 == o2
+    assert outs[1][0][0] == 200 and outs[1][0][2]["x-dsflash-kv-outcome"] == "transferred"
+    assert outs[1][0][2]["x-dsflash-affinity"] == "hit"
+    rec = [r for r in httpx.get(d + "/pd/stats").json()["transfers"] if r["prompt_tokens"] == 200][-1]
+    g = httpx.get(d + "/pd/info").json()["sizes"]["global_kv_bytes_per_token"]
+    assert rec["skipped_pages"] == 2 and rec["global_bytes"] <= g * (200 - 128) + 1024, rec
+    print(f"\n[pd] turn 2 (200 tokens, 128 cached on decode): {rec['global_bytes']} B of global KV moved "
+          f"instead of {g * 200:.0f}")
+
+
 def test_kill_prefill_mid_transfer_last(cluster):
     router, agg, p, d = cluster["router"].base, cluster["agg"].base, cluster["p"], cluster["d"].base
     survivors = [("/v1/completions", {"prompt": _prompt(500 + i, 30 + 20 * i), "max_tokens": 160,

@@ -30,7 +30,7 @@ import numpy as np
 from dsflash.serve.async_engine import AsyncEngine
 from dsflash.serve.engine.engine import DECODE, LLMEngine
 from dsflash.serve.engine.kv_cache import block_hashes
-from dsflash.serve.pd.transfer import Layout
+from dsflash.serve.pd.transfer import Layout, prompt_digest
 
 log = logging.getLogger("dsflash.serve.pd")
 
@@ -158,7 +158,7 @@ class PDEngine(LLMEngine):
         arrays = self.pd_layout.extract(self.runner.state, h.pages, h.slot, h.num_tokens, skip)
         self.pd_stats["extracts"] += 1
         meta = {"engine_id": self.engine_id, "request_id": rid, "num_tokens": h.num_tokens,
-                "prompt_ids": h.prompt_ids, "first_token": h.first_token, "first_logprob": h.first_logprob,
+                "prompt_digest": prompt_digest(h.prompt_ids), "first_token": h.first_token, "first_logprob": h.first_logprob,
                 "floor": h.floor, "skip_pages": skip, "page_size": self.page_size}
         return meta, arrays
 
@@ -186,7 +186,7 @@ class PDEngine(LLMEngine):
         n = len(s.prompt_ids)
         hit_pages = len(s.hashes)
         try:
-            if list(meta["prompt_ids"]) != list(s.prompt_ids):
+            if meta["prompt_digest"] != prompt_digest(s.prompt_ids):
                 raise ValueError("prompt token ids differ from the prefill side's")
             self.pd_layout.install(self, arrays, s.pages, s.slot, n, hit_pages)
         except Exception as e:  # noqa: BLE001 - a local race (evicted hit) or bad payload: prefill here
@@ -211,7 +211,6 @@ class PDEngine(LLMEngine):
         done = tok in s.stop_ids or s.params.max_tokens <= 1
         self.pd_layout.set_row(self, s.slot, {"y": np.int32(tok), "pos": np.int32(n - 1), "n_gen": np.int32(1),
                                               "active": np.bool_(not done), "counts": counts, "seen": seen})
-        self.metrics.computed_prompt_tokens += 0
         self.pd_stats["installs"] += 1
         lp = meta.get("first_logprob")
         finished = self._append(s, [tok], None, time.time())
@@ -269,7 +268,7 @@ class PDAsyncEngine(AsyncEngine):
         where = kv.get("remote_url") or f"http://{kv.get('remote_host')}:{kv.get('remote_port')}"
         try:
             url, rrid, meta, arrays, nbytes, dt = await pd.pull(kv, list(prompt), params)
-            if list(meta["prompt_ids"]) != list(prompt):
+            if meta["prompt_digest"] != prompt_digest(prompt):
                 raise RuntimeError("the prefill side's prompt token ids differ from this request's")
         except Exception as e:  # noqa: BLE001 - handled by the request's policy
             pd.counters["pulls_failed"] += 1

@@ -36,6 +36,12 @@ VERSION = 1
 GLOBAL_KINDS = ("main_kv", "index_k")
 
 
+def prompt_digest(ids) -> str:
+    """Digest of a prompt's token ids (both sides check they hold the same prompt; the ids do not travel)."""
+    import hashlib
+    return hashlib.sha256(np.asarray(list(ids), np.int64).tobytes()).hexdigest()[:32]
+
+
 def _bucket(n: int) -> int:
     return 8 if n <= 8 else 1 << (n - 1).bit_length()
 
