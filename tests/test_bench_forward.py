@@ -67,6 +67,8 @@ def test_bench_forward_end_to_end(tmp_path):
     d, p = pts["decode"], pts["prefill"]
     assert (d["B"], d["C"], d["S"], d["rows"]) == (2, 48, 4, 2)
     assert (p["N"], p["C"], p["S"]) == (8, 16, 8)
+    assert d["draft_ms"]["median"] > 0 and d["draft_ms"]["block"] == cfg.dspark_block_size   # DSpark half
+    assert d["spec_step_ms"] > d["step_ms"]["median"] and "draft_ms" not in p
     for pt in (d, p):
         s = pt["step_ms"]
         assert 0 < s["min"] <= s["median"] <= s["max"] and s["n"] == 2 and s["compile_s"] > 0

@@ -9,7 +9,7 @@ def test_breakdown_fields(tmp_path):
     _, cfgp = tiny4(tmp_path)
     out = tmp_path / "res"
     rc = bench_main(["forward", "--preset", cfgp, "--decode", "1@32", "--reps", "2", "--warmup", "1",
-                     "--no-uniform", "--fast-compile", "--out", str(out), "--no-plot"])
+                     "--no-uniform", "--no-draft", "--fast-compile", "--out", str(out), "--no-plot"])
     assert rc == 0
     r = json.loads(next(out.glob("forward_*.json")).read_text())
     (pt,) = r["points"]

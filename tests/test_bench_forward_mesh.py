@@ -10,7 +10,8 @@ def test_mesh_uniform_and_lag(tmp_path):
     _, cfgp = tiny4(tmp_path)
     out = tmp_path / "res"
     rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "2@32", "--reps", "2", "--warmup",
-                     "1", "--no-breakdown", "--lag", "0.005", "--fast-compile", "--out", str(out), "--no-plot"])
+                     "1", "--no-breakdown", "--lag", "0.005", "--no-draft", "--fast-compile", "--out", str(out),
+                     "--no-plot"])
     assert rc == 0
     r = json.loads(next(out.glob("forward_*.json")).read_text())
     assert (r["mesh"], r["dp_ranks"], r["ep_ranks"]) == ("dep=2", 2, 2) and r["ep"]["collective"] == "allgather"

@@ -10,8 +10,8 @@ def test_mirror_fields(tmp_path):
     _, cfgp = tiny4(tmp_path)
     out = tmp_path / "res"
     rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "1@40", "--reps", "2", "--warmup",
-                     "1", "--no-breakdown", "--no-uniform", "--mirror", "--dp-imbalance", "0.5", "--fast-compile",
-                     "--out", str(out), "--no-plot"])
+                     "1", "--no-breakdown", "--no-uniform", "--mirror", "--dp-imbalance", "0.5", "--no-draft",
+                     "--fast-compile", "--out", str(out), "--no-plot"])
     assert rc == 0
     r = json.loads(next(out.glob("forward_*.json")).read_text())
     (pt,) = r["points"]

@@ -17,6 +17,9 @@ then the median / min / p90 of ``--reps`` calls, each ended by ``block_until_rea
 the state is donated and the returned state fed back, so every call rewrites the same rows):
 
 * ``step_ms`` with the model's own router ("real" routing), tokens/s;
+* ``draft_ms`` (decode, ``--no-draft`` skips): the DSpark half of a speculative step on the same state,
+  ``update_context`` with the verified rows' taps (random, as if from the target) + ``propose`` of the next
+  block; ``spec_step_ms`` = step + draft;
 * ``uniform_ms``: the same step with a uniform random router (top-k distinct ids per token from a fixed
   key), and ``balancedness`` of both: per-layer expert loads recorded by routing this step's tokens,
   balancedness = Σ_layers mean rank load / Σ_layers max rank load for the mesh's EP placement
@@ -50,7 +53,6 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import sys
@@ -292,6 +294,61 @@ class ForwardBench:
         stats["compile_s"] = round(cs, 3)
         return stats, state, loads, finite
 
+    # ---------------------------------------------------------------- DSpark draft
+    def run_draft(self, batch, state):
+        """Time the DSpark half of a speculative step on the decode point's state: ``update_context`` with the
+        taps of the verified rows (random, as if from the target forward) + ``propose`` of the next block."""
+        import importlib
+        import inspect
+
+        import jax
+        import jax.numpy as jnp
+
+        from dsflash.model.state import RunOptions
+        D = importlib.import_module("dsflash.model.dspark")
+        cfg = self.cfg
+        opts = RunOptions(precision=self.args.precision, backend=self.args.backend, page_size=self.page)
+        kw = {}
+        if self.mesh is not None and self.strategy.draft_expert_parallel and \
+                "routed_fn" in inspect.signature(D.propose).parameters:
+            from dsflash.sharding.ep_moe import EPSettings, make_routed_fn
+            kw["routed_fn"] = make_routed_fn(self.mesh, EPSettings(self.args.ep_collective, self.args.ep_decode_mode,
+                                                                   capacity_factor=self.args.capacity_factor))
+
+        def fn(params, batch, state, taps):
+            state = D.update_context(params, cfg, taps, batch.start, batch.lengths, batch.slots, state, opts)
+            out = D.propose(params, cfg, state, batch.tokens[:, -1], batch.start + batch.lengths, batch.slots, opts,
+                            **kw)
+            return out["drafts"], state
+
+        rows, S = batch.tokens.shape
+        T = len(cfg.dspark_target_layer_ids) * cfg.hidden_size
+        taps = jax.random.normal(jax.random.PRNGKey(7), (rows, S, T), jnp.float32).astype(jnp.bfloat16)
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            from dsflash.sharding import rules
+            ax = rules.token_axes(self.mesh, self.strategy)
+            taps = jax.device_put(taps, NamedSharding(self.mesh, P(ax if len(ax) != 1 else ax[0])))
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=(2,)).lower(self.params, batch, state, taps).compile(
+            compiler_options=self.compile_opts)
+        cs = time.perf_counter() - t0
+        for _ in range(self.args.warmup):
+            d, state = compiled(self.params, batch, state, taps)
+            jax.block_until_ready((d, state))
+        ts = []
+        for _ in range(self.args.reps):
+            t0 = time.perf_counter()
+            d, state = compiled(self.params, batch, state, taps)
+            jax.block_until_ready((d, state))
+            ts.append(time.perf_counter() - t0)
+        st = _stats(ts)
+        st["compile_s"] = round(cs, 3)
+        st["block"] = cfg.dspark_block_size
+        return st, state
+
     # ---------------------------------------------------------------- lag emulation
     def _delay(self, tokens, iters_per_rank):
         """tokens [rows, S] sharded over the DP axes -> the same values, after rank r spun r*iters loop
@@ -387,6 +444,10 @@ class ForwardBench:
             rec["uniform_ms"] = st
             rec["balancedness"]["uniform"] = self.balancedness(ul)
             rec["real_over_uniform"] = stats["median"] / st["median"]
+        if phase == "decode" and args.draft and self.cfg.n_stages:
+            rec["draft_ms"], state = self.run_draft(batch, state)
+            rec["spec_step_ms"] = stats["median"] + rec["draft_ms"]["median"]
+            log(f"    draft (update_context + propose {self.cfg.dspark_block_size}): {rec['draft_ms']['median']:.3f} ms")
         if args.breakdown:
             v = {}
             for var in ("no_attn", "no_moe", "no_routed", "no_both"):
@@ -483,7 +544,7 @@ def _fmt(v, nd=3):
 def table(result) -> str:
     lines = []
     hdr = (f"{'phase':7} {'B/N':>5} {'C':>7} {'rows':>5} {'step ms':>9} {'p90':>8} {'tok/s':>10} "
-           f"{'unif ms':>8} {'bal real':>8} {'bal unif':>8} {'attn':>7} {'moe':>7} {'routed':>7} {'other':>7}")
+           f"{'draft ms':>8} {'unif ms':>8} {'bal real':>8} {'bal unif':>8} {'attn':>7} {'moe':>7} {'routed':>7} {'other':>7}")
     lines.append(hdr)
     for r in result["points"]:
         b = r.get("breakdown_ms") or {}
@@ -491,6 +552,7 @@ def table(result) -> str:
         lines.append(
             f"{r['phase']:7} {r.get('B', r.get('N')):>5} {r['C']:>7} {r['rows']:>5} {r['step_ms']['median']:>9.3f} "
             f"{r['step_ms']['p90']:>8.3f} {r['tok_per_s']:>10.1f} "
+            f"{_fmt((r.get('draft_ms') or {}).get('median')):>8} "
             f"{_fmt((r.get('uniform_ms') or {}).get('median')):>8} {_fmt(bal.get('real')):>8} "
             f"{_fmt(bal.get('uniform')):>8} {_fmt(b.get('attention')):>7} {_fmt(b.get('moe')):>7} "
             f"{_fmt(b.get('routed')):>7} {_fmt(b.get('other')):>7}")
@@ -563,6 +625,8 @@ def build_parser():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-uniform", dest="uniform", action="store_false", help="skip the uniform-router run")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the ablation runs")
+    ap.add_argument("--no-draft", dest="draft", action="store_false",
+                    help="skip timing the DSpark draft (update_context + propose) at decode points")
     ap.add_argument("--mirror", action="store_true", help="decode DP-imbalance replay: as-is vs mirrored ranks")
     ap.add_argument("--dp-imbalance", type=float, default=0.5, help="rank contexts C*(1-F .. 1+F) for --mirror")
     ap.add_argument("--lag", type=float, default=0.0, help="seconds by which each DP rank starts after the previous")
