@@ -112,6 +112,9 @@ def _requests(tag: int):
                                          "ignore_eos": True, "stream": i % 2 == 1}))
     reqs.append(("/v1/completions", {"prompt": f"Text prompt number {tag}: the quick brown fox", "max_tokens": 20,
                                      "temperature": 0.0, "logprobs": 2}))
+    # seeded sampling: the prefill side samples token 0 with the request's key for index 0, decode goes on
+    reqs.append(("/v1/completions", {"prompt": _prompt(tag * 100 + 50, 40), "max_tokens": 20, "temperature": 0.8,
+                                     "top_p": 0.9, "seed": 1234, "ignore_eos": True}))
     for j in range(3):
         reqs.append(("/v1/chat/completions", {"messages": [{"role": "user", "content": f"chat {tag}-{j}: hello there"}],
                                               "max_tokens": 20, "temperature": 0.0, "stream": j == 1}))
@@ -165,7 +168,8 @@ def test_handshake_and_roles(cluster):
     assert r.status_code == 400 and "prefill" in r.json()["error"]["message"]
 
 
-def test_greedy_outputs_identical_to_aggregated(cluster):
+def test_outputs_identical_to_aggregated(cluster):
+    """Greedy (and one seeded sampled) requests, concurrently, through the router vs the aggregated server."""
     reqs = _requests(1)
     runs = [(cluster["router"].base, p, b, {}) for p, b in reqs] + [(cluster["agg"].base, p, b, {}) for p, b in reqs]
     t0 = time.time()
