@@ -20,3 +20,5 @@ def test_mirror_fields(tmp_path):
     assert [m["mirrored"][k]["context"] for k in ("0", "1")] == [20, 60]
     assert m["asis_ms"] > 0 and m["mirrored_mean_ms"] > 0
     assert abs(m["imbalance_cost"] - (m["asis_ms"] / m["mirrored_mean_ms"] - 1)) < 1e-9
+    # contexts 20..60 + 4 rows fit one 64-token page: as-is and mirrored runs reuse the point's program
+    assert pt["step_ms"]["compiled_program_reused"] is False
