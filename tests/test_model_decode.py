@@ -124,3 +124,15 @@ def test_last_logits_match_all(model):
                          opts("fp32", logits="last"))
     full = np.stack([prefill(cfg, params, toks[i:i + 1, :n], "fp32")[0][0, -1] for i, n in ((0, S), (1, 11))])
     np.testing.assert_allclose(np.asarray(out["logits"]), full, atol=1e-4)
+
+
+def test_float_master_weights_give_the_same_model(model):
+    """Training hook: float weights without scales stand in for every stored format (fp32 path)."""
+    from dsflash.model.params import float_params
+    cfg, params = model
+    toks = tokens(8, S)
+    want, _ = prefill(cfg, params, toks, "fp32")
+    fp = float_params(cfg, params)
+    assert not any(k.endswith(".scale") for k in fp) and fp["layers.3.ffn.experts.w1.weight"].dtype == jnp.float32
+    got, _ = prefill(cfg, fp, toks, "fp32")
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -113,7 +113,7 @@ def output_projection(params, p, o, cfg, ctx, omega):
     o = apply_rope(o, ctx.pos[..., None], omega, inverse=True)
     G = cfg.o_groups
     o = o.reshape(*o.shape[:2], G, -1)
-    wo_a = quant.dequant_fp8_weight(params[f"{p}.wo_a.weight"], params[f"{p}.wo_a.scale"], dt)
+    wo_a = quant.dequant_fp8_weight(params[f"{p}.wo_a.weight"], params.get(f"{p}.wo_a.scale"), dt)
     wo_a = wo_a.reshape(G, cfg.o_lora_rank, -1)
     h = jnp.einsum("bsgk,gok->bsgo", o.astype(dt), wo_a, preferred_element_type=jnp.float32).astype(dt)
     return linear_fp8(h.reshape(*h.shape[:2], -1), params, f"{p}.wo_b", ctx.precision)

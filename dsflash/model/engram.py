@@ -114,8 +114,10 @@ def compressed_ids(tokens, params, cfg: ModelConfig):
 
 def gather_rows(params, prefix, rows, precision):
     """rows [B, S, cols] -> dequantised table rows [B, S, cols, De]."""
-    table, scale = params[f"{prefix}.embed.weight"], params[f"{prefix}.embed.scale"]
+    table, scale = params[f"{prefix}.embed.weight"], params.get(f"{prefix}.embed.scale")
     q = table[rows]
+    if scale is None:                                  # float master table (training)
+        return q.astype(act_dtype(precision))
     s = quant.e8m0_to_f32(scale[rows])
     return quant.fp8_dequant(q, s, 32, act_dtype(precision))
 

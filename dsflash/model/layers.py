@@ -32,12 +32,13 @@ def _dot(x, w_t, precision):
 def linear_fp8(x, params, name, precision, act_quant=True):
     """An FP8-stored linear (``{name}.weight`` E4M3 [out, in] + ``{name}.scale`` UE8M0 32x32 blocks)."""
     dt = act_dtype(precision)
+    scale = params.get(f"{name}.scale")          # absent: float master weights (training)
     if precision == "reference":
-        w = quant.dequant_fp8_weight(params[f"{name}.weight"], params[f"{name}.scale"], jnp.float32)
+        w = quant.dequant_fp8_weight(params[f"{name}.weight"], scale, jnp.float32)
         xa = quant.fp8_roundtrip(x.astype(jnp.bfloat16), 32).astype(jnp.float32) if act_quant \
             else x.astype(jnp.bfloat16).astype(jnp.float32)
     else:
-        w = quant.dequant_fp8_weight(params[f"{name}.weight"], params[f"{name}.scale"], dt)
+        w = quant.dequant_fp8_weight(params[f"{name}.weight"], scale, dt)
         xa = x.astype(dt)
     return _dot(xa, w.T, precision).astype(dt)
 

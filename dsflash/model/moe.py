@@ -40,8 +40,9 @@ def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=Fal
     idx, w = route(xt, params[f"{prefix}.gate.weight"], params[f"{prefix}.gate.bias"], topk, cfg)
     e = f"{prefix}.experts"
     fn = routed_fn or moe_gemm.routed_moe
-    routed = fn(xt, idx, w, params[f"{e}.w1.weight"], params[f"{e}.w1.scale"], params[f"{e}.w3.weight"],
-                params[f"{e}.w3.scale"], params[f"{e}.w2.weight"], params[f"{e}.w2.scale"],
+    sc = lambda k: params.get(f"{e}.{k}.scale")  # noqa: E731  (None: float master weights)
+    routed = fn(xt, idx, w, params[f"{e}.w1.weight"], sc("w1"), params[f"{e}.w3.weight"],
+                sc("w3"), params[f"{e}.w2.weight"], sc("w2"),
                 limit=cfg.swiglu_limit, precision=precision, backend=backend, layer=prefix.rsplit(".", 1)[0])
     shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision)
     y = routed + shared.astype(jnp.float32)

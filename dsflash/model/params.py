@@ -252,6 +252,32 @@ def _name_hash(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
+def float_params(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> dict:
+    """Stored formats -> float "master" weights (no ``.scale`` entries), e.g. to train or fine-tune.
+
+    The model accepts these wherever it reads a stored weight (a missing scale means "use as is");
+    ``dsflash.checkpoint`` quantises them back to the official formats on export."""
+    from dsflash.model import quant
+    specs = spec_map(cfg)
+    out = {}
+    for name, w in params.items():
+        s = specs.get(name)
+        if s is None or s.fmt == "scale":
+            if s is None:
+                out[name] = w
+            continue
+        scale = params.get(name[: -len(".weight")] + ".scale")
+        if s.fmt == "fp8":
+            out[name] = quant.dequant_fp8_weight(w, scale, dtype)
+        elif s.fmt == "mxfp4":
+            out[name] = quant.dequant_mxfp4_weight(w, scale, dtype)
+        elif s.fmt == "fp8rows":
+            out[name] = quant.fp8_dequant(w, quant.e8m0_to_f32(scale), 32, dtype)
+        else:
+            out[name] = w.astype(dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+    return out
+
+
 # Constants derived from the tokenizer, not stored in checkpoints (replicated, optional).
 DERIVED = {"engram.token_map"}
 

@@ -131,6 +131,8 @@ def f32_pow2_to_e8m0(s):
 # ---------------------------------------------------------------- stored weights
 def dequant_fp8_weight(w, scale, dtype=jnp.float32):
     """FP8 E4M3 weight [..., out, in] with UE8M0 32x32 block scales [..., out/32, in/32]."""
+    if scale is None:
+        return w.astype(dtype)
     s = e8m0_to_f32(scale)
     s = jnp.repeat(jnp.repeat(s, 32, axis=-2), 32, axis=-1)
     return (w.astype(jnp.float32) * s).astype(dtype)
@@ -138,6 +140,8 @@ def dequant_fp8_weight(w, scale, dtype=jnp.float32):
 
 def dequant_mxfp4_weight(packed, scale, dtype=jnp.float32):
     """MXFP4 expert weight: int8 [..., out, in/2] (low nibble first), UE8M0 [..., out, in/32]."""
+    if scale is None:
+        return packed.astype(dtype)
     if packed.dtype == jnp.int8:
         packed = jax.lax.bitcast_convert_type(packed, jnp.uint8)
     vals = e2m1_from_codes(unpack_nibbles(packed))
