@@ -269,7 +269,8 @@ def test_router_balances_and_keeps_affinity_unit():
 
 def test_router_affinity_multi_turn(cluster):
     base = cluster["router"].base
-    msgs = [{"role": "user", "content": "Tell me a story about a robot and a very small cat, please."}]
+    msgs = [{"role": "system", "content": "You are a storyteller. Keep every answer short, vivid and kind. " * 3},
+            {"role": "user", "content": "Tell me a story about a robot and a very small cat, please."}]
     r1 = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0.0},
                     timeout=60)
     assert r1.status_code == 200

@@ -5,9 +5,10 @@ An OpenAI-compatible front (``/v1/completions``, ``/v1/chat/completions``, strea
 (``--role decode``) of ``python -m dsflash.serve``. Per request (vLLM / llm-d style, P then D):
 
 1. pick a decode instance: the one holding the longest known prefix of this conversation (affinity by a
-   chain of hashes over the prompt text, or the chat messages, in ``--affinity-block`` character blocks),
-   unless it is more than ``--affinity-slack`` requests busier than the least loaded one; else the least
-   loaded (router-side in-flight count, round-robin on ties);
+   chain of hashes over the prompt text, or the chat messages, in ``--affinity-block`` character blocks;
+   the prefix must cover ``--affinity-threshold`` of the prompt's blocks), unless it is more than
+   ``--affinity-slack`` requests busier than the least loaded one; else the least loaded (router-side
+   in-flight count, round-robin on ties);
 2. send the request to the least loaded prefill instance with ``max_tokens = 1``, ``stream = false`` and
    ``kv_transfer_params = {"do_remote_decode": true}``; it answers with the transfer metadata;
 3. send the original request plus that metadata (and ``kv_load_failure_policy``) to the decode instance and
@@ -76,7 +77,8 @@ def conversation_text(path: str, body: dict) -> str:
 
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], *, policy: str = "fail", affinity_block: int = 256,
-                 affinity_slack: int = 4, affinity_capacity: int = 200_000, timeout: float = 600.0):
+                 affinity_slack: int = 4, affinity_threshold: float = 0.5, affinity_capacity: int = 200_000,
+                 timeout: float = 600.0):
         if not decode:
             raise ValueError("at least one --decode instance is needed")
         self.prefill = [Instance(u, "prefill") for u in prefill]
@@ -84,6 +86,7 @@ class Router:
         self.policy = policy
         self.block = affinity_block
         self.slack = affinity_slack
+        self.threshold = affinity_threshold
         self.capacity = affinity_capacity
         self.affinity: "OrderedDict[str, int]" = OrderedDict()
         self.timeout = timeout
@@ -111,8 +114,10 @@ class Router:
     def pick_decode(self, path: str, body: dict) -> tuple[Instance, str]:
         hashes = prefix_hashes(conversation_text(path, body), self.block)
         chosen, how = None, "miss"
-        for h in reversed(hashes):
-            idx = self.affinity.get(h)
+        for k in range(len(hashes) - 1, -1, -1):
+            idx = self.affinity.get(hashes[k])
+            if idx is not None and (k + 1) < self.threshold * len(hashes):
+                break           # only a short shared prefix (a common system prompt): not this conversation
             if idx is not None:
                 inst = self.decode[idx]
                 lo = min(i.in_flight for i in self.decode)
@@ -139,7 +144,7 @@ class Router:
         return _err(status, message, code)
 
     # ------------------------------------------------------------------ one request
-    async def handle(self, path: str, raw: bytes):
+    async def handle(self, path: str, raw: bytes, auth: Optional[str] = None):
         import httpx
         from fastapi.responses import JSONResponse, Response, StreamingResponse
         self.counters["requests"] += 1
@@ -149,6 +154,7 @@ class Router:
                 raise ValueError("not an object")
         except (ValueError, UnicodeDecodeError) as e:
             return _err(400, f"request body must be a JSON object: {e}", "invalid_json", "invalid_request_error")
+        fwd = {"authorization": auth} if auth else {}       # instances started with --api-key
         dec, how = self.pick_decode(path, body)
         headers = {"x-dsflash-decode": dec.url, "x-dsflash-affinity": how}
         kvp = None
@@ -168,7 +174,7 @@ class Router:
             pre.in_flight += 1
             pre.requests += 1
             try:
-                r = await self.client().post(pre.url + path, json=pbody)
+                r = await self.client().post(pre.url + path, json=pbody, headers=fwd)
             except httpx.HTTPError as e:
                 pre.failures += 1
                 self.counters["prefill_failures"] += 1
@@ -214,7 +220,7 @@ class Router:
                     pass
 
         try:
-            req = self.client().build_request("POST", dec.url + path, json=dbody)
+            req = self.client().build_request("POST", dec.url + path, json=dbody, headers=fwd)
             resp = await self.client().send(req, stream=True)
         except httpx.HTTPError as e:
             done()
@@ -253,6 +259,10 @@ class Router:
                                       "decode": dec.url, "prefill": pre.url if pre else None})
             return Response(content, status_code=resp.status_code, media_type=ctype.split(";")[0], headers=headers)
 
+        async def cleanup():
+            done()
+            await resp.aclose()
+
         async def relay():
             try:
                 async for chunk in resp.aiter_raw():
@@ -271,7 +281,9 @@ class Router:
                 done()
                 await resp.aclose()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+        from starlette.background import BackgroundTask
+        return StreamingResponse(relay(), media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"},
+                                 background=BackgroundTask(cleanup))
 
     def stats(self) -> dict:
         return {"counters": dict(self.counters), "prefill": [i.stats() for i in self.prefill],
@@ -295,11 +307,12 @@ def build_app(router: Router):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await router.handle("/v1/completions", await request.body())
+        return await router.handle("/v1/completions", await request.body(), request.headers.get("authorization"))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await router.handle("/v1/chat/completions", await request.body())
+        return await router.handle("/v1/chat/completions", await request.body(),
+                                   request.headers.get("authorization"))
 
     @app.get("/v1/models")
     async def models():
@@ -361,6 +374,9 @@ def build_parser():
     p.add_argument("--affinity-slack", type=int, default=4,
                    help="keep a conversation on its decode instance unless that one has more than this many "
                         "requests in flight above the least loaded")
+    p.add_argument("--affinity-threshold", type=float, default=0.5,
+                   help="a known prefix counts only if it covers at least this fraction of the prompt's blocks "
+                        "(a shared system prompt alone does not pin every session to one instance)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for one upstream request")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -380,7 +396,8 @@ def main(argv=None) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     router = Router(args.prefill, args.decode, policy=args.kv_load_failure_policy,
-                    affinity_block=args.affinity_block, affinity_slack=args.affinity_slack, timeout=args.timeout)
+                    affinity_block=args.affinity_block, affinity_slack=args.affinity_slack,
+                    affinity_threshold=args.affinity_threshold, timeout=args.timeout)
     app = build_app(router)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug"))
     print(f"dsflash.serve.router: listening on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1); "
