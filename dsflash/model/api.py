@@ -58,16 +58,23 @@ class Model:
         ps = page_size or self.opts.page_size
         pages = -(-max_len // ps)
         geo = CacheGeometry(num_slots=batch_size, num_pages=batch_size * pages, page_size=ps, ring_slack=ring_slack)
-        return {"state": init_state(self.cfg, geo, self.opts.precision), "pages_per_seq": pages}
+        return {"state": init_state(self.cfg, geo, self.opts.precision), "pages_per_seq": pages, "page_size": ps,
+                "max_len": pages * ps}
 
     def forward(self, token_ids, session, start=0, lengths=None, **opts):
         """One forward over ``token_ids`` [B, S] at positions start.. (int or per row). ``session`` comes from
         ``init_state``; it is updated in place. Options override the model's RunOptions (e.g. logits="all")."""
         tokens = self._tokens(token_ids)
         B = tokens.shape[0]
+        n_slots = session["state"]["engram_hist"].shape[0]
+        if B > n_slots:
+            raise ValueError(f"token_ids: batch of {B} rows but the session was made for {n_slots}")
         start = np.broadcast_to(np.asarray(start, np.int32), (B,))
+        if start.min() < 0 or start.max() + tokens.shape[1] > session["max_len"]:
+            raise ValueError(f"start: positions {start.min()}..{start.max() + tokens.shape[1] - 1} do not fit the "
+                             f"session's max_len={session['max_len']}")
         batch = make_batch(tokens, start=start, lengths=lengths, pages_per_seq=session["pages_per_seq"])
-        o = self.opts.replace(**opts) if opts else self.opts
+        o = self.opts.replace(page_size=session["page_size"], **opts)
         out, session["state"] = forward_jit(self.params, self.cfg, batch, session["state"], o)
         return out
 
