@@ -122,10 +122,15 @@ class Model:
 
 def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "reference",
          bounded_replay: str | None = None, replay_tail: int | None = None, backend: str = "xla",
-         page_size: int = 64, mesh=None, progress: bool = True, **cfg_overrides) -> Model:
+         page_size: int = 64, mesh=None, progress: bool = True, engram_tables: str = "device",
+         **cfg_overrides) -> Model:
     """A preset name (deterministic random weights from ``seed``) or an official checkpoint folder.
 
+    ``engram_tables="host"`` keeps the Engram tables in host memory (memory-mapped from the checkpoint) and
+    gathers each step's rows with a host callback — what the real ~100 GB tables need (SPEC §9.7).
     ``cfg_overrides`` replace config fields of a preset (e.g. ``num_hidden_layers=4``)."""
+    if engram_tables not in ("device", "host"):
+        raise ValueError(f"engram_tables must be 'device' or 'host', got {engram_tables!r}")
     if mesh is not None:
         raise NotImplementedError("load(mesh=...): sharded loading lives in dsflash.sharding "
                                   "(use dsflash.sharding.rules.param_shardings with load_checkpoint)")
@@ -133,7 +138,7 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
     tokenizer = None
     if os.path.isdir(path):
         from dsflash.checkpoint import load_checkpoint
-        cfg, params = load_checkpoint(path, progress=progress)
+        cfg, params = load_checkpoint(path, progress=progress, host_tables=engram_tables)
         if cfg_overrides:
             raise ValueError("load(): config overrides apply to presets only")
         if os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -147,6 +152,15 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
         name = path
     else:
         raise ValueError(f"model: {path!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+    if engram_tables == "host":
+        params = dict(params)
+        tables = {}
+        for layer in cfg.engram_layer_ids:
+            w = params.pop(f"layers.{layer}.engram.embed.weight")
+            sc = params.pop(f"layers.{layer}.engram.embed.scale")
+            tables[layer] = (np.asarray(w), np.asarray(sc))      # memmaps stay memmaps
+        from dsflash.model.engram import register_host_tables
+        register_host_tables(cfg, tables)
     tail = replay_tail if replay_tail is not None else cfg.sliding_window + cfg.dspark_block_size
     opts = RunOptions(precision=precision, bounded_replay=bounded_replay, replay_tail=tail if bounded_replay else 0,
                       backend=backend, page_size=page_size)

@@ -112,6 +112,43 @@ def compressed_ids(tokens, params, cfg: ModelConfig):
     return tmap[tokens]
 
 
+# Engram tables kept in host memory (SPEC §9.7: ~100 GB each at real size), keyed by (config hash, layer).
+_HOST_TABLES: dict = {}
+
+
+def register_host_tables(cfg: ModelConfig, tables: dict) -> None:
+    """Serve Engram rows from host arrays (numpy / np.memmap) instead of device params.
+
+    ``tables``: ``{layer: (embed.weight [R, De] float8_e4m3fn, embed.scale [R, De/32] uint8)}``. The forward
+    gathers the rows of each step with a host callback, so only ``[B, S, cols, De]`` bytes cross to the
+    device. Registered tables take effect for params that do not carry the table."""
+    for layer, (w, sc) in tables.items():
+        if layer not in cfg.engram_layer_ids:
+            raise ValueError(f"register_host_tables: layer {layer} is not an Engram layer of this config")
+        _HOST_TABLES[(hash(cfg), int(layer))] = (w, sc)
+
+
+def host_table(cfg: ModelConfig, layer: int):
+    return _HOST_TABLES.get((hash(cfg), int(layer)))
+
+
+def gather_rows_host(cfg: ModelConfig, layer: int, rows, precision):
+    """rows [B, S, cols] -> dequantised rows gathered on the host (jax.pure_callback)."""
+    import numpy as np
+
+    w, sc = _HOST_TABLES[(hash(cfg), int(layer))]
+    De = w.shape[1]
+
+    def gather(r):
+        r = np.asarray(r)
+        return np.asarray(w[r.reshape(-1)]).reshape(*r.shape, De), np.asarray(sc[r.reshape(-1)]).reshape(
+            *r.shape, De // 32)
+
+    shapes = (jax.ShapeDtypeStruct((*rows.shape, De), w.dtype), jax.ShapeDtypeStruct((*rows.shape, De // 32), jnp.uint8))
+    q, s = jax.pure_callback(gather, shapes, rows, vmap_method="sequential")
+    return quant.fp8_dequant(q, quant.e8m0_to_f32(s), 32, act_dtype(precision))
+
+
 def gather_rows(params, prefix, rows, precision):
     """rows [B, S, cols] -> dequantised table rows [B, S, cols, De]."""
     table, scale = params[f"{prefix}.embed.weight"], params.get(f"{prefix}.embed.scale")

@@ -70,11 +70,14 @@ def engram_step(params, cfg, k, layer, X, batch, cids_ext, precision):
     if batch.engram_rows is not None:
         emb = batch.engram_rows[:, :, k].astype(act_dtype(precision))
     else:
-        if f"layers.{layer}.engram.embed.weight" not in params:
-            raise ValueError(f"Engram table of layer {layer} is not in params (kept on the host?): pass "
-                             "Batch.engram_rows gathered by the engine")
         rows = engram.hash_rows(cids_ext, cfg, k)
-        emb = engram.gather_rows(params, f"layers.{layer}.engram", rows, precision)
+        if f"layers.{layer}.engram.embed.weight" in params:
+            emb = engram.gather_rows(params, f"layers.{layer}.engram", rows, precision)
+        elif engram.host_table(cfg, layer) is not None:
+            emb = engram.gather_rows_host(cfg, layer, rows, precision)
+        else:
+            raise ValueError(f"Engram table of layer {layer} is neither in params nor registered on the host "
+                             "(dsflash.model.engram.register_host_tables), and Batch.engram_rows is not given")
     return engram.inject(X, emb, params, f"layers.{layer}.engram", cfg, precision)
 
 
