@@ -302,7 +302,7 @@ def test_decode_prefix_cache_skips_pages(cluster):
     assert outs[1][0][2]["x-dsflash-affinity"] == "hit"
     rec = [r for r in httpx.get(d + "/pd/stats").json()["transfers"] if r["prompt_tokens"] == 200][-1]
     g = httpx.get(d + "/pd/info").json()["sizes"]["global_kv_bytes_per_token"]
-    assert rec["skipped_pages"] == 2 and rec["global_bytes"] <= g * (200 - 128) + 1024, rec
+    assert rec["skipped_tokens"] == 128 and rec["global_bytes"] <= g * (200 - 128) + 1024, rec
     print(f"\n[pd] turn 2 (200 tokens, 128 cached on decode): {rec['global_bytes']} B of global KV moved "
           f"instead of {g * 200:.0f}")
 

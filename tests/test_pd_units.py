@@ -20,7 +20,7 @@ def _arrays():
 
 def test_wire_round_trip_keeps_bytes_and_dtypes():
     arrays = _arrays()
-    meta = {"num_tokens": 19, "prompt_digest": prompt_digest(range(19)), "skip_pages": 0}
+    meta = {"num_tokens": 19, "prompt_digest": prompt_digest(range(19)), "skip_tokens": 0}
     body = pack(meta, arrays)
     m2, a2 = unpack(body)
     assert m2["num_tokens"] == 19 and m2["prompt_digest"] == prompt_digest(list(range(19)))

@@ -150,16 +150,16 @@ class PDEngine(LLMEngine):
             self.pd_stats["released_notify"] += 1
         return ok
 
-    def extract(self, rid, skip_pages=0):
+    def extract(self, rid, skip_tokens=0):
         h = self.held.get(rid)
         if h is None:
             raise KeyError(rid)
-        skip = max(0, min(int(skip_pages), (h.num_tokens - 1) // self.page_size))
+        skip = max(0, min(int(skip_tokens), h.num_tokens - 1))   # in tokens: the sides' page sizes may differ
         arrays = self.pd_layout.extract(self.runner.state, h.pages, h.slot, h.num_tokens, skip)
         self.pd_stats["extracts"] += 1
         meta = {"engine_id": self.engine_id, "request_id": rid, "num_tokens": h.num_tokens,
                 "prompt_digest": prompt_digest(h.prompt_ids), "first_token": h.first_token, "first_logprob": h.first_logprob,
-                "floor": h.floor, "skip_pages": skip, "page_size": self.page_size}
+                "floor": h.floor, "skip_tokens": skip, "page_size": self.page_size}
         return meta, arrays
 
     # ------------------------------------------------------------------ decode side
@@ -292,7 +292,7 @@ class PDAsyncEngine(AsyncEngine):
         pd.record({"request_id": rid, "remote_request_id": rrid, "remote_engine_id": meta.get("engine_id"),
                    "prompt_tokens": size.prompt_tokens, "global_bytes": size.global_bytes,
                    "window_bytes": size.window_bytes, "wire_bytes": size.wire_bytes,
-                   "skipped_pages": size.skipped_pages, "pull_s": dt})
+                   "skipped_tokens": size.skipped_tokens, "pull_s": dt})
         self.engine.pd_remote[rid] = (meta, arrays)
         asyncio.ensure_future(pd.notify(url, rrid))
         try:

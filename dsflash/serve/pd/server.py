@@ -8,7 +8,7 @@ Prefill role (``--role prefill``):
     ``do_remote_prefill, remote_engine_id, remote_request_id, remote_host, remote_port, remote_url,
     remote_block_ids, remote_num_tokens, first_token, tp_size, page_size``.
   * ``GET /pd/info``: the one-time handshake (engine id, layout signature).
-  * ``GET /pd/kv/{rid}?skip_pages=k``: the held KV (global entries from page ``k`` on + in-window rows) as
+  * ``GET /pd/kv/{rid}?skip_tokens=k``: the held KV (global entries from token ``k`` on + in-window rows) as
     one host-staged body (``dsflash.serve.pd.transfer``).
   * ``POST /pd/release/{rid}``: the decode side got it; free now (otherwise the TTL frees it).
 Decode role (``--role decode``):
@@ -125,9 +125,9 @@ class PDState:
         url = kv.get("remote_url") or f"http://{kv['remote_host']}:{kv['remote_port']}"
         rid = kv["remote_request_id"]
         await self.handshake(url)
-        skip = self.eng.peek_prefix_pages(prompt_ids, params)
+        skip = self.eng.peek_prefix_pages(prompt_ids, params) * self.eng.page_size
         t0 = time.perf_counter()
-        r = await self.client().get(f"{url}/pd/kv/{rid}", params={"skip_pages": skip})
+        r = await self.client().get(f"{url}/pd/kv/{rid}", params={"skip_tokens": skip})
         if r.status_code != 200:
             raise RuntimeError(f"GET /pd/kv/{rid} returned HTTP {r.status_code}: {r.text[:200]}")
         data = r.content
@@ -170,9 +170,9 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
                 "counters": dict(pd.counters), "sizes": e.pd_sizes, "transfers": pd.transfers[-200:]}
 
     @app.get("/pd/kv/{rid}")
-    async def kv(rid: str, skip_pages: int = 0):
+    async def kv(rid: str, skip_tokens: int = 0):
         try:
-            meta, arrays = await engine.run_on_engine(lambda eng: eng.extract(rid, skip_pages))
+            meta, arrays = await engine.run_on_engine(lambda eng: eng.extract(rid, skip_tokens))
         except KeyError:
             return JSONResponse({"error": {"message": f"no KV held for request {rid!r} (unknown, released or "
                                                       f"expired after the TTL)", "code": "kv_not_found"}},

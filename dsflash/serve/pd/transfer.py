@@ -170,12 +170,12 @@ class Layout:
             idx[:len(j)] = np.asarray(pages, np.int64)[j // epp] * epp + j % epp
         return idx
 
-    def extract(self, state, pages, slot, n, skip_pages=0):
+    def extract(self, state, pages, slot, n, skip_tokens=0):
         """Host copies of what decode needs for a prompt of ``n`` tokens held in ``pages`` / ``slot``:
         returns ``(meta, arrays)`` with ``arrays`` a list of ``(name, np.ndarray, info)``."""
         P = self.page_size
         ratios = sorted(set(self.ratio.values()))
-        rng = {r: (min(skip_pages * P // r, math.ceil(n / r)), math.ceil(n / r)) for r in ratios}
+        rng = {r: (min(skip_tokens // r, math.ceil(n / r)), math.ceil(n / r)) for r in ratios}
         pad = _bucket(max(hi - lo for lo, hi in rng.values()) or 1)
         idx = {r: jnp.asarray(self._entry_index(pages, r, lo, hi, P, pad, 0)) for r, (lo, hi) in rng.items()}
         g = jax.device_get(self._gather(state, idx, tuple(self.global_paths)))
@@ -297,12 +297,12 @@ class TransferSize:
     global_bytes: int = 0
     window_bytes: int = 0
     wire_bytes: int = 0
-    skipped_pages: int = 0
+    skipped_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
     @staticmethod
     def of(meta, arrays, wire_bytes) -> "TransferSize":
-        t = TransferSize(int(meta["num_tokens"]), wire_bytes=wire_bytes, skipped_pages=int(meta.get("skip_pages", 0)))
+        t = TransferSize(int(meta["num_tokens"]), wire_bytes=wire_bytes, skipped_tokens=int(meta.get("skip_tokens", 0)))
         for _, a, info in arrays:
             if info["kind"] == "global":
                 t.global_bytes += a.nbytes
