@@ -45,9 +45,15 @@ _propose_jit = jax.jit(dspark.propose, static_argnums=(1, 6))
 
 class Model:
     def __init__(self, cfg: ModelConfig, params: dict, tokenizer=None, opts: RunOptions = RunOptions(),
-                 name: str = "model"):
+                 name: str = "model", mesh=None, strategy: str = "dep"):
         check_params(cfg, params)
         self.cfg, self.params, self.tokenizer, self.opts, self.name = cfg, params, tokenizer, opts, name
+        self.mesh, self.strategy, self.routed_fn, self.dp = mesh, strategy, None, 1
+        if mesh is not None:
+            from dsflash.sharding.ep_moe import make_routed_fn
+            from dsflash.sharding.rules import token_axes
+            self.routed_fn = make_routed_fn(mesh)            # expert-parallel routed MoE over the mesh
+            self.dp = int(np.prod([mesh.shape[a] for a in token_axes(mesh, strategy)]))
         tmap = _token_map(cfg, tokenizer)
         if tmap is not None:
             self.params = dict(params, **{"engram.token_map": tmap})
@@ -57,9 +63,13 @@ class Model:
                    ring_slack: int = 16):
         ps = page_size or self.opts.page_size
         pages = -(-max_len // ps)
-        geo = CacheGeometry(num_slots=batch_size, num_pages=batch_size * pages, page_size=ps, ring_slack=ring_slack)
-        return {"state": init_state(self.cfg, geo, self.opts.precision), "pages_per_seq": pages, "page_size": ps,
-                "max_len": pages * ps}
+        slots = -(-batch_size // self.dp) * self.dp            # rows shard over the DP axes
+        geo = CacheGeometry(num_slots=slots, num_pages=slots * pages, page_size=ps, ring_slack=ring_slack)
+        state = init_state(self.cfg, geo, self.opts.precision)
+        if self.mesh is not None:
+            from dsflash.sharding.rules import state_shardings
+            state = jax.device_put(state, state_shardings(state, self.mesh, self.strategy))
+        return {"state": state, "pages_per_seq": pages, "page_size": ps, "max_len": pages * ps}
 
     def forward(self, token_ids, session, start=0, lengths=None, **opts):
         """One forward over ``token_ids`` [B, S] at positions start.. (int or per row). ``session`` comes from
@@ -73,10 +83,18 @@ class Model:
         if start.min() < 0 or start.max() + tokens.shape[1] > session["max_len"]:
             raise ValueError(f"start: positions {start.min()}..{start.max() + tokens.shape[1] - 1} do not fit the "
                              f"session's max_len={session['max_len']}")
+        lengths = np.full((B,), tokens.shape[1], np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        if self.mesh is not None and B < n_slots:              # pad with idle rows to the sharded row count
+            pad = n_slots - B
+            tokens = jnp.concatenate([tokens, jnp.zeros((pad, tokens.shape[1]), jnp.int32)])
+            start, lengths = np.concatenate([start, np.zeros(pad, np.int32)]), np.concatenate([lengths, np.zeros(pad, np.int32)])
         batch = make_batch(tokens, start=start, lengths=lengths, pages_per_seq=session["pages_per_seq"])
+        if self.mesh is not None:
+            from dsflash.sharding.rules import batch_shardings
+            batch = jax.device_put(batch, batch_shardings(batch, self.mesh, self.strategy))
         o = self.opts.replace(page_size=session["page_size"], **opts)
-        out, session["state"] = forward_jit(self.params, self.cfg, batch, session["state"], o)
-        return out
+        out, session["state"] = forward_jit(self.params, self.cfg, batch, session["state"], o, self.routed_fn)
+        return {k: (v[:B] if k != "expert_load" else v) for k, v in out.items()}
 
     def logits(self, token_ids, **opts):
         """Full-prefill logits ``[batch, seq, vocab]`` (float32, numpy) of a fresh sequence per row."""
@@ -122,23 +140,26 @@ class Model:
 
 def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "reference",
          bounded_replay: str | None = None, replay_tail: int | None = None, backend: str = "xla",
-         page_size: int = 64, mesh=None, progress: bool = True, engram_tables: str = "device",
-         **cfg_overrides) -> Model:
+         page_size: int = 64, mesh=None, strategy: str = "dep", progress: bool = True,
+         engram_tables: str = "device", **cfg_overrides) -> Model:
     """A preset name (deterministic random weights from ``seed``) or an official checkpoint folder.
 
     ``engram_tables="host"`` keeps the Engram tables in host memory (memory-mapped from the checkpoint) and
     gathers each step's rows with a host callback — what the real ~100 GB tables need (SPEC §9.7).
+    ``mesh`` (a spec such as ``"dep=8"`` or a Mesh) places params, state and batches with the ``strategy``
+    rule table of ``dsflash.sharding`` and runs the routed experts expert-parallel; rows are padded to a
+    multiple of the DP size.
     ``cfg_overrides`` replace config fields of a preset (e.g. ``num_hidden_layers=4``)."""
     if engram_tables not in ("device", "host"):
         raise ValueError(f"engram_tables must be 'device' or 'host', got {engram_tables!r}")
-    if mesh is not None:
-        raise NotImplementedError("load(mesh=...): sharded loading lives in dsflash.sharding "
-                                  "(use dsflash.sharding.rules.param_shardings with load_checkpoint)")
     path = os.fspath(model)
+    mesh = _mesh(mesh)
     tokenizer = None
     if os.path.isdir(path):
         from dsflash.checkpoint import load_checkpoint
-        cfg, params = load_checkpoint(path, progress=progress, host_tables=engram_tables)
+        from dsflash.config import ModelConfig as _C
+        shardings = _shardings(_C.load_json(path), mesh, strategy, engram_tables) if mesh is not None else None
+        cfg, params = load_checkpoint(path, progress=progress, host_tables=engram_tables, shardings=shardings)
         if cfg_overrides:
             raise ValueError("load(): config overrides apply to presets only")
         if os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -148,6 +169,9 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
     elif path in PRESETS:
         cfg = preset(path).replace(**cfg_overrides) if cfg_overrides else preset(path)
         params = init_params(cfg, seed)
+        if mesh is not None:
+            sh = _shardings(cfg, mesh, strategy, engram_tables)
+            params = {k: jax.device_put(v, sh[k]) if k in sh else v for k, v in params.items()}
         tokenizer = _synthetic_tokenizer(cfg)
         name = path
     else:
@@ -164,7 +188,19 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
     tail = replay_tail if replay_tail is not None else cfg.sliding_window + cfg.dspark_block_size
     opts = RunOptions(precision=precision, bounded_replay=bounded_replay, replay_tail=tail if bounded_replay else 0,
                       backend=backend, page_size=page_size)
-    return Model(cfg, params, tokenizer, opts, name)
+    return Model(cfg, params, tokenizer, opts, name, mesh=mesh, strategy=strategy)
+
+
+def _mesh(mesh):
+    if mesh is None or not isinstance(mesh, str):
+        return mesh
+    from dsflash.sharding.mesh import make_mesh
+    return make_mesh(mesh)
+
+
+def _shardings(cfg, mesh, strategy, engram_tables):
+    from dsflash.sharding.rules import param_shardings
+    return param_shardings(cfg, mesh, strategy, include_host=engram_tables == "device")
 
 
 def _synthetic_tokenizer(cfg: ModelConfig):

@@ -172,6 +172,6 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
     return out, state
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4), donate_argnums=(3,))
-def forward_jit(params, cfg, batch, state, opts):
-    return forward(params, cfg, batch, state, opts)
+@functools.partial(jax.jit, static_argnums=(1, 4, 5), donate_argnums=(3,))
+def forward_jit(params, cfg, batch, state, opts, routed_fn=None):
+    return forward(params, cfg, batch, state, opts, routed_fn)
