@@ -20,6 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lens", default="5,64,130,1000", help="prompt lengths")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--decode-page-size", type=int, default=64, help="page size of the decode engine (the "
+                    "transfer addresses entries by sequence position, so it may differ from the prefill side's 64)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
 
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     agg = LLMEngine(a.preset, **kw)
     pre = PDEngine(a.preset, pd_role="prefill", **kw)
-    dec = PDEngine(a.preset, pd_role="decode", **kw)
+    dec = PDEngine(a.preset, pd_role="decode", page_size=a.decode_page_size, **kw)
     print(f"engines up in {time.time() - t0:.1f}s on {jax.devices()[0].device_kind}", flush=True)
 
     def run(e, rid, ids, p):
