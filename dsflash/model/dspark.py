@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
 from dsflash.kernels.sparse_attention import sparse_sink_attention
+from dsflash.model import mhc
 from dsflash.model import state as st
 from dsflash.model.attention import (Ctx, output_projection, project_q, project_window_kv, ring_write_mask,
                                      scatter_ring)
@@ -95,7 +96,6 @@ def draft_hidden(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOption
         X, p, _ = block(params, cfg, name, X, p,
                         lambda x, name=name: _stage_attention(params, cfg, name, x, ctx, state, floor),
                         opts.precision, opts.backend, draft=True, routed_fn=routed_fn)
-    from dsflash.model import mhc
     return mhc.collapse(X, p, opts.precision)
 
 

@@ -25,17 +25,9 @@ import jax.numpy as jnp
 
 
 def load_model(name_or_path, **load_opts):
-    """``dsflash.load`` (the lead's loader); until it exists, a preset name builds random weights."""
+    """A preset name or checkpoint folder through ``dsflash.load``."""
     import dsflash
-    if hasattr(dsflash, "load"):
-        return dsflash.load(name_or_path, **load_opts)
-    from types import SimpleNamespace
-
-    from dsflash.config import preset
-    from dsflash.model.params import init_params
-    cfg = preset(name_or_path)
-    return SimpleNamespace(cfg=cfg, params=init_params(cfg, load_opts.get("seed", 0)), tokenizer=None,
-                           name=name_or_path)
+    return dsflash.load(name_or_path, **load_opts)
 
 
 class ModelBackend:
