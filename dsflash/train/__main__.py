@@ -1,0 +1,3 @@
+from dsflash.train.run import main
+
+main()

@@ -1,0 +1,173 @@
+"""Training data that exists on every machine without downloads: CPython's own documentation.
+
+Corpus = ``pydoc_data.topics`` (the ``help()`` topics) + the docstrings of a fixed list of stdlib modules
+and their public classes / functions / methods. The text differs slightly between Python versions, so
+:func:`corpus_info` records the Python version and a SHA-256 of the corpus next to every run.
+
+Pipeline: documents -> byte-level BPE tokenizer (trained with ``tokenizers``, the V4.1 special tokens at
+the low ids exactly as :func:`dsflash.tokenizer.write_synthetic_tokenizer` lays them out) -> each document
+encoded as ``BOS doc EOS`` -> a held-out split by document -> the token stream of each split packed into
+fixed-length sequences -> a ``grain`` MapDataset (seeded shuffle, batch, repeat).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import sys
+from unittest import mock
+
+import numpy as np
+
+#: stdlib modules whose docstrings join the corpus (only pure-Python, always-present ones)
+MODULES = (
+    "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "configparser",
+    "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum",
+    "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "gzip", "hashlib", "heapq", "hmac",
+    "html", "http.client", "http.server", "imaplib", "inspect", "io", "ipaddress", "itertools", "json",
+    "logging", "mailbox", "math", "mimetypes", "operator", "optparse", "os", "pathlib", "pickle",
+    "pkgutil", "platform", "poplib", "pprint", "queue", "random", "re", "sched", "secrets", "selectors",
+    "shelve", "shlex", "shutil", "smtplib", "socket", "socketserver", "statistics", "string", "struct",
+    "subprocess", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace",
+    "traceback", "types", "typing", "unittest", "urllib.parse", "urllib.request", "uuid", "warnings",
+    "wave", "weakref", "xml.dom.minidom", "xml.etree.ElementTree", "zipfile", "zoneinfo",
+)
+
+
+def _docs_of(mod) -> list[str]:
+    out = []
+    d = inspect.getdoc(mod)
+    if d:
+        out.append(d)
+    for name in sorted(vars(mod)):
+        if name.startswith("_"):
+            continue
+        obj = vars(mod)[name]
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            d = inspect.getdoc(obj)
+            if d and len(d) > 40:
+                out.append(f"{mod.__name__}.{name}\n{d}")
+            if inspect.isclass(obj):
+                for m in sorted(vars(obj)):
+                    f = vars(obj)[m]
+                    if m.startswith("_") or not inspect.isfunction(f):
+                        continue
+                    d = f.__doc__ and inspect.cleandoc(f.__doc__)
+                    if d and len(d) > 40:
+                        out.append(f"{mod.__name__}.{name}.{m}\n{d}")
+    return out
+
+
+def corpus_documents() -> list[str]:
+    """The documents, in a fixed order (topics sorted by name, then modules in ``MODULES`` order)."""
+    docs: list[str] = []
+    try:
+        from pydoc_data.topics import topics
+        docs += [topics[k].strip() for k in sorted(topics)]
+    except Exception:  # pragma: no cover - a stripped stdlib
+        pass
+    for name in MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # pragma: no cover
+            continue
+        docs += _docs_of(mod)
+    seen, out = set(), []
+    for d in docs:                     # drop exact duplicates (re-exported objects)
+        if d and d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def corpus_info(docs: list[str]) -> dict:
+    h = hashlib.sha256("\n\x00\n".join(docs).encode("utf-8")).hexdigest()
+    return {"python": sys.version.split()[0], "documents": len(docs),
+            "characters": sum(len(d) for d in docs), "sha256": h}
+
+
+def split_documents(docs: list[str], heldout_every: int = 20) -> tuple[list[str], list[str]]:
+    """Deterministic held-out split by document: every ``heldout_every``-th document (by content hash)."""
+    train, held = [], []
+    for d in docs:
+        k = int(hashlib.md5(d.encode("utf-8")).hexdigest()[:8], 16)
+        (held if k % heldout_every == 0 else train).append(d)
+    return train, held
+
+
+def train_tokenizer(folder: str | os.PathLike, docs: list[str], vocab_size: int, image_token_id: int) -> str:
+    """Write ``tokenizer.json`` (+ config) with exactly ``vocab_size`` ids, merges trained on ``docs``.
+
+    Reuses :func:`dsflash.tokenizer.write_synthetic_tokenizer` for the id layout (0 BOS, 1 EOS, 2 pad,
+    3 ``</think>``, ..., 256 byte tokens, merges) with its training corpus replaced by ``docs``."""
+    from types import SimpleNamespace
+
+    import dsflash.tokenizer as tk
+
+    cfg_like = SimpleNamespace(vocab_size=vocab_size, image_token_id=image_token_id,
+                               max_position_embeddings=4096)
+    with mock.patch.object(tk, "_corpus", lambda extended: list(docs)):
+        tk.write_synthetic_tokenizer(folder, cfg_like)
+    p = os.path.join(os.fspath(folder), "tokenizer_config.json")
+    with open(p, encoding="utf-8") as f:
+        tcfg = json.load(f)
+    tcfg["synthetic"] = False
+    tcfg["trained_on"] = "CPython documentation (dsflash.train.data)"
+    with open(p, "w", encoding="utf-8") as f:
+        json.dump(tcfg, f, ensure_ascii=False, indent=1)
+    return os.fspath(folder)
+
+
+def encode_documents(tokenizer, docs: list[str]) -> np.ndarray:
+    """One int32 stream: ``BOS doc EOS`` per document."""
+    ids = tokenizer.encode_batch(docs)
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    parts = []
+    for x in ids:
+        parts.append(np.asarray([bos, *x, eos], np.int32))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    """Cut the stream into ``[N, seq_len]`` rows (the tail shorter than a row is dropped)."""
+    n = len(stream) // seq_len
+    return stream[: n * seq_len].reshape(n, seq_len)
+
+
+def batches(rows: np.ndarray, batch_size: int, seed: int, shuffle: bool = True, repeat: bool = True):
+    """A ``grain`` MapDataset of ``[batch_size, seq_len]`` int32 batches (seeded shuffle per epoch)."""
+    import grain
+
+    ds = grain.MapDataset.source(rows)
+    if repeat:
+        ds = ds.repeat(None)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.batch(batch_size, drop_remainder=True)
+
+
+class Corpus:
+    """Everything the trainer needs from the data side: tokenizer, packed train/held-out rows, info."""
+
+    def __init__(self, folder: str, vocab_size: int, image_token_id: int, seq_len: int,
+                 heldout_every: int = 20, docs: list[str] | None = None):
+        from dsflash.tokenizer import Tokenizer
+
+        docs = corpus_documents() if docs is None else docs
+        self.info = corpus_info(docs)
+        train, held = split_documents(docs, heldout_every)
+        os.makedirs(folder, exist_ok=True)
+        train_tokenizer(folder, train, vocab_size, image_token_id)
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.folder = folder
+        self.train_stream = encode_documents(self.tokenizer, train)
+        self.held_stream = encode_documents(self.tokenizer, held)
+        self.train_rows = pack(self.train_stream, seq_len)
+        self.held_rows = pack(self.held_stream, seq_len)
+        self.info.update(train_documents=len(train), heldout_documents=len(held),
+                         train_tokens=int(len(self.train_stream)), heldout_tokens=int(len(self.held_stream)),
+                         seq_len=seq_len, vocab_size=vocab_size)

@@ -1,0 +1,58 @@
+"""Float master weights -> the stored formats -> the official Hugging Face layout.
+
+FP8 E4M3 with UE8M0 32x32 block scales for dense linears, MXFP4 (E2M1 nibble pairs + UE8M0 per 32) for
+routed experts, FP8 rows with a UE8M0 scale per 32 for Engram tables, bf16 / f32 as the table stores.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from dsflash.config import ModelConfig
+from dsflash.model import quant
+from dsflash.model.params import DERIVED, param_specs
+
+
+def quantize_params(cfg: ModelConfig, fparams: dict) -> dict:
+    """Float params (as ``float_params`` gives) -> stored-format params (numpy), derived constants dropped."""
+    out = {}
+    for s in param_specs(cfg):
+        if s.fmt == "scale":
+            continue
+        w = jnp.asarray(fparams[s.name])
+        scale_name = s.name[: -len(".weight")] + ".scale"
+        if s.fmt == "fp8":
+            q, sc = quant.quantize_fp8_weight(w)
+        elif s.fmt == "mxfp4":
+            q, sc = quant.quantize_mxfp4_weight(w)
+        elif s.fmt == "fp8rows":
+            q, sf = quant.fp8_quant(w, 32)
+            sc = quant.f32_pow2_to_e8m0(sf)
+        else:
+            out[s.name] = np.asarray(w.astype(s.dtype))
+            continue
+        out[s.name] = np.asarray(q)
+        out[scale_name] = np.asarray(sc)
+    return out
+
+
+def export_checkpoint(folder: str, cfg: ModelConfig, fparams: dict, tokenizer_folder: str,
+                      extra_meta: dict | None = None) -> dict:
+    """Quantise, write the official layout, copy the trained tokenizer; -> the stored params."""
+    from dsflash.checkpoint.synth import write_synthetic_checkpoint
+
+    stored = quantize_params(cfg, {k: v for k, v in fparams.items() if k not in DERIVED})
+    write_synthetic_checkpoint(folder, cfg, params=stored, tokenizer=False, include_vision=False,
+                               max_shard_bytes=8 << 20)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        src = os.path.join(tokenizer_folder, f)
+        if os.path.abspath(src) != os.path.abspath(os.path.join(folder, f)):
+            with open(src, "rb") as a, open(os.path.join(folder, f), "wb") as b:
+                b.write(a.read())
+    if extra_meta is not None:
+        with open(os.path.join(folder, "training.json"), "w") as f:
+            json.dump(extra_meta, f, indent=2)
+    return stored

@@ -1,0 +1,161 @@
+"""Training loops over float master weights: the target (next-token CE) and the DSpark stages (SPEC §10).
+
+* Target: ``float_params(cfg, init_params(cfg, seed))`` minus the ``mtp.*`` draft tensors; every step runs
+  the real :func:`dsflash.model.forward` on a fresh state (``logits="all"``) and minimises next-token
+  cross-entropy. The MoE gate biases (aux-free balancing) and the sparse-attention indexer get no gradient
+  through top-k selection; they keep their init here (no bias update rule / indexer distillation yet).
+* DSpark: the target is frozen; its taps give the draft context. For ``anchors`` random positions ``p`` per
+  row, a fresh draft state's rings are filled with :func:`dspark.update_context` from the taps of
+  ``p-W .. p-1``, :func:`dspark.draft_hidden` runs the block ``[y = x_p, noise, ...]`` and the Markov-chained
+  logits ``base_i + markov(prev_i)`` with teacher forcing (``prev_0 = x_p``, ``prev_i = x_{p+i}``) predict
+  ``x_{p+1} .. x_{p+block}``. Loss = CE to the data tokens + ``distill`` x CE to the target's own
+  next-token distribution at those positions + BCE of the confidence head on "this draft is the target's
+  greedy token". ``embed`` / ``head`` are shared with the target and stay frozen.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dsflash.config import ModelConfig
+from dsflash.model import dspark
+from dsflash.model.forward import forward
+from dsflash.model.layers import linear_f32, rms_norm
+from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
+
+PAGE = 16
+
+
+def split_params(params: dict) -> tuple[dict, dict, dict]:
+    """-> (target trainables, draft trainables, constants (non-float, e.g. engram.token_map))."""
+    tgt, drf, const = {}, {}, {}
+    for k, v in params.items():
+        if not jnp.issubdtype(v.dtype, jnp.floating):
+            const[k] = v
+        elif k.startswith("mtp."):
+            drf[k] = v
+        else:
+            tgt[k] = v
+    return tgt, drf, const
+
+
+def _target_forward(params, cfg, tokens, precision, taps=False):
+    B, S = tokens.shape
+    pages = -(-S // PAGE)
+    st = init_state(cfg, CacheGeometry(B, B * pages, PAGE, cfg.dspark_block_size + 1), precision)
+    batch = make_batch(tokens, pages_per_seq=pages)
+    out, _ = forward(params, cfg, batch, st, RunOptions(precision=precision, logits="all", taps=taps,
+                                                        page_size=PAGE))
+    return out
+
+
+def token_nll(params, cfg, tokens, precision):
+    """Per-position next-token NLL ``[B, S-1]`` (fp32)."""
+    lg = _target_forward(params, cfg, tokens, precision)["logits"][:, :-1]
+    lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def target_loss(trainable, const, cfg, tokens, precision):
+    return jnp.mean(token_nll({**trainable, **const}, cfg, tokens, precision))
+
+
+def make_optimizer(lr: float, steps: int, warmup: int = 50, weight_decay: float = 0.01, clip: float = 1.0):
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, min(warmup, steps // 5)), max(steps, 2),
+                                               end_value=lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, b2=0.95, weight_decay=weight_decay))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 5, 6), donate_argnums=(0, 1))
+def target_step(trainable, opt_state, const, cfg, tokens, precision, opt):
+    loss, g = jax.value_and_grad(target_loss)(trainable, const, cfg, tokens, precision)
+    upd, opt_state = opt.update(g, opt_state, trainable)
+    return optax.apply_updates(trainable, upd), opt_state, loss
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def eval_nll(params, cfg, tokens, precision):
+    """Summed NLL and token count of a batch (for perplexity)."""
+    nll = token_nll(params, cfg, tokens, precision)
+    return jnp.sum(nll), nll.size
+
+
+# ------------------------------------------------------------------ DSpark
+def draft_logits(params, cfg: ModelConfig, taps, tokens, anchors, precision):
+    """Teacher-forced Markov-chained draft logits ``[B*J, block, V]`` (+ x_hat, markov embeddings).
+
+    ``taps`` [B, S, T*d] of the frozen target, ``anchors`` [B, J] positions p (W <= p, p + block < S)."""
+    B, S = tokens.shape
+    J = anchors.shape[1]
+    W, K = cfg.sliding_window, cfg.dspark_block_size
+    opts = RunOptions(precision=precision, page_size=PAGE)
+    rows = jnp.repeat(jnp.arange(B), J)
+    p = anchors.reshape(-1)
+    ctx_pos = p[:, None] - W + jnp.arange(W)[None]                        # [BJ, W]
+    ctx_taps = taps[rows[:, None], ctx_pos]                               # [BJ, W, T*d]
+    n = B * J
+    slots = jnp.arange(n, dtype=jnp.int32)
+    st = init_state(cfg, CacheGeometry(n, n, PAGE, K + 1), precision)
+    st = dspark.update_context(params, cfg, ctx_taps, (p - W).astype(jnp.int32), jnp.full((n,), W, jnp.int32),
+                               slots, st, opts)
+    y = tokens[rows, p]
+    x_hat = dspark.draft_hidden(params, cfg, st, y, p.astype(jnp.int32), slots, opts)
+    last = f"mtp.{cfg.n_stages - 1}"
+    base = linear_f32(rms_norm(x_hat, params[f"{last}.norm.weight"], cfg.rms_norm_eps, precision),
+                      params["head.weight"])                               # [BJ, K, V]
+    prev = tokens[rows[:, None], p[:, None] + jnp.arange(K)[None]]          # teacher forcing: x_p .. x_{p+K-1}
+    e = params[f"{last}.markov_head.embed.weight"][prev].astype(jnp.float32)
+    mk = jnp.einsum("nkr,vr->nkv", e, params[f"{last}.markov_head.head.weight"].astype(jnp.float32))
+    return base + mk, x_hat, e, rows, p
+
+
+def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill):
+    params = {**frozen, **draft}
+    out = jax.lax.stop_gradient(_target_forward(frozen, cfg, tokens, precision, taps=True))
+    K = cfg.dspark_block_size
+    logits, x_hat, e, rows, p = draft_logits(params, cfg, out["taps"], tokens, anchors, precision)
+    tpos = p[:, None] + jnp.arange(K)[None]                                 # target logits at p+i predict p+i+1
+    labels = tokens[rows[:, None], tpos + 1]
+    t_logits = out["logits"][rows[:, None], tpos]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    ce = -jnp.take_along_axis(lp, labels[..., None], axis=-1)[..., 0]
+    soft = -jnp.sum(jax.nn.softmax(t_logits, axis=-1) * lp, axis=-1)
+    last = f"mtp.{cfg.n_stages - 1}"
+    conf = linear_f32(jnp.concatenate([x_hat.astype(jnp.float32), e], axis=-1),
+                      params[f"{last}.confidence_head.proj.weight"])[..., 0]
+    hit = (jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32)
+    bce = optax.sigmoid_binary_cross_entropy(conf, jax.lax.stop_gradient(hit))
+    loss = jnp.mean(ce) + distill * jnp.mean(soft) + 0.1 * jnp.mean(bce)
+    return loss, {"ce": jnp.mean(ce), "hit": jnp.mean(hit), "hit_per_pos": jnp.mean(hit, axis=0)}
+
+
+@functools.partial(jax.jit, static_argnums=(3, 6, 7, 8), donate_argnums=(0, 1))
+def draft_step(draft, opt_state, frozen, cfg, tokens, anchors, precision, opt, distill):
+    (loss, aux), g = jax.value_and_grad(draft_loss, has_aux=True)(draft, frozen, cfg, tokens, anchors,
+                                                                   precision, distill)
+    upd, opt_state = opt.update(g, opt_state, draft)
+    return optax.apply_updates(draft, upd), opt_state, loss, aux
+
+
+def sample_anchors(rng: np.random.Generator, cfg: ModelConfig, B: int, S: int, J: int) -> np.ndarray:
+    lo, hi = cfg.sliding_window, S - cfg.dspark_block_size - 1
+    if hi < lo:
+        raise ValueError(f"seq_len {S} too short for DSpark anchors (needs > window + block + 1)")
+    return rng.integers(lo, hi + 1, size=(B, J)).astype(np.int32)
+
+
+def perplexity(params, cfg, rows: np.ndarray, batch_size: int, precision: str) -> float:
+    tot, n = 0.0, 0
+    for i in range(0, len(rows) - batch_size + 1, batch_size):
+        s, c = eval_nll(params, cfg, jnp.asarray(rows[i:i + batch_size]), precision)
+        tot += float(s)
+        n += int(c)
+    return math.exp(tot / max(n, 1))
+
+
+draft_loss_jit = jax.jit(draft_loss, static_argnums=(2, 5, 6))

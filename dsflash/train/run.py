@@ -1,0 +1,211 @@
+"""The whole pipeline: data + tokenizer -> target -> DSpark -> export -> reload -> held-out perplexity.
+
+    python -m dsflash.train --steps 300 --draft-steps 150 --out runs/demo
+
+Writes into ``--out``: ``tokenizer/`` (trained tokenizer.json), ``orbax/target`` and ``orbax/draft``
+(float master weights), ``checkpoint/`` (official layout, loadable with ``dsflash.load``), ``loss.png``,
+``log.jsonl`` (every step) and ``metrics.json`` (corpus info, config hash, perplexities, draft agreement).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsflash.train import data, loop
+from dsflash.train.config import CONFIGS
+
+
+def _bar(total, desc, disable):
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def save_orbax(path: str, tree: dict) -> None:
+    import orbax.checkpoint as ocp
+    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    ck.save(os.path.abspath(path), args=ocp.args.PyTreeSave({k: np.asarray(v) for k, v in tree.items()}),
+            force=True)
+
+
+def restore_orbax(path: str) -> dict:
+    import orbax.checkpoint as ocp
+    ck = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    return {k: jnp.asarray(v) for k, v in ck.restore(os.path.abspath(path)).items()}
+
+
+def plot_losses(path: str, log: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, stage in zip(axes, ("target", "draft")):
+        rows = [r for r in log if r["stage"] == stage]
+        tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+        ev = [(r["step"], r["heldout_loss"]) for r in rows if "heldout_loss" in r]
+        if tr:
+            ax.plot(*zip(*tr), lw=0.8, label="train")
+        if ev:
+            ax.plot(*zip(*ev), "o-", label="held-out")
+        ax.set_title(f"{stage} loss" + (" (CE + distill + conf)" if stage == "draft" else " (next-token CE)"))
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
+          batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
+          precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
+          eval_batches: int = 8, quiet: bool = False, docs: list[str] | None = None) -> dict:
+    t0 = time.time()
+    os.makedirs(out, exist_ok=True)
+    log: list[dict] = []
+    logf = open(os.path.join(out, "log.jsonl"), "w")
+
+    def record(r):
+        log.append(r)
+        logf.write(json.dumps(r) + "\n")
+        logf.flush()
+
+    # ---- data + tokenizer
+    corpus = data.Corpus(os.path.join(out, "tokenizer"), vocab_size, vocab_size - 1, seq_len, docs=docs)
+    from dsflash.engram_map import build_compressed_token_map
+    tmap, n_comp = build_compressed_token_map(corpus.tokenizer)
+    cfg = CONFIGS[config](vocab_size, n_comp)
+    held = corpus.held_rows[: eval_batches * batch_size]
+    if len(held) < batch_size:
+        held = corpus.train_rows[-batch_size:]          # tiny corpora (tests): no real held-out split
+    if not quiet:
+        print(f"corpus {corpus.info}\nconfig {config} {cfg.hash()}: engram compressed vocab {n_comp}", flush=True)
+
+    # ---- target
+    from dsflash.model.params import float_params, init_params
+    params = float_params(cfg, init_params(cfg, seed))
+    params["engram.token_map"] = jnp.asarray(tmap, jnp.int32)
+    tgt, drf, const = loop.split_params(params)
+    opt = loop.make_optimizer(lr, steps)
+    opt_state = opt.init(tgt)
+    it = iter(data.batches(corpus.train_rows, batch_size, seed))
+
+    def heldout(p):
+        return math.log(loop.perplexity(p, cfg, held, batch_size, precision))
+
+    init_loss = heldout({**tgt, **const})
+    record({"stage": "target", "step": 0, "heldout_loss": init_loss})
+    bar = _bar(steps, "target", quiet)
+    for step in range(1, steps + 1):
+        tok = jnp.asarray(next(it))
+        tgt, opt_state, loss = loop.target_step(tgt, opt_state, const, cfg, tok, precision, opt)
+        r = {"stage": "target", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
+        if step % eval_every == 0 or step == steps:
+            r["heldout_loss"] = heldout({**tgt, **const})
+        record(r)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", **({"held": f"{r['heldout_loss']:.3f}"}
+                                                         if "heldout_loss" in r else {}))
+    if bar is not None:
+        bar.close()
+    save_orbax(os.path.join(out, "orbax", "target"), tgt)
+
+    # ---- DSpark on the frozen target
+    frozen = {**tgt, **const}
+    dopt = loop.make_optimizer(draft_lr, draft_steps)
+    dstate = dopt.init(drf)
+    rng = np.random.default_rng(seed + 1)
+    bar = _bar(draft_steps, "dspark", quiet)
+
+    def draft_eval(d):
+        hits, ces = [], []
+        r2 = np.random.default_rng(1234)
+        for i in range(0, len(held) - batch_size + 1, batch_size):
+            tok = jnp.asarray(held[i:i + batch_size])
+            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors))
+            _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill)
+            hits.append(np.asarray(aux["hit_per_pos"]))
+            ces.append(float(aux["ce"]))
+        return float(np.mean(ces)), np.mean(hits, axis=0)
+
+    for step in range(1, draft_steps + 1):
+        tok = jnp.asarray(next(it))
+        a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors))
+        drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill)
+        r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
+             "t": round(time.time() - t0, 1)}
+        if step % eval_every == 0 or step == draft_steps:
+            ce, hits = draft_eval(drf)
+            r["heldout_loss"], r["heldout_hit_per_pos"] = ce, [float(h) for h in hits]
+        record(r)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", hit=f"{float(aux['hit']):.2f}")
+    if bar is not None:
+        bar.close()
+    if draft_steps:
+        save_orbax(os.path.join(out, "orbax", "draft"), drf)
+    plot_losses(os.path.join(out, "loss.png"), log)
+
+    # ---- export + reload through the official loader
+    final = {**tgt, **drf, **const}
+    float_ppl = loop.perplexity(final, cfg, held, batch_size, precision)
+    ck = os.path.join(out, "checkpoint")
+    from dsflash.train.export import export_checkpoint
+    meta = {"corpus": corpus.info, "config": config, "steps": steps, "draft_steps": draft_steps,
+            "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "draft_lr": draft_lr, "precision": precision,
+            "seed": seed}
+    export_checkpoint(ck, cfg, final, corpus.folder, meta)
+    import dsflash
+    m = dsflash.load(ck, progress=False)
+    loaded_ppl = loop.perplexity(m.params, cfg, held, batch_size, "reference")
+    _, hits = draft_eval({k: v for k, v in m.params.items() if k.startswith("mtp.")}) if draft_steps else (0, [])
+    size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck))
+    metrics = dict(meta, config_hash=cfg.hash(), engram_compressed_vocab_size=n_comp,
+                   heldout_tokens_evaluated=int(held.size - len(held)),
+                   init_heldout_ppl=math.exp(init_loss), float_heldout_ppl=float_ppl,
+                   loaded_heldout_ppl=loaded_ppl, uniform_ppl=vocab_size,
+                   loaded_draft_teacher_forced_hit_per_pos=[float(h) for h in hits],
+                   checkpoint_bytes=size, seconds=round(time.time() - t0, 1))
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    logf.close()
+    if not quiet:
+        print(json.dumps(metrics, indent=2), flush=True)
+    return metrics
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m dsflash.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", default="demo", choices=sorted(CONFIGS))
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=200, help="target steps")
+    ap.add_argument("--draft-steps", type=int, default=None, help="DSpark steps (default steps // 2)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--anchors", type=int, default=4, help="DSpark blocks per sequence per step")
+    ap.add_argument("--distill", type=float, default=0.5)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    train(a.out, config=a.config, vocab_size=a.vocab_size, steps=a.steps,
+          draft_steps=a.steps // 2 if a.draft_steps is None else a.draft_steps, batch_size=a.batch_size,
+          seq_len=a.seq_len, lr=a.lr, draft_lr=a.draft_lr, precision=a.precision, seed=a.seed,
+          anchors=a.anchors, distill=a.distill, eval_every=a.eval_every, quiet=a.quiet)
