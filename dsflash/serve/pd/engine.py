@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dsflash.serve.async_engine import AsyncEngine
-from dsflash.serve.engine.engine import DECODE, LLMEngine
+from dsflash.serve.engine.engine import LLMEngine
+
+try:                                     # the scheduler half of the engine lives in a mixin since 6049d8d
+    from dsflash.serve.engine.scheduler import DECODE
+except ImportError:  # pragma: no cover
+    from dsflash.serve.engine.engine import DECODE
 from dsflash.serve.engine.kv_cache import block_hashes
 from dsflash.serve.pd.transfer import Layout, prompt_digest
 
