@@ -33,4 +33,13 @@ def test_config(vocab_size: int = 512, compressed_vocab_size: int | None = None)
     return _with_engram_rows(base)
 
 
-CONFIGS = {"demo": demo_config, "test": test_config}
+def mini_config(vocab_size: int = 512, compressed_vocab_size: int | None = None) -> ModelConfig:
+    """Four layers (SWA, ratio 2, ratio 1 x2) with Engram, MoE and one DSpark stage: fast-compiling tests."""
+    base = test_config(vocab_size, compressed_vocab_size).replace(
+        num_hidden_layers=4, compress_ratios=(0, 2, 1, 1, 0), kv_source_layer_ids=(1, 2),
+        index_source_layer_ids=(1, 2), candidate_source_layer_id=2, engram_layer_ids=(0,),
+        dspark_target_layer_ids=(1, 2, 3), sliding_window=8, engram_num_embeddings=(1,))
+    return _with_engram_rows(base)
+
+
+CONFIGS = {"demo": demo_config, "test": test_config, "mini": mini_config}

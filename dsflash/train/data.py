@@ -17,6 +17,7 @@ import inspect
 import json
 import os
 import sys
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -75,7 +76,9 @@ def corpus_documents() -> list[str]:
             mod = importlib.import_module(name)
         except Exception:  # pragma: no cover
             continue
-        docs += _docs_of(mod)
+        with warnings.catch_warnings():            # typing.io / typing.re deprecation on attribute access
+            warnings.simplefilter("ignore", DeprecationWarning)
+            docs += _docs_of(mod)
     seen, out = set(), []
     for d in docs:                     # drop exact duplicates (re-exported objects)
         if d and d not in seen:

@@ -1,0 +1,76 @@
+"""dsflash.train: a few optax steps reduce the target and DSpark losses; export -> dsflash.load round trip."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsflash.model.params import float_params, init_params
+from dsflash.train import data, loop
+from dsflash.train.config import mini_config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    docs = data.corpus_documents()[:120]
+    data.train_tokenizer(folder, docs, 512, 511)
+    tok = __import__("dsflash.tokenizer", fromlist=["Tokenizer"]).Tokenizer.from_folder(folder)
+    from dsflash.engram_map import build_compressed_token_map
+    tmap, n = build_compressed_token_map(tok)
+    cfg = mini_config(512, n)
+    params = float_params(cfg, init_params(cfg, 0))
+    params["engram.token_map"] = jnp.asarray(tmap, jnp.int32)
+    rows = data.pack(data.encode_documents(tok, docs), 32)
+    return cfg, params, rows, str(folder)
+
+
+def test_target_and_draft_losses_decrease(setup):
+    cfg, params, rows, _ = setup
+    tgt, drf, const = loop.split_params(jax.tree.map(jnp.copy, params))   # the steps donate their inputs
+    assert "engram.token_map" in const and all(k.startswith("mtp.") for k in drf)
+    tok = jnp.asarray(rows[:4])
+    opt = loop.make_optimizer(3e-3, 8, warmup=1)
+    st = opt.init(tgt)
+    losses = []
+    for _ in range(6):
+        tgt, st, loss = loop.target_step(tgt, st, const, cfg, tok, "fp32", opt)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.3, losses
+
+    frozen = {**tgt, **const}
+    dopt = loop.make_optimizer(3e-3, 8, warmup=1)
+    ds = dopt.init(drf)
+    a = jnp.asarray(loop.sample_anchors(np.random.default_rng(0), cfg, 4, 32, 2))
+    dl = []
+    for _ in range(5):
+        drf, ds, loss, aux = loop.draft_step(drf, ds, frozen, cfg, tok, a, "fp32", dopt, 0.5)
+        dl.append(float(loss))
+    assert np.isfinite(dl).all() and dl[-1] < dl[0], dl
+    assert aux["hit_per_pos"].shape == (cfg.dspark_block_size,)
+
+
+def test_export_load_round_trip(setup, tmp_path):
+    import dsflash
+    from dsflash.model.forward import forward
+    from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
+    from dsflash.train.export import export_checkpoint
+
+    cfg, params, rows, tokdir = setup
+    stored = export_checkpoint(str(tmp_path), cfg, params, tokdir)
+    m = dsflash.load(str(tmp_path), progress=False)
+    assert m.cfg == cfg
+    for k, v in stored.items():                      # bit-exact stored formats
+        np.testing.assert_array_equal(np.asarray(m.params[k]).view(np.uint8), np.asarray(v).view(np.uint8),
+                                      err_msg=k)
+    np.testing.assert_array_equal(np.asarray(m.params["engram.token_map"]), np.asarray(params["engram.token_map"]))
+    # logits of the loaded checkpoint == logits of the quantised float master weights
+    qf = float_params(cfg, stored)
+    qf["engram.token_map"] = params["engram.token_map"]
+    tok = jnp.asarray(rows[:2])
+    opts = RunOptions(precision="fp32", logits="all", page_size=16)
+
+    def logits(p):
+        st = init_state(cfg, CacheGeometry(2, 4, 16, 8), "fp32")
+        return np.asarray(forward(p, cfg, make_batch(tok, pages_per_seq=2), st, opts)[0]["logits"])
+
+    np.testing.assert_allclose(logits(m.params), logits(qf), rtol=1e-4, atol=1e-4)
