@@ -7,6 +7,7 @@ test checks the positions before the first flip agree exactly and that greedy to
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from dsflash.config import preset
@@ -136,3 +137,33 @@ def test_float_master_weights_give_the_same_model(model):
     assert not any(k.endswith(".scale") for k in fp) and fp["layers.3.ffn.experts.w1.weight"].dtype == jnp.float32
     got, _ = prefill(cfg, fp, toks, "fp32")
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_prev_tokens_replace_a_stale_engram_history(model):
+    """A call that starts mid-sequence in a slot that never ran the prefix (prefix-cache hit, P/D) gets the
+    Engram history from Batch.prev_tokens; without it the slot's stale ring would be read."""
+    import dataclasses
+    cfg, params = model
+    toks, other = tokens(10, S), tokens(11, S)
+    N, P0 = cfg.engram_max_ngram_size, 30
+    # slot 0 runs the first P0 tokens; slot 1 runs an unrelated sequence (its rings hold other history)
+    both = np.zeros((2, S), np.int32)
+    both[0, :P0], both[1] = toks[0, :P0], other[0]
+    _, st = forward_jit(params, cfg, make_batch(both, lengths=[P0, S], pages_per_seq=PAGES), fresh(cfg, "fp32"),
+                        opts("fp32"))
+    cont = np.zeros((2, S), np.int32)
+    cont[:, :S - P0] = toks[0, P0:]
+    pt = np.stack([np.arange(PAGES)] * 2)                   # both rows read sequence 0's global KV pages
+    f = jnp.full((2,), P0, jnp.int32)                        # SWA of the prefix is not in slot 1: floor it
+    # row 1 shares row 0's pages and only reads them (kv_write_from past the end): no write conflict
+    base = make_batch(cont, start=[P0, P0], lengths=[S - P0, S - P0], slots=[0, 1], page_table=pt,
+                      kv_write_from=[P0, 10 ** 6])
+    base = dataclasses.replace(base, enc_floor=f, dec_floor=f)
+    run = lambda b: np.asarray(forward_jit(params, cfg, b, jax.tree.map(jnp.array, st), opts("fp32"))[0]["logits"])  # noqa: E731
+    prev = np.tile(toks[0, P0 - (N - 1):P0], (2, 1)).astype(np.int32)
+    with_prev = run(dataclasses.replace(base, prev_tokens=jnp.asarray(prev)))
+    stale = run(base)
+    n = S - P0
+    np.testing.assert_allclose(stale[0, :n], with_prev[0, :n], atol=1e-4)   # slot 0's ring was right already
+    np.testing.assert_allclose(with_prev[1, :n], with_prev[0, :n], atol=1e-4)  # slot 1 now equals it
+    assert np.abs(stale[1, :n] - stale[0, :n]).max() > 1e-3                 # and without prev_tokens it did not

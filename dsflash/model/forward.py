@@ -88,7 +88,11 @@ def engram_history(params, cfg, batch, state):
     Rc = hist.shape[1]
     pad = engram.compressed_ids(jnp.asarray([cfg.engram_pad_token_id]), params, cfg)[0]
     prev_pos = batch.start[:, None] - (N - 1) + jnp.arange(N - 1, dtype=jnp.int32)[None]
-    prev = hist[batch.slots[:, None], jnp.mod(prev_pos, Rc)]
+    if batch.prev_tokens is not None:
+        given = batch.prev_tokens.astype(jnp.int32)
+        prev = jnp.where(given >= 0, engram.compressed_ids(jnp.maximum(given, 0), params, cfg), -1)
+    else:
+        prev = hist[batch.slots[:, None], jnp.mod(prev_pos, Rc)]
     prev = jnp.where((prev_pos >= 0) & (prev >= 0), prev, pad)
     cids = engram.compressed_ids(batch.tokens, params, cfg)
     return jnp.concatenate([prev, cids], axis=1), cids

@@ -168,6 +168,10 @@ class Batch:
     dec_floor [B] int32     decoder SWA keys below this position do not exist (decoder bounded replay)
     kv_write_from [B] int32 global KV is written only for positions >= this (replayed tokens reuse cache)
     engram_rows             optional [B, S, n_engram_layers, cols, De] rows gathered on the host
+    prev_tokens             optional [B, N-1] token ids at positions start-N+1 .. start-1 (N = Engram max n-gram;
+                            -1 before the sequence start): the Engram history for this call, replacing the
+                            slot's ring. Needed when a call starts where this slot never ran (a prefix-cache
+                            hit or a P/D transfer replays from the middle of a sequence).
     """
     tokens: jax.Array
     start: jax.Array
@@ -178,6 +182,7 @@ class Batch:
     dec_floor: jax.Array
     kv_write_from: jax.Array
     engram_rows: jax.Array | None = None
+    prev_tokens: jax.Array | None = None
 
     @property
     def positions(self):

@@ -49,6 +49,8 @@ class ModelBackend:
             self.eos_token_id = self.tokenizer.eos_id
         self.sliding_window = cfg.sliding_window
         self.num_layers = cfg.num_hidden_layers
+        # Engram history the model needs before a call's first position (Batch.prev_tokens)
+        self.history = cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0
         self.name = getattr(model, "name", None) or getattr(model, "model_name", None) or "dsflash"
         self.page_size = 64
 

@@ -367,6 +367,11 @@ class LLMEngine(SchedulerMixin):
             inp["page_table"][r] = self._pt[s.slot]
             inp["floor"][r] = s.floor
             inp["kv_write_from"][r] = s.kv_from
+            if "prev" in inp:      # Engram history from the token ids: the slot may never have run the prefix
+                h = inp["prev"].shape[1]
+                prev = ids[max(0, s.computed - h):s.computed]
+                if len(prev):
+                    inp["prev"][r, h - len(prev):] = prev
             inp["first"][r] = s.computed == s.prefill_start
             inp["last"][r] = s.computed + n == len(ids)
             inp["out_start"][r] = len(s.prompt_ids)

@@ -93,6 +93,7 @@ class Runner:
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
         self.max_stop_ids = max_stop_ids
+        self.history = getattr(backend, "history", 0)   # Engram tokens before a chunk (Batch.prev_tokens)
         self.prefill_buckets = sorted(set(tuple(b) for b in prefill_buckets), key=lambda b: (b[0] * b[1], b))
         self.T_out = max_iters * self.K1
         if hasattr(backend, "bind_geometry"):
@@ -138,7 +139,7 @@ class Runner:
         Bp, T = tokens.shape
         floor = inp["floor"]
         batch = Batch(tokens, inp["start"], inp["lengths"], inp["slots"], inp["page_table"], floor, floor,
-                      inp["kv_write_from"])
+                      inp["kv_write_from"], prev_tokens=inp.get("prev"))
         out, state = be.forward(params, batch, state, logits="last", taps=spec)
         if spec:
             state = be.update_context(params, out, batch, state)
@@ -283,7 +284,8 @@ class Runner:
                 "row_slot": np.full((Bp,), self.S, np.int32), "page_table": np.zeros((Bp, self.P), np.int32),
                 "floor": z.copy(), "kv_write_from": z.copy(), "first": np.zeros((Bp,), bool),
                 "last": np.zeros((Bp,), bool), "out_start": z.copy(), "n_gen0": z.copy(),
-                "sp": empty_sampling(Bp, self.max_stop_ids)}
+                "sp": empty_sampling(Bp, self.max_stop_ids),
+                **({"prev": np.full((Bp, self.history), -1, np.int32)} if self.history else {})}
 
     def empty_decode_inputs(self):
         S_ = self.S
