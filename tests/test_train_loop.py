@@ -69,8 +69,9 @@ def test_export_load_round_trip(setup, tmp_path):
     tok = jnp.asarray(rows[:2])
     opts = RunOptions(precision="fp32", logits="all", page_size=16)
 
+    @jax.jit
     def logits(p):
         st = init_state(cfg, CacheGeometry(2, 4, 16, 8), "fp32")
-        return np.asarray(forward(p, cfg, make_batch(tok, pages_per_seq=2), st, opts)[0]["logits"])
+        return forward(p, cfg, make_batch(tok, pages_per_seq=2), st, opts)[0]["logits"]
 
-    np.testing.assert_allclose(logits(m.params), logits(qf), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits(m.params)), np.asarray(logits(qf)), rtol=1e-4, atol=1e-4)
