@@ -11,7 +11,7 @@ keyword arguments of ``LLM``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.types import RequestOutput, SamplingParams

@@ -2,9 +2,8 @@
 (through ``dsflash.load``, the path a user takes), and again after an orbax round trip."""
 import jax
 import numpy as np
-import pytest
 
-api = pytest.importorskip("dsflash.model.api", reason="dsflash.load / dsflash.model.api not available yet")
+from dsflash.model import api  # noqa: E402
 
 import dsflash  # noqa: E402
 from dsflash.checkpoint import restore_params, save_params  # noqa: E402

@@ -4,14 +4,12 @@ The draft's 4 routed experts run wide-EP: 4 redundant replicas make 8 physical s
 placed by the EPLB policy from a skewed load; logical ids are mapped to replicas by the EPLB router and
 the MoE runs through ``ep_routed_moe`` passed as ``propose``'s ``routed_fn`` hook."""
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-dspark = pytest.importorskip("dsflash.model.dspark", reason="dsflash.model.dspark not available yet")
+from dsflash.model import dspark  # noqa: E402
 
 from dsflash.config import preset  # noqa: E402
 from dsflash.model.params import init_params  # noqa: E402

@@ -9,11 +9,9 @@ programs agree to ~1e-5.
 import importlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("dsflash.model.forward", reason="dsflash.model.forward not available yet")
 F = importlib.import_module("dsflash.model.forward")
 
 from dsflash.config import preset  # noqa: E402

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from dsflash.checkpoint.names import OfficialTensor, is_stacked, is_vision, official_inventory
-from dsflash.checkpoint.safetensors_io import ST_TO_NP, SafetensorsError, SafetensorsFile
+from dsflash.checkpoint.safetensors_io import SafetensorsError, SafetensorsFile
 from dsflash.config import ModelConfig
 from dsflash.model.params import ParamSpec, param_specs
 

@@ -6,7 +6,6 @@ DSpark ``propose``. Everything is a thin layer over the pure functions of ``dsfl
 """
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import tempfile

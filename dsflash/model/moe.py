@@ -6,7 +6,6 @@ import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
 from dsflash.kernels import moe_gemm
-from dsflash.model import quant
 from dsflash.model.layers import act_dtype, linear_f32, linear_fp8
 
 

@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 import time

@@ -33,8 +33,7 @@ same global array.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp

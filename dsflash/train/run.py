@@ -14,7 +14,6 @@ import math
 import os
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
