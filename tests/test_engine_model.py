@@ -8,6 +8,7 @@ import pytest
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine.backend import ModelBackend
 from dsflash.serve.types import SamplingParams
+from test_engine_scheduler import run_all  # one helper: drives a continuous batch, checks no compile / no leak
 
 OPTS = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_tokens=64, decode_steps=2,
             prefill_buckets=[(2, 32)])
@@ -36,18 +37,6 @@ def plain_engine(model):
 def prompts(n, seed, lo, hi, V=512):
     r = np.random.default_rng(seed)
     return [[int(x) for x in r.integers(4, V, size=int(r.integers(lo, hi)))] for _ in range(n)]
-
-
-def run_all(eng, items):
-    for rid, p, sp in items:
-        eng.add_request(rid, p, sp)
-    res = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                res[o.request_id] = o
-    assert eng.compiles_after_warmup == 0, "the engine compiled after warm-up"
-    return res
 
 
 def test_real_model_greedy_speculative_equals_plain(spec_engine, plain_engine):

@@ -44,9 +44,7 @@ def test_global_kv_bytes_per_token_is_890():
     geo = CacheGeometry(num_slots=1, num_pages=2, page_size=64, ring_slack=8)
     import jax
     state = jax.eval_shape(lambda: init_state(cfg, geo, "reference"))
-    total = sum(a.size * a.dtype.itemsize for kind in ("main_kv", "index_k")
-                for src in state[kind].values() for a in src.values())
-    assert total / (geo.num_pages * geo.page_size) == 890
+    assert global_kv_bytes_per_token(state, geo) == 890
 
 
 def test_parameter_counts_match_spec():

@@ -134,23 +134,12 @@ def init_state(cfg: ModelConfig, geo: CacheGeometry, precision: str = "reference
     return st
 
 
-def state_geometry(state: dict) -> dict:
-    """Recover ring lengths from a state pytree (shapes are static under jit)."""
-    any_swa = next(iter(state["swa"].values()))
-    leaf = next(iter(any_swa.values()))
-    return {"num_slots": leaf.shape[0], "ring": leaf.shape[1], "slack": state["engram_hist"].shape[1]}
-
-
-def global_kv_bytes_per_token(cfg: ModelConfig, state: dict, page_size: int) -> float:
-    """Bytes of stored global KV per token, read off the state arrays themselves."""
-    total = 0.0
-    for src in cfg.kv_source_layer_ids:
-        for kind in ("main_kv", "index_k"):
-            for a in state[kind][str(src)].values():
-                total += a.nbytes
-    n_pages = next(iter(state["main_kv"][str(cfg.kv_source_layer_ids[0])].values())).shape[0] // (
-        page_size // cfg.ratio(cfg.kv_source_layer_ids[0]))
-    return total / (n_pages * page_size)
+def global_kv_bytes_per_token(state: dict, geo: CacheGeometry) -> float:
+    """Bytes of stored global KV (main KV + index K of every source) per token of page capacity, read off
+    the state arrays themselves (also works on ``jax.eval_shape`` results)."""
+    total = sum(a.size * jnp.dtype(a.dtype).itemsize for kind in ("main_kv", "index_k")
+                for src in state[kind].values() for a in src.values())
+    return total / (geo.num_pages * geo.page_size)
 
 
 # ------------------------------------------------------------------ batch metadata
