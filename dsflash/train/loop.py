@@ -142,8 +142,9 @@ def draft_step(draft, opt_state, frozen, cfg, tokens, anchors, precision, opt, d
     return optax.apply_updates(draft, upd), opt_state, loss, aux
 
 
-def sample_anchors(rng: np.random.Generator, cfg: ModelConfig, B: int, S: int, J: int) -> np.ndarray:
-    lo, hi = cfg.sliding_window, S - cfg.dspark_block_size - 1
+def sample_anchors(rng: np.random.Generator, cfg: ModelConfig, B: int, S: int, J: int, lo: int = 0) -> np.ndarray:
+    """``[B, J]`` anchor positions p with a full window before them, the block after, and ``p >= lo``."""
+    lo, hi = max(lo, cfg.sliding_window), S - cfg.dspark_block_size - 1
     if hi < lo:
         raise ValueError(f"seq_len {S} too short for DSpark anchors (needs > window + block + 1)")
     return rng.integers(lo, hi + 1, size=(B, J)).astype(np.int32)
@@ -159,3 +160,29 @@ def perplexity(params, cfg, rows: np.ndarray, batch_size: int, precision: str) -
 
 
 draft_loss_jit = jax.jit(draft_loss, static_argnums=(2, 5, 6))
+
+
+# ------------------------------------------------------------------ DSpark data: the target's own greedy chains
+@functools.partial(jax.jit, static_argnums=(1, 3, 4))
+def greedy_extend(params, cfg, tokens, start, precision):
+    """Replace ``tokens[:, start:]`` by the target's greedy continuation of ``tokens[:, :start]``.
+
+    At serving time a draft token is accepted when it equals the target's greedy token *given the target's
+    own earlier tokens*, so the draft learns best from those chains, not from the data. Full recompute per
+    position (causal, so later garbage does not matter): simple, and cheap at demo size."""
+    def body(t, tok):
+        lg = _target_forward(params, cfg, tok, precision)["logits"]
+        nxt = jnp.argmax(lg[:, t - 1].astype(jnp.float32), axis=-1).astype(tok.dtype)
+        return tok.at[:, t].set(nxt)
+    return jax.lax.fori_loop(start, tokens.shape[1], body, tokens)
+
+
+def greedy_pool(params, cfg, rows: np.ndarray, start: int, batch_size: int, precision: str,
+                progress=None) -> np.ndarray:
+    """:func:`greedy_extend` over ``rows`` in batches (the tail that does not fill a batch is dropped)."""
+    out = []
+    for i in range(0, len(rows) - batch_size + 1, batch_size):
+        out.append(np.asarray(greedy_extend(params, cfg, jnp.asarray(rows[i:i + batch_size]), start, precision)))
+        if progress is not None:
+            progress(len(out))
+    return np.concatenate(out) if out else rows[:0]

@@ -73,7 +73,9 @@ def plot_losses(path: str, log: list[dict]) -> None:
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
           batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
           precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
-          eval_batches: int = 8, quiet: bool = False, docs: list[str] | None = None) -> dict:
+          eval_batches: int = 8, quiet: bool = False, docs: list[str] | None = None,
+          draft_data: str = "greedy", greedy_rows: int = 2048, greedy_start: int | None = None,
+          max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True) -> dict:
     t0 = time.time()
     os.makedirs(out, exist_ok=True)
     log: list[dict] = []
@@ -109,20 +111,36 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
 
     init_loss = heldout({**tgt, **const})
     record({"stage": "target", "step": 0, "heldout_loss": init_loss})
+    best = (init_loss, 0, None)         # (held-out loss, step, host copy of the weights)
     bar = _bar(steps, "target", quiet)
+    t_stage = time.time()
+    done_steps = 0
     for step in range(1, steps + 1):
         tok = jnp.asarray(next(it))
         tgt, opt_state, loss = loop.target_step(tgt, opt_state, const, cfg, tok, precision, opt)
         r = {"stage": "target", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
-        if step % eval_every == 0 or step == steps:
+        out_of_time = max_target_seconds and time.time() - t_stage > max_target_seconds
+        if step % eval_every == 0 or step == steps or out_of_time:
             r["heldout_loss"] = heldout({**tgt, **const})
+            if keep_best and r["heldout_loss"] < best[0]:
+                best = (r["heldout_loss"], step, {k: np.asarray(v) for k, v in tgt.items()})
         record(r)
+        done_steps = step
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", **({"held": f"{r['heldout_loss']:.3f}"}
                                                          if "heldout_loss" in r else {}))
+        if out_of_time:
+            print(f"target: time budget {max_target_seconds:.0f} s reached after {step} of {steps} steps "
+                  "(learning rate not annealed to its end value)", flush=True)
+            break
     if bar is not None:
         bar.close()
+    if keep_best and best[2] is not None and best[1] != done_steps:
+        print(f"target: keeping step {best[1]} (held-out loss {best[0]:.4f}, the lowest; the last step's is "
+              f"higher: overfitting)", flush=True)
+        tgt = {k: jnp.asarray(v) for k, v in best[2].items()}
+    best_step = best[1] if keep_best and best[2] is not None else done_steps
     save_orbax(os.path.join(out, "orbax", "target"), tgt)
 
     # ---- DSpark on the frozen target
@@ -130,32 +148,55 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     dopt = loop.make_optimizer(draft_lr, draft_steps)
     dstate = dopt.init(drf)
     rng = np.random.default_rng(seed + 1)
+    lo = 0
+    draft_rows, draft_held = corpus.train_rows, held
+    if draft_data == "greedy" and draft_steps:
+        # the target's own greedy continuations of data prefixes: what acceptance is measured against
+        lo = (seq_len // 2 if greedy_start is None else greedy_start) - 1
+        pick = np.random.default_rng(seed + 2).permutation(len(corpus.train_rows))[:greedy_rows]
+        bar = _bar(len(pick) // batch_size + len(held) // batch_size, "greedy chains", quiet)
+        tick = (lambda _: bar.update(1)) if bar is not None else None
+        draft_rows = loop.greedy_pool(frozen, cfg, corpus.train_rows[pick], lo + 1, batch_size, precision, tick)
+        draft_held = loop.greedy_pool(frozen, cfg, held, lo + 1, batch_size, precision, tick)
+        if bar is not None:
+            bar.close()
+    elif draft_data != "data":
+        raise ValueError(f"draft_data must be 'greedy' or 'data', got {draft_data!r}")
+    dit = iter(data.batches(draft_rows, batch_size, seed + 3)) if draft_steps else None
     bar = _bar(draft_steps, "dspark", quiet)
 
     def draft_eval(d):
         hits, ces = [], []
         r2 = np.random.default_rng(1234)
-        for i in range(0, len(held) - batch_size + 1, batch_size):
-            tok = jnp.asarray(held[i:i + batch_size])
-            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors))
+        for i in range(0, len(draft_held) - batch_size + 1, batch_size):
+            tok = jnp.asarray(draft_held[i:i + batch_size])
+            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, lo))
             _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill)
             hits.append(np.asarray(aux["hit_per_pos"]))
             ces.append(float(aux["ce"]))
         return float(np.mean(ces)), np.mean(hits, axis=0)
 
+    t_stage = time.time()
+    done_draft = 0
     for step in range(1, draft_steps + 1):
-        tok = jnp.asarray(next(it))
-        a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors))
+        tok = jnp.asarray(next(dit))
+        a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors, lo))
         drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill)
         r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
              "t": round(time.time() - t0, 1)}
-        if step % eval_every == 0 or step == draft_steps:
+        out_of_time = max_draft_seconds and time.time() - t_stage > max_draft_seconds
+        if step % eval_every == 0 or step == draft_steps or out_of_time:
             ce, hits = draft_eval(drf)
             r["heldout_loss"], r["heldout_hit_per_pos"] = ce, [float(h) for h in hits]
         record(r)
+        done_draft = step
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", hit=f"{float(aux['hit']):.2f}")
+        if out_of_time:
+            print(f"dspark: time budget {max_draft_seconds:.0f} s reached after {step} of {draft_steps} steps",
+                  flush=True)
+            break
     if bar is not None:
         bar.close()
     if draft_steps:
@@ -167,10 +208,13 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     float_ppl = loop.perplexity(final, cfg, held, batch_size, precision)
     ck = os.path.join(out, "checkpoint")
     from dsflash.train.export import export_checkpoint
-    meta = {"corpus": corpus.info, "config": config, "steps": steps, "draft_steps": draft_steps,
+    meta = {"corpus": corpus.info, "config": config, "steps": steps, "steps_run": done_steps,
+            "target_step_kept": best_step, "draft_steps": draft_steps, "draft_steps_run": done_draft,
+            "draft_data": draft_data,
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "draft_lr": draft_lr, "precision": precision,
             "seed": seed}
     export_checkpoint(ck, cfg, final, corpus.folder, meta)
+    np.save(os.path.join(ck, "heldout_rows.npy"), held.astype(np.int16))   # what the recorded perplexity used
     import dsflash
     m = dsflash.load(ck, progress=False)
     loaded_ppl = loop.perplexity(m.params, cfg, held, batch_size, "reference")
@@ -208,8 +252,19 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--draft-data", default="greedy", choices=("greedy", "data"),
+                    help="DSpark rows: the target's greedy continuations of data prefixes (default) or the data")
+    ap.add_argument("--greedy-rows", type=int, default=2048, help="rows of greedy continuations for DSpark")
+    ap.add_argument("--greedy-start", type=int, default=None, help="prefix length kept (default seq_len // 2)")
+    ap.add_argument("--max-target-seconds", type=float, default=0.0, help="stop the target stage after this")
+    ap.add_argument("--max-draft-seconds", type=float, default=0.0, help="stop the DSpark stage after this")
+    ap.add_argument("--no-keep-best", action="store_true",
+                    help="export the last target step, not the one with the lowest held-out loss")
     a = ap.parse_args(argv)
     train(a.out, config=a.config, vocab_size=a.vocab_size, steps=a.steps,
           draft_steps=a.steps // 2 if a.draft_steps is None else a.draft_steps, batch_size=a.batch_size,
           seq_len=a.seq_len, lr=a.lr, draft_lr=a.draft_lr, precision=a.precision, seed=a.seed,
-          anchors=a.anchors, distill=a.distill, eval_every=a.eval_every, quiet=a.quiet)
+          anchors=a.anchors, distill=a.distill, eval_every=a.eval_every, quiet=a.quiet,
+          draft_data=a.draft_data, greedy_rows=a.greedy_rows, greedy_start=a.greedy_start,
+          max_target_seconds=a.max_target_seconds, max_draft_seconds=a.max_draft_seconds,
+          keep_best=not a.no_keep_best)
