@@ -8,7 +8,7 @@
 # train.log, gpu_tests.log.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TQDM_MININTERVAL=20 PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 RUN=/tmp/demo_run
@@ -17,8 +17,7 @@ RUN=/tmp/demo_run
 TESTS=$!
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout "${TRAIN_TIMEOUT:-540}" python3 -m dsflash.train --out "$RUN" \
   --steps 2000 --draft-steps 1500 --batch-size 32 --eval-every 100 --anchors 8 \
-  --max-target-seconds 240 --max-draft-seconds 150 "$@" 2>&1 | tr '\r' '\n' | grep -v -E "it/s\]$|s/it\]$" \
-  | tee "$OUT/train.log" | tail -60
+  --max-target-seconds 240 --max-draft-seconds 150 "$@" 2>&1 | tr '\r' '\n' | tee "$OUT/train.log" | tail -60
 wait $TESTS
 tail -5 "$OUT/gpu_tests.log"
 cp "$RUN/metrics.json" "$RUN/log.jsonl" "$RUN/loss.png" "$OUT/" 2>/dev/null
