@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
+from dsflash.kernels import indexer_topk as ik
 from dsflash.kernels.sparse_attention import sparse_sink_attention
 from dsflash.model import quant
 from dsflash.model import state as st
@@ -154,8 +155,8 @@ def index_keys(params, p, latent, entry, cfg, ctx, ratio, omega):
     return apply_rope(k, entry * ratio, omega)
 
 
-def indexer_scores(params, p, x, qr, k_all, cfg, ctx, ratio, omega):
-    """score[b, i, t] = sum_h relu(q_idx[i,h] . k[t]) * w[i,h], masked to -inf for invisible entries."""
+def indexer_query(params, p, x, qr, cfg, ctx, omega):
+    """Index queries [B, S, Hi, Di] and head weights [B, S, Hi] (activation dtype) for the scoring kernel."""
     dt = act_dtype(ctx.precision)
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     q = linear_fp8(qr, params, f"{p}.indexer.wq_b", ctx.precision).reshape(*qr.shape[:2], Hi, Di)
@@ -164,40 +165,17 @@ def indexer_scores(params, p, x, qr, k_all, cfg, ctx, ratio, omega):
         q = quant.mxfp4_roundtrip(q, 32)
     w = linear_bf16(x, params[f"{p}.indexer.weights_proj.weight"], ctx.precision)
     w = (w.astype(jnp.float32) * (Di ** -0.5 * Hi ** -0.5)).astype(dt)
-    qk = jnp.einsum("bshd,btd->bsht", q.astype(dt), k_all.astype(dt), preferred_element_type=jnp.float32).astype(dt)
-    contrib = (jax.nn.relu(qk) * w[..., None]).astype(dt)
-    score = jnp.sum(contrib.astype(jnp.float32), axis=2).astype(dt).astype(jnp.float32)
-    T = k_all.shape[1]
-    visible = (ctx.pos + 1) // ratio
-    ok = (jnp.arange(T, dtype=jnp.int32)[None, None] < visible[..., None]) & ctx.valid[..., None]
-    return jnp.where(ok, score, -jnp.inf), visible
+    return q.astype(dt), w
 
 
 def candidate_mask(score, visible, cfg):
     """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in."""
-    B, S, T = score.shape
-    cb = cfg.candidate_block_size
-    nb = -(-T // cb)
-    padded = jnp.pad(score, ((0, 0), (0, 0), (0, nb * cb - T)), constant_values=-jnp.inf)
-    block = jnp.max(padded.reshape(B, S, nb, cb), axis=-1)
-    newest = jnp.where(visible > 0, (visible - 1) // cb, -1)
-    block = jnp.where(jnp.arange(nb)[None, None] == newest[..., None], jnp.inf, block)
-    kb = min(cfg.candidate_topk_blocks, nb)
-    bval, bidx = jax.lax.top_k(block, kb)
-    keep = jnp.zeros((B, S, nb), bool)
-    keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, bidx, bval)
-    return jnp.repeat(keep, cb, axis=-1)[..., :T]
+    return ik.candidate_mask(score, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
 
 
 def select_topk(score, visible, cfg):
     """Top-min(index_topk, T) by score (ties to the lowest index), ascending positions, -1 for empty."""
-    T = score.shape[-1]
-    k = min(cfg.index_topk, T)
-    val, idx = jax.lax.top_k(score, k)
-    ok = (val > -jnp.inf) & (idx < visible[..., None])
-    idx = jnp.where(ok, idx, T)
-    idx = jnp.sort(idx, axis=-1)
-    return jnp.where(idx < T, idx, -1).astype(jnp.int32)
+    return ik.select_topk(score, visible, cfg.index_topk)
 
 
 # ------------------------------------------------------------------ the layer
@@ -249,12 +227,14 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
         if layer in cfg.index_source_layer_ids:
             isrc = str(src)
             k_all = gather_pool(state["index_k"][isrc], addr_all, st.decode_index_k, dt)
-            score, visible = indexer_scores(params, p, x, qr, k_all, cfg, ctx, ratio, omega)
-            if layer == cfg.candidate_source_layer_id:
-                shared = dict(shared, cand=candidate_mask(score, visible, cfg))
-            elif layer > cfg.candidate_source_layer_id:
-                score = jnp.where(shared["cand"], score, -jnp.inf)
-            shared = dict(shared, topk=select_topk(score, visible, cfg))
+            q_idx, w_idx = indexer_query(params, p, x, qr, cfg, ctx, omega)
+            is_cand = layer == cfg.candidate_source_layer_id
+            topk, cand = ik.indexer_topk(
+                q_idx, w_idx, k_all.astype(q_idx.dtype), (ctx.pos + 1) // ratio, ctx.valid, topk=cfg.index_topk,
+                cand=shared["cand"] if layer > cfg.candidate_source_layer_id else None,
+                cand_filter=(cfg.candidate_block_size, cfg.candidate_topk_blocks) if is_cand else None,
+                backend=ctx.backend)
+            shared = dict(shared, topk=topk, **({"cand": cand} if is_cand else {}))
         comp_all = gather_pool(state["main_kv"][str(src)], addr_all, st.decode_main_kv, dt)
         base = kv_buf[0].shape[1]
         kv_buf.append(comp_all)

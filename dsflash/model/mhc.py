@@ -1,42 +1,48 @@
-"""mHC: manifold-constrained hyper-connections with Sinkhorn, single-pass (delayed) wiring. SPEC §7."""
+"""mHC: manifold-constrained hyper-connections with Sinkhorn, single-pass (delayed) wiring. SPEC §7.
+
+The math is ``dsflash.kernels.mhc_fused`` (shared with the fused kernel). ``pre_mix`` / ``post_mix`` are the
+fused sublayer-boundary ops with a backend switch; ``coefficients`` / ``collapse`` / ``expand`` are the pieces."""
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from dsflash.config import ModelConfig
+from dsflash.kernels import mhc_fused as mf
 from dsflash.model.layers import act_dtype
 
 
 def coefficients(X, fn, base, scale, cfg: ModelConfig):
     """H(X) for streams X [..., n, d] -> (pre [..., n], post [..., n], comb [..., n, n]) in fp32."""
-    n = cfg.hc_mult
-    eps = cfg.hc_eps
-    v = X.astype(jnp.float32).reshape(*X.shape[:-2], -1)
-    r = jax.lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + cfg.rms_norm_eps)
-    m = jnp.einsum("...k,mk->...m", v, fn, precision=jax.lax.Precision.HIGHEST) * r
-    pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
-    post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
-    M = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
-    comb = jax.nn.softmax(M, axis=-1) + eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
-
-    def sinkhorn(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
-
-    # a loop, not an unrolled chain: 19 iterations x 2 sublayers x every block dominated compile time
-    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn, comb)
-    return pre, post, comb
+    return mf.sinkhorn_coefficients(X, fn, base, scale, eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps,
+                                    iters=cfg.hc_sinkhorn_iters)
 
 
 def collapse(X, a, precision):
     """hc_pre: sum_c a[c] X[c] (fp32 accumulate)."""
-    return jnp.einsum("...c,...cd->...d", a, X.astype(jnp.float32)).astype(act_dtype(precision))
+    return mf.collapse(X, a, act_dtype(precision))
 
 
 def expand(y, X, post, comb, precision):
     """hc_post: out[k] = post[k] y + sum_j comb[j, k] X[j]."""
-    out = post[..., :, None] * y.astype(jnp.float32)[..., None, :] + jnp.einsum(
-        "...jk,...jd->...kd", comb, X.astype(jnp.float32))
-    return out.astype(act_dtype(precision))
+    return mf.expand(y, X, post, comb, act_dtype(precision))
+
+
+def _fused(X, a, fn, base, scale, cfg, precision, backend, ex):
+    lead = X.shape[:-2]
+    flat = lambda t: t.reshape(-1, *t.shape[len(lead):])  # noqa: E731
+    ex = None if ex is None else tuple(flat(t) for t in ex)
+    Xo, h, (pre, post, comb) = mf.mhc_fused(
+        flat(X), flat(a), fn, base, scale, ex, eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps,
+        iters=cfg.hc_sinkhorn_iters, out_dtype=act_dtype(precision), backend=backend)
+    unflat = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
+    return unflat(Xo), unflat(h), (unflat(pre), unflat(post), unflat(comb))
+
+
+def pre_mix(X, a, fn, base, scale, cfg: ModelConfig, precision, backend="xla"):
+    """coefficients(X) and collapse(X, a) in one pass: (h [..., d], (pre, post, comb))."""
+    _, h, coef = _fused(X, a, fn, base, scale, cfg, precision, backend, None)
+    return h, coef
+
+
+def post_mix(y, X, post, comb, a, fn, base, scale, cfg: ModelConfig, precision, backend="xla"):
+    """X1 = expand(y, X, post, comb), then coefficients(X1) and collapse(X1, a) in the same pass:
+    (X1, h [..., d], (pre, post, comb) of X1)."""
+    return _fused(X, a, fn, base, scale, cfg, precision, backend, (y, post, comb))

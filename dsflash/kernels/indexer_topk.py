@@ -1,0 +1,107 @@
+"""Lightning-indexer scoring + top-k selection (SPEC_V41 §4.5), the DeepSelect analogue.
+
+``indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, backend)``
+  q        [B, S, Hi, Di]  index queries (activation dtype; RoPE and the MXFP4 round trip already applied)
+  w        [B, S, Hi]      per-head weights, already scaled by Di^-0.5 * Hi^-0.5 (activation dtype)
+  k        [B, T, Di]      compressed index keys of the sequence (gathered through the page table)
+  visible  [B, S] int32    entries t < visible are reachable ((pos + 1) // ratio)
+  valid    [B, S] bool     padding rows score -inf everywhere
+  topk                     index_topk (512 in V4.1); k = min(topk, T)
+  cand     [B, S, T] bool  candidate consumers (layers 24-36): entries outside it score -inf
+  cand_filter              (block_size, topk_blocks) at the candidate source (layer 20): also return its mask
+  -> (idx [B, S, k] int32 ascending, -1 for empty; candidate mask [B, S, T] bool or None)
+
+Numerics (the model's, SPEC §4.5; every backend must give the same bits):
+  qk[h, t]  = bf16(q_h . k_t)              fp32 accumulation
+  c[h, t]   = bf16(relu(qk) * w_h)         (bf16 x bf16 is exact in fp32, so this is one rounding)
+  score[t]  = f32(bf16(sum_h c[h, t]))     fp32 sum over heads, rounded to bf16 (bf16 precision)
+  masked to -inf where t >= visible or the row is padding (or outside ``cand``).
+Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1.
+The candidate filter: max over blocks of ``block_size`` entries, the newest visible block forced in, top
+``topk_blocks`` blocks whose score is not -inf, expanded back to entries.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _check(q, w, k, visible, valid, cand):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, S, Hi, Di], got {q.shape}")
+    B, S, Hi, Di = q.shape
+    if w.shape != (B, S, Hi):
+        raise ValueError(f"w must be [B={B}, S={S}, Hi={Hi}], got {w.shape}")
+    if k.ndim != 3 or k.shape[0] != B or k.shape[2] != Di:
+        raise ValueError(f"k must be [B={B}, T, Di={Di}], got {k.shape}")
+    if visible.shape != (B, S) or valid.shape != (B, S):
+        raise ValueError(f"visible and valid must be [B={B}, S={S}], got {visible.shape}, {valid.shape}")
+    if cand is not None and cand.shape != (B, S, k.shape[1]):
+        raise ValueError(f"cand must be [B={B}, S={S}, T={k.shape[1]}], got {cand.shape}")
+
+
+def indexer_scores_reference(q, w, k, visible, valid, cand=None):
+    """score [B, S, T] fp32 (bf16-valued), -inf where unreachable."""
+    _check(q, w, k, visible, valid, cand)
+    dt = q.dtype
+    qk = jnp.einsum("bshd,btd->bsht", q, k.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+    contrib = (jax.nn.relu(qk) * w[..., None]).astype(dt)
+    score = jnp.sum(contrib.astype(jnp.float32), axis=2).astype(dt).astype(jnp.float32)
+    T = k.shape[1]
+    ok = (jnp.arange(T, dtype=jnp.int32)[None, None] < visible[..., None]) & valid[..., None]
+    if cand is not None:
+        ok = ok & cand
+    return jnp.where(ok, score, -jnp.inf)
+
+
+def candidate_mask(score, visible, block_size, topk_blocks):
+    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in."""
+    B, S, T = score.shape
+    cb = block_size
+    nb = -(-T // cb)
+    padded = jnp.pad(score, ((0, 0), (0, 0), (0, nb * cb - T)), constant_values=-jnp.inf)
+    block = jnp.max(padded.reshape(B, S, nb, cb), axis=-1)
+    newest = jnp.where(visible > 0, (visible - 1) // cb, -1)
+    block = jnp.where(jnp.arange(nb)[None, None] == newest[..., None], jnp.inf, block)
+    kb = min(topk_blocks, nb)
+    bval, bidx = jax.lax.top_k(block, kb)
+    keep = jnp.zeros((B, S, nb), bool)
+    keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, bidx, bval)
+    return jnp.repeat(keep, cb, axis=-1)[..., :T]
+
+
+def select_topk(score, visible, topk):
+    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty."""
+    T = score.shape[-1]
+    k = min(topk, T)
+    val, idx = jax.lax.top_k(score, k)
+    ok = (val > -jnp.inf) & (idx < visible[..., None])
+    idx = jnp.where(ok, idx, T)
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx < T, idx, -1).astype(jnp.int32)
+
+
+def select(score, visible, *, topk, cand_filter=None):
+    """The shared selection stage: (top-k list, candidate mask or None) from written scores."""
+    mask = None if cand_filter is None else candidate_mask(score, visible, *cand_filter)
+    return select_topk(score, visible, topk), mask
+
+
+def indexer_topk_reference(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None):
+    return select(indexer_scores_reference(q, w, k, visible, valid, cand), visible, topk=topk,
+                  cand_filter=cand_filter)
+
+
+def use_triton(backend):
+    """``backend="triton"`` runs the kernel on a GPU only; CPU (and any non-GPU platform) uses the reference."""
+    if backend not in ("xla", "triton"):
+        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
+    return backend == "triton" and jax.default_backend() == "gpu"
+
+
+def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, backend="xla"):
+    if not use_triton(backend):
+        return indexer_topk_reference(q, w, k, visible, valid, topk=topk, cand=cand, cand_filter=cand_filter)
+    from dsflash.kernels import indexer_topk_triton  # lazy: needs a CUDA GPU and jax-triton
+    score = indexer_topk_triton.indexer_scores_triton(q, w, k, visible, valid, cand)
+    return select(score, visible, topk=topk, cand_filter=cand_filter)
