@@ -365,6 +365,125 @@ def bench_sparse_attn(args, ceilings, log, rows, save=lambda: None):
         del kv, qs, idxs
 
 
+# ------------------------------------------------------------------------------------------ indexer + top-k
+def _roof(bytes_, flops, ceilings):
+    return max(bytes_ / (max(ceilings["copy_TBps"], 1e-9) * 1e12), flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
+
+
+def _time_pair(row, ops, varying, fixed, args, log):
+    """Time each named op (same inputs) into row[name + '_s'], then the ratios to the first ('triton')."""
+    for name, op in ops.items():
+        try:
+            row[name + "_s"], _ = time_jax_loop(op, varying, fixed, reps=args.reps)
+        except Exception as e:  # noqa: BLE001
+            row[name + "_error"] = repr(e)[:400]
+            log(traceback.format_exc()[-1500:])
+    t = row.get("triton_s")
+    if t:
+        row["frac_of_roofline"] = row["roofline_s"] / t
+        if row.get("xla_ref_s"):
+            row["speedup_vs_xla_ref"] = row["xla_ref_s"] / t
+
+
+def bench_indexer(args, ceilings, log, rows, save=lambda: None):
+    """Lightning indexer (Hi=32 x Di=128, top-512) at B sequences x S query rows over T compressed entries per
+    sequence: the whole op (scores + lax.top_k selection) with the Triton scorer vs the XLA reference, and the
+    Triton scores alone. Roofline: K + q + w read and fp32 scores written once / copy bandwidth vs the QK flops."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsflash.kernels import indexer_topk as ik, indexer_topk_triton as it
+
+    Hi, Di, K = 32, 128, 512
+    for spec in args.indexer_shapes.split(","):
+        B, S, T = (int(v) for v in spec.split("x"))
+        ks = jax.random.split(jax.random.PRNGKey(B * 7 + S * 3 + T), 4)
+        nsets = 2
+        q = jax.random.normal(ks[0], (nsets, B, S, Hi, Di), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(ks[1], (nsets, B, S, Hi), jnp.float32) * 0.1).astype(jnp.bfloat16)
+        k = jax.random.normal(ks[2], (B, T, Di), jnp.float32).astype(jnp.bfloat16)
+        # causal prefill chunk ending at the last entry (ratio 1), decode rows see everything
+        visible = jnp.broadcast_to(jnp.minimum(T - S + 1 + jnp.arange(S, dtype=jnp.int32), T), (B, S))
+        valid = jnp.ones((B, S), bool)
+        bytes_min = B * T * Di * 2 + B * S * Hi * (Di + 1) * 2 + B * S * T * 4
+        flops = 2.0 * B * S * Hi * T * Di
+        row = dict(B=B, S=S, T=T, Hi=Hi, Di=Di, topk=K, bytes_min=bytes_min, flops=flops,
+                   roofline_s=_roof(bytes_min, flops, ceilings))
+        ops = {"triton": lambda q_, w_, k_, v_, m_: ik.indexer_topk(q_, w_, k_, v_, m_, topk=K, backend="triton")[0],
+               "triton_scores_only": lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_)}
+        if B * S <= args.indexer_xla_max_rows:
+            ops["xla_ref"] = lambda q_, w_, k_, v_, m_: ik.indexer_topk(q_, w_, k_, v_, m_, topk=K, backend="xla")[0]
+        _time_pair(row, ops, (q, w), (k, visible, valid), args, log)
+        if row.get("triton_scores_only_s"):
+            row["scores_TBps"] = bytes_min / row["triton_scores_only_s"] / 1e12
+        try:
+            a = (q[0], w[0], k, visible, valid)
+            ref = np.asarray(ik.indexer_scores_reference(*a))   # op by op
+            got = np.asarray(jax.jit(it.indexer_scores_triton)(*a))
+            fin = np.isfinite(ref)
+            row["score_exact_share"] = float(np.mean(got[fin] == ref[fin]))
+            row["nan"] = bool(np.isnan(got).any())
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = repr(e)[:400]
+        rows.append(row)
+        log(json.dumps(row))
+        save()
+        del q, w, k
+
+
+# ------------------------------------------------------------------------------------------ fused mHC
+def bench_mhc(args, ceilings, log, rows, save=lambda: None):
+    """Fused mHC at a sublayer boundary (post side: expand + coefficients/Sinkhorn(20) + collapse; n=4,
+    d=5120) for T tokens per rank: Triton kernel vs the XLA reference. Roofline: X and y read, X1 and h written,
+    fn once (bf16 / fp32) / copy bandwidth. Both timed ops also sum their outputs (the loop needs a use)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsflash.kernels import mhc_fused as mf
+
+    n, d, it_ = 4, args.d, 20
+    nc = 2 * n + n * n
+    kw = dict(eps=1e-6, rms_eps=1e-20, iters=it_, out_dtype=jnp.bfloat16)
+    key = jax.random.PRNGKey(1)
+    fn = jax.random.normal(key, (nc, n * d), jnp.float32) * (n * d) ** -0.5
+    base = jnp.zeros((nc,), jnp.float32)
+    scale = jnp.ones((3,), jnp.float32)
+    for T in [int(v) for v in args.mhc_tokens.split(",") if v]:
+        ks = jax.random.split(jax.random.fold_in(key, T), 5)
+        ns = 2
+        X = jax.random.normal(ks[0], (ns, T, n, d), jnp.float32).astype(jnp.bfloat16)
+        y = jax.random.normal(ks[1], (ns, T, d), jnp.float32).astype(jnp.bfloat16)
+        a = jax.nn.sigmoid(jax.random.normal(ks[2], (ns, T, n)))
+        post = 2 * jax.nn.sigmoid(jax.random.normal(ks[3], (ns, T, n)))
+        comb = jax.nn.softmax(jax.random.normal(ks[4], (ns, T, n, n)), axis=-1)
+        bytes_min = 2 * T * n * d * 2 + 2 * T * d * 2 + nc * n * d * 4
+        flops = 2.0 * T * n * d * (nc + 2 * n)
+        row = dict(T=T, n=n, d=d, iters=it_, bytes_min=bytes_min, flops=flops,
+                   roofline_s=_roof(bytes_min, flops, ceilings))
+
+        def op_for(backend):
+            def op(X_, y_, a_, p_, c_, fn_, b_, s_):
+                Xo, h, (pr, po, cb) = mf.mhc_fused(X_, a_, fn_, b_, s_, (y_, p_, c_), **kw, backend=backend)
+                return (jnp.sum(Xo.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32)) + jnp.sum(pr)
+                        + jnp.sum(po) + jnp.sum(cb))
+            return op
+        _time_pair(row, {"triton": op_for("triton"), "xla_ref": op_for("xla")}, (X, y, a, post, comb),
+                   (fn, base, scale), args, log)
+        try:
+            args0 = (X[0], a[0], fn, base, scale, (y[0], post[0], comb[0]))
+            r = mf.mhc_fused_reference(*args0, **kw)
+            g = jax.jit(lambda *z: mf.mhc_fused(*z, **kw, backend="triton"))(*args0)
+            for name, gi, ri in (("X1", g[0], r[0]), ("h", g[1], r[1]), ("comb", g[2][2], r[2][2])):
+                gi, ri = np.asarray(gi, np.float32), np.asarray(ri, np.float32)
+                row[f"rel_err_{name}"] = float(np.linalg.norm(gi - ri) / np.linalg.norm(ri))
+        except Exception as e:  # noqa: BLE001
+            row["check_error"] = repr(e)[:400]
+        rows.append(row)
+        log(json.dumps(row))
+        save()
+        del X, y, a, post, comb
+
+
 def _fmt(v, scale=1e3, nd=3):
     return "-" if v is None else f"{v * scale:.{nd}f}"
 
@@ -407,6 +526,13 @@ def main(argv=None):
                     help="sparse attention decode shapes BxS (sequences x query rows); empty to skip")
     ap.add_argument("--attn-ctx", type=int, default=4096, help="cached rows per sequence for sparse attention")
     ap.add_argument("--skip-moe", action="store_true")
+    ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated")
+    ap.add_argument("--indexer-shapes", default="1x1x8192,64x1x16384,256x1x8192,32x1x65536,128x6x16384,"
+                    "1x4096x4096,1x16384x16384",
+                    help="indexer shapes BxSxT (sequences x query rows x compressed entries)")
+    ap.add_argument("--indexer-xla-max-rows", type=int, default=4096,
+                    help="skip the XLA indexer reference above B*S rows (it materialises [B,S,32,T] bf16)")
+    ap.add_argument("--mhc-tokens", default="1,16,64,256,4096,16384", help="fused mHC token counts")
     ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
     ap.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # dry run of the code paths
@@ -443,7 +569,8 @@ def main(argv=None):
                               tokens=args.tokens, reps=args.reps,
                               weights="MXFP4 (E2M1 + UE8M0/32), random bytes, scales 2^-8..2^-4",
                               precision="reference (FP8 E4M3/32 activations)", routing="uniform random distinct"),
-                  ceilings={}, moe_gemm=[], sparse_attention=[])
+                  ceilings={}, moe_gemm=[], sparse_attention=[], indexer=[], mhc=[])
+    ops = set(args.ops.split(","))
 
     def save():   # after every size, so a run cut short still leaves its numbers
         result["wall_s"] = time.time() - t0
@@ -453,12 +580,16 @@ def main(argv=None):
     result["ceilings"] = ceilings = measure_ceilings(args.quick)
     log(json.dumps(ceilings))
     save()
-    if not args.skip_moe:
+    if not args.skip_moe and "moe" in ops:
         bench_moe(args, ceilings, log, result["moe_gemm"], save)
     rows = result["moe_gemm"]
     result["sparse_attention"] = []
-    if args.attn_shapes:
+    if args.attn_shapes and "attn" in ops:
         bench_sparse_attn(args, ceilings, log, result["sparse_attention"], save)
+    if "indexer" in ops:
+        bench_indexer(args, ceilings, log, result["indexer"], save)
+    if "mhc" in ops:
+        bench_mhc(args, ceilings, log, result["mhc"], save)
     save()
     print(f"\nwrote {path}")
     print("per-config ms (best marked *):")
@@ -483,4 +614,14 @@ def main(argv=None):
                   f"{_fmt(g('frac_of_roofline'), 100, 1):>6} {_fmt(g('TBps'), 1, 2):>6} "
                   f"{_fmt(g('speedup_vs_xla_ref'), 1, 2):>6} "
                   f"{(format(g('rel_err_vs_ref'), '.1e') if g('rel_err_vs_ref') is not None else '-'):>8}")
+    for sec, keys in (("indexer", ("B", "S", "T")), ("mhc", ("T",))):
+        if result[sec]:
+            print(f"{sec}: " + "x".join(keys) + "  triton ms / xla ms / roof ms / %roof / xXLA")
+            for r in result[sec]:
+                g = r.get
+                extra = f" scores-only {_fmt(g('triton_scores_only_s'))}" if sec == "indexer" else \
+                    f" relerr X1 {g('rel_err_X1', float('nan')):.1e} comb {g('rel_err_comb', float('nan')):.1e}"
+                print(f"  {'x'.join(str(r[k]) for k in keys):>16} {_fmt(g('triton_s')):>9} {_fmt(g('xla_ref_s')):>9} "
+                      f"{_fmt(g('roofline_s')):>8} {_fmt(g('frac_of_roofline'), 100, 1):>6} "
+                      f"{_fmt(g('speedup_vs_xla_ref'), 1, 2):>6}{extra}")
     return 0
