@@ -53,6 +53,12 @@ class ModelBackend:
         self.history = cfg.engram_max_ngram_size - 1 if cfg.engram_layer_ids else 0
         self.name = getattr(model, "name", None) or getattr(model, "model_name", None) or "dsflash"
         self.page_size = 64
+        # DP ranks of the model's mesh (dp x dep axes). With dp > 1 the state is placed by the rule table and
+        # the routed experts run expert-parallel through the model's hook; dp == 1 keeps the plain path.
+        self.dp = int(getattr(model, "dp", 1) or 1)
+        self.mesh = getattr(model, "mesh", None) if self.dp > 1 else None
+        self.strategy = getattr(model, "strategy", "dep")
+        self.routed_fn = getattr(model, "routed_fn", None) if self.dp > 1 else None
 
     def bind_geometry(self, geo):
         self.page_size = geo.page_size
@@ -72,11 +78,15 @@ class ModelBackend:
     def init_state(self, geo):
         from dsflash.model.state import init_state
         self.bind_geometry(geo)
-        return init_state(self.cfg, geo, self.precision)
+        state = init_state(self.cfg, geo, self.precision)
+        if self.mesh is not None:
+            from dsflash.sharding.rules import state_shardings
+            state = jax.device_put(state, state_shardings(state, self.mesh, self.strategy))
+        return state
 
     def forward(self, params, batch, state, *, logits="last", taps=False):
         from dsflash.model.forward import forward
-        return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps))
+        return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps), self.routed_fn)
 
     def update_context(self, params, out, batch, state):
         from dsflash.model import dspark
@@ -94,8 +104,9 @@ class ModelBackend:
             s = jnp.argmax(li / t + g, axis=-1)
             return jnp.where(temperature > 0, s, jnp.argmax(li, axis=-1)).astype(jnp.int32)
 
+        kw = {"routed_fn": self.routed_fn} if self.routed_fn is not None else {}
         out = dspark.propose(params, self.cfg, state, y, pos + 1, slots, self._opts(), sampler=sampler,
-                             ring_floor=floor)
+                             ring_floor=floor, **kw)
         return out["drafts"], out["logits"] / t[:, :, None], out["confidence"]
 
     def global_kv_arrays(self, state):

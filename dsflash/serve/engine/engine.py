@@ -5,6 +5,12 @@ when the pool is full), (2) FCFS admission with prefix-cache lookup, (3) chunked
 budget packed into one compiled bucket, (4) one on-device decode loop over every decoding sequence
 (several draft-and-verify steps per call), (5) host processing of what came back (stop conditions,
 detokenisation, prefix-cache registration, metrics). See docs/engine.md.
+
+Data parallelism (a mesh with DP size D = dp * dep > 1, or ``data_parallel_size``): each DP rank owns the
+contiguous slot range ``[r*S/D, (r+1)*S/D)`` and page range ``[r*N/D, (r+1)*N/D)``; a
+``DPLoadBalancer`` picks each request's rank (or the request pins one with ``dp_rank``); every step
+each rank admits, grows and plans its own rows, and the device calls lay rank r's rows in its own row
+range of the global batch (ranks without work contribute dummy rows). D == 1 is the plain engine.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import numpy as np
 
 from dsflash.model.state import CacheGeometry
 from dsflash.serve.engine import runner as R
-from dsflash.serve.engine.kv_cache import PagePool, SlotPool
+from dsflash.serve.engine.kv_cache import PagePool, PagePoolGroup, SlotPool, SlotPoolGroup
 from dsflash.serve.engine.metrics import EngineMetrics
 from dsflash.serve.engine.scheduler import DECODE, FINISHED, PREFILL, WAITING, SchedulerMixin, Sequence
 from dsflash.serve.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
@@ -75,10 +81,14 @@ class LLMEngine(SchedulerMixin):
         self.async_scheduling = bool(opts.pop("async_scheduling", False))
         self.draft_sampling = bool(opts.pop("draft_sampling", getattr(be, "supports_row_keys", True)))
         buckets = opts.pop("prefill_buckets", None)
+        dp = self._dp_size(be, opts.pop("data_parallel_size", None))
         if opts:
             raise ValueError(f"unknown engine options: {', '.join(sorted(opts))}")
+        self.dp = dp
+        if max_num_seqs % dp:
+            raise ValueError(f"max_num_seqs: {max_num_seqs} slots do not divide over the {dp} DP ranks")
         if buckets is None:   # one bucket: every extra bucket is one more forward to compile at start-up
-            r = min(4, max_num_seqs)
+            r = min(4, max_num_seqs // dp)    # with DP ranks, buckets and the token budget are per rank
             buckets = [(r, max(1, max_num_batched_tokens // r))]
         for rb, tb in buckets:
             if rb < 1 or tb < 1 or rb * tb > max(max_num_batched_tokens, tb):
@@ -87,17 +97,35 @@ class LLMEngine(SchedulerMixin):
         self.pages_per_seq = math.ceil((max_model_len + (self.decode_steps + 1) * self.K1) / page_size)
         if num_pages is None:
             num_pages = max_num_seqs * self.pages_per_seq
-        if num_pages < math.ceil((max_model_len + self.K1) / page_size):
+        if num_pages % dp:
+            raise ValueError(f"num_pages: {num_pages} pages do not divide over the {dp} DP ranks")
+        if num_pages // dp < math.ceil((max_model_len + self.K1) / page_size):
             raise ValueError(f"num_pages={num_pages} x page_size={page_size} cannot hold one sequence of "
-                             f"max_model_len={max_model_len}")
+                             f"max_model_len={max_model_len}" + (f" per DP rank ({dp} ranks)" if dp > 1 else ""))
         self.geo = CacheGeometry(num_slots=max_num_seqs, num_pages=num_pages, page_size=page_size,
                                  ring_slack=max(16, 2 * self.K1))
-        self.pool = PagePool(num_pages, page_size, self.prefix_caching)
-        self.slots = SlotPool(max_num_seqs)
+        # per-slot page-table fill for free rows (its rank's first page: idle rows read rank-local memory)
+        self._pt_fill = np.zeros((max_num_seqs,), np.int32)
+        if dp == 1:
+            self.pool = PagePool(num_pages, page_size, self.prefix_caching)
+            self.slots = SlotPool(max_num_seqs)
+            self.rank_pools, self.rank_slots = [self.pool], [self.slots]
+            self.balancer = None
+            run_buckets = buckets
+        else:
+            from dsflash.sharding.dp_balance import DPLoadBalancer
+            self.pool = PagePoolGroup(num_pages, page_size, self.prefix_caching, dp)
+            self.slots = SlotPoolGroup(max_num_seqs, dp)
+            self.rank_pools, self.rank_slots = self.pool.ranks, self.slots.ranks
+            self.balancer = DPLoadBalancer(dp)
+            self._pt_fill[:] = np.repeat(np.arange(dp, dtype=np.int32) * (num_pages // dp), max_num_seqs // dp)
+            run_buckets = [(rb * dp, tb) for rb, tb in buckets]     # rank r's rows at [r*rb, (r+1)*rb)
         self.runner = R.Runner(be, self.geo, max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq,
-                               prefill_buckets=buckets, speculative=self.speculative, max_iters=self.decode_steps,
-                               max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids)
-        self.metrics = EngineMetrics(block=self.k)
+                               prefill_buckets=run_buckets, speculative=self.speculative, max_iters=self.decode_steps,
+                               max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids, dp=dp)
+        # per-rank view of the runner's (sorted) buckets: (rows per rank, tokens)
+        self.rank_buckets = [(b[0] // dp, b[1]) for b in self.runner.prefill_buckets]
+        self.metrics = EngineMetrics(block=self.k, dp_size=dp)
         self.metrics.kv_pages_total = num_pages
         self._rng = random.Random(seed)
         self._order = itertools.count()
@@ -109,6 +137,7 @@ class LLMEngine(SchedulerMixin):
         self._executor = None
         # per-slot host mirrors of what the decode call needs
         self._pt = np.zeros((max_num_seqs, self.pages_per_seq), np.int32)
+        self._pt[:] = self._pt_fill[:, None]
         self._sp = R.empty_sampling(max_num_seqs, self.max_stop_ids)
         self._floor = np.zeros((max_num_seqs,), np.int32)
         self.memory = self.runner.state_nbytes()
@@ -135,6 +164,19 @@ class LLMEngine(SchedulerMixin):
         if isinstance(model, str):
             model = load_model(model, **load_opts)
         return ModelBackend(model, precision=precision, bounded_replay=bounded, backend=kernel_backend)
+
+    @staticmethod
+    def _dp_size(be, requested):
+        """DP ranks: the backend's mesh DP size (dp x dep axes), or ``data_parallel_size`` (which must then
+        agree; without a mesh it gives logical ranks: per-rank pools and row layout, one device)."""
+        mesh_dp = int(getattr(be, "dp", 1) or 1)
+        if requested is None:
+            return mesh_dp
+        if not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"data_parallel_size: must be a positive integer, got {requested!r}")
+        if mesh_dp > 1 and requested != mesh_dp:
+            raise ValueError(f"data_parallel_size: {requested} but the mesh has DP size {mesh_dp}")
+        return requested
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -163,8 +205,12 @@ class LLMEngine(SchedulerMixin):
                                       include_stop=params.include_stop_str_in_output)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, dp_rank: int | None = None) -> None:
+        """Queue a request. ``dp_rank`` pins it to a DP rank (default: the load balancer picks one)."""
         params = params if params is not None else SamplingParams()
+        if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer))
+                                    or not 0 <= dp_rank < self.dp):
+            raise ValueError(f"dp_rank: {dp_rank!r} is not a DP rank in [0, {self.dp})")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.groups:
@@ -195,10 +241,15 @@ class LLMEngine(SchedulerMixin):
             raise ValueError(f"SamplingParams.stop_token_ids: ids must be < vocab size {V}")
         arrival = time.time() if arrival_time is None else arrival_time
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        rank = 0
+        if self.balancer is not None:       # a request (all its n samples) stays on its rank for life
+            rank = self.balancer.choose(None if dp_rank is None else int(dp_rank))
+            self.balancer.waiting[rank] += params.n - 1
         seqs = []
         for i in range(params.n):
             s = Sequence(request_id, i, text, ids, params, arrival, base_seed + i, stop)
             s.detok = self._new_detok(params)
+            s.rank = rank
             seqs.append(s)
         self.groups[request_id] = seqs
         self.waiting.extend(seqs)
@@ -225,12 +276,12 @@ class LLMEngine(SchedulerMixin):
     # ------------------------------------------------------------------ resources
     def _free(self, s: Sequence):
         if s.pages:
-            self.pool.free(s.pages)
+            self.rank_pools[s.rank].free(s.pages)
             s.pages = []
         if s.slot is not None:
             s.last_slot = s.slot
-            self.slots.free(s.slot)
-            self._pt[s.slot] = 0
+            self.rank_slots[s.rank].free(s.slot)
+            self._pt[s.slot] = self._pt_fill[s.slot]
             s.slot = None
         s.hashes = []
 
@@ -291,9 +342,33 @@ class LLMEngine(SchedulerMixin):
         m.num_waiting = len(self.waiting)
         m.kv_pages_used = self.pool.num_used
         m.kv_usage = self.pool.usage()
+        if self.dp > 1:
+            self._update_dp_counts()
         self._compiles_in_steps += R.compile_count() - c0
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
+
+    def _update_dp_counts(self):
+        """Per-rank waiting / running (sequences) into the metrics and the load balancer (every step)."""
+        D, m = self.dp, self.metrics
+        w, u = [0] * D, [0] * D
+        for s in self.waiting:
+            w[s.rank] += 1
+        for s in self.running:
+            u[s.rank] += 1
+        m.dp_num_waiting, m.dp_num_running = w, u
+        m.dp_kv_usage = [p.usage() for p in self.rank_pools]
+        self.balancer.update_all(list(zip(w, u)))
+
+    def _count_dummy(self, rows_per_rank, rows):
+        """A device call where some ranks have no rows: their ``rows`` rows run as dummy rows (valid=False)."""
+        from dsflash.sharding.dp_balance import plan_step
+        st = plan_step(rows_per_rank, buckets=[rows])
+        m = self.metrics
+        for r, d in enumerate(st.dummy):
+            if d:
+                m.dp_dummy_rows += rows
+                m.dp_dummy_calls[r] += 1
 
     def _dispatch(self, plan, decode):
         """Launch this step's device programs and advance the optimistic host state.
@@ -307,8 +382,14 @@ class LLMEngine(SchedulerMixin):
         rec = {"prefill": None, "decode": None}
         pf_inp = dc_inp = None
         if plan:
-            bucket, chunks = plan
-            pf_inp = self._prefill_inputs(bucket, chunks)
+            bucket, chunks = plan[0], plan[1]
+            rows = rec["prefill_rows"] = plan[2] if len(plan) > 2 else None
+            pf_inp = self._prefill_inputs(bucket, chunks, rows)
+            if rows is not None:
+                n_r = [0] * self.dp
+                for r in rows:
+                    n_r[r // (bucket[0] // self.dp)] += 1
+                self._count_dummy(n_r, bucket[0] // self.dp)
             items = []
             for s, n in chunks:
                 last = s.computed + n == len(s.all_ids)
@@ -322,6 +403,11 @@ class LLMEngine(SchedulerMixin):
             self.metrics.num_prefill_calls += 1
         if decode:
             dc_inp = self._decode_inputs(decode)
+            if self.dp > 1:
+                n_r = [0] * self.dp
+                for s, _ in decode:
+                    n_r[s.rank] += 1
+                self._count_dummy(n_r, self.max_num_seqs // self.dp)
             for s, h in decode:
                 s.pending += h * self.K1
                 s.pending_lb += h
@@ -350,15 +436,22 @@ class LLMEngine(SchedulerMixin):
         wait = time.perf_counter() - t0
         now = time.time()
         if pf is not None:
-            self._process_prefill(rec["prefill"], pf, now, progressed)
+            self._process_prefill(rec["prefill"], pf, now, progressed, rec.get("prefill_rows"))
         if dc is not None:
             self._process_decode(rec["decode"], dc, now, progressed)
         return wait
 
-    def _prefill_inputs(self, bucket, plan):
+    def _prefill_inputs(self, bucket, plan, rows=None):
+        """``rows[i]``: the batch row of chunk ``i`` (DP: rank r's chunks in rows [r*Rb, (r+1)*Rb)); rows
+        without a chunk are dummy rows (length 0) pointing at their rank's own first slot and page."""
         inp = self.runner.empty_prefill_inputs(bucket)
         sp = inp["sp"]
-        for r, (s, n) in enumerate(plan):
+        if rows is not None:
+            rb = bucket[0] // self.dp
+            inp["slots"][:] = np.repeat(np.arange(self.dp, dtype=np.int32) * (self.max_num_seqs // self.dp), rb)
+            inp["page_table"][:] = np.repeat(self._pt_fill[::self.max_num_seqs // self.dp], rb)[:, None]
+        for i, (s, n) in enumerate(plan):
+            r = i if rows is None else rows[i]
             ids = s.all_ids
             inp["tokens"][r, :n] = ids[s.computed:s.computed + n]
             inp["start"][r] = s.computed
@@ -435,8 +528,9 @@ class LLMEngine(SchedulerMixin):
         self._finish(s, reason, stop_reason)
         return True
 
-    def _process_prefill(self, items, res, now, progressed):
-        for r, (s, n, last) in enumerate(items):
+    def _process_prefill(self, items, res, now, progressed, rows=None):
+        for i, (s, n, last) in enumerate(items):
+            r = i if rows is None else rows[i]
             self.metrics.computed_prompt_tokens += n
             if s.finished:
                 continue
@@ -513,6 +607,9 @@ class LLMEngine(SchedulerMixin):
         d["speculative"] = self.speculative
         d["draft_block"] = self.k
         d["warmup_time_s"] = self.warmup_time
+        if self.dp > 1:
+            for r in range(self.dp):
+                d["dp_ranks"][str(r)]["kv_cached_pages"] = self.rank_pools[r].num_cached
         # the names the HTTP server's Prometheus gauges look for (dsflash/serve/http/metrics.py)
         d["spec_decode_acceptance_rate"] = d["spec_acceptance_rate"]
         d["spec_decode_mean_acceptance_length"] = d["spec_mean_acceptance_length"]

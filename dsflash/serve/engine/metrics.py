@@ -12,6 +12,7 @@ def _samples():
 @dataclass
 class EngineMetrics:
     block: int = 0
+    dp_size: int = 1                       # DP ranks (per-rank entries below only when > 1)
     # counters
     num_steps: int = 0
     num_prefill_calls: int = 0
@@ -32,12 +33,17 @@ class EngineMetrics:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list = field(default_factory=list)
     compiles_after_warmup: int = 0
+    dp_dummy_rows: int = 0                 # rows run for ranks that had no work in a device call (valid=False)
+    dp_dummy_calls: list = field(default_factory=list)    # per rank: device calls it took part in with no work
     # gauges
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
     kv_pages_used: int = 0
     kv_pages_total: int = 0
+    dp_num_running: list = field(default_factory=list)    # per rank (sequences)
+    dp_num_waiting: list = field(default_factory=list)
+    dp_kv_usage: list = field(default_factory=list)
     # histogram samples (seconds)
     ttft: deque = field(default_factory=_samples)
     itl: deque = field(default_factory=_samples)
@@ -50,6 +56,12 @@ class EngineMetrics:
     def __post_init__(self):
         if not self.spec_accepted_per_pos:
             self.spec_accepted_per_pos = [0] * self.block
+        D = self.dp_size
+        for name in ("dp_dummy_calls", "dp_num_running", "dp_num_waiting"):
+            if not getattr(self, name):
+                setattr(self, name, [0] * D)
+        if not self.dp_kv_usage:
+            self.dp_kv_usage = [0.0] * D
 
     @property
     def acceptance_rate(self) -> float:
@@ -80,4 +92,11 @@ class EngineMetrics:
             d[f"{name}_s" if name != "acceptance_length" else name] = list(getattr(self, name))
         ht = list(self.host_time)
         d["host_time_mean_s"] = sum(ht) / len(ht) if ht else 0.0
+        d["dp_size"] = self.dp_size
+        if self.dp_size > 1:      # nested: the server exports dsflash_engine_dp_ranks_<r>_<name>
+            d["dp_dummy_rows"] = self.dp_dummy_rows
+            d["dp_dummy_calls"] = sum(self.dp_dummy_calls)
+            d["dp_ranks"] = {str(r): {"num_running": self.dp_num_running[r], "num_waiting": self.dp_num_waiting[r],
+                                      "kv_usage": self.dp_kv_usage[r], "dummy_calls": self.dp_dummy_calls[r]}
+                             for r in range(self.dp_size)}
         return d

@@ -15,6 +15,12 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
 The row state lives on the device between calls (``y`` last sampled token, ``pos`` last committed
 position, ``n_gen`` tokens generated, ``active``, output-token ``counts`` and ``seen`` tokens for
 penalties), so the host only sends page tables and sampling parameters (small arrays).
+
+DP ranks on a mesh (``dp > 1`` and the backend has a ``mesh``): the model state is placed by the rule
+table (slots / pages over the DP axes, by the backend), the row state and every host input have their
+leading (row) axis split over the DP axes, and both programs keep the state's and rows' shardings on
+output, so rank r's rows (``[r*R, (r+1)*R)`` of every batch, slots ``[r*S/D, (r+1)*S/D)``) run on its
+devices.
 """
 from __future__ import annotations
 
@@ -78,8 +84,9 @@ def empty_sampling(n: int, max_stop_ids: int) -> dict:
 
 class Runner:
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
-                 max_iters: int, max_logprobs: int, max_stop_ids: int):
+                 max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1):
         self.backend = backend
+        self.dp = dp
         self.geo = geo
         self.S = max_num_seqs
         self.P = pages_per_seq
@@ -101,8 +108,22 @@ class Runner:
         self.params = backend.params
         self.state = backend.init_state(geo)
         self.rows = self._init_rows()
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+        mesh = getattr(backend, "mesh", None) if dp > 1 else None
+        self.mesh = mesh
+        if mesh is None:
+            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+            self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+        else:
+            from jax.sharding import NamedSharding, PartitionSpec
+            from dsflash.sharding.rules import token_axes
+            ax = token_axes(mesh, getattr(backend, "strategy", "dep"))
+            self._row_sharding = NamedSharding(mesh, PartitionSpec(ax))
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            self.rows = jax.device_put(self.rows, self._row_sharding)
+            out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
+                   None)
+            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
+            self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------ state
@@ -307,12 +328,21 @@ class Runner:
     def max_prefill_tokens(self):
         return max(b[1] for b in self.prefill_buckets)
 
+    def place(self, inp):
+        """Host inputs -> device arrays with the row axis over the DP axes (identity without a DP mesh)."""
+        if self.mesh is None:
+            return inp
+        return jax.device_put(inp, jax.tree.map(
+            lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp))
+
     def prefill(self, inp):
+        inp = self.place(inp)
         fn = self._compiled.get(("prefill", inp["tokens"].shape)) or self._prefill
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
     def decode(self, inp):
+        inp = self.place(inp)
         fn = self._compiled.get(("decode",)) or self._decode
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
@@ -324,7 +354,7 @@ class Runner:
         from concurrent.futures import ThreadPoolExecutor
         jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
         jobs.append((("decode",), self._decode, self.empty_decode_inputs()))
-        lowered = [(key, fn.lower(self.params, self.state, self.rows, inp)) for key, fn, inp in jobs]
+        lowered = [(key, fn.lower(self.params, self.state, self.rows, self.place(inp))) for key, fn, inp in jobs]
         threads = threads or int(os.environ.get("DSFLASH_COMPILE_THREADS", "1"))
         with ThreadPoolExecutor(threads) as ex:
             compiled = list(ex.map(lambda kl: (kl[0], kl[1].compile()), lowered))

@@ -1,6 +1,10 @@
 """Scheduling half of ``LLMEngine`` (a mixin): the sequence record, admission with prefix-cache lookup and
 encoder replay, page growth with recompute preemption, and the per-step plan (prefill bucket + decode rows).
-The engine (``engine.py``) owns the queues, pools and runner these methods use."""
+The engine (``engine.py``) owns the queues, pools and runner these methods use.
+
+With DP ranks (``self.dp > 1``) every sequence has a ``rank``: its slot and pages come from that rank's pools,
+preemption picks victims of the same rank, admission is FCFS per rank, and each rank packs its own prefill
+chunks into its row range of the global prefill bucket (``_schedule_prefill_dp``)."""
 from __future__ import annotations
 
 import math
@@ -36,6 +40,7 @@ class Sequence:
         self.pending = 0             # upper bound of tokens that dispatched, unprocessed calls may add
         self.pending_lb = 0          # tokens they add unless the sequence finishes
         self.last_slot = None
+        self.rank = 0                # DP rank (slot, pages and prefix cache come from its range)
 
     @property
     def all_ids(self):
@@ -60,11 +65,12 @@ class SchedulerMixin:
     def _grow(self, s: Sequence, n_tokens: int) -> bool:
         """Make ``s`` hold pages for positions < n_tokens, preempting the youngest others if needed."""
         need = min(math.ceil(n_tokens / self.page_size), self.pages_per_seq) - len(s.pages)
+        pool = self.rank_pools[s.rank]
         while need > 0:
             try:
-                new = self.pool.allocate(need)
+                new = pool.allocate(need)
             except OutOfPages:
-                victims = [v for v in self.running if v is not s]
+                victims = [v for v in self.running if v is not s and v.rank == s.rank]
                 if not victims:
                     return False
                 victim = max(victims, key=lambda v: v.order)
@@ -96,9 +102,10 @@ class SchedulerMixin:
         self._floor[i] = s.floor
 
     def _admit(self, s: Sequence) -> bool:
-        slot = self.slots.allocate()
+        slot = self.rank_slots[s.rank].allocate()
         if slot is None:
             return False
+        pool = self.rank_pools[s.rank]
         ids = s.all_ids
         P = self.page_size
         sp = s.params
@@ -106,17 +113,17 @@ class SchedulerMixin:
         penalised = sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
         use_cache = self.prefix_caching and not penalised
         hashes = block_hashes(ids, P, max_blocks=(len(ids) - 1) // P) if use_cache else []
-        hit = self.pool.lookup(hashes)
+        hit = pool.lookup(hashes)
         need = math.ceil(len(ids) / P) - len(hit)
-        if need > self.pool.num_free:
-            self.pool.free(hit)
-            self.pool.query_blocks -= len(hashes)
-            self.pool.hit_blocks -= len(hit)
-            self.slots.free(slot)
+        if need > pool.num_free:
+            pool.free(hit)
+            pool.query_blocks -= len(hashes)
+            pool.hit_blocks -= len(hit)
+            self.rank_slots[s.rank].free(slot)
             return False
         s.slot = slot
-        s.pages = hit + self.pool.allocate(need)
-        self._pt[slot] = 0
+        s.pages = hit + pool.allocate(need)
+        self._pt[slot] = self._pt_fill[slot]
         self._pt[slot, :len(s.pages)] = s.pages
         C = len(hit) * P
         s.hashes = hashes[:len(hit)]
@@ -162,6 +169,8 @@ class SchedulerMixin:
             h = min(h, (len(s.pages) * P - 1 - pos) // K1)
             decode.append((s, h))
         decode = [(s, h) for s, h in decode if s.status == DECODE]
+        if self.dp > 1:
+            return self._schedule_dp(decode)
         # 2. admission, strictly FCFS
         while self.waiting and self.slots.num_free:
             if self.waiting[0].pending or not self._admit(self.waiting[0]):
@@ -185,21 +194,90 @@ class SchedulerMixin:
                 best, best_key = (bucket, plan), key
         # sequences finishing their prompt now can decode in the same step (their row is set by prefill)
         if best:
-            for s, n in best[1]:
-                if s.computed + n == len(s.all_ids):
-                    pos = len(s.all_ids) - 1
-                    h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids) - 1))
-                    if s.params.max_tokens - len(s.out_ids) - 1 <= 0:
-                        continue
-                    if self._grow(s, pos + 1 + h * K1) or self._grow(s, pos + 1 + K1):
-                        h = min(h, (len(s.pages) * P - 1 - pos) // K1)
-                        if h >= 1:
-                            decode.append((s, h))
-            decode = [(s, h) for s, h in decode if s in self.running]
+            decode = self._join_decode(best[1], decode)
             best = (best[0], [(s, n) for s, n in best[1] if s in self.running])
             if not best[1]:
                 best = None
         return best, decode
+
+    def _join_decode(self, chunks, decode):
+        """Sequences whose prompt completes in this step's prefill join the same step's decode call."""
+        K1, P = self.K1, self.page_size
+        for s, n in chunks:
+            if s.computed + n == len(s.all_ids):
+                pos = len(s.all_ids) - 1
+                h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids) - 1))
+                if s.params.max_tokens - len(s.out_ids) - 1 <= 0:
+                    continue
+                if self._grow(s, pos + 1 + h * K1) or self._grow(s, pos + 1 + K1):
+                    h = min(h, (len(s.pages) * P - 1 - pos) // K1)
+                    if h >= 1:
+                        decode.append((s, h))
+        return [(s, h) for s, h in decode if s in self.running]
+
+    # ------------------------------------------------------------------ DP ranks
+    def _admit_dp(self):
+        """FCFS admission per rank: a rank stops at its first request that does not fit; others go on."""
+        D = self.dp
+        blocked = [not self.rank_slots[r].num_free for r in range(D)]
+        if all(blocked) or not self.waiting:
+            return
+        keep, admitted = [], False
+        for s in self.waiting:
+            r = s.rank
+            if blocked[r] or s.pending or not self._admit(s):
+                blocked[r] = True
+                keep.append(s)
+            else:
+                admitted = True
+                if not self.rank_slots[r].num_free:
+                    blocked[r] = True
+        if admitted:
+            self.waiting.clear()
+            self.waiting.extend(keep)
+
+    def _schedule_dp(self, decode):
+        """Admission and prefill planning per DP rank. Every rank packs its prefill chunks (admission order,
+        its own token budget ``max_num_batched_tokens - its decode rows * (block + 1)``) into the per-rank
+        bucket ``(Rb, T)``; the bucket that schedules the most tokens over all ranks wins and compiles as
+        ``[D * Rb, T]`` with rank r's chunks in rows ``[r*Rb, r*Rb + n_r)`` (the rest are dummy rows). The
+        decode call's rows are the slots, which already lie in their rank's range."""
+        D, K1, B = self.dp, self.K1, self.max_num_batched_tokens
+        self._admit_dp()
+        dec_rows = [0] * D
+        for s, _ in decode:
+            dec_rows[s.rank] += 1
+        pre = [[] for _ in range(D)]
+        for s in sorted([s for s in self.running if s.status == PREFILL], key=lambda v: v.order):
+            pre[s.rank].append(s)
+        best, best_key = None, None
+        if any(pre):
+            budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
+            for bucket, (Rb, T) in zip(self.runner.prefill_buckets, self.rank_buckets):
+                plans = []
+                for r in range(D):
+                    left, plan = budgets[r], []
+                    for s in pre[r][:Rb]:
+                        n = min(len(s.all_ids) - s.computed, T, left)
+                        if n <= 0:
+                            break
+                        plan.append((s, n))
+                        left -= n
+                    plans.append(plan)
+                tot = sum(n for plan in plans for _, n in plan)
+                key = (tot, -Rb * T)
+                if tot and (best_key is None or key > best_key):
+                    best, best_key = (bucket, Rb, plans), key
+        if best is None:
+            return None, decode
+        bucket, Rb, plans = best
+        chunks = [c for plan in plans for c in plan]
+        rows = [r * Rb + i for r, plan in enumerate(plans) for i in range(len(plan))]
+        decode = self._join_decode(chunks, decode)
+        keep = [(c, row) for c, row in zip(chunks, rows) if c[0] in self.running]
+        if not keep:
+            return None, decode
+        return (bucket, [c for c, _ in keep], [row for _, row in keep]), decode
 
 
     def _register(self, s: Sequence, committed: int):
@@ -212,6 +290,7 @@ class SchedulerMixin:
         ids = s.all_ids
         parent = s.hashes[-1] if s.hashes else None
         new = block_hashes(ids[len(s.hashes) * P:full * P], P, parent=parent)
+        pool = self.rank_pools[s.rank]
         for j, h in enumerate(new):
-            self.pool.register(s.pages[len(s.hashes) + j], h)
+            pool.register(s.pages[len(s.hashes) + j], h)
         s.hashes.extend(new)
