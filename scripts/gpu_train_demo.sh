@@ -16,8 +16,8 @@ RUN=/tmp/demo_run
     tests/gpu > "$OUT/gpu_tests.log" 2>&1 ) &
 TESTS=$!
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout "${TRAIN_TIMEOUT:-540}" python3 -m dsflash.train --out "$RUN" \
-  --steps 2500 --draft-steps 3000 --batch-size 64 --eval-every 100 --anchors 8 \
-  --max-target-seconds 200 --max-draft-seconds 150 "$@" 2>&1 | tr '\r' '\n' | tee "$OUT/train.log" | tail -60
+  --steps 2500 --draft-steps 1200 --batch-size 64 --eval-every 100 --anchors 8 \
+  --max-target-seconds 200 --max-draft-seconds 160 "$@" 2>&1 | tr '\r' '\n' | tee "$OUT/train.log" | tail -60
 wait $TESTS
 tail -5 "$OUT/gpu_tests.log"
 cp "$RUN/metrics.json" "$RUN/log.jsonl" "$RUN/loss.png" "$OUT/" 2>/dev/null
