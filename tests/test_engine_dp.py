@@ -96,7 +96,8 @@ def toy_dp():
 
 
 def test_toy_ranks_equal_single_and_stay_in_range(toy_ref, toy_dp):
-    items = [(f"a{i}", p, GREEDY, None) for i, p in enumerate(prompts(12, seed=1))]
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=7, ignore_eos=True)
+    items = [(f"a{i}", p, GREEDY if i % 3 else sampled, None) for i, p in enumerate(prompts(12, seed=1))]
     want = run_all(toy_ref, items, check=False)
     toy_dp.reset_prefix_cache()
     got = run_all(toy_dp, items)
@@ -104,6 +105,12 @@ def test_toy_ranks_equal_single_and_stay_in_range(toy_ref, toy_dp):
     snap = toy_dp.metrics_snapshot()
     assert snap["dp_size"] == 2 and set(snap["dp_ranks"]) == {"0", "1"}
     assert toy_dp.runner.prefill_buckets[0][0] % 2 == 0        # compiled as [D * rows, tokens]
+    # the server's /metrics exports the per-rank entries (nested dicts flattened)
+    from dsflash.serve.http.metrics import ServerMetrics
+    text = ServerMetrics(toy_dp.metrics_snapshot).render().decode()
+    for name in ("dp_size", "dp_dummy_rows", "dp_ranks_0_num_running", "dp_ranks_1_num_waiting",
+                 "dp_ranks_1_kv_usage", "dp_ranks_0_dummy_calls"):
+        assert f"dsflash_engine_{name} " in text, name
 
 
 def test_toy_balancer_spreads_burst_and_honours_pins(toy_dp):
