@@ -29,7 +29,8 @@ def shared_expert(x, params, prefix, cfg: ModelConfig, precision):
 
 
 def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=False, routed_fn=None, valid=None):
-    """x [..., d] -> (y [..., d], load [E] f32 tokens routed to each expert among ``valid`` rows).
+    """x [..., d] -> (y [..., d], load [E] f32 tokens routed to each expert among ``valid`` rows; with an
+    EPLB hook (``routed_fn.returns_load``) the hook's per-physical-expert load [P] instead).
 
     ``routed_fn`` replaces the routed-expert call (expert-parallel sharding hook); it receives the block
     name as ``layer=`` so per-layer EPLB tables can be used."""
@@ -40,12 +41,18 @@ def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=Fal
     e = f"{prefix}.experts"
     fn = routed_fn or moe_gemm.routed_moe
     sc = lambda k: params.get(f"{e}.{k}.scale")  # noqa: E731  (None: float master weights)
+    # an EPLB hook (``returns_load``) gets the row mask and returns the per-physical-expert load itself
+    hook_load = getattr(fn, "returns_load", False)
+    extra = {"valid": None if valid is None else valid.reshape(-1)} if hook_load else {}
     routed = fn(xt, idx, w, params[f"{e}.w1.weight"], sc("w1"), params[f"{e}.w3.weight"],
                 sc("w3"), params[f"{e}.w2.weight"], sc("w2"),
-                limit=cfg.swiglu_limit, precision=precision, backend=backend, layer=prefix.rsplit(".", 1)[0])
+                limit=cfg.swiglu_limit, precision=precision, backend=backend, layer=prefix.rsplit(".", 1)[0], **extra)
+    if hook_load:
+        routed, load = routed
     shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision)
     y = routed + shared.astype(jnp.float32)
-    n_experts = params[f"{prefix}.gate.bias"].shape[0]
-    mask = jnp.ones(xt.shape[:1], jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
-    load = jnp.zeros((n_experts,), jnp.float32).at[idx].add(jnp.broadcast_to(mask[:, None], idx.shape))
+    if not hook_load:
+        n_experts = params[f"{prefix}.gate.bias"].shape[0]
+        mask = jnp.ones(xt.shape[:1], jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
+        load = jnp.zeros((n_experts,), jnp.float32).at[idx].add(jnp.broadcast_to(mask[:, None], idx.shape))
     return y.astype(act_dtype(precision)).reshape(shape), load

@@ -220,7 +220,8 @@ def ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, mesh, limit, precis
     return out
 
 
-def make_routed_fn(mesh, settings: EPSettings = EPSettings(), log2phy=None, logcnt=None, spread: str = "token"):
+def make_routed_fn(mesh, settings: EPSettings = EPSettings(), log2phy=None, logcnt=None, spread: str = "token",
+                   return_load: bool = False):
     """A drop-in for ``routed_moe`` (same signature) that runs expert-parallel on ``mesh``: pass it as the
     model's ``routed_fn`` hook (``dsflash.model.forward.forward(..., routed_fn=...)``). With no expert
     axes (e.g. a draft whose experts are replicated) every device runs its own token rows.
@@ -228,16 +229,32 @@ def make_routed_fn(mesh, settings: EPSettings = EPSettings(), log2phy=None, logc
     With ``log2phy [E, R]`` / ``logcnt [E]`` (one layer's EPLB tables) the incoming ids are logical and
     the expert arrays physical (``[P, ...]``, redundant replicas): ids are mapped to replicas first
     (:func:`dsflash.sharding.eplb.route`). ``log2phy`` / ``logcnt`` may also be dicts keyed by block name
-    (``"layers.3"``, ``"mtp.0"``): the model passes that name as ``layer=``."""
+    (``"layers.3"``, ``"mtp.0"``): the model passes that name as ``layer=``; a block missing from the dict
+    runs on logical ids (no EPLB). The tables may be traced arrays (build the hook inside the jitted step
+    to pass them as arguments: new tables then need no recompilation).
+
+    ``return_load=True`` (the engine's EPLB recording): the hook also takes ``valid=`` (``[T]``, False =
+    padding / dummy rows) and returns ``(out, load [P] float32)``, the per-physical-expert token count of
+    the pass over valid rows; it carries ``returns_load = True`` so ``dsflash.model.moe`` knows."""
 
     def routed_fn(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla",
-                  layer=None):
-        if log2phy is not None:
+                  layer=None, valid=None):
+        load = None
+        if log2phy is not None and not (isinstance(log2phy, dict) and layer not in log2phy):
             from dsflash.sharding.eplb import route
             l2p = log2phy[layer] if isinstance(log2phy, dict) else log2phy
             cnt = logcnt[layer] if isinstance(logcnt, dict) else logcnt
-            idx, _ = route(idx, jnp.asarray(l2p), jnp.asarray(cnt), num_physical=w1.shape[0], spread=spread)
-        return ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, mesh=mesh, limit=limit, precision=precision,
-                             backend=backend, settings=settings)
+            idx, load = route(idx, jnp.asarray(l2p), jnp.asarray(cnt), valid=valid, num_physical=w1.shape[0],
+                              spread=spread)
+        out = ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, mesh=mesh, limit=limit, precision=precision,
+                            backend=backend, settings=settings, valid=valid)
+        if not return_load:
+            return out
+        if load is None:
+            w = jnp.ones(idx.shape, jnp.float32) if valid is None else \
+                jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.float32)
+            load = jnp.zeros((w1.shape[0],), jnp.float32).at[idx].add(w)
+        return out, load.astype(jnp.float32)
 
+    routed_fn.returns_load = return_load
     return routed_fn

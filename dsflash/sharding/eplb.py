@@ -382,16 +382,24 @@ class EplbState:
     """EPLB bookkeeping of one model (target or DSpark draft) on one EP group of ``num_ranks`` ranks."""
 
     def __init__(self, num_layers: int, num_logical: int, num_ranks: int, config: EplbConfig = EplbConfig(),
-                 name: str = "target", draft: bool = False):
-        self.name, self.draft, self.config = name, draft, config
+                 name: str = "target", draft: bool = False, host: bool = False):
+        """``host=True`` (the engine): window, tables and swaps stay numpy on the host, so recording and
+        rebalancing never trace or compile anything (the engine reads each step's load back anyway)."""
+        self.name, self.draft, self.config, self.host = name, draft, config, host
         self.L, self.E, self.num_ranks = num_layers, num_logical, num_ranks
         self.P = num_logical + config.num_redundant_experts
         if self.P % num_ranks:
             raise ValueError(f"EPLB[{name}]: {num_logical} experts + {config.num_redundant_experts} redundant = "
                              f"{self.P} physical slots do not divide over {num_ranks} EP ranks")
         self.phy2log = initial_phy2log(self.L, self.E, self.P)
-        self.tables = EplbTables.from_phy2log(self.phy2log, self.E)
-        self.window = jnp.zeros((config.window_size, self.L, self.P), jnp.int32)
+        if host:
+            l2p, cnt = tables_from_phy2log(self.phy2log, self.E)
+            self.tables = EplbTables(self.phy2log.copy(), l2p, cnt)
+            self.window = np.zeros((config.window_size, self.L, self.P), np.int64)
+            self._window_sum = np.zeros((self.L, self.P), np.int64)
+        else:
+            self.tables = EplbTables.from_phy2log(self.phy2log, self.E)
+            self.window = jnp.zeros((config.window_size, self.L, self.P), jnp.int32)
         self.window_pos = 0
         self.recorded_steps = 0
         self.step = 0
@@ -410,7 +418,13 @@ class EplbState:
     def record(self, load, dummy: bool = False) -> bool:
         """Add one engine step's load ``[L, P]`` (from :func:`route`); dummy steps only advance the
         counter. Returns True when a rebalance is due (call :meth:`rebalance`)."""
-        if not dummy:
+        if not dummy and self.host:
+            load = np.rint(np.asarray(load)).astype(np.int64)
+            self._window_sum += load - self.window[self.window_pos]
+            self.window[self.window_pos] = load
+            self.window_pos = (self.window_pos + 1) % self.config.window_size
+            self.recorded_steps += 1
+        elif not dummy:
             self.window = _push(self.window, jnp.asarray(load, jnp.int32), self.window_pos)
             self.window_pos = (self.window_pos + 1) % self.config.window_size
             self.recorded_steps += 1
@@ -424,6 +438,8 @@ class EplbState:
 
     def window_load(self) -> np.ndarray:
         """Per-physical-slot load summed over the window [L, P] (host copy)."""
+        if self.host:
+            return self._window_sum.copy()
         return np.asarray(jnp.sum(self.window, axis=0))
 
     def logical_window_load(self) -> np.ndarray:
@@ -463,6 +479,10 @@ class EplbState:
         """Swap one layer's tables (device arrays keep their shapes: no recompilation)."""
         self.phy2log[layer] = np.asarray(phy2log_row)
         log2phy, logcnt = tables_from_phy2log(self.phy2log[layer:layer + 1], self.E)
+        if self.host:
+            t = self.tables
+            t.phy2log[layer], t.log2phy[layer], t.logcnt[layer] = self.phy2log[layer], log2phy[0], logcnt[0]
+            return
         self.tables = EplbTables(self.tables.phy2log.at[layer].set(jnp.asarray(phy2log_row, jnp.int32)),
                                  self.tables.log2phy.at[layer].set(jnp.asarray(log2phy[0])),
                                  self.tables.logcnt.at[layer].set(jnp.asarray(logcnt[0])))

@@ -9,7 +9,8 @@ Protocol (all functions pure and jit-able; ``state`` is donated by the caller):
 * ``bind_geometry(geo)`` (optional) — told the cache geometry before ``init_state``
 * ``init_state(geo)`` -> state pytree
 * ``forward(params, batch, state, *, logits, taps)`` -> (out, state): ``out["logits"]`` fp32 ``[B, V]``
-  (``logits="last"``) or ``[B, S, V]`` (``"all"``); ``out["taps"]`` when ``taps``
+  (``logits="last"``) or ``[B, S, V]`` (``"all"``); ``out["taps"]`` when ``taps``; with EPLB on
+  (``eplb_on``) also ``out["expert_load"] [L, P]`` (per-physical-expert tokens of valid rows)
 * ``update_context(params, out, batch, state)`` -> state (DSpark context from the forward's taps)
 * ``propose(params, state, y, pos, slots, floor, temperature, keys)`` -> (drafts ``[B, k]``, logits ``[B, k, V]``,
   confidence ``[B, k]``). ``y`` is the token just sampled for position ``pos + 1``; ``keys [B, 2]`` are per-row
@@ -59,6 +60,9 @@ class ModelBackend:
         self.mesh = getattr(model, "mesh", None) if self.dp > 1 else None
         self.strategy = getattr(model, "strategy", "dep")
         self.routed_fn = getattr(model, "routed_fn", None) if self.dp > 1 else None
+        # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params
+        self.eplb_on = False
+        self.eplb_shape = None
 
     def bind_geometry(self, geo):
         self.page_size = geo.page_size
@@ -86,7 +90,18 @@ class ModelBackend:
 
     def forward(self, params, batch, state, *, logits="last", taps=False):
         from dsflash.model.forward import forward
+        if self.eplb_on:
+            return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps, expert_load=True),
+                           self._eplb_routed_fn(params))
         return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps), self.routed_fn)
+
+    def _eplb_routed_fn(self, params):
+        """The EP hook with this call's (traced) per-layer EPLB tables; returns per-physical loads."""
+        from dsflash.sharding.ep_moe import make_routed_fn
+        l2p, cnt = params["eplb.log2phy"], params["eplb.logcnt"]
+        names = [f"layers.{l}" for l in range(self.cfg.num_hidden_layers)]
+        return make_routed_fn(self.mesh, log2phy={n: l2p[l] for l, n in enumerate(names)},
+                              logcnt={n: cnt[l] for l, n in enumerate(names)}, return_load=True)
 
     def update_context(self, params, out, batch, state):
         from dsflash.model import dspark

@@ -82,6 +82,8 @@ class LLMEngine(SchedulerMixin):
         self.draft_sampling = bool(opts.pop("draft_sampling", getattr(be, "supports_row_keys", True)))
         buckets = opts.pop("prefill_buckets", None)
         dp = self._dp_size(be, opts.pop("data_parallel_size", None))
+        eplb_opts = dict(eplb=opts.pop("eplb", False), window=opts.pop("eplb_window", 1000),
+                         interval=opts.pop("eplb_interval", 3000), redundant=opts.pop("eplb_redundant_experts", 0))
         if opts:
             raise ValueError(f"unknown engine options: {', '.join(sorted(opts))}")
         self.dp = dp
@@ -120,6 +122,11 @@ class LLMEngine(SchedulerMixin):
             self.balancer = DPLoadBalancer(dp)
             self._pt_fill[:] = np.repeat(np.arange(dp, dtype=np.int32) * (num_pages // dp), max_num_seqs // dp)
             run_buckets = [(rb * dp, tb) for rb, tb in buckets]     # rank r's rows at [r*rb, (r+1)*rb)
+        from dsflash.serve.engine import eplb as E
+        E.check_options(**eplb_opts)
+        # EPLB (docs/engine.md "EPLB"): physical expert arrays + tables in the params, before compiling
+        self.eplb = E.EngineEplb(be, window=eplb_opts["window"], interval=eplb_opts["interval"],
+                                 redundant=eplb_opts["redundant"]) if eplb_opts["eplb"] else None
         self.runner = R.Runner(be, self.geo, max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq,
                                prefill_buckets=run_buckets, speculative=self.speculative, max_iters=self.decode_steps,
                                max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids, dp=dp)
@@ -208,6 +215,8 @@ class LLMEngine(SchedulerMixin):
                     arrival_time: float | None = None, dp_rank: int | None = None) -> None:
         """Queue a request. ``dp_rank`` pins it to a DP rank (default: the load balancer picks one)."""
         params = params if params is not None else SamplingParams()
+        if dp_rank is None:     # the HTTP server's X-data-parallel-rank rides on the params object
+            dp_rank = getattr(params, "dp_rank", None)
         if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer))
                                     or not 0 <= dp_rank < self.dp):
             raise ValueError(f"dp_rank: {dp_rank!r} is not a DP rank in [0, {self.dp})")
@@ -439,6 +448,10 @@ class LLMEngine(SchedulerMixin):
             self._process_prefill(rec["prefill"], pf, now, progressed, rec.get("prefill_rows"))
         if dc is not None:
             self._process_decode(rec["decode"], dc, now, progressed)
+        if self.eplb is not None:       # one [L, P] load per engine step (valid rows of every forward)
+            loads = [r["eplb_load"] for r in (pf, dc) if r is not None]
+            if loads:
+                self.runner.params = self.eplb.after_step(sum(loads), self.runner.params)
         return wait
 
     def _prefill_inputs(self, bucket, plan, rows=None):
@@ -607,6 +620,8 @@ class LLMEngine(SchedulerMixin):
         d["speculative"] = self.speculative
         d["draft_block"] = self.k
         d["warmup_time_s"] = self.warmup_time
+        if self.eplb is not None:
+            d.update(self.eplb.metrics())
         if self.dp > 1:
             for r in range(self.dp):
                 d["dp_ranks"][str(r)]["kv_cached_pages"] = self.rank_pools[r].num_cached
@@ -618,3 +633,11 @@ class LLMEngine(SchedulerMixin):
 
     def reset_prefix_cache(self):
         self.pool.reset_prefix_cache()
+
+    def eplb_rebalance(self):
+        """Force an EPLB rebalance now (between steps): the policy runs on the current window and every
+        layer's new placement (weights + tables) is installed at once. Returns the ``RebalancePlan``."""
+        if self.eplb is None:
+            raise ValueError("eplb: the engine was built without eplb=True")
+        self.runner.params, plan = self.eplb.rebalance_now(self.runner.params)
+        return plan

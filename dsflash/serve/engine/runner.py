@@ -108,6 +108,8 @@ class Runner:
         self.params = backend.params
         self.state = backend.init_state(geo)
         self.rows = self._init_rows()
+        # EPLB: forwards return out["expert_load"] [L, P]; each call returns its sum as res["eplb_load"]
+        self.eplb_shape = getattr(backend, "eplb_shape", None) if getattr(backend, "eplb_on", False) else None
         mesh = getattr(backend, "mesh", None) if dp > 1 else None
         self.mesh = mesh
         if mesh is None:
@@ -196,6 +198,8 @@ class Runner:
         }
         chosen, ti, tv = self._logprob_outputs(raw, tok)
         res = {"tok": tok, "done": done, "stop": is_stop, "lp": chosen, "top_ids": ti, "top_lp": tv}
+        if self.eplb_shape is not None:
+            res["eplb_load"] = out["expert_load"]
         return state, rows, res
 
     # ------------------------------------------------------------------ decode loop
@@ -214,6 +218,8 @@ class Runner:
                "n_out": jnp.zeros((S_,), jnp.int32), "stop": jnp.zeros((S_,), bool),
                "drafts": jnp.zeros((S_,), jnp.int32), "acc_pos": jnp.zeros((S_, max(k, 1)), jnp.int32),
                "iters": jnp.zeros((), jnp.int32)}
+        if self.eplb_shape is not None:
+            buf["eplb_load"] = jnp.zeros(self.eplb_shape, jnp.float32)
 
         def running(i, rows):
             return rows["active"] & (i < row_steps)
@@ -282,6 +288,8 @@ class Runner:
                 nb["drafts"] = buf["drafts"] + run.astype(jnp.int32)
                 nb["acc_pos"] = buf["acc_pos"] + (run[:, None] & (jnp.arange(k)[None] < (n - 1)[:, None])).astype(jnp.int32)
             nb["iters"] = buf["iters"] + 1
+            if self.eplb_shape is not None:
+                nb["eplb_load"] = buf["eplb_load"] + out["expert_load"]
             # row state
             last_tok = jnp.take_along_axis(emitted, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
             n_gen = nidx + n

@@ -249,13 +249,37 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
     return requested
 
 
+DP_RANK_HEADER = "X-data-parallel-rank"
+
+
+def _dp_rank(st: ServerState, request: Request) -> Optional[int]:
+    """SERVING §3 pinning: the ``X-data-parallel-rank`` header -> the engine's ``dp_rank`` (None: the
+    engine's load balancer picks). Not an integer in ``[0, DP size)``: 400 naming the header."""
+    raw = request.headers.get(DP_RANK_HEADER)
+    if raw is None:
+        return None
+    D = int(getattr(getattr(st.engine, "engine", None), "dp", 1) or 1)
+    try:
+        r = int(raw.strip())
+    except ValueError:
+        r = None
+    if r is None or not 0 <= r < D:
+        raise APIError(400, f"{DP_RANK_HEADER}: must be an integer DP rank in [0, {D}), got {raw!r}",
+                       param=DP_RANK_HEADER)
+    return r
+
+
 async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                  n: int, arrival: Optional[float] = None) -> list[RequestStream]:
-    """n engine requests per prompt (seeds seed+i), submitted together. All or nothing."""
+                  n: int, arrival: Optional[float] = None, dp_rank: Optional[int] = None) -> list[RequestStream]:
+    """n engine requests per prompt (seeds seed+i), submitted together. All or nothing. ``dp_rank`` pins
+    them to a DP rank (carried to ``engine.add_request`` as the params' ``dp_rank`` attribute)."""
     items = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             sp = params if n == 1 or params.seed is None else params.replace(seed=params.seed + i)
+            if dp_rank is not None:
+                sp = sp.replace()
+                sp.dp_rank = dp_rank
             items.append((f"{base_id}-{p}-{i}", list(ids), sp))
     try:
         streams = await st.engine.add_requests(items, arrival_time=arrival)
@@ -374,6 +398,7 @@ def _tok_bytes(tok, tid: int) -> list[int]:
 async def _completions(st: ServerState, req: CompletionRequest, request: Request):
     arrival = time.time()
     _check_model(st, req.model)
+    dp_rank = _dp_rank(st, request)
     _warn_unknown(req)
     if req.suffix:
         raise APIError(400, "suffix: not supported by this model", param="suffix")
@@ -415,12 +440,13 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
-        streams = await _submit(st, base, prompts, params0, n, arrival)
+        streams = await _submit(st, base, prompts, params0, n, arrival, dp_rank)
     else:  # max_tokens omitted and prompts of different lengths: each gets the rest of its context
         streams = []
         try:
             for j, (p, mt) in enumerate(zip(prompts, max_toks)):
-                streams += await _submit(st, f"{base}-{j}", [p], params0.replace(max_tokens=mt), n, arrival)
+                streams += await _submit(st, f"{base}-{j}", [p], params0.replace(max_tokens=mt), n, arrival,
+                                         dp_rank)
         except BaseException:
             for s in streams:
                 s.abort()
@@ -513,6 +539,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
 async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     arrival = time.time()
     _check_model(st, req.model)
+    dp_rank = _dp_rank(st, request)
     _warn_unknown(req)
     chat = chat_io.chat_module()
     tok = st.tokenizer
@@ -543,7 +570,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")
     params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None, tok.vocab_size)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await _submit(st, base, [ids], params, n, arrival)
+    streams = await _submit(st, base, [ids], params, n, arrival, dp_rank)
     created = int(time.time())
     prompt_tokens = len(ids)
 
