@@ -28,7 +28,7 @@ def _is_single_prompt(prompts) -> bool:
 
 
 class LLM:
-    def __init__(self, model="tiny", **engine_options):
+    def __init__(self, model="demo", **engine_options):
         self.engine = LLMEngine(model, **engine_options)
         self._ids = itertools.count()
 

@@ -23,6 +23,9 @@ def parse(argv):
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--text-prompts", action="store_true",
+                   help="prompts = the first --prompt-len tokens of held-out CPython documents (dsflash.train.data; "
+                        "real text for a trained model such as 'demo') instead of random token ids")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=256)
@@ -41,6 +44,22 @@ def parse(argv):
     return p.parse_args(argv)
 
 
+def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """The first ``length`` tokens of the first ``n`` held-out documents that are long enough."""
+    from dsflash.train import data
+    if tokenizer is None:
+        raise SystemExit("--text-prompts needs a model with a tokenizer")
+    _, held = data.split_documents(data.corpus_documents())
+    out = []
+    for d in held:
+        ids = tokenizer.encode(d)
+        if len(ids) >= length:
+            out.append([int(t) for t in ids[:length]])
+        if len(out) == n:
+            return out
+    raise SystemExit(f"--text-prompts: only {len(out)} held-out documents have {length} tokens")
+
+
 def run_mode(model, args, speculative: bool) -> dict:
     import numpy as np
 
@@ -55,7 +74,10 @@ def run_mode(model, args, speculative: bool) -> dict:
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size
     rng = np.random.default_rng(args.seed)
-    prompts = [[int(t) for t in rng.integers(4, V, size=args.prompt_len)] for _ in range(args.num_prompts)]
+    if args.text_prompts:
+        prompts = text_prompts(eng.tokenizer, args.num_prompts, args.prompt_len)
+    else:
+        prompts = [[int(t) for t in rng.integers(4, V, size=args.prompt_len)] for _ in range(args.num_prompts)]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=args.seed)
 
     def one_pass(tag):

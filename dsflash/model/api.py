@@ -137,11 +137,16 @@ class Model:
         return f"Model({self.name}, layers={self.cfg.num_hidden_layers}, d={self.cfg.hidden_size}, opts={self.opts})"
 
 
-def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "reference",
+#: trained checkpoints that ship inside the package (official layout), loadable by name
+SHIPPED = {"demo": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo")}
+
+
+def load(model: str | os.PathLike = "demo", *, seed: int = 0, precision: str = "reference",
          bounded_replay: str | None = None, replay_tail: int | None = None, backend: str = "xla",
          page_size: int = 64, mesh=None, strategy: str = "dep", progress: bool = True,
          engram_tables: str = "device", **cfg_overrides) -> Model:
-    """A preset name (deterministic random weights from ``seed``) or an official checkpoint folder.
+    """A shipped model (``"demo"``: the trained demo model, the default), a preset name (deterministic
+    random weights from ``seed``) or an official checkpoint folder.
 
     ``engram_tables="host"`` keeps the Engram tables in host memory (memory-mapped from the checkpoint) and
     gathers each step's rows with a host callback — what the real ~100 GB tables need (SPEC §9.7).
@@ -152,6 +157,8 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
     if engram_tables not in ("device", "host"):
         raise ValueError(f"engram_tables must be 'device' or 'host', got {engram_tables!r}")
     path = os.fspath(model)
+    if path in SHIPPED and not os.path.isfile(os.path.join(path, "config.json")):
+        path = SHIPPED[path]            # a local checkpoint folder of the same name still wins
     mesh = _mesh(mesh)
     tokenizer = None
     if os.path.isdir(path):
@@ -164,7 +171,7 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
         if os.path.exists(os.path.join(path, "tokenizer.json")):
             from dsflash.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_folder(path)
-        name = os.path.basename(os.path.normpath(path))
+        name = os.fspath(model) if os.fspath(model) in SHIPPED else os.path.basename(os.path.normpath(path))
     elif path in PRESETS:
         cfg = preset(path).replace(**cfg_overrides) if cfg_overrides else preset(path)
         params = init_params(cfg, seed)
@@ -174,7 +181,8 @@ def load(model: str | os.PathLike = "tiny", *, seed: int = 0, precision: str = "
         tokenizer = _synthetic_tokenizer(cfg)
         name = path
     else:
-        raise ValueError(f"model: {path!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+        raise ValueError(f"model: {path!r} is neither a checkpoint folder, a shipped model ({', '.join(SHIPPED)}) "
+                         f"nor a preset ({', '.join(PRESETS)})")
     if engram_tables == "host":
         params = dict(params)
         tables = {}

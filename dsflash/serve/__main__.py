@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-DEFAULT_MODEL = "tiny"
+DEFAULT_MODEL = "demo"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="a preset name (e.g. 'tiny', 'v41_flash'), a checkpoint folder in the official Hugging "
+                   help="'demo' (the trained demo model that ships with dsflash), a preset name (e.g. 'tiny', 'v41_flash': random weights), a checkpoint folder in the official Hugging "
                         "Face layout, or 'dummy' (no model: random tokens, for testing the HTTP layer)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the engine's model name)")

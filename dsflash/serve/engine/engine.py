@@ -46,7 +46,7 @@ def enable_compilation_cache():
 
 
 class LLMEngine(SchedulerMixin):
-    def __init__(self, model="tiny", *, max_num_seqs=16, max_model_len=512, speculative=True, num_pages=None,
+    def __init__(self, model="demo", *, max_num_seqs=16, max_model_len=512, speculative=True, num_pages=None,
                  page_size=64, max_num_batched_tokens=256, precision="reference", seed=0, **opts):
         t0 = time.perf_counter()
         if opts.pop("compilation_cache", True):
