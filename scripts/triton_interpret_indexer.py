@@ -4,6 +4,8 @@ Runs ``_indexer_score_kernel`` on numpy buffers at small shapes and compares the
 sets (selection = the shared ``indexer_topk.select``) with ``indexer_topk_reference``. Inputs are on a coarse
 dyadic grid, so every fp32 sum is exact whatever its order: scores must be bit-identical and index sets equal
 (many exact ties, so the lowest-index rule is exercised). A continuous-input case checks scores to 1 bf16 ulp.
+Non-finite input: the rounding helper on special bit patterns (the GPU's canonical NaN 0x7FFFFFFF cannot be made
+by numpy arithmetic, so it is fed in directly) and NaN weights / queries end to end vs the reference's NaN pattern.
 Usage: python scripts/triton_interpret_indexer.py   (needs `pip install triton`)"""
 import os
 import sys
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from triton_interpret_moe import Fake  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from dsflash.kernels import indexer_topk as ik, indexer_topk_triton as it  # noqa: E402
 
 
@@ -51,6 +54,53 @@ def kernel_scores(q, w, k, visible, valid, cand):
     return out
 
 
+SPECIALS = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0x7F800000,
+                     0xFF800000, 0x7F7FFFFF, 0x7F7F8000, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000000, 0x80000000,
+                     0x00008000, 0xBF800001, 0x7F7F7FFF, 0x3F808001, 0x80007FFF], np.uint32)
+
+
+@triton.jit
+def _specials_kernel(x_ptr, r_ptr, m_ptr, N: tl.constexpr, BN: tl.constexpr, RNE: tl.constexpr, RELU: tl.constexpr):
+    o = tl.arange(0, BN)
+    x = tl.load(x_ptr + o, mask=o < N, other=0.0)
+    tl.store(r_ptr + o, RNE(x), mask=o < N)
+    tl.store(m_ptr + o, RELU(x), mask=o < N)
+
+
+def check_specials(rne, relu=None):
+    """The kernel's bf16 rounding (and relu) on special bit patterns vs XLA's convert: NaN stays NaN (the GPU's
+    canonical NaN 0x7FFFFFFF used to carry into the sign bit and round to -0.0), inf/overflow/ties as XLA."""
+    x = SPECIALS.view(np.float32)
+    r, m = np.zeros_like(x), np.zeros_like(x)
+    _specials_kernel[(1,)](Fake(x), Fake(r), Fake(m), N=x.size, BN=triton.next_power_of_2(x.size), RNE=rne,
+                           RELU=relu or rne)
+    want = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(r), nan), (SPECIALS[np.isnan(r) != nan], r[np.isnan(r) != nan])
+    assert np.array_equal(r[~nan].view(np.uint32), want[~nan].view(np.uint32)), (r, want)
+    assert np.array_equal(r[nan].view(np.uint32) & 0xFFFF, np.zeros(nan.sum(), np.uint32)), "NaN not bf16-exact"
+    if relu is not None:
+        want_m = np.asarray(jax.nn.relu(jnp.asarray(x)))
+        cmp = ~np.isnan(want_m) & ((np.abs(x) >= np.finfo(np.float32).tiny) | (x == 0))  # XLA:CPU flushes subnormals
+        assert np.array_equal(np.isnan(m), np.isnan(want_m)) and np.array_equal(m[cmp], want_m[cmp]), (m, want_m)
+    print(f"specials: {x.size} bit patterns (canonical GPU NaN 0x7FFFFFFF included) round like XLA's convert, NaN kept")
+
+
+def run_poison(B=2, S=3, Hi=16, Di=32, T=300, seed=6, where="w"):
+    """Non-finite input: the kernel must give the reference's NaN / -inf pattern (the GPU test's poison call)."""
+    q, w, k, visible, valid, _ = inputs(B, S, Hi, Di, T, seed)
+    if where == "w":
+        w = jnp.full_like(w, jnp.nan)
+    else:   # one NaN query element: that row's every visible score is NaN
+        q = q.at[0, 0, 1, 3].set(jnp.nan)
+    visible = jnp.full_like(visible, T // 2)
+    ref = np.asarray(ik.indexer_scores_reference(q, w, k, visible, valid))
+    got = kernel_scores(q, w, k, visible, valid, None)
+    assert np.isnan(ref).any()
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.array_equal(np.isneginf(got), np.isneginf(ref))
+    print(f"poison ({where} NaN): NaN scores {int(np.isnan(got).sum())} = reference's, -inf pattern equal")
+
+
 def run(B=2, S=3, Hi=16, Di=32, T=300, topk=40, seed=0, grid=True, dtype=jnp.bfloat16, cand=False, filt=None):
     q, w, k, visible, valid, c = inputs(B, S, Hi, Di, T, seed, grid, dtype, cand)
     ref = np.asarray(ik.indexer_scores_reference(q, w, k, visible, valid, c))
@@ -73,6 +123,9 @@ def run(B=2, S=3, Hi=16, Di=32, T=300, topk=40, seed=0, grid=True, dtype=jnp.bfl
 
 
 if __name__ == "__main__":
+    check_specials(it._bf16_rne, it._relu_nan)
+    run_poison()
+    run_poison(where="q")
     run()
     run(B=1, S=1, Hi=32, Di=128, T=700, topk=512, seed=1)                   # V4.1 head shape, decode
     run(B=2, S=6, Hi=32, Di=64, T=200, topk=64, seed=2, cand=True)           # consumer layer, 6 rows

@@ -56,3 +56,26 @@ def test_bad_backend_and_shapes():
                  (X, a, fn, base[1:], scale), (X, a, fn, base, scale, (y[:, 1:], a, jnp.zeros((5, 4, 4))))]:
         with pytest.raises(ValueError):
             mf.mhc_fused(*args, **kw)
+
+
+def test_model_keeps_mhc_on_xla():
+    """The fused kernel was slower than XLA at every size on the H200 (NOTES.md): forward.py must keep calling the
+    XLA pieces, never the fused ops that take a backend."""
+    import importlib
+    import inspect
+
+    src = inspect.getsource(importlib.import_module("dsflash.model.forward"))
+    assert "mhc.coefficients(" in src and "mhc.expand(" in src
+    for name in ("pre_mix", "post_mix", "mhc_fused"):
+        assert name not in src, f"forward.py calls {name}: re-time the mHC kernel first (NOTES.md, Fused mHC)"
+
+
+def test_collapse_and_expand_pin_fp32_products():
+    """DEFAULT precision is TF32 on recent GPUs; the reference's contractions ask for HIGHEST (fp32)."""
+    X, a, fn, base, scale, y = _inputs(lead=(3,))
+    n = X.shape[-2]
+    comb = jnp.ones((3, n, n)) / n
+    for jaxpr in (jax.make_jaxpr(lambda *t: mf.collapse(*t, jnp.bfloat16))(X, a),
+                  jax.make_jaxpr(lambda *t: mf.expand(*t, jnp.bfloat16))(y, X, a, comb)):
+        dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        assert dots and all("HIGHEST" in str(e.params["precision"]) for e in dots), dots

@@ -1,7 +1,10 @@
 """Triton (jax-triton) lightning-indexer scoring; same contract as ``indexer_topk.indexer_scores_reference``.
 
-STATUS: checked against the reference in Triton's interpreter (``scripts/triton_interpret_indexer.py``);
-``tests/gpu/test_indexer.py`` not yet run on a GPU, nothing timed.
+STATUS: checked against the reference in Triton's interpreter (``scripts/triton_interpret_indexer.py``).
+First H200 run (2026-11-30, commit 199278b): scores bit-exact on finite inputs, but NaN head weights gave -0.
+scores (the bf16 rounding carried the GPU's canonical NaN into the sign bit); fixed in ``_bf16_rne`` and the relu
+made NaN-propagating like the reference -- the fix is checked in the interpreter only, not yet on a GPU.
+Timed: 1.11-1.22x the XLA reference at 64-128 sequences, 0.82x at one row (benchmarks/BENCHMARKS.md).
 
 Design: one program per (BS query rows of one sequence, BT compressed entries). The BS rows x Hi heads are stacked
 into the M dimension of one MMA, so the K tile [BT, Di] is read once for all of them (decode with draft rows,
@@ -21,8 +24,21 @@ import triton.language as tl
 
 @triton.jit
 def _bf16_rne(x):
+    """fp32 -> bf16 -> fp32, round to nearest even, NaN kept NaN. The NaN branch matters on the GPU: fp32
+    arithmetic there returns the canonical NaN 0x7FFFFFFF, and adding the rounding bias carries it into the sign
+    bit (0x80000000 = -0.0): NaN weights came out as -0. scores on the H200 (2026-11-30). The quiet bit is set
+    before truncating so a signalling payload cannot truncate to inf."""
     u = x.to(tl.uint32, bitcast=True)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, (u | 0x00400000) & 0xFFFF0000, rounded).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _relu_nan(x):
+    """The reference's relu (jnp.maximum(x, 0)): NaN stays NaN. ``tl.maximum`` lowers to fmax semantics on the
+    GPU (max(NaN, 0) = 0), which would turn a NaN logit into a 0 contribution."""
+    return tl.where(x > 0.0, x, tl.where(x != x, x, 0.0))
 
 
 @triton.jit
@@ -48,7 +64,7 @@ def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.c
     w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
     if ROUND:
         qk = _bf16_rne(qk)
-    c = tl.maximum(qk, 0.0) * w[:, None]                # bf16 x bf16 is exact in fp32: one rounding below
+    c = _relu_nan(qk) * w[:, None]                      # bf16 x bf16 is exact in fp32: one rounding below
     if ROUND:
         c = _bf16_rne(c)
     sc = tl.sum(tl.reshape(c, (BS, Hi, BT)), axis=1)    # [BS, BT]

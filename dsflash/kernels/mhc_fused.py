@@ -20,6 +20,13 @@ import jax
 import jax.numpy as jnp
 
 
+# fp32 products for the collapse / expand contractions. Without it JAX's DEFAULT precision runs an fp32 einsum in
+# TF32 on recent GPUs (comb rounded to 10 mantissa bits, ~2^-11 relative): on the H200 (2026-11-30) the expand
+# then differed from fp32 math in one bf16 ulp on ~6 % of elements (rel 8.6e-4; reproduced on CPU by rounding comb
+# to TF32: 6.1 %, 8.5e-4). No effect on CPU (fp32 there already).
+_F32 = jax.lax.Precision.HIGHEST
+
+
 def sinkhorn_coefficients(X, fn, base, scale, *, eps, rms_eps, iters):
     """H(X) for streams X [..., n, d] -> (pre [..., n], post [..., n], comb [..., n, n]) in fp32."""
     n = X.shape[-2]
@@ -43,13 +50,13 @@ def sinkhorn_coefficients(X, fn, base, scale, *, eps, rms_eps, iters):
 
 def collapse(X, a, out_dtype):
     """hc_pre: sum_c a[c] X[c] (fp32 accumulate)."""
-    return jnp.einsum("...c,...cd->...d", a, X.astype(jnp.float32)).astype(out_dtype)
+    return jnp.einsum("...c,...cd->...d", a, X.astype(jnp.float32), precision=_F32).astype(out_dtype)
 
 
 def expand(y, X, post, comb, out_dtype):
     """hc_post: out[k] = post[k] y + sum_j comb[j, k] X[j]."""
     out = post[..., :, None] * y.astype(jnp.float32)[..., None, :] + jnp.einsum(
-        "...jk,...jd->...kd", comb, X.astype(jnp.float32))
+        "...jk,...jd->...kd", comb, X.astype(jnp.float32), precision=_F32)
     return out.astype(out_dtype)
 
 
@@ -86,6 +93,10 @@ def use_triton(backend):
 
 
 def mhc_fused(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, iters, out_dtype, backend="xla"):
+    """``backend="triton"`` runs the kernel (tests, bench). The model does NOT route mHC here: forward.py calls the
+    pieces (coefficients / collapse / expand) in XLA whatever ``RunOptions.backend`` is, because the kernel was
+    slower than the jitted XLA reference at every measured size on the H200 (2026-11-30; 0.97 vs 0.32 ms at
+    1 token, 1.80 vs 1.17 at 4096, 6.81 vs 4.23 at 16384). ``tests/test_kernels_mhc.py`` guards that."""
     kw = dict(eps=eps, rms_eps=rms_eps, iters=iters, out_dtype=out_dtype)
     if not use_triton(backend):
         return mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)

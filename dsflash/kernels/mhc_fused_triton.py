@@ -1,7 +1,10 @@
 """Triton (jax-triton) fused mHC; same contract as ``mhc_fused.mhc_fused_reference``.
 
-STATUS: checked against the reference in Triton's interpreter (``scripts/triton_interpret_mhc.py``);
-``tests/gpu/test_mhc.py`` not yet run on a GPU, nothing timed.
+STATUS: checked against the reference in Triton's interpreter (``scripts/triton_interpret_mhc.py``).
+First H200 run (2026-11-30, commit 199278b): SLOWER than the jitted XLA reference at every size (0.97 vs 0.32 ms
+at 1 token, 6.81 vs 4.23 ms at 16384), so the model does not use it (NOTES.md). The GPU test's post-side
+mismatch (6 % of bf16 h elements one ulp off) was the reference's expand einsum running in TF32 (JAX's DEFAULT
+precision on the GPU), not this kernel: the reference now pins fp32 (HIGHEST). Not re-run on a GPU since.
 
 Design: one program per BT tokens, one pass over d in chunks of BD:
 * (expand) x = post[k] y + sum_j comb[j, k] X[j] in fp32, rounded to the output dtype and stored;
@@ -22,8 +25,12 @@ import triton.language as tl
 
 @triton.jit
 def _bf16_rne(x):
+    """fp32 -> bf16 -> fp32, round to nearest even, NaN kept NaN (the GPU's canonical NaN 0x7FFFFFFF would
+    otherwise carry into the sign bit and come out as -0.0; seen in the indexer kernel on the H200)."""
     u = x.to(tl.uint32, bitcast=True)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, (u | 0x00400000) & 0xFFFF0000, rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -1,9 +1,16 @@
 """Triton fused mHC vs ``mhc_fused_reference`` on the GPU (fresh random inputs, V4.1 n=4, d=5120, 20 iters).
 
-Not yet run on a GPU (checked in the interpreter: scripts/triton_interpret_mhc.py). The reference runs op by op
-(each bf16 rounding happens). Tolerances: X1 and h are bf16 roundings of fp32 sums of <= 5 terms whose order may
-differ: rel err < 2e-3 and < 1 % of elements off (by 1 ulp); the coefficients use a 3xTF32 MMA for m (vs fp32
-HIGHEST) and 20 Sinkhorn steps: rel err < 1e-4."""
+The reference runs op by op (each bf16 rounding happens). Each stage is checked against the reference applied to
+the kernel's own input for that stage (X1 = expand(X); h = collapse(X1); coefficients = H(X1)), so an error is
+attributed to the stage that made it. Band (documented in NOTES.md "Fused mHC"):
+* X1, h: bf16 roundings of fp32 sums of <= 5 terms whose order (and FMA contraction) may differ from XLA's, so an
+  element may flip by one bf16 ulp at a rounding tie: every element within 1 ulp (2^-7 of its magnitude) plus
+  2^-20 of the sum of the terms' magnitudes (cancellation), < 1 % of elements off, rel err < 2e-3;
+* coefficients: 3xTF32 MMA for the logits (vs fp32 HIGHEST) and 20 Sinkhorn steps: rel err < 1e-4.
+First H200 run (2026-11-30, commit 199278b): all 5 post cases failed on h (T4096: rel 8.6e-4, 6.2 % of elements
+off) because the reference's expand einsum ran in TF32 (JAX's DEFAULT precision for fp32 on the GPU); a CPU
+simulation that rounds comb to TF32 gives 8.5e-4 / 6.1 %. The reference now pins HIGHEST; if the post cases
+still show ~6 % off, that explanation is wrong -- not yet re-run on a GPU."""
 import zlib
 
 import numpy as np
@@ -46,6 +53,19 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _band(name, g, r, mag):
+    """Every element within one bf16 ulp plus 2^-20 of its terms' magnitude; < 1 % of elements off."""
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    assert np.all(np.isfinite(g)), name
+    diff = np.abs(g - r)
+    tol = 2.0 ** -7 * np.maximum(np.abs(g), np.abs(r)) + 2.0 ** -20 * mag
+    err, off = _rel(g, r), float(np.mean(g != r))
+    worst = float(np.max(diff / (tol + 1e-30)))
+    print(f"{name}: rel err {err:.1e}, elements off {off:.4f}, worst diff / band {worst:.2f}")
+    assert np.all(diff <= tol), (name, int(np.sum(diff > tol)), float(np.max(diff - tol)))
+    assert err < 2e-3 and off < 0.01, (name, err, off, "~6 % off = a TF32 reference, see NOTES.md 'Fused mHC'")
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}n{}d{}".format(*c))
 @pytest.mark.parametrize("expand", [False, True], ids=["pre", "post"])
 def test_matches_reference(case, expand):
@@ -54,14 +74,17 @@ def test_matches_reference(case, expand):
     ex = ex if expand else None
     rX, rh, rc = mf.mhc_fused_reference(X, a, fn, base, scale, ex, **KW)
     gX, gh, gc = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW))(X, a, fn, base, scale, ex)
-    outs = [("h", gh, rh)] + ([("X1", gX, rX)] if expand else [])
-    for name, g, r in outs:
-        g32 = np.asarray(g, np.float32)
-        assert np.all(np.isfinite(g32)), name
-        err, off = _rel(g, r), float(np.mean(g32 != np.asarray(r, np.float32)))
-        print(f"{case} {name}: rel err {err:.1e}, elements off {off:.4f}")
-        assert err < 2e-3 and off < 0.01, (name, err, off)
-    for name, g, r in zip(("pre", "post", "comb"), gc, rc):
+    f32 = lambda t: np.abs(np.asarray(t, np.float32))  # noqa: E731
+    if expand:
+        y, post, comb = ex
+        mag = f32(post)[..., :, None] * f32(y)[..., None, :] + np.einsum("tjk,tjd->tkd", f32(comb), f32(X))
+        _band(f"{case} X1", gX, rX, mag)
+    X1 = gX if expand else X          # collapse and coefficients of the kernel's own X1
+    _band(f"{case} h", gh, mf.collapse(X1, a, KW["out_dtype"]), np.einsum("tc,tcd->td", f32(a), f32(X1)))
+    print(f"{case} h end to end: rel err {_rel(gh, rh):.1e}")
+    assert _rel(gh, rh) < 2e-3
+    want = mf.sinkhorn_coefficients(X1, fn, base, scale, eps=KW["eps"], rms_eps=KW["rms_eps"], iters=KW["iters"])
+    for name, g, r in zip(("pre", "post", "comb"), gc, want):
         assert np.all(np.isfinite(np.asarray(g))), name
         err = _rel(g, r)
         print(f"{case} {name}: rel err {err:.1e}")
@@ -75,8 +98,10 @@ def test_outputs_fully_written():
     f = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW))
     X, a, fn, base, scale, ex = _inputs((1000, 4, 5120), 1)
     X2 = jnp.full_like(X, jnp.nan)
-    _, h_nan, _ = f(X2, a, fn, base, scale, None)     # poison: NaN everywhere in the result
-    del h_nan
+    _, h_nan, c_nan = f(X2, a, fn, base, scale, None)     # poison: NaN everywhere in the result
+    # the reference gives NaN here; before the NaN-safe rounding the kernel's h came out -0. (canonical GPU NaN)
+    assert np.all(np.isnan(np.asarray(h_nan, np.float32))) and np.all(np.isnan(np.asarray(c_nan[2])))
+    del h_nan, c_nan
     gX, gh, gc = f(X, a, fn, base, scale, ex)
     for t in (gX, gh) + tuple(gc):
         assert np.all(np.isfinite(np.asarray(t, np.float32)))
