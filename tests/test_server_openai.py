@@ -21,7 +21,7 @@ MODEL = default_test_model()
 
 @pytest.fixture(scope="module")
 def server():
-    args = [] if MODEL == "tiny" else ["--model", MODEL]   # tiny is the no-argument default
+    args = [] if MODEL == "demo" else ["--model", MODEL]   # demo is the no-argument default
     srv = start_server(*args)   # $DSFLASH_TEST_SERVER_URL drives an already running server instead
     print(f"[server] model under test: {MODEL}")
     yield srv

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def default_test_model() -> str:
     """The model the real-engine server tests use: ``$DSFLASH_TEST_SERVER_MODEL``, else the built-in
-    default (``tiny``) when the engine can load it, else the model-free ``dummy`` engine (reported)."""
+    default (``demo``, the trained model that ships with dsflash) when the engine can load it, else the model-free ``dummy`` engine (reported)."""
     env = os.environ.get("DSFLASH_TEST_SERVER_MODEL")
     if env:
         return env
@@ -26,7 +26,7 @@ def default_test_model() -> str:
         import dsflash
         from dsflash.serve.engine import LLMEngine  # noqa: F401
         if hasattr(dsflash, "load"):
-            return "tiny"
+            return "demo"
     except Exception:  # noqa: BLE001
         pass
     return "dummy"
