@@ -5,9 +5,6 @@ Toy-backend tests use logical ranks (``data_parallel_size=2``, one device: same 
 layout, cheap compiles). The real tiny model runs on ``dep=2`` over two faked CPU devices
 (tests/conftest.py fakes 8; with fewer the test re-runs itself in a child process) in fp32 and must give
 the single-device engine's greedy tokens (docs/sharding.md explains why not bf16)."""
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine.testing import ToyBackend
 from dsflash.serve.types import SamplingParams
+from multi_device import TINY_ENGINE, rerun_in_child
 
 TOY = dict(max_num_seqs=4, max_model_len=96, page_size=8, max_num_batched_tokens=48, decode_steps=3,
            prefill_buckets=[(1, 16), (2, 12), (1, 48)])
@@ -194,23 +192,11 @@ def test_bad_dp_rank_and_indivisible_pools_raise(toy_dp):
 
 
 # ---------------------------------------------------------------------------------------- real model, dep=2
-MODEL = dict(max_num_seqs=4, max_model_len=128, page_size=16, max_num_batched_tokens=64, precision="fp32",
-             decode_steps=2)
-
-
-def _in_child(test_name):
-    """Re-run one test of this file in a child process with 8 faked CPU devices; True when it did."""
-    if jax.device_count() >= 2:
-        return False
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        f"{os.path.abspath(__file__)}::{test_name}"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    return True
+MODEL = TINY_ENGINE
 
 
 def test_tiny_dep2_equals_single_device():
-    if _in_child("test_tiny_dep2_equals_single_device"):
+    if rerun_in_child(__file__, "test_tiny_dep2_equals_single_device"):
         return
     from dsflash.sharding.mesh import make_mesh
     ps = prompts(8, seed=5, lo=5, hi=50, vocab=512)

@@ -4,9 +4,6 @@ greedy outputs, balancedness in the metrics / Prometheus export.
 
 Tiny model on ``dep=2`` over two faked CPU devices (tests/conftest.py fakes 8; with fewer the test re-runs
 itself in a child process), fp32, 2 redundant experts (10 physical slots, 5 per EP rank)."""
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,19 +11,9 @@ import pytest
 
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.types import SamplingParams
+from multi_device import TINY_ENGINE, rerun_in_child
 
-MODEL = dict(max_num_seqs=4, max_model_len=128, page_size=16, max_num_batched_tokens=64, precision="fp32",
-             decode_steps=2)
-
-
-def _in_child(test_name):
-    if jax.device_count() >= 2:
-        return False
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        f"{os.path.abspath(__file__)}::{test_name}"], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    return True
+MODEL = TINY_ENGINE
 
 
 def prompts(n, seed=0, lo=5, hi=40, vocab=512):
@@ -57,7 +44,7 @@ def test_bad_eplb_options_name_the_field():
 
 
 def test_tiny_dep2_eplb_records_valid_rows_and_rebalances_without_changing_outputs():
-    if _in_child("test_tiny_dep2_eplb_records_valid_rows_and_rebalances_without_changing_outputs"):
+    if rerun_in_child(__file__, "test_tiny_dep2_eplb_records_valid_rows_and_rebalances_without_changing_outputs"):
         return
     from dsflash.serve.http.metrics import ServerMetrics
     from dsflash.sharding.mesh import make_mesh

@@ -59,18 +59,34 @@ def _settled(server, before, t_wait=10.0):
         time.sleep(0.3)
 
 
+def _stable(server, quiet=1.0, t_wait=20.0):
+    """Dummy-call counts once they stopped changing for ``quiet`` seconds (metrics snapshots lag a request)."""
+    t_end = time.time() + t_wait
+    last, since = _dummy_calls(server), time.time()
+    while time.time() < t_end:
+        time.sleep(0.2)
+        now = _dummy_calls(server)
+        if now != last:
+            last, since = now, time.time()
+        elif time.time() - since >= quiet:
+            break
+    return last
+
+
 def test_pinned_rank_runs_alone(server):
     assert _complete(server).status_code == 200          # warm; the balancer picks
-    base = _settled(server, None, 0)
+    base = _stable(server)                                # the warm request's own dummy calls counted
     assert base[0] is not None and base[1] is not None, "per-rank gauges missing"
     r = _complete(server, {HEADER: "1"}, prompt=(9, 8, 7, 6, 5, 4))
     assert r.status_code == 200, r.text
-    after = _settled(server, base)
+    _settled(server, base)
+    after = _stable(server)
     assert after[0] > base[0] and after[1] == base[1], (base, after)
     base = after
     r = _complete(server, {HEADER: "0"}, prompt=(3, 4, 5, 6, 7, 8, 9))
     assert r.status_code == 200, r.text
-    after = _settled(server, base)
+    _settled(server, base)
+    after = _stable(server)
     assert after[1] > base[1] and after[0] == base[0], (base, after)
 
 

@@ -409,7 +409,9 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
         flops = 2.0 * B * S * Hi * T * Di
         row = dict(B=B, S=S, T=T, Hi=Hi, Di=Di, topk=K, bytes_min=bytes_min, flops=flops,
                    roofline_s=_roof(bytes_min, flops, ceilings))
-        ops = {"triton": lambda q_, w_, k_, v_, m_: ik.indexer_topk(q_, w_, k_, v_, m_, topk=K, backend="triton")[0],
+        # the kernel path itself (indexer_topk(backend="triton") keeps tiny shapes on XLA: prefers_xla)
+        ops = {"triton": lambda q_, w_, k_, v_, m_: ik.select(it.indexer_scores_triton(q_, w_, k_, v_, m_), v_,
+                                                              topk=K)[0],
                "triton_scores_only": lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_)}
         if B * S <= args.indexer_xla_max_rows:
             ops["xla_ref"] = lambda q_, w_, k_, v_, m_: ik.indexer_topk(q_, w_, k_, v_, m_, topk=K, backend="xla")[0]
