@@ -175,11 +175,8 @@ class PagePoolGroup:
         if num_pages % num_ranks:
             raise ValueError(f"num_pages={num_pages} must divide by the DP size {num_ranks}")
         per = num_pages // num_ranks
-        self.num_pages, self.page_size, self.per_rank = num_pages, page_size, per
+        self.num_pages, self.page_size = num_pages, page_size
         self.ranks = [PagePool(per, page_size, enable_prefix_cache, first_page=r * per) for r in range(num_ranks)]
-
-    def rank_of(self, page: int) -> int:
-        return page // self.per_rank
 
     @property
     def num_free(self) -> int:
@@ -220,14 +217,8 @@ class SlotPoolGroup:
         if num_slots % num_ranks:
             raise ValueError(f"max_num_seqs={num_slots} (slots) must divide by the DP size {num_ranks}")
         per = num_slots // num_ranks
-        self.num_slots, self.per_rank = num_slots, per
+        self.num_slots = num_slots
         self.ranks = [SlotPool(per, first_slot=r * per) for r in range(num_ranks)]
-
-    def rank_of(self, slot: int) -> int:
-        return slot // self.per_rank
-
-    def free(self, slot: int) -> None:
-        self.ranks[slot // self.per_rank].free(slot)
 
     @property
     def num_free(self) -> int:
