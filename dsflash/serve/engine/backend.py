@@ -10,7 +10,7 @@ Protocol (all functions pure and jit-able; ``state`` is donated by the caller):
 * ``init_state(geo)`` -> state pytree
 * ``forward(params, batch, state, *, logits, taps)`` -> (out, state): ``out["logits"]`` fp32 ``[B, V]``
   (``logits="last"``) or ``[B, S, V]`` (``"all"``); ``out["taps"]`` when ``taps``; with EPLB on
-  (``eplb_on``) also ``out["expert_load"] [L, P]`` (per-physical-expert tokens of valid rows)
+  (``eplb_shape`` set) also ``out["expert_load"] [L, P]`` (per-physical-expert tokens of valid rows)
 * ``update_context(params, out, batch, state)`` -> state (DSpark context from the forward's taps)
 * ``propose(params, state, y, pos, slots, floor, temperature, keys)`` -> (drafts ``[B, k]``, logits ``[B, k, V]``,
   confidence ``[B, k]``). ``y`` is the token just sampled for position ``pos + 1``; ``keys [B, 2]`` are per-row
@@ -60,8 +60,8 @@ class ModelBackend:
         self.mesh = getattr(model, "mesh", None) if self.dp > 1 else None
         self.strategy = getattr(model, "strategy", "dep")
         self.routed_fn = getattr(model, "routed_fn", None) if self.dp > 1 else None
-        # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params
-        self.eplb_on = False
+        # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params;
+        # (L, P) of the per-physical load every forward then returns, None = EPLB off
         self.eplb_shape = None
 
     def bind_geometry(self, geo):
@@ -90,7 +90,7 @@ class ModelBackend:
 
     def forward(self, params, batch, state, *, logits="last", taps=False):
         from dsflash.model.forward import forward
-        if self.eplb_on:
+        if self.eplb_shape is not None:
             return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps, expert_load=True),
                            self._eplb_routed_fn(params))
         return forward(params, self.cfg, batch, state, self._opts(logits=logits, taps=taps), self.routed_fn)

@@ -129,7 +129,7 @@ class LLMEngine(SchedulerMixin):
                                  redundant=eplb_opts["redundant"]) if eplb_opts["eplb"] else None
         self.runner = R.Runner(be, self.geo, max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq,
                                prefill_buckets=run_buckets, speculative=self.speculative, max_iters=self.decode_steps,
-                               max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids, dp=dp)
+                               max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids)
         # per-rank view of the runner's (sorted) buckets: (rows per rank, tokens)
         self.rank_buckets = [(b[0] // dp, b[1]) for b in self.runner.prefill_buckets]
         self.metrics = EngineMetrics(block=self.k, dp_size=dp)

@@ -84,9 +84,8 @@ def empty_sampling(n: int, max_stop_ids: int) -> dict:
 
 class Runner:
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
-                 max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1):
+                 max_iters: int, max_logprobs: int, max_stop_ids: int):
         self.backend = backend
-        self.dp = dp
         self.geo = geo
         self.S = max_num_seqs
         self.P = pages_per_seq
@@ -109,9 +108,9 @@ class Runner:
         self.state = backend.init_state(geo)
         self.rows = self._init_rows()
         # EPLB: forwards return out["expert_load"] [L, P]; each call returns its sum as res["eplb_load"]
-        self.eplb_shape = getattr(backend, "eplb_shape", None) if getattr(backend, "eplb_on", False) else None
-        mesh = getattr(backend, "mesh", None) if dp > 1 else None
-        self.mesh = mesh
+        self.eplb_shape = getattr(backend, "eplb_shape", None)
+        # a backend that placed its state on a DP mesh (ModelBackend with dp > 1): rows follow it
+        self.mesh = mesh = getattr(backend, "mesh", None)
         if mesh is None:
             self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
             self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
