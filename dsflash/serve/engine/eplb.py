@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsflash.sharding.eplb import EXPERT_TENSORS, EplbConfig, EplbState, expert_prefix, source_index
+from dsflash.sharding.eplb import EXPERT_TENSORS, EplbConfig, EplbState, LayerMover, expert_prefix, source_index
 
 TABLE_KEYS = ("eplb.log2phy", "eplb.logcnt")
 
@@ -76,7 +76,6 @@ class EngineEplb:
         params.update(self._device_tables())
         backend.params = params
         backend.eplb_shape = (self.L, self.P)
-        backend.eplb_on = True
         # one compiled gather per distinct layer signature (ahead of time: serving never compiles)
         self._move = {}
         for l in range(self.L):
@@ -87,11 +86,9 @@ class EngineEplb:
                              out_shardings=tuple(a.sharding for a in arrs))
                 src = jax.device_put(np.arange(self.P, dtype=np.int32), self.repl)
                 self._move[sig] = fn.lower(arrs, src).compile()
-        self.plan = None            # the rebalance being applied
-        self.pending: list[int] = []
+        self.mover = None           # LayerMover of the latest rebalance (done once every layer is applied)
         self.last_load = None
         self.copies = 0             # expert slots copied so far
-        self.last_plan = None
 
     # ------------------------------------------------------------------ helpers
     def _device_tables(self) -> dict:
@@ -106,8 +103,20 @@ class EngineEplb:
     def _sig(arrs):
         return tuple((a.shape, str(a.dtype), a.sharding) for a in arrs)
 
-    def _apply_layer(self, params: dict, l: int) -> dict:
-        moves = self.plan.moves[l]
+    @property
+    def pending(self) -> list[int]:
+        """Layers of the latest rebalance not applied yet."""
+        return [] if self.mover is None else self.mover.layers[self.mover.pos:]
+
+    @property
+    def last_plan(self):
+        return None if self.mover is None else self.mover.plan
+
+    def _apply_layer(self, params: dict) -> dict:
+        """The next pending layer: its expert arrays by the pre-compiled gather, then its tables (the
+        mover's ``set_layer``), uploaded with the params."""
+        l = self.mover.layers[self.mover.pos]
+        moves = self.mover.plan.moves[l]
         params = dict(params)
         if moves:
             arrs = self._layer_arrays(params, l)
@@ -116,7 +125,7 @@ class EngineEplb:
             for t, a in zip(self.names, new):
                 params[expert_prefix(l) + t] = a
             self.copies += len(moves)
-        self.state.set_layer(l, self.plan.new_phy2log[l])
+        self.mover.step()
         params.update(self._device_tables())
         return params
 
@@ -127,23 +136,18 @@ class EngineEplb:
         self.last_load = np.asarray(load)
         due = self.state.record(self.last_load)
         if not self.pending and due:
-            self._start(self.state.rebalance())
+            self.mover = LayerMover(self.state, self.state.rebalance())
         if self.pending:
-            params = self._apply_layer(params, self.pending.pop(0))
+            params = self._apply_layer(params)
         return params
-
-    def _start(self, plan):
-        self.plan = self.last_plan = plan
-        self.pending = [l for l in range(self.L) if plan.moves[l] or
-                        not np.array_equal(plan.old_phy2log[l], plan.new_phy2log[l])]
 
     def rebalance_now(self, params: dict) -> tuple[dict, object]:
         """Run the policy on the window now and apply every layer at once (finishing a pending plan first)."""
         while self.pending:
-            params = self._apply_layer(params, self.pending.pop(0))
-        self._start(self.state.rebalance())
+            params = self._apply_layer(params)
+        self.mover = LayerMover(self.state, self.state.rebalance())
         while self.pending:
-            params = self._apply_layer(params, self.pending.pop(0))
+            params = self._apply_layer(params)
         return params, self.last_plan
 
     def metrics(self) -> dict:
