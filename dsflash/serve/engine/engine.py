@@ -130,8 +130,6 @@ class LLMEngine(SchedulerMixin):
         self.runner = R.Runner(be, self.geo, max_num_seqs=max_num_seqs, pages_per_seq=self.pages_per_seq,
                                prefill_buckets=run_buckets, speculative=self.speculative, max_iters=self.decode_steps,
                                max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids)
-        # per-rank view of the runner's (sorted) buckets: (rows per rank, tokens)
-        self.rank_buckets = [(b[0] // dp, b[1]) for b in self.runner.prefill_buckets]
         self.metrics = EngineMetrics(block=self.k, dp_size=dp)
         self.metrics.kv_pages_total = num_pages
         self._rng = random.Random(seed)
@@ -369,10 +367,11 @@ class LLMEngine(SchedulerMixin):
         m.dp_kv_usage = [p.usage() for p in self.rank_pools]
         self.balancer.update_all(list(zip(w, u)))
 
-    def _count_dummy(self, rows_per_rank, rows):
-        """A device call where some ranks have no rows: their ``rows`` rows run as dummy rows (valid=False)."""
+    def _count_dummy(self, ranks, rows):
+        """A device call whose real rows belong to ``ranks`` (one entry per row): the other ranks' ``rows``
+        rows run as dummy rows (valid=False)."""
         from dsflash.sharding.dp_balance import plan_step
-        st = plan_step(rows_per_rank, buckets=[rows])
+        st = plan_step(np.bincount(ranks, minlength=self.dp), buckets=[rows])
         m = self.metrics
         for r, d in enumerate(st.dummy):
             if d:
@@ -391,14 +390,12 @@ class LLMEngine(SchedulerMixin):
         rec = {"prefill": None, "decode": None}
         pf_inp = dc_inp = None
         if plan:
-            bucket, chunks = plan[0], plan[1]
-            rows = rec["prefill_rows"] = plan[2] if len(plan) > 2 else None
+            bucket, chunks, rows = plan
+            rec["prefill_rows"] = rows
             pf_inp = self._prefill_inputs(bucket, chunks, rows)
-            if rows is not None:
-                n_r = [0] * self.dp
-                for r in rows:
-                    n_r[r // (bucket[0] // self.dp)] += 1
-                self._count_dummy(n_r, bucket[0] // self.dp)
+            if self.dp > 1:
+                rb = bucket[0] // self.dp
+                self._count_dummy([r // rb for r in rows], rb)
             items = []
             for s, n in chunks:
                 last = s.computed + n == len(s.all_ids)
@@ -413,10 +410,7 @@ class LLMEngine(SchedulerMixin):
         if decode:
             dc_inp = self._decode_inputs(decode)
             if self.dp > 1:
-                n_r = [0] * self.dp
-                for s, _ in decode:
-                    n_r[s.rank] += 1
-                self._count_dummy(n_r, self.max_num_seqs // self.dp)
+                self._count_dummy([s.rank for s, _ in decode], self.max_num_seqs // self.dp)
             for s, h in decode:
                 s.pending += h * self.K1
                 s.pending_lb += h
@@ -445,7 +439,7 @@ class LLMEngine(SchedulerMixin):
         wait = time.perf_counter() - t0
         now = time.time()
         if pf is not None:
-            self._process_prefill(rec["prefill"], pf, now, progressed, rec.get("prefill_rows"))
+            self._process_prefill(rec["prefill"], pf, now, progressed, rec["prefill_rows"])
         if dc is not None:
             self._process_decode(rec["decode"], dc, now, progressed)
         if self.eplb is not None:       # one [L, P] load per engine step (valid rows of every forward)
@@ -454,17 +448,16 @@ class LLMEngine(SchedulerMixin):
                 self.runner.params = self.eplb.after_step(sum(loads), self.runner.params)
         return wait
 
-    def _prefill_inputs(self, bucket, plan, rows=None):
+    def _prefill_inputs(self, bucket, plan, rows):
         """``rows[i]``: the batch row of chunk ``i`` (DP: rank r's chunks in rows [r*Rb, (r+1)*Rb)); rows
         without a chunk are dummy rows (length 0) pointing at their rank's own first slot and page."""
         inp = self.runner.empty_prefill_inputs(bucket)
         sp = inp["sp"]
-        if rows is not None:
+        if self.dp > 1:     # (one rank: rank 0's first slot and page are the zeros already there)
             rb = bucket[0] // self.dp
             inp["slots"][:] = np.repeat(np.arange(self.dp, dtype=np.int32) * (self.max_num_seqs // self.dp), rb)
             inp["page_table"][:] = np.repeat(self._pt_fill[::self.max_num_seqs // self.dp], rb)[:, None]
-        for i, (s, n) in enumerate(plan):
-            r = i if rows is None else rows[i]
+        for r, (s, n) in zip(rows, plan):
             ids = s.all_ids
             inp["tokens"][r, :n] = ids[s.computed:s.computed + n]
             inp["start"][r] = s.computed
@@ -541,9 +534,8 @@ class LLMEngine(SchedulerMixin):
         self._finish(s, reason, stop_reason)
         return True
 
-    def _process_prefill(self, items, res, now, progressed, rows=None):
-        for i, (s, n, last) in enumerate(items):
-            r = i if rows is None else rows[i]
+    def _process_prefill(self, items, res, now, progressed, rows):
+        for r, (s, n, last) in zip(rows, items):
             self.metrics.computed_prompt_tokens += n
             if s.finished:
                 continue

@@ -4,7 +4,7 @@ The engine (``engine.py``) owns the queues, pools and runner these methods use.
 
 With DP ranks (``self.dp > 1``) every sequence has a ``rank``: its slot and pages come from that rank's pools,
 preemption picks victims of the same rank, admission is FCFS per rank, and each rank packs its own prefill
-chunks into its row range of the global prefill bucket (``_schedule_prefill_dp``)."""
+chunks into its row range of the global prefill bucket (``_plan_prefill``; one rank is the plain case)."""
 from __future__ import annotations
 
 import math
@@ -169,36 +169,9 @@ class SchedulerMixin:
             h = min(h, (len(s.pages) * P - 1 - pos) // K1)
             decode.append((s, h))
         decode = [(s, h) for s, h in decode if s.status == DECODE]
-        if self.dp > 1:
-            return self._schedule_dp(decode)
-        # 2. admission, strictly FCFS
-        while self.waiting and self.slots.num_free:
-            if self.waiting[0].pending or not self._admit(self.waiting[0]):
-                break
-            self.waiting.popleft()
-        # 3. prefill chunks into the best bucket
-        budget = max(self.max_num_batched_tokens - len(decode) * K1, min(self.max_num_batched_tokens, 16))
-        pre = sorted([s for s in self.running if s.status == PREFILL], key=lambda v: v.order)
-        best, best_key = None, None
-        for bucket in self.runner.prefill_buckets:
-            Bp, T = bucket
-            left, plan = budget, []
-            for s in pre[:Bp]:
-                n = min(len(s.all_ids) - s.computed, T, left)
-                if n <= 0:
-                    break
-                plan.append((s, n))
-                left -= n
-            key = (sum(n for _, n in plan), -Bp * T)
-            if plan and (best_key is None or key > best_key):
-                best, best_key = (bucket, plan), key
-        # sequences finishing their prompt now can decode in the same step (their row is set by prefill)
-        if best:
-            decode = self._join_decode(best[1], decode)
-            best = (best[0], [(s, n) for s, n in best[1] if s in self.running])
-            if not best[1]:
-                best = None
-        return best, decode
+        # 2. admission, FCFS per DP rank; 3. prefill chunks of every rank into the best bucket
+        self._admit_ranks()
+        return self._plan_prefill(decode)
 
     def _join_decode(self, chunks, decode):
         """Sequences whose prompt completes in this step's prefill join the same step's decode call."""
@@ -215,35 +188,36 @@ class SchedulerMixin:
                         decode.append((s, h))
         return [(s, h) for s, h in decode if s in self.running]
 
-    # ------------------------------------------------------------------ DP ranks
-    def _admit_dp(self):
-        """FCFS admission per rank: a rank stops at its first request that does not fit; others go on."""
-        D = self.dp
-        blocked = [not self.rank_slots[r].num_free for r in range(D)]
-        if all(blocked) or not self.waiting:
-            return
-        keep, admitted = [], False
+    # ------------------------------------------------------------------ admission and prefill, per DP rank
+    def _admit_ranks(self):
+        """FCFS admission per DP rank (one rank: strictly FCFS): a rank stops at its first request that does
+        not fit; others go on."""
+        blocked = [not p.num_free for p in self.rank_slots]
+        admitted = set()
         for s in self.waiting:
+            if all(blocked):
+                break
             r = s.rank
-            if blocked[r] or s.pending or not self._admit(s):
+            if blocked[r]:
+                continue
+            if s.pending or not self._admit(s):
                 blocked[r] = True
-                keep.append(s)
             else:
-                admitted = True
-                if not self.rank_slots[r].num_free:
-                    blocked[r] = True
+                admitted.add(id(s))
+                blocked[r] = not self.rank_slots[r].num_free
         if admitted:
+            keep = [s for s in self.waiting if id(s) not in admitted]
             self.waiting.clear()
             self.waiting.extend(keep)
 
-    def _schedule_dp(self, decode):
-        """Admission and prefill planning per DP rank. Every rank packs its prefill chunks (admission order,
-        its own token budget ``max_num_batched_tokens - its decode rows * (block + 1)``) into the per-rank
-        bucket ``(Rb, T)``; the bucket that schedules the most tokens over all ranks wins and compiles as
+    def _plan_prefill(self, decode):
+        """Prefill planning per DP rank. Every rank packs its prefill chunks (admission order, its own token
+        budget ``max_num_batched_tokens - its decode rows * (block + 1)``) into the per-rank bucket
+        ``(Rb, T)``; the bucket that schedules the most tokens over all ranks wins and compiles as
         ``[D * Rb, T]`` with rank r's chunks in rows ``[r*Rb, r*Rb + n_r)`` (the rest are dummy rows). The
-        decode call's rows are the slots, which already lie in their rank's range."""
+        decode call's rows are the slots, which already lie in their rank's range.
+        Returns ``((bucket, chunks, rows) or None, decode)``."""
         D, K1, B = self.dp, self.K1, self.max_num_batched_tokens
-        self._admit_dp()
         dec_rows = [0] * D
         for s, _ in decode:
             dec_rows[s.rank] += 1
@@ -253,17 +227,9 @@ class SchedulerMixin:
         best, best_key = None, None
         if any(pre):
             budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
-            for bucket, (Rb, T) in zip(self.runner.prefill_buckets, self.rank_buckets):
-                plans = []
-                for r in range(D):
-                    left, plan = budgets[r], []
-                    for s in pre[r][:Rb]:
-                        n = min(len(s.all_ids) - s.computed, T, left)
-                        if n <= 0:
-                            break
-                        plan.append((s, n))
-                        left -= n
-                    plans.append(plan)
+            for bucket in self.runner.prefill_buckets:
+                Rb, T = bucket[0] // D, bucket[1]
+                plans = [self._pack(pre[r][:Rb], T, budgets[r]) for r in range(D)]
                 tot = sum(n for plan in plans for _, n in plan)
                 key = (tot, -Rb * T)
                 if tot and (best_key is None or key > best_key):
@@ -273,12 +239,24 @@ class SchedulerMixin:
         bucket, Rb, plans = best
         chunks = [c for plan in plans for c in plan]
         rows = [r * Rb + i for r, plan in enumerate(plans) for i in range(len(plan))]
+        # sequences finishing their prompt now can decode in the same step (their row is set by prefill)
         decode = self._join_decode(chunks, decode)
         keep = [(c, row) for c, row in zip(chunks, rows) if c[0] in self.running]
         if not keep:
             return None, decode
         return (bucket, [c for c, _ in keep], [row for _, row in keep]), decode
 
+    @staticmethod
+    def _pack(seqs, T, budget):
+        """Prefill chunks ``(s, n)`` of ``seqs`` in order: at most ``T`` tokens each, ``budget`` in all."""
+        plan = []
+        for s in seqs:
+            n = min(len(s.all_ids) - s.computed, T, budget)
+            if n <= 0:
+                break
+            plan.append((s, n))
+            budget -= n
+        return plan
 
     def _register(self, s: Sequence, committed: int):
         if not self.prefix_caching or not s.pages:
