@@ -6,23 +6,20 @@ layout, cheap compiles). The real tiny model runs on ``dep=2`` over two faked CP
 (tests/conftest.py fakes 8; with fewer the test re-runs itself in a child process) in fp32 and must give
 the single-device engine's greedy tokens (docs/sharding.md explains why not bf16)."""
 
+import contextlib
+
 import jax
-import numpy as np
 import pytest
 
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine.testing import ToyBackend
 from dsflash.serve.types import SamplingParams
-from multi_device import TINY_ENGINE, rerun_in_child
+import multi_device
+from multi_device import TINY_ENGINE, prompts, rerun_in_child
 
 TOY = dict(max_num_seqs=4, max_model_len=96, page_size=8, max_num_batched_tokens=48, decode_steps=3,
            prefill_buckets=[(1, 16), (2, 12), (1, 48)])
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-
-
-def prompts(n, seed=0, lo=3, hi=60, vocab=64):
-    r = np.random.default_rng(seed)
-    return [[int(x) for x in r.integers(2, vocab, size=int(r.integers(lo, hi)))] for _ in range(n)]
 
 
 def check_ranges(eng):
@@ -37,32 +34,22 @@ def check_ranges(eng):
 
 
 def run_all(eng, items, check=True):
-    """items: (rid, prompt, params, dp_rank); all added at once. Returns {rid: token ids}."""
-    for rid, p, sp, rank in items:
-        eng.add_request(rid, p, sp, dp_rank=rank)
-    res = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                res[o.request_id] = o.outputs[0].token_ids
-        if check:
-            check_ranges(eng)
-    assert eng.compiles_after_warmup == 0
-    assert not eng.running and eng.slots.num_free == eng.max_num_seqs
-    return res
+    """items: (rid, prompt, params, dp_rank); all added at once (ranges checked every step). {rid: token ids}."""
+    return multi_device.run_all(eng, items, check_ranges if check else None)
 
 
+@contextlib.contextmanager
 def capture_calls(eng):
-    """Record the host inputs of every device call (the batch the runner receives)."""
+    """Record the host inputs of every device call (the batch the runner receives) while in the block."""
     calls = []
     run = eng.runner
     orig = run.prefill, run.decode
     run.prefill = lambda inp: (calls.append(("prefill", inp)), orig[0](inp))[1]
     run.decode = lambda inp: (calls.append(("decode", inp)), orig[1](inp))[1]
-
-    def restore():
+    try:
+        yield calls
+    finally:
         del run.prefill, run.decode
-    return calls, restore
 
 
 def check_dummy_rank(eng, calls, idle):
@@ -154,11 +141,8 @@ def test_toy_idle_rank_runs_dummy_rows_and_preempts_per_rank(toy_ref):
     ps = prompts(6, seed=3, lo=20, hi=40)
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     want = run_all(toy_ref, [(f"p{i}", p, sp, None) for i, p in enumerate(ps)], check=False)
-    calls, restore = capture_calls(eng)
-    try:
+    with capture_calls(eng) as calls:
         got = run_all(eng, [(f"p{i}", p, sp, 0) for i, p in enumerate(ps)])
-    finally:
-        restore()
     assert got == want
     assert eng.metrics.num_preemptions > 0
     n = check_dummy_rank(eng, calls, idle=1)
@@ -166,11 +150,8 @@ def test_toy_idle_rank_runs_dummy_rows_and_preempts_per_rank(toy_ref):
     assert eng.metrics_snapshot()["dp_dummy_rows"] > 0
     # everyone idle: nobody steps
     steps = len(calls)
-    calls2, restore = capture_calls(eng)
-    try:
+    with capture_calls(eng) as calls2:
         eng.step()
-    finally:
-        restore()
     assert not calls2 and len(calls) == steps
 
 
@@ -215,11 +196,8 @@ def test_tiny_dep2_equals_single_device():
     assert eng.metrics.spec_num_drafts > 0
     # (d) everything pinned to rank 0: rank 1 runs dummy rows in every call; same tokens
     eng.reset_prefix_cache()
-    calls, restore = capture_calls(eng)
-    try:
+    with capture_calls(eng) as calls:
         got = run_all(eng, [(f"r{i}", p, sp, 0) for i, p in enumerate(ps)])
-    finally:
-        restore()
     assert got == want
     assert check_dummy_rank(eng, calls, idle=1) > 0
     snap = eng.metrics_snapshot()

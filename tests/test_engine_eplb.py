@@ -11,26 +11,9 @@ import pytest
 
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.types import SamplingParams
-from multi_device import TINY_ENGINE, rerun_in_child
+from multi_device import TINY_ENGINE, prompts, rerun_in_child, run_all
 
 MODEL = TINY_ENGINE
-
-
-def prompts(n, seed=0, lo=5, hi=40, vocab=512):
-    r = np.random.default_rng(seed)
-    return [[int(x) for x in r.integers(2, vocab, size=int(r.integers(lo, hi)))] for _ in range(n)]
-
-
-def run_all(eng, items):
-    for rid, p, sp, rank in items:
-        eng.add_request(rid, p, sp, dp_rank=rank)
-    res = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                res[o.request_id] = o.outputs[0].token_ids
-    assert eng.compiles_after_warmup == 0
-    return res
 
 
 def test_bad_eplb_options_name_the_field():
@@ -58,7 +41,7 @@ def test_tiny_dep2_eplb_records_valid_rows_and_rebalances_without_changing_outpu
 
     # (a) a prefill-only step pinned to rank 0: rank 1 contributes dummy rows (valid=False); the recorded
     #     load is exactly the prompt's tokens x top-k per layer, all from rank 0's rows
-    prompt = prompts(1, seed=3, lo=20, hi=21)[0]
+    prompt = prompts(1, seed=3, lo=20, hi=21, vocab=512)[0]
     eng.add_request("one", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), dp_rank=0)
     eng.step()
     assert not eng.has_unfinished_requests()
@@ -73,7 +56,7 @@ def test_tiny_dep2_eplb_records_valid_rows_and_rebalances_without_changing_outpu
     assert logical.max() <= len(prompt)
 
     # (b) greedy outputs, then a forced rebalance (new tables + weight moves), then the same outputs
-    ps = prompts(6, seed=5)
+    ps = prompts(6, seed=5, lo=5, hi=40, vocab=512)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     items = [(f"r{i}", p, sp, None) for i, p in enumerate(ps)]
     before = run_all(eng, items)
