@@ -374,6 +374,38 @@ def _streaming_response(gen, streams: list[RequestStream]) -> StreamingResponse:
     return _GuardedStreamingResponse(gen, streams)
 
 
+async def _sse_stream(st: ServerState, streams: list[RequestStream], step, *, head=(), what: str, obj: str,
+                      base: str, created: int, prompt_tokens: int, n: int, include_usage: bool):
+    """The SSE body both streaming endpoints share: ``head`` (events before the first output), then
+    ``step(idx, out)``'s events for each engine output, then the usage chunk (``include_usage``), an error
+    event if generation failed, and always ``[DONE]``."""
+    done_tokens = [0] * len(streams)
+    lasts: list = [None] * len(streams)
+    try:
+        async with contextlib.aclosing(_merge(st, streams)) as it:
+            for ev in head:
+                yield ev
+            async for idx, out in it:
+                done_tokens[idx] = len(out.outputs[0].token_ids)
+                lasts[idx] = out
+                for ev in step(idx, out):
+                    yield ev
+        if include_usage:
+            yield _sse({"id": base, "object": obj, "created": created, "model": st.model, "choices": [],
+                        "usage": _usage(prompt_tokens, sum(done_tokens), lasts, n)})
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - never leave a stream hanging
+        log.exception("%s stream failed", what)
+        yield _stream_error_event(e)
+    yield "data: [DONE]\n\n"
+
+
+def _stop_reason(v):
+    """``stop_reason`` as JSON can carry it (a stop string, a stop token id, or None)."""
+    return v if isinstance(v, (str, int, type(None))) else str(v)
+
+
 def _tok_str(tok, tid: int) -> str:
     if tok is None:
         return f"<{tid}>"
@@ -476,49 +508,38 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def gen():
-            sent_text = [0] * len(streams)
-            sent_lp = [0] * len(streams)
-            offsets = [0] * len(streams)
-            done_tokens = [0] * len(streams)
-            lasts: list = [None] * len(streams)
-            try:
-                async with contextlib.aclosing(_merge(st, streams)) as it:
-                    if req.echo:
-                        for idx in range(len(streams)):
-                            et = echo_texts[idx // n]
-                            offsets[idx] = len(et)
-                            yield _sse({"id": base, "object": "text_completion", "created": created,
-                                        "model": st.model, "choices": [{"index": idx, "text": et, "logprobs": None,
-                                                                        "finish_reason": None}]})
-                    async for idx, out in it:
-                        c = out.outputs[0]
-                        delta = c.text[sent_text[idx]:]
-                        lp = choice_logprobs(out, sent_lp[idx], offsets[idx])
-                        sent_lp[idx] = len(c.token_ids)
-                        done_tokens[idx] = len(c.token_ids)
-                        lasts[idx] = out
-                        if not delta and not out.finished and not (lp and lp["tokens"]):
-                            continue
-                        sent_text[idx] = len(c.text)
-                        offsets[idx] += len(delta)
-                        chunk = {"id": base, "object": "text_completion", "created": created, "model": st.model,
-                                 "choices": [{"index": idx, "text": delta, "logprobs": lp,
-                                              "finish_reason": c.finish_reason if out.finished else None}]}
-                        if include_usage:
-                            chunk["usage"] = None
-                        yield _sse(chunk)
-                if include_usage:
-                    yield _sse({"id": base, "object": "text_completion", "created": created, "model": st.model,
-                                "choices": [], "usage": _usage(prompt_tokens, sum(done_tokens), lasts, n)})
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - never leave a stream hanging
-                log.exception("completion stream failed")
-                yield _stream_error_event(e)
-            yield "data: [DONE]\n\n"
+        sent_text = [0] * len(streams)
+        sent_lp = [0] * len(streams)
+        offsets = [0] * len(streams)
 
-        return _streaming_response(gen(), streams)
+        def echo():
+            if req.echo:
+                for idx in range(len(streams)):
+                    et = echo_texts[idx // n]
+                    offsets[idx] = len(et)
+                    yield _sse({"id": base, "object": "text_completion", "created": created,
+                                "model": st.model, "choices": [{"index": idx, "text": et, "logprobs": None,
+                                                                "finish_reason": None}]})
+
+        def step(idx, out):
+            c = out.outputs[0]
+            delta = c.text[sent_text[idx]:]
+            lp = choice_logprobs(out, sent_lp[idx], offsets[idx])
+            sent_lp[idx] = len(c.token_ids)
+            if not delta and not out.finished and not (lp and lp["tokens"]):
+                return
+            sent_text[idx] = len(c.text)
+            offsets[idx] += len(delta)
+            chunk = {"id": base, "object": "text_completion", "created": created, "model": st.model,
+                     "choices": [{"index": idx, "text": delta, "logprobs": lp,
+                                  "finish_reason": c.finish_reason if out.finished else None}]}
+            if include_usage:
+                chunk["usage"] = None
+            yield _sse(chunk)
+
+        gen = _sse_stream(st, streams, step, head=echo(), what="completion", obj="text_completion", base=base,
+                          created=created, prompt_tokens=prompt_tokens, n=n, include_usage=include_usage)
+        return _streaming_response(gen, streams)
 
     finals = await _collect(st, request, streams)
     choices = []
@@ -529,8 +550,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         et = echo_texts[idx // n]
         choices.append({"index": idx, "text": et + c.text,
                         "logprobs": choice_logprobs(out, 0, len(et)),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason
-                        if isinstance(c.stop_reason, (str, int, type(None))) else str(c.stop_reason)})
+                        "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c.stop_reason)})
     return {"id": base, "object": "text_completion", "created": created, "model": st.model,
             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
 
@@ -599,49 +619,34 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
                 c["usage"] = None
             return _sse(c)
 
-        async def gen():
-            sent_text = [0] * len(streams)
-            sent_lp = [0] * len(streams)
-            done_tokens = [0] * len(streams)
-            lasts: list = [None] * len(streams)
-            try:
-                async with contextlib.aclosing(_merge(st, streams)) as it:
-                    for idx in range(len(streams)):
-                        yield chunk(idx, {"role": "assistant", "content": ""})
-                    async for idx, out in it:
-                        c = out.outputs[0]
-                        text_delta = c.text[sent_text[idx]:]
-                        sent_text[idx] = len(c.text)
-                        lp = chat_logprobs(out, sent_lp[idx])
-                        sent_lp[idx] = len(c.token_ids)
-                        done_tokens[idx] = len(c.token_ids)
-                        lasts[idx] = out
-                        deltas = streamers[idx].feed(text_delta)
-                        if out.finished:
-                            deltas += streamers[idx].finish()
-                        first = True
-                        for d in deltas:
-                            yield chunk(idx, d, logprobs=lp if first else None)
-                            first = False
-                        if first and lp and lp["content"]:
-                            yield chunk(idx, {}, logprobs=lp)
-                        if out.finished:
-                            fr = c.finish_reason
-                            if fr == "stop" and streamers[idx].n_tool_calls:
-                                fr = "tool_calls"
-                            yield chunk(idx, {}, finish=fr)
-                if include_usage:
-                    yield _sse({"id": base, "object": "chat.completion.chunk", "created": created,
-                                "model": st.model, "choices": [],
-                                "usage": _usage(prompt_tokens, sum(done_tokens), lasts, n)})
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - never leave a stream hanging
-                log.exception("chat stream failed")
-                yield _stream_error_event(e)
-            yield "data: [DONE]\n\n"
+        sent_text = [0] * len(streams)
+        sent_lp = [0] * len(streams)
 
-        return _streaming_response(gen(), streams)
+        def step(idx, out):
+            c = out.outputs[0]
+            text_delta = c.text[sent_text[idx]:]
+            sent_text[idx] = len(c.text)
+            lp = chat_logprobs(out, sent_lp[idx])
+            sent_lp[idx] = len(c.token_ids)
+            deltas = streamers[idx].feed(text_delta)
+            if out.finished:
+                deltas += streamers[idx].finish()
+            first = True
+            for d in deltas:
+                yield chunk(idx, d, logprobs=lp if first else None)
+                first = False
+            if first and lp and lp["content"]:
+                yield chunk(idx, {}, logprobs=lp)
+            if out.finished:
+                fr = c.finish_reason
+                if fr == "stop" and streamers[idx].n_tool_calls:
+                    fr = "tool_calls"
+                yield chunk(idx, {}, finish=fr)
+
+        roles = (chunk(idx, {"role": "assistant", "content": ""}) for idx in range(len(streams)))
+        gen = _sse_stream(st, streams, step, head=roles, what="chat", obj="chat.completion.chunk", base=base,
+                          created=created, prompt_tokens=prompt_tokens, n=n, include_usage=include_usage)
+        return _streaming_response(gen, streams)
 
     finals = await _collect(st, request, streams)
     choices = []
@@ -654,7 +659,6 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
         if fr == "stop" and msg.get("tool_calls"):
             fr = "tool_calls"
         choices.append({"index": idx, "message": msg, "logprobs": chat_logprobs(out, 0), "finish_reason": fr,
-                        "stop_reason": c.stop_reason if isinstance(c.stop_reason, (str, int, type(None)))
-                        else str(c.stop_reason)})
+                        "stop_reason": _stop_reason(c.stop_reason)})
     return {"id": base, "object": "chat.completion", "created": created, "model": st.model,
             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
