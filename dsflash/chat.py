@@ -594,10 +594,21 @@ class StreamingOutputParser:
         self._buf = tail
         return False
 
+    def _skip_stray(self, buf: str, final: bool, *tags: str) -> bool:
+        """``buf`` (inside a calls or invoke block) starts with none of ``tags``: wait while it may still
+        become one of them, else skip the stray text to the next tag."""
+        if not final and any(t.startswith(buf) for t in tags):
+            return False  # a tag still arriving
+        j = buf.find("<", 1)
+        if j < 0:
+            self._buf = "" if final or buf[-1:] != "<" else buf[-1:]
+            return False
+        self._buf = buf[j:]
+        return True
+
     def _step_calls(self, d: OutputDelta, final: bool) -> bool:
         close, invoke, _ = self._dialect
-        buf = self._buf.lstrip()
-        self._buf = buf
+        buf = self._buf = self._buf.lstrip()
         if not buf:
             return False
         if buf.startswith(close):
@@ -614,20 +625,11 @@ class StreamingOutputParser:
             self._cur = {"id": self.make_id(len(self.tool_calls)), "name": attrs.get("name", ""), "args": {}}
             self._state = _INVOKE
             return True
-        if not final and (inv.startswith(buf) or close.startswith(buf)):
-            return False  # a tag still arriving
-        # stray text inside the block: skip to the next tag
-        j = buf.find("<", 1)
-        if j < 0:
-            self._buf = "" if final or buf[-1:] != "<" else buf[-1:]
-            return False
-        self._buf = buf[j:]
-        return True
+        return self._skip_stray(buf, final, inv, close)
 
     def _step_invoke(self, d: OutputDelta, final: bool) -> bool:
         _, invoke, param = self._dialect
-        buf = self._buf.lstrip()
-        self._buf = buf
+        buf = self._buf = self._buf.lstrip()
         if not buf:
             return False
         inv_close = f"</{DSML}{invoke}>"
@@ -657,14 +659,7 @@ class StreamingOutputParser:
             self._cur["args"][key] = value
             self._buf = buf[k + len(p_close):]
             return True
-        if not final and (p_open.startswith(buf) or inv_close.startswith(buf)):
-            return False
-        j = buf.find("<", 1)
-        if j < 0:
-            self._buf = "" if final or buf[-1:] != "<" else buf[-1:]
-            return False
-        self._buf = buf[j:]
-        return True
+        return self._skip_stray(buf, final, p_open, inv_close)
 
 
 def parse_output(text: str, thinking: bool, make_id: Callable[[int], str] = default_tool_call_id
