@@ -75,3 +75,38 @@ def test_export_load_round_trip(setup, tmp_path):
         return forward(p, cfg, make_batch(tok, pages_per_seq=2), st, opts)[0]["logits"]
 
     np.testing.assert_allclose(np.asarray(logits(m.params)), np.asarray(logits(qf)), rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_extend_is_the_targets_own_greedy_chain(setup):
+    """DSpark trains on these rows: every generated token must be the argmax of the target's logits over the
+    row as generated so far (and the kept prefix untouched)."""
+    cfg, params, rows, _ = setup
+    tok = jnp.asarray(rows[:2])
+    start = 20
+    out = np.asarray(loop.greedy_extend(params, cfg, tok, start, "fp32"))
+    assert (out[:, :start] == rows[:2, :start]).all()
+    lg = np.asarray(loop._target_forward(params, cfg, jnp.asarray(out), "fp32")["logits"])
+    assert (out[:, start:] == lg[:, start - 1:-1].argmax(-1)).all()
+    assert loop.sample_anchors(np.random.default_rng(0), cfg, 3, 32, 4, lo=start - 1).min() >= start - 1
+
+
+def test_pipeline_keeps_the_best_heldout_step_and_honours_the_time_budget(tmp_path):
+    """``dsflash.train.run.train`` end to end on the mini config: the exported target is the evaluated step
+    with the lowest held-out loss (or the last when none beat the init), the draft stage stops at its time
+    budget, and the checkpoint reloads with the held-out rows beside it."""
+    import json
+    import os
+
+    from dsflash.train import run
+
+    # the shapes of the tests above (docs, vocab, batch 4 x 32, 2 anchors): their compiled steps are reused
+    m = run.train(str(tmp_path), config="mini", vocab_size=512, steps=4, draft_steps=50, batch_size=4, seq_len=32,
+                  anchors=2, eval_every=2, eval_batches=1, quiet=True, docs=data.corpus_documents()[:120],
+                  greedy_rows=8, max_draft_seconds=1e-9)
+    log = [json.loads(x) for x in open(tmp_path / "log.jsonl")]
+    evals = {r["step"]: r["heldout_loss"] for r in log if r["stage"] == "target" and "heldout_loss" in r}
+    best = min((s for s in evals if s), key=evals.get)
+    assert m["target_step_kept"] == (best if evals[best] < evals[0] else 4), evals
+    assert m["steps_run"] == 4 and m["draft_steps_run"] == 1 and m["draft_data"] == "greedy"
+    assert os.path.exists(tmp_path / "checkpoint" / "heldout_rows.npy")
+    assert np.isfinite(m["loaded_heldout_ppl"])

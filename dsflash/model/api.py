@@ -171,7 +171,7 @@ def load(model: str | os.PathLike = "demo", *, seed: int = 0, precision: str = "
         if os.path.exists(os.path.join(path, "tokenizer.json")):
             from dsflash.tokenizer import Tokenizer
             tokenizer = Tokenizer.from_folder(path)
-        name = os.fspath(model) if os.fspath(model) in SHIPPED else os.path.basename(os.path.normpath(path))
+        name = os.path.basename(os.path.normpath(path))      # "demo" for the shipped model too
     elif path in PRESETS:
         cfg = preset(path).replace(**cfg_overrides) if cfg_overrides else preset(path)
         params = init_params(cfg, seed)

@@ -110,27 +110,20 @@ def corpus_documents(source: bool = True) -> list[str]:
         docs += [topics[k].strip() for k in sorted(topics)]
     except Exception:  # pragma: no cover - a stripped stdlib
         pass
+    mods = []
     for name in MODULES:
         try:
-            mod = importlib.import_module(name)
+            mods.append(importlib.import_module(name))
         except Exception:  # pragma: no cover
             continue
+    for mod in mods:
         with warnings.catch_warnings():            # typing.io / typing.re deprecation on attribute access
             warnings.simplefilter("ignore", DeprecationWarning)
             docs += _docs_of(mod)
     if source:
-        seen_files: set[str] = set()
-        for name in MODULES:
-            try:
-                mod = importlib.import_module(name)
-            except Exception:  # pragma: no cover
-                continue
-            for f in _source_files(mod):
-                if f in seen_files:
-                    continue
-                seen_files.add(f)
-                with open(f, encoding="utf-8", errors="replace") as fh:
-                    docs += source_chunks(fh.read())
+        for f in dict.fromkeys(f for mod in mods for f in _source_files(mod)):   # in order, each file once
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                docs += source_chunks(fh.read())
     seen, out = set(), []
     for d in docs:                     # drop exact duplicates (re-exported objects)
         if d and d not in seen:

@@ -70,6 +70,11 @@ def plot_losses(path: str, log: list[dict]) -> None:
     plt.close(fig)
 
 
+def _over_budget(t_start: float, limit_s: float) -> bool:
+    """A stage's time budget (0 = none) is spent."""
+    return bool(limit_s) and time.time() - t_start > limit_s
+
+
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
           batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
           precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
@@ -111,7 +116,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
 
     init_loss = heldout({**tgt, **const})
     record({"stage": "target", "step": 0, "heldout_loss": init_loss})
-    best = (init_loss, 0, None)         # (held-out loss, step, host copy of the weights)
+    best_loss, best_step, best_w = init_loss, 0, None      # best_w: host copy of the best weights
     bar = _bar(steps, "target", quiet)
     t_stage = time.time()
     done_steps = 0
@@ -119,11 +124,11 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         tok = jnp.asarray(next(it))
         tgt, opt_state, loss = loop.target_step(tgt, opt_state, const, cfg, tok, precision, opt)
         r = {"stage": "target", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
-        out_of_time = max_target_seconds and time.time() - t_stage > max_target_seconds
+        out_of_time = _over_budget(t_stage, max_target_seconds)
         if step % eval_every == 0 or step == steps or out_of_time:
             r["heldout_loss"] = heldout({**tgt, **const})
-            if keep_best and r["heldout_loss"] < best[0]:
-                best = (r["heldout_loss"], step, {k: np.asarray(v) for k, v in tgt.items()})
+            if keep_best and r["heldout_loss"] < best_loss:
+                best_loss, best_step, best_w = r["heldout_loss"], step, {k: np.asarray(v) for k, v in tgt.items()}
         record(r)
         done_steps = step
         if bar is not None:
@@ -136,11 +141,12 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             break
     if bar is not None:
         bar.close()
-    if keep_best and best[2] is not None and best[1] != done_steps:
-        print(f"target: keeping step {best[1]} (held-out loss {best[0]:.4f}, the lowest; the last step's is "
+    if best_w is None:
+        best_step = done_steps          # nothing kept: the last step is exported
+    elif best_step != done_steps:
+        print(f"target: keeping step {best_step} (held-out loss {best_loss:.4f}, the lowest; the last step's is "
               f"higher: overfitting)", flush=True)
-        tgt = {k: jnp.asarray(v) for k, v in best[2].items()}
-    best_step = best[1] if keep_best and best[2] is not None else done_steps
+        tgt = {k: jnp.asarray(v) for k, v in best_w.items()}
     save_orbax(os.path.join(out, "orbax", "target"), tgt)
 
     # ---- DSpark on the frozen target
@@ -184,7 +190,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill)
         r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
              "t": round(time.time() - t0, 1)}
-        out_of_time = max_draft_seconds and time.time() - t_stage > max_draft_seconds
+        out_of_time = _over_budget(t_stage, max_draft_seconds)
         if step % eval_every == 0 or step == draft_steps or out_of_time:
             ce, hits = draft_eval(drf)
             r["heldout_loss"], r["heldout_hit_per_pos"] = ce, [float(h) for h in hits]
