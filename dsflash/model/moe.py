@@ -28,6 +28,14 @@ def shared_expert(x, params, prefix, cfg: ModelConfig, precision):
     return linear_fp8(h, params, f"{prefix}.w2", precision)
 
 
+def expert_load(idx, valid, n_experts):
+    """Tokens routed to each of ``n_experts`` experts ``[n] f32`` from top-k ids ``idx [T, k]``, counting only
+    rows where ``valid [T]`` (None = all) is set."""
+    w = jnp.ones(idx.shape, jnp.float32) if valid is None else \
+        jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.float32)
+    return jnp.zeros((n_experts,), jnp.float32).at[idx].add(w)
+
+
 def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=False, routed_fn=None, valid=None):
     """x [..., d] -> (y [..., d], load [E] f32 tokens routed to each expert among ``valid`` rows; with an
     EPLB hook (``routed_fn.returns_load``) the hook's per-physical-expert load [P] instead).
@@ -52,7 +60,5 @@ def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=Fal
     shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision)
     y = routed + shared.astype(jnp.float32)
     if not hook_load:
-        n_experts = params[f"{prefix}.gate.bias"].shape[0]
-        mask = jnp.ones(xt.shape[:1], jnp.float32) if valid is None else valid.reshape(-1).astype(jnp.float32)
-        load = jnp.zeros((n_experts,), jnp.float32).at[idx].add(jnp.broadcast_to(mask[:, None], idx.shape))
+        load = expert_load(idx, None if valid is None else valid.reshape(-1), params[f"{prefix}.gate.bias"].shape[0])
     return y.astype(act_dtype(precision)).reshape(shape), load

@@ -43,6 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dsflash.kernels.moe_gemm import routed_moe
+from dsflash.model.moe import expert_load
 from dsflash.sharding.mesh import mesh_sizes
 from dsflash.sharding.rules import expert_axes as _strategy_expert_axes
 from dsflash.sharding.rules import token_axes as _strategy_token_axes
@@ -250,10 +251,8 @@ def make_routed_fn(mesh, settings: EPSettings = EPSettings(), log2phy=None, logc
                             backend=backend, settings=settings, valid=valid)
         if not return_load:
             return out
-        if load is None:
-            w = jnp.ones(idx.shape, jnp.float32) if valid is None else \
-                jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.float32)
-            load = jnp.zeros((w1.shape[0],), jnp.float32).at[idx].add(w)
+        if load is None:                    # no EPLB tables for this block: ids are already physical
+            load = expert_load(idx, valid, w1.shape[0])
         return out, load.astype(jnp.float32)
 
     routed_fn.returns_load = return_load
