@@ -91,6 +91,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _listen(host: str, port: int) -> tuple[socket.socket, str] | None:
+    """``_bind`` and the bound base URL (``http://host:port``; port 0 resolved); on failure say why on
+    stderr and return None (the caller exits with status 1)."""
+    try:
+        sock = _bind(host, port)
+    except OSError as e:
+        print(f"error: cannot listen on {host}:{port}: {e}", file=sys.stderr)
+        return None
+    host, port = sock.getsockname()[:2]
+    return sock, f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(logging, args.log_level.upper())
@@ -101,13 +113,10 @@ def main(argv=None) -> int:
         return 2
 
     # Bind first: a busy port fails in a second, not after the model has compiled.
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+    bound = _listen(args.host, args.port)
+    if bound is None:
         return 1
-    host, port = sock.getsockname()[:2]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    sock, url = bound
 
     import uvicorn
 

@@ -385,22 +385,20 @@ def build_parser():
 def main(argv=None) -> int:
     import uvicorn
 
-    from dsflash.serve.__main__ import _bind
+    from dsflash.serve.__main__ import _listen
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+    bound = _listen(args.host, args.port)
+    if bound is None:
         return 1
-    host, port = sock.getsockname()[:2]
+    sock, url = bound
     router = Router(args.prefill, args.decode, policy=args.kv_load_failure_policy,
                     affinity_block=args.affinity_block, affinity_slack=args.affinity_slack,
                     affinity_threshold=args.affinity_threshold, timeout=args.timeout)
     app = build_app(router)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug"))
-    print(f"dsflash.serve.router: listening on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1); "
+    print(f"dsflash.serve.router: listening on {url} (OpenAI base URL {url}/v1); "
           f"prefill {args.prefill or 'none'}; decode {args.decode}", flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
