@@ -15,69 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 
 import httpx
 import numpy as np
 import pytest
 
-from test_server_util import REPO, free_port
+from test_server_util import ServerProcess
 
 ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8"]
 TIMEOUT = 180
 
 
-class Proc:
-    def __init__(self, module: str, *args: str, name: str):
-        self.name = name
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"dsflash-pd-{name}-", suffix=".log", delete=False)
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env.setdefault("JAX_PLATFORMS", "cpu")
-        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        self.cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
-        self.t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-
-    def wait_healthy(self, timeout=300.0):
-        t_end = time.time() + timeout
-        while time.time() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    print(f"\n[pd] {self.name} up in {time.time() - self.t0:.1f}s", flush=True)
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log.name, encoding="utf-8", errors="replace") as f:
-            return f.read()[-20000:]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
+def _start(module: str, *args: str, name: str) -> ServerProcess:
+    """Started, not yet waited for (``.wait_healthy()``): the prefill and decode processes start together."""
+    return ServerProcess(*args, startup_timeout=None, module=module, name=name)
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +38,18 @@ def cluster():
     procs = {}
     try:
         # the first process fills the persistent compilation cache; the others then start in seconds
-        procs["agg"] = Proc("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
-        procs["p"] = Proc("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--kv-ttl", "8", "--pd-test-hooks",
-                          name="prefill")
-        procs["d"] = Proc("dsflash.serve", *ENGINE_ARGS, "--role", "decode", name="decode")
+        procs["agg"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
+        procs["p"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--kv-ttl", "8", "--pd-test-hooks",
+                            name="prefill")
+        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", name="decode")
         for k in ("p", "d"):
             procs[k].wait_healthy()
-        procs["router"] = Proc("dsflash.serve.router", "--prefill", procs["p"].base, "--decode", procs["d"].base,
-                               "--affinity-block", "32", name="router").wait_healthy(60)
+        procs["router"] = _start("dsflash.serve.router", "--prefill", procs["p"].base, "--decode", procs["d"].base,
+                                 "--affinity-block", "32", name="router").wait_healthy(60)
         yield procs
     finally:
         for p in procs.values():
-            p.stop()
+            p.close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:

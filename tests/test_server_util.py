@@ -38,38 +38,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base: str, timeout: float, proc: subprocess.Popen | None = None, name: str = "server",
+                 output=lambda: "") -> None:
+    """Poll ``base/health`` until it answers 200; raise if ``proc`` exits first or ``timeout`` s pass
+    (with ``output()``, the process's log, in the message)."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{output()}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{name} not healthy after {timeout}s:\n{output()}")
+
+
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout: float = 300.0):
+    """``python -m <module> --port <free port> *args`` on loopback, output to a temporary log. Waits until
+    healthy unless ``startup_timeout`` is None (then call :meth:`wait_healthy`, e.g. after starting others)."""
+
+    def __init__(self, *args: str, startup_timeout: float | None = 300.0, module: str = "dsflash.serve",
+                 name: str = "server"):
+        self.name = name
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="dsflash-serve-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"dsflash-{name}-", suffix=".log", delete=False)
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)          # the test process fakes 8 devices; the server needs one
         env.setdefault("JAX_PLATFORMS", "cpu")
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-        self.cmd = [sys.executable, "-m", "dsflash.serve", "--port", str(self.port), *args]
-        t0 = time.time()
+        self.cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
+        self.t0 = time.time()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        if startup_timeout is not None:
+            self.wait_healthy(startup_timeout)
+
+    def wait_healthy(self, timeout: float = 300.0) -> "ServerProcess":
+        """Wait for ``/health`` (killing the process if it does not come up); returns self."""
         try:
-            self._wait_healthy(startup_timeout)
+            wait_healthy(self.base, timeout, self.proc, self.name, self.output)
         except BaseException:
             self.kill()
             raise
-        self.startup_s = time.time() - t0
-        print(f"\n[server] {' '.join(self.cmd[1:])} up in {self.startup_s:.1f}s", flush=True)
-
-    def _wait_healthy(self, timeout: float) -> None:
-        t_end = time.time() + timeout
-        while time.time() < t_end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.output()}")
+        self.startup_s = time.time() - self.t0
+        print(f"\n[{self.name}] {' '.join(self.cmd[1:])} up in {self.startup_s:.1f}s", flush=True)
+        return self
 
     def output(self) -> str:
         self.log.flush()
@@ -130,18 +145,7 @@ class ExistingServer(ServerProcess):
         self.base = base.rstrip("/")
         self.proc = None
         self.startup_s = 0.0
-        self._wait_healthy_url(60)
-
-    def _wait_healthy_url(self, timeout):
-        t_end = time.time() + timeout
-        while time.time() < t_end:
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.base} not healthy")
+        wait_healthy(self.base, 60, name=self.base)
 
     def output(self) -> str:
         return ""
