@@ -601,7 +601,7 @@ class StreamingOutputParser:
             return False  # a tag still arriving
         j = buf.find("<", 1)
         if j < 0:
-            self._buf = "" if final or buf[-1:] != "<" else buf[-1:]
+            self._buf = ""         # nothing here can still become a tag (that case returned above)
             return False
         self._buf = buf[j:]
         return True

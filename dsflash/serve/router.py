@@ -146,7 +146,7 @@ class Router:
     # ------------------------------------------------------------------ one request
     async def handle(self, path: str, raw: bytes, auth: Optional[str] = None):
         import httpx
-        from fastapi.responses import JSONResponse, Response, StreamingResponse
+        from fastapi.responses import Response, StreamingResponse
         self.counters["requests"] += 1
         try:
             body = json.loads(raw)
