@@ -106,7 +106,7 @@ def real_eplb(cfg, ranks: int, redundant: int, tokens: int, steps: int, seed: in
 
     from dsflash.sharding.eplb import EplbConfig, EplbState, balancedness, route
 
-    L, E, k = cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_experts_per_tok
+    L, E = cfg.num_hidden_layers, cfg.n_routed_experts
     st = EplbState(L, E, ranks, EplbConfig(window_size=steps, step_interval=steps, num_redundant_experts=redundant),
                    "target", False)
     ids = real_routing_ids(cfg, tokens * steps, seed)

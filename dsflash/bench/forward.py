@@ -195,7 +195,6 @@ class ForwardBench:
         """Batch + dummy-filled state: one row per entry of ``contexts`` (the global row order: rank r's
         rows are r*B .. r*B+B-1, with rank-local slots and pages)."""
         import jax
-        import jax.numpy as jnp
 
         from dsflash.model.state import init_state, make_batch
         from dsflash.sharding import rules

@@ -396,7 +396,7 @@ class AgentXWorkload:
             await ctx.warmup_done()
 
     async def _run_session(self, ctx: LaneContext, plan: SessionPlan, start: int, state: dict) -> None:
-        c, lane, replay = self.cfg, plan.lane, plan.replay
+        lane, replay = plan.lane, plan.replay
         sid = f"s{lane}.{replay}"
         system = cache_bust_marker(self.nonce, lane, replay) + " " + self.system_text
         conv = _Conversation(system, self.tpw)

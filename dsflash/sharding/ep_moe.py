@@ -151,7 +151,6 @@ def ep_routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, mesh, limit, precis
         valid = jnp.ones((T,), jnp.bool_)
     kern = partial(routed_moe, limit=limit, precision=precision, backend=backend)
     E_loc = E // n_ep
-    n_gather = int(np.prod([sizes[a] for a in gather_axes])) if gather_axes else 1
     T_loc = T // n_tok
 
     def allgather_body(x, idx, weight, valid, w1, s1, w3, s3, w2, s2):

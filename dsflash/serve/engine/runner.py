@@ -156,7 +156,7 @@ class Runner:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params, state, rows, inp):
-        be, spec, V, S_ = self.backend, self.draft_ctx, self.V, self.S
+        be, spec, S_ = self.backend, self.draft_ctx, self.S
         tokens = inp["tokens"]
         Bp, T = tokens.shape
         floor = inp["floor"]
