@@ -51,7 +51,11 @@ def test_prepare_matches_reference_activation_round_trip():
 
 
 def test_pick_config_and_dispatch():
-    assert moe_plan.pick_config(6, 96) is moe_plan.DECODE_CONFIG
-    assert moe_plan.pick_config(4096 * 6, 96) is moe_plan.PREFILL_CONFIG
+    # 2026-11-30 run 4: ds_decode_rt at 1 and 256 tokens, fp8mma_decode at 16, ds_prefill_rt from 4096
+    assert moe_plan.pick_config(6, 96) is moe_plan.NAMED_CONFIGS["ds_decode_rt"]
+    assert moe_plan.pick_config(16 * 6, 96) is moe_plan.NAMED_CONFIGS["fp8mma_decode"]
+    assert moe_plan.pick_config(256 * 6, 96) is moe_plan.NAMED_CONFIGS["ds_decode_rt"]
+    assert moe_plan.pick_config(4096 * 6, 96) is moe_plan.NAMED_CONFIGS["ds_prefill_rt"]
+    assert moe_plan.pick_config(16384 * 6, 96) is moe_plan.PREFILL_CONFIG
     with pytest.raises(ValueError):
         moe_gemm.routed_moe(*([None] * 9), limit=10.0, backend="cuda")

@@ -30,10 +30,18 @@ FP8MMA_DECODE = MoeConfig()
 FP8MMA_PREFILL = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
 DS_DECODE = MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=256, warps_up=4, warps_down=4, stages=3)
 DS_PREFILL = MoeConfig(kind="ds", BM=128, BN_UP=64, BN_DOWN=128, BK=128, warps_up=8, warps_down=8, stages=3)
-# Defaults picked from the 2026-11-30 H200 runs (benchmarks/results/kernels_20261130_h200.json): the FP8-MMA kernel
-# was fastest for 16-256 tokens/rank (within 10 % of the best at 1), dot_scaled BN=128/BK=64 at 4K-16K tokens.
-DECODE_CONFIG = FP8MMA_DECODE
-PREFILL_CONFIG = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3)
+DS_DECODE_RT = MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=4, act="bf16rt")
+DS_PREFILL_RT = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3,
+                          act="bf16rt")
+DS_PREFILL_BN128 = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3)
+# Defaults (2026-11-30, H200 run 4, whole op in ms): prefill ds_prefill_rt (bf16 carriers of the FP8 round trips,
+# passes tests/gpu) 9.45 / 31.98 at 4K / 16K tokens vs 15.04 / 49.26 for ds_prefill_bn128, the previous default.
+# Decode: ds_decode_rt vs fp8mma_decode measured 0.311 vs 0.354 at 1 token (6 slots), 1.328 vs 1.197 at 16 (96),
+# 2.458 vs 2.483 at 256 (1536; a tie within noise): ds_decode_rt below one slot per expert and from 8 per expert
+# (the earlier run 1 had fp8mma ahead of dot_scaled at 64 tokens = 4 per expert), fp8mma_decode in between.
+DECODE_CONFIG = DS_DECODE_RT          # the config of the smallest sizes (rows < experts)
+DECODE_MID_CONFIG = FP8MMA_DECODE     # experts <= rows < 8 * experts
+PREFILL_CONFIG = DS_PREFILL_RT
 NAMED_CONFIGS = {
     "fp8mma_decode": FP8MMA_DECODE,
     "fp8mma_prefill": FP8MMA_PREFILL,
@@ -43,15 +51,19 @@ NAMED_CONFIGS = {
     "ds_prefill": DS_PREFILL,
     "ds_prefill_bm64": MoeConfig(kind="ds", BM=64, BN_UP=64, BN_DOWN=128, BK=128, warps_up=4, warps_down=4,
                                  stages=3),
-    "ds_prefill_bn128": PREFILL_CONFIG,
-    "ds_decode_rt": MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=4, act="bf16rt"),
-    "ds_prefill_rt": MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8,
-                               stages=3, act="bf16rt"),
+    "ds_prefill_bn128": DS_PREFILL_BN128,
+    "ds_decode_rt": DS_DECODE_RT,
+    "ds_prefill_rt": DS_PREFILL_RT,
 }
 
 
 def pick_config(rows: int, experts: int) -> MoeConfig:
-    return DECODE_CONFIG if rows <= 32 * experts else PREFILL_CONFIG
+    """Default config for ``rows`` token slots (T * k) over ``experts`` local experts (bands: comment above)."""
+    if rows > 32 * experts:
+        return PREFILL_CONFIG
+    if experts <= rows < 8 * experts:
+        return DECODE_MID_CONFIG
+    return DECODE_CONFIG
 
 
 def tile_schedule(idx, E: int, BM: int):
