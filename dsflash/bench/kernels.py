@@ -337,22 +337,37 @@ def bench_sparse_attn(args, ceilings, log, rows, save=lambda: None):
                      flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
         row = dict(B=B, S=S, H=H, D=D, K=K, N=N, unique_rows_per_seq=uniq, bytes_min=bytes_min, flops=flops,
                    roofline_s=t_roof)
-        for name, backend in (("triton", "triton"), ("xla_ref", "xla")):
-            op = lambda q, i, kv_, sk, backend=backend: sa.sparse_sink_attention(q, kv_, i, sk, scale,  # noqa: E731
-                                                                                   backend=backend)
+        # "triton" = the kernel with the shape's PICK_TABLE config (what the dispatch runs once TRITON_ROWS allows
+        # it); each named variant (--attn-variants) is timed and error-checked into row["variants"].
+        from dsflash.kernels import sparse_attention_triton as sat
+        names = [None] + [v for v in args.attn_variants.split(",") if v]
+        row["picked_variant"] = next(n for m, n in sat.PICK_TABLE if m is None or B * S <= m)
+        row["variants"], row["variant_rel_err"] = {}, {}
+        a = (qs[0], kv, idxs[0], sink)
+        ref = np.asarray(sa.sparse_sink_attention_reference(*a, scale, out_dtype=jnp.float32))
+        for name in names + ["xla_ref"]:
+            if name == "xla_ref":
+                op = lambda q, i, kv_, sk: sa.sparse_sink_attention_reference(q, kv_, i, sk, scale)  # noqa: E731
+            else:
+                op = lambda q, i, kv_, sk, c=name: sat.sparse_sink_attention_triton(q, kv_, i, sk, scale,  # noqa: E731
+                                                                                   config=c)
             try:
-                row[name + "_s"], _ = time_jax_loop(op, (qs, idxs), (kv, sink), reps=args.reps)
+                t_, _ = time_jax_loop(op, (qs, idxs), (kv, sink), reps=args.reps)
+                if name is None or name == "xla_ref":
+                    row[("triton" if name is None else name) + "_s"] = t_
+                else:
+                    row["variants"][name] = t_
+                if name not in (None, "xla_ref"):
+                    got = np.asarray(jax.jit(lambda *x, c=name: sat.sparse_sink_attention_triton(
+                        *x, scale, out_dtype=jnp.float32, config=c))(*a))
+                    row["variant_rel_err"][name] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
             except Exception as e:  # noqa: BLE001
-                row[name + "_error"] = repr(e)[:400]
+                row[f"{name or 'triton'}_error"] = repr(e)[:400]
                 log(traceback.format_exc()[-1500:])
-        try:
-            a = (qs[0], kv, idxs[0], sink)
-            ref = np.asarray(sa.sparse_sink_attention_reference(*a, scale, out_dtype=jnp.float32))
-            got = np.asarray(jax.jit(lambda *x: sa.sparse_sink_attention(*x, scale, out_dtype=jnp.float32,
-                                                                        backend="triton"))(*a))
-            row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-        except Exception as e:  # noqa: BLE001
-            row["check_error"] = repr(e)[:400]
+        if row["picked_variant"] in row["variant_rel_err"]:
+            row["rel_err_vs_ref"] = row["variant_rel_err"][row["picked_variant"]]
+        if row["variants"]:
+            row["best_variant"] = min(row["variants"], key=row["variants"].get)
         t = row.get("triton_s")
         if t:
             row["frac_of_roofline"] = t_roof / t
@@ -527,6 +542,9 @@ def main(argv=None):
     ap.add_argument("--attn-shapes", default="1x1,32x1,128x1,32x6",
                     help="sparse attention decode shapes BxS (sequences x query rows); empty to skip")
     ap.add_argument("--attn-ctx", type=int, default=4096, help="cached rows per sequence for sparse attention")
+    ap.add_argument("--attn-variants", default="fused_dv128,fused_dv256,fused_dv512,fused_dv512_bk32,"
+                    "split_ch128_dv128,split_ch64_dv128,split_ch128_dv512,split_auto_dv256",
+                    help="sparse_attention_triton.NAMED_CONFIGS timed per shape (a column each)")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated")
     ap.add_argument("--indexer-shapes", default="1x1x8192,64x1x16384,256x1x8192,32x1x65536,128x6x16384,"
@@ -616,6 +634,11 @@ def main(argv=None):
                   f"{_fmt(g('frac_of_roofline'), 100, 1):>6} {_fmt(g('TBps'), 1, 2):>6} "
                   f"{_fmt(g('speedup_vs_xla_ref'), 1, 2):>6} "
                   f"{(format(g('rel_err_vs_ref'), '.1e') if g('rel_err_vs_ref') is not None else '-'):>8}")
+        print("  per-variant ms (triton = picked variant; * = best; rel err vs ref):")
+        for r in result["sparse_attention"]:
+            cells = [f"{n}{'*' if n == r.get('best_variant') else ''}={_fmt(v)}"
+                     f"({r['variant_rel_err'].get(n, float('nan')):.0e})" for n, v in r.get("variants", {}).items()]
+            print(f"  B{r['B']} S{r['S']} picked {r.get('picked_variant')}: " + " ".join(cells))
     for sec, keys in (("indexer", ("B", "S", "T")), ("mhc", ("T",))):
         if result[sec]:
             print(f"{sec}: " + "x".join(keys) + "  triton ms / xla ms / roof ms / %roof / xXLA")

@@ -66,11 +66,30 @@ def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, 
     return out.swapaxes(0, 1).reshape(B, S, H, D)
 
 
-def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", backend="xla"):
-    if backend == "xla":
+# Where ``backend="triton"`` really runs the Triton kernel: the query-row counts B*S (ranges, inclusive) at which a
+# GPU run measured the kernel faster than the jitted XLA reference. EMPTY on purpose: the one H200 timing
+# (2026-11-30, v1 kernel) lost at every decode shape (0.39-0.73x, dsflash/kernels/NOTES.md), and the v2 variants
+# are not timed yet. To flip after a GPU run of `python -m dsflash.bench kernels --ops attn`: add the winning
+# ranges here, e.g. ``TRITON_ROWS = ((32, None),)`` for "B*S >= 32" (None = no upper bound); the variant used at
+# each row count is ``sparse_attention_triton.PICK_TABLE``.
+TRITON_ROWS: tuple = ()
+
+
+def prefers_xla(q) -> bool:
+    """True when ``backend="triton"`` should still run the XLA reference at this shape (not measured faster)."""
+    rows = q.shape[0] * q.shape[1]
+    return not any(lo <= rows and (hi is None or rows <= hi) for lo, hi in TRITON_ROWS)
+
+
+def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", backend="xla",
+                          force=False):
+    """``backend="triton"`` runs the kernel only on a GPU and only where ``prefers_xla`` is False (or ``force``:
+    tests and the bench); otherwise the XLA reference. The kernel itself: ``sparse_attention_triton.
+    sparse_sink_attention_triton`` (always runs it)."""
+    if backend not in ("xla", "triton"):
+        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
+    if backend == "xla" or jax.default_backend() != "gpu" or (not force and prefers_xla(q)):
         return sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision)
-    if backend == "triton":
-        from dsflash.kernels import sparse_attention_triton  # lazy: needs a CUDA GPU and jax-triton
-        return sparse_attention_triton.sparse_sink_attention_triton(q, kv, idx, sink, scale, out_dtype=out_dtype,
-                                                                    precision=precision)
-    raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
+    from dsflash.kernels import sparse_attention_triton  # lazy: needs a CUDA GPU and jax-triton
+    return sparse_attention_triton.sparse_sink_attention_triton(q, kv, idx, sink, scale, out_dtype=out_dtype,
+                                                                precision=precision)

@@ -1,6 +1,7 @@
 """Triton sparse sink attention vs ``sparse_sink_attention_reference`` on the GPU (fresh random inputs).
 
-Written 2026-11-30 and checked in Triton's interpreter (scripts/triton_interpret_sparse_attention.py); not yet run
+Every named variant of sparse_attention_triton (fused DV 128/256/512, split chunks 64/128/auto) over the shape
+sweep below, incl. the split path at one row. Written 2026-11-30 and checked in Triton's interpreter (scripts/triton_interpret_sparse_attention.py); not yet run
 on a GPU. Tolerance: same function and roundings; exp() and fp32 summation order differ from XLA's, which can flip a
 rare bf16 rounding of P: ||out - ref|| / ||ref|| < 2e-3 with fp32 outputs, no NaN, rows without entries exactly 0."""
 import zlib
@@ -36,9 +37,14 @@ def _inputs(case, seed):
     return q, kv, idx, sink, D ** -0.5
 
 
+VARIANTS = ["fused_dv128", "fused_dv256", "fused_dv512", "fused_dv512_bk32", "split_ch128_dv128",
+            "split_ch64_dv128", "split_ch128_dv512", "split_auto_dv256", None]   # None = PICK_TABLE's choice
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v or "picked")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}S{}H{}D{}N{}K{}".format(*c))
 @pytest.mark.parametrize("precision", ["reference", "fp32"])
-def test_matches_reference(case, precision):
+def test_matches_reference(case, precision, variant):
     from dsflash.kernels import sparse_attention_triton as sat
     q, kv, idx, sink, scale = _inputs(case, zlib.crc32(repr((case, precision)).encode()))
     if precision == "fp32":
@@ -46,7 +52,8 @@ def test_matches_reference(case, precision):
     ref = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
                                                         precision=precision))
     out = np.asarray(jax.jit(lambda *a: sat.sparse_sink_attention_triton(*a, scale, out_dtype=jnp.float32,
-                                                                        precision=precision))(q, kv, idx, sink))
+                                                                        precision=precision, config=variant))(
+        q, kv, idx, sink))
     assert np.all(np.isfinite(out))
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     print(f"{case} {precision}: rel err {err:.2e}")
@@ -58,7 +65,7 @@ def test_matches_reference(case, precision):
 
 def test_backend_dispatch_bf16_output():
     q, kv, idx, sink, scale = _inputs(CASES[1], 5)
-    a = jax.jit(lambda *x: sa.sparse_sink_attention(*x, scale, backend="triton"))(q, kv, idx, sink)
+    a = jax.jit(lambda *x: sa.sparse_sink_attention(*x, scale, backend="triton", force=True))(q, kv, idx, sink)
     b = sa.sparse_sink_attention(q, kv, idx, sink, scale, backend="xla")
     assert a.dtype == jnp.bfloat16 and a.shape == b.shape
     a32, b32 = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
