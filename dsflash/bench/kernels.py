@@ -542,7 +542,7 @@ def main(argv=None):
     ap.add_argument("--attn-shapes", default="1x1,32x1,128x1,32x6",
                     help="sparse attention decode shapes BxS (sequences x query rows); empty to skip")
     ap.add_argument("--attn-ctx", type=int, default=4096, help="cached rows per sequence for sparse attention")
-    ap.add_argument("--attn-variants", default="fused_dv128,fused_dv256,fused_dv512,fused_dv512_bk32,"
+    ap.add_argument("--attn-variants", default="fused_dv128,fused_dv256,fused_dv256_bk32,fused_dv512,fused_dv512_bk32,"
                     "split_ch128_dv128,split_ch64_dv128,split_ch128_dv512,split_auto_dv256",
                     help="sparse_attention_triton.NAMED_CONFIGS timed per shape (a column each)")
     ap.add_argument("--skip-moe", action="store_true")

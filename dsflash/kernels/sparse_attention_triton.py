@@ -51,21 +51,23 @@ class AttnConfig:
 
 NAMED_CONFIGS = {
     "fused_dv128": AttnConfig(BK=32, DV=128, warps=4),              # v1 (timed 2026-11-30, table in NOTES.md)
-    "fused_dv256": AttnConfig(BK=64, DV=256, warps=8),
-    "fused_dv512": AttnConfig(BK=64, DV=512, warps=8),
+    "fused_dv256": AttnConfig(BK=64, DV=256, warps=8, stages=1),    # stages=2 asked 262 KB of smem (> 227 KB)
+    "fused_dv256_bk32": AttnConfig(BK=32, DV=256, warps=8),
+    "fused_dv512": AttnConfig(BK=64, DV=512, warps=8, stages=1),    # stages=2: 328 KB smem, failed to launch
     "fused_dv512_bk32": AttnConfig(BK=32, DV=512, warps=8),
     "split_ch128_dv128": AttnConfig(kind="split", BK=64, DV=128, CH=128, warps=4),
     "split_ch64_dv128": AttnConfig(kind="split", BK=64, DV=128, CH=64, warps=4),
-    "split_ch128_dv512": AttnConfig(kind="split", BK=64, DV=512, CH=128, warps=8),
-    "split_auto_dv256": AttnConfig(kind="split", BK=64, DV=256, CH=0, warps=8),
+    "split_ch128_dv512": AttnConfig(kind="split", BK=64, DV=512, CH=128, warps=8, stages=1),
+    "split_auto_dv256": AttnConfig(kind="split", BK=64, DV=256, CH=0, warps=8, stages=1),
 }
 # Shape -> variant used by ``sparse_sink_attention_triton(config=None)``: the first entry whose max_rows >= B*S.
-# Predictions (not measured yet): split for few rows (latency: more programs), fused DV=512 (QK twice per row) for
-# many. Edit after a GPU run of ``python -m dsflash.bench kernels --ops attn``.
+# From the first v2 H200 run (2026-11-30, commit 270df7c, NOTES.md): the fastest variant that ran at each measured
+# row count (1: split CH64 0.062 ms; 32: split CH128 0.107; 128 and 192: fused DV512 BK32 0.190 / 0.299). All still
+# slower than XLA there, hence sparse_attention.TRITON_ROWS stays empty. Edit after the next GPU run.
 PICK_TABLE = (
-    (8, "split_ch128_dv128"),
-    (64, "split_auto_dv256"),
-    (None, "fused_dv512"),
+    (1, "split_ch64_dv128"),
+    (32, "split_ch128_dv128"),
+    (None, "fused_dv512_bk32"),
 )
 SMS = 132                 # H200 SMs; "split" auto aims at >= 2 waves of programs
 

@@ -37,7 +37,7 @@ def _inputs(case, seed):
     return q, kv, idx, sink, D ** -0.5
 
 
-VARIANTS = ["fused_dv128", "fused_dv256", "fused_dv512", "fused_dv512_bk32", "split_ch128_dv128",
+VARIANTS = ["fused_dv128", "fused_dv256", "fused_dv256_bk32", "fused_dv512", "fused_dv512_bk32", "split_ch128_dv128",
             "split_ch64_dv128", "split_ch128_dv512", "split_auto_dv256", None]   # None = PICK_TABLE's choice
 
 
