@@ -532,9 +532,10 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=2304)
     ap.add_argument("--xla-max-tokens", type=int, default=4096, help="skip the XLA reference above this")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--decode-configs", default="fp8mma_decode,ds_decode,ds_decode_bk128,ds_decode_bn32",
+    ap.add_argument("--decode-configs",
+                    default="fp8mma_decode,ds_decode_rt,sk_bf16,sk_bf16_bk256,sk_bf16_w8,slab_bf16,sk_fp8",
                     help="named configs (moe_plan.NAMED_CONFIGS) timed when slots <= 32 * experts")
-    ap.add_argument("--prefill-configs", default="fp8mma_prefill,ds_prefill,ds_prefill_bm64,ds_prefill_bn128",
+    ap.add_argument("--prefill-configs", default="ds_prefill_rt,ds_prefill_bn128",
                     help="named configs timed above that")
     ap.add_argument("--bf16-tokens", default="64,4096", help="sizes where the bf16-activation variant is timed")
     ap.add_argument("--check-max-tokens", type=int, default=4096, help="error vs reference up to this size")
