@@ -59,3 +59,22 @@ def test_pick_config_and_dispatch():
     assert moe_plan.pick_config(16384 * 6, 96) is moe_plan.PREFILL_CONFIG
     with pytest.raises(ValueError):
         moe_gemm.routed_moe(*([None] * 9), limit=10.0, backend="cuda")
+
+
+def test_split_k_plan():
+    """Split-K decode configs: auto KS fills >= min_programs where it can, divides K into whole units, keeps
+    >= 2 units per split; explicit KS is checked. V4.1 numbers (d=5120, I=2304, 96 experts, top-6)."""
+    cfg = moe_plan.NAMED_CONFIGS["sk_bf16"]
+    assert moe_plan.split_ks(cfg, 6, 96, 5120, 2304) == (5, 6)        # 1 token: 6 tiles x 36 x 5, 6 x 40 x 6
+    assert moe_plan.split_ks(cfg, 96, 96, 5120, 2304) == (1, 1)       # 16 tokens: enough tiles already
+    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["slab_bf16"], 6, 96, 5120, 2304) == (1, 1)
+    for name in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "sk_fp8"):
+        c = moe_plan.NAMED_CONFIGS[name]
+        unit = c.BK if c.mma == "bf16" else 32 * c.KSUB
+        ku, kd = moe_plan.split_ks(c, 6, 96, 5120, 2304)
+        assert (5120 // unit) % ku == 0 and (2304 // unit) % kd == 0
+        assert 5120 // unit // ku >= 2 and 2304 // unit // kd >= 2
+        assert 6 * (2304 // c.BN_UP) * ku >= c.min_programs and 6 * (5120 // c.BN_DOWN) * kd >= c.min_programs
+    assert moe_plan.split_k(512, 128, 1, 1, 10 ** 6) == 2               # capped: >= 2 units per split
+    with pytest.raises(ValueError):
+        moe_plan.split_k(512, 128, 1, 1, 1, ks=3)

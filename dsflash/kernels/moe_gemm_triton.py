@@ -41,7 +41,7 @@ import triton.language as tl
 
 from dsflash.model import quant
 from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, num_tiles, pick_config,  # noqa: F401
-                                      prepare, tile_schedule)
+                                      prepare, split_ks, tile_schedule)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -387,6 +387,218 @@ def _moe_down_kernel_ds(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_e
     tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
 
 
+# ---------------------------------------------------------------- split-K decode kernels (kind "sk")
+@triton.jit
+def _load_w_slab(w_base, s_base, offs_n, k0, KPACK: tl.constexpr, KSC: tl.constexpr, BK: tl.constexpr):
+    """Raw BK-wide K slab of an expert's [N, K] MXFP4 matrix: packed bytes [BN, BK/2] (BK/2 contiguous bytes per
+    row: 16-byte vector loads) and UE8M0 scale bytes [BN, BK/32]."""
+    p = tl.load(w_base + offs_n[:, None] * KPACK + k0 // 2 + tl.arange(0, BK // 2)[None, :])
+    s = tl.load(s_base + offs_n[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
+    return p, s
+
+
+@triton.jit
+def _decode_slab_bf16(p, s, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
+    """Packed E2M1 [BN, BK/2] + UE8M0 [BN, BK/32] -> bf16 [BN, BK] = value * scale, exact (E2M1 values have two
+    significant bits and the scales are powers of two)."""
+    if DECODE == 1:
+        w = _e2m1_to_e4m3_asm(p)
+    else:
+        w = _e2m1_to_e4m3_tl(p)
+    sc = _e8m0_to_f32(s) * 64.0                                         # E4M3 byte holds value * 2^-6
+    w3 = tl.reshape(w.to(tl.float32), (BN, BK // 32, 32)) * sc[:, :, None]
+    return tl.reshape(w3, (BN, BK)).to(tl.bfloat16)
+
+
+@triton.jit
+def _swiglu_h(acc_g, acc_u, rw, LIMIT: tl.constexpr):
+    """The reference's rounding points up to h: clamp, SiLU, routing weight (before W2), bf16 rounding."""
+    g = tl.minimum(acc_g, LIMIT)
+    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+    return _round_bf16(g / (1.0 + tl.exp(-g)) * u * rw[:, None])
+
+
+@triton.jit
+def _store_h(hb, h_ptr, hs_ptr, rows, rmask, offs_n, n0, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             HOUT: tl.constexpr):
+    """h (fp32 holding bf16 values) -> HOUT 0: FP8 codes + f32 pow2 scales; 1: bf16 carrier of its FP8 round
+    trip; 2: plain bf16 (precision "bf16")."""
+    if HOUT == 0:
+        _fp8_quant_store(hb, h_ptr, hs_ptr, rows, rmask, offs_n, n0, I, BM, BN)
+    elif HOUT == 1:
+        _fp8_roundtrip_store_bf16(hb, h_ptr, rows, rmask, offs_n, I, BM, BN)
+    else:
+        tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _moe_up_kernel_sk(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                      w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                      h_ptr, hs_ptr,
+                      S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KSUB: tl.constexpr,
+                      KS: tl.constexpr, MMA: tl.constexpr, ACT_FP8: tl.constexpr, HOUT: tl.constexpr,
+                      DECODE: tl.constexpr):
+    """Gate/up over K chunk ``program_id(2)`` of KS (D / KS wide). KS == 1: the full epilogue here (h out as in
+    ``_store_h``). KS > 1: fp32 partials [KS, S, 2, I] (g then u) for ``_moe_up_epilogue_sk``.
+    MMA 1: per BK slab one bf16 MMA of the exact bf16 x (FP8 codes * scales, dequantised here) and the decoded,
+    scaled weights; the next slab's raw bytes are loaded before this one is used (register double buffer).
+    MMA 0: the fp8mma per-32 loop (``_moe_up_kernel``) restricted to the chunk."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    ks = tl.program_id(2)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = D // 2
+    KSC: tl.constexpr = D // 32
+    KCH: tl.constexpr = D // KS
+    kbeg = ks * KCH
+    e64 = e.to(tl.int64)
+    w1b = w1_ptr + e64 * (I * KPACK)
+    w3b = w3_ptr + e64 * (I * KPACK)
+    s1b = s1_ptr + e64 * (I * KSC)
+    s3b = s3_ptr + e64 * (I * KSC)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    if MMA == 1:
+        pg, sg = _load_w_slab(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK)
+        pu, su = _load_w_slab(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK)
+        for i in tl.range(0, KCH // BK):                     # constant bounds (also for Triton's interpreter)
+            k0 = kbeg + i * BK
+            kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK   # last step re-reads its own slab (L2/L1 hit)
+            npg, nsg = _load_w_slab(w1b, s1b, offs_n, kn, KPACK, KSC, BK)
+            npu, nsu = _load_w_slab(w3b, s3b, offs_n, kn, KPACK, KSC, BK)
+            xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
+            if ACT_FP8:
+                sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
+                xb = _fp8_dequant_bf16(xa, sx, BM, BK)
+            else:
+                xb = xa
+            acc_g += _dot_bf16(xb, tl.trans(_decode_slab_bf16(pg, sg, BN, BK, DECODE)), DECODE)
+            acc_u += _dot_bf16(xb, tl.trans(_decode_slab_bf16(pu, su, BN, BK, DECODE)), DECODE)
+            pg = npg
+            sg = nsg
+            pu = npu
+            su = nsu
+    else:
+        for kk in tl.range(0, KCH // 32, KSUB):
+            for j in tl.static_range(KSUB):
+                kb = kbeg // 32 + kk + j
+                xa = tl.load(xq_ptr + tok[:, None] * D + kb * 32 + tl.arange(0, 32)[None, :])
+                wg, sgb = _load_w_block(w1b, s1b, offs_n, kb, KPACK, KSC, DECODE)
+                wu, sub = _load_w_block(w3b, s3b, offs_n, kb, KPACK, KSC, DECODE)
+                sx = tl.load(xs_ptr + tok * KSC + kb)
+                acc_g += tl.dot(xa, tl.trans(wg)) * (sx[:, None] * sgb[None, :])
+                acc_u += tl.dot(xa, tl.trans(wu)) * (sx[:, None] * sub[None, :])
+    if KS == 1:
+        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+        _store_h(_swiglu_h(acc_g, acc_u, rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN,
+                 HOUT)
+    else:
+        base = h_ptr + (ks * S + rows[:, None]).to(tl.int64) * (2 * I) + offs_n[None, :]
+        tl.store(base, acc_g, mask=rmask[:, None])
+        tl.store(base + I, acc_u, mask=rmask[:, None])
+
+
+@triton.jit
+def _moe_up_epilogue_sk(part_ptr, rw_ptr, h_ptr, hs_ptr,
+                        S: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        KS: tl.constexpr, HOUT: tl.constexpr):
+    """Sum the KS fp32 gate/up partials (fixed order ks = 0..KS-1), then the up kernel's epilogue."""
+    rb = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = rb * BM + tl.arange(0, BM)
+    rmask = rows < S
+    offs_n = nb * BN + tl.arange(0, BN)
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for ks in tl.static_range(KS):
+        base = part_ptr + (ks * S + rows[:, None]).to(tl.int64) * (2 * I) + offs_n[None, :]
+        acc_g += tl.load(base, mask=rmask[:, None], other=0.0)
+        acc_u += tl.load(base + I, mask=rmask[:, None], other=0.0)
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    _store_h(_swiglu_h(acc_g, acc_u, rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN, HOUT)
+
+
+@triton.jit
+def _moe_down_kernel_sk(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                        w2_ptr, s2_ptr,
+                        o_ptr,
+                        S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KSUB: tl.constexpr,
+                        KS: tl.constexpr, MMA: tl.constexpr, DECODE: tl.constexpr):
+    """h (sorted rows; MMA 1: bf16 [S, I], MMA 0: FP8 codes + f32 scales) times MXFP4 W2 over K chunk
+    ``program_id(2)`` of KS. KS == 1: bf16-rounded rows at their unsorted slot of o [S, D]; KS > 1: fp32
+    partials [KS, S, D] (unsorted slots) for ``_moe_down_reduce_sk``."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    ks = tl.program_id(2)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = I // 2
+    KSC: tl.constexpr = I // 32
+    KCH: tl.constexpr = I // KS
+    kbeg = ks * KCH
+    e64 = e.to(tl.int64)
+    w2b = w2_ptr + e64 * (D * KPACK)
+    s2b = s2_ptr + e64 * (D * KSC)
+    acc = tl.zeros((BM, BN), tl.float32)
+    if MMA == 1:
+        pw, sw = _load_w_slab(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK)
+        for i in tl.range(0, KCH // BK):
+            k0 = kbeg + i * BK
+            kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
+            npw, nsw = _load_w_slab(w2b, s2b, offs_n, kn, KPACK, KSC, BK)
+            ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
+            acc += _dot_bf16(ha, tl.trans(_decode_slab_bf16(pw, sw, BN, BK, DECODE)), DECODE)
+            pw = npw
+            sw = nsw
+    else:
+        for kk in tl.range(0, KCH // 32, KSUB):
+            for j in tl.static_range(KSUB):
+                kb = kbeg // 32 + kk + j
+                ha = tl.load(h_ptr + rows_c[:, None] * I + kb * 32 + tl.arange(0, 32)[None, :])
+                w, swb = _load_w_block(w2b, s2b, offs_n, kb, KPACK, KSC, DECODE)
+                sh = tl.load(hs_ptr + rows_c * KSC + kb)
+                acc += tl.dot(ha, tl.trans(w)) * (sh[:, None] * swb[None, :])
+    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    if KS == 1:
+        tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16),
+                 mask=rmask[:, None])
+    else:
+        tl.store(o_ptr + (ks * S + slot[:, None]) * D + offs_n[None, :], acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _moe_down_reduce_sk(part_ptr, o_ptr, S: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
+                        BN: tl.constexpr, KS: tl.constexpr):
+    """o[slot] = bf16(sum over ks = 0..KS-1 of the fp32 partials): each expert's output rounded once, as in the
+    reference (the rounding is done here, not in XLA, which could elide an f32 -> bf16 -> f32 pair)."""
+    rb = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = rb * BR + tl.arange(0, BR)
+    rmask = rows < S
+    offs = rows[:, None].to(tl.int64) * D + nb * BN + tl.arange(0, BN)[None, :]
+    acc = tl.zeros((BR, BN), tl.float32)
+    for ks in tl.static_range(KS):
+        acc += tl.load(part_ptr + ks * S * D + offs, mask=rmask[:, None], other=0.0)
+    tl.store(o_ptr + offs, _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+
+
 # ------------------------------------------------------------------------------------------ JAX side
 def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
     T, d = x.shape
@@ -397,6 +609,10 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         size = I if n == "I" else d
         if size % b or b % 32:
             raise ValueError(f"{n}={size} must be a multiple of the block {b} (itself a multiple of 32)")
+    if cfg.kind == "sk":
+        unit = cfg.BK if cfg.mma == "bf16" else 32 * cfg.KSUB
+        if d % unit or I % unit or unit % 32:
+            raise ValueError(f"K unit {unit} (BK or 32*KSUB) must be a multiple of 32 dividing d={d} and I={I}")
     if cfg.kind == "ds" and (d % cfg.BK or I % cfg.BK or cfg.BK % 32):
         raise ValueError(f"BK={cfg.BK} must be a multiple of 32 dividing d={d} and I={I}")
     if (d // 32) % cfg.KSUB or (I // 32) % cfg.KSUB:
@@ -438,6 +654,9 @@ def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
             grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
             D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, BK=cfg.BK, ACT_FP8=mode)
         return o, hq, hs
+    if cfg.kind == "sk":
+        return _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, S=S, TM=TM, d=d, I=I, E=E, limit=limit, act_fp8=act_fp8,
+                          cfg=cfg)
     hq, hs = jt.triton_call(
         p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3,
         kernel=_moe_up_kernel,
@@ -451,6 +670,67 @@ def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
         out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
         grid=(TM, d // cfg.BN_DOWN), num_warps=cfg.warps_down, num_stages=cfg.stages,
         D=d, I=I, BM=cfg.BM, BN=cfg.BN_DOWN, KSUB=cfg.KSUB, ACT_FP8=int(act_fp8), DECODE=int(cfg.decode == "asm"))
+    return o, hq, hs
+
+
+def _block_dividing(n, cap):
+    """Largest power-of-two block <= cap (and >= 32) dividing n (n is a multiple of 32)."""
+    b = cap
+    while n % b:
+        b //= 2
+    return b
+
+
+def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
+    """Static launch plan of a kind-"sk" config: K splits, the MMA flavour and how h travels."""
+    ks_up, ks_down = split_ks(cfg, S, E, d, I)
+    mma = 1 if cfg.mma == "bf16" else 0
+    if not act_fp8 and not mma:
+        raise NotImplementedError("kind 'sk' with mma='fp8' needs FP8 activations (precision 'reference')")
+    hout = (1 if mma else 0) if act_fp8 else 2     # bf16 carrier of the round trip / FP8 codes + scales / bf16
+    return dict(ks_up=ks_up, ks_down=ks_down, mma=mma, hout=hout)
+
+
+def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8, cfg):
+    """Split-K decode launches: up (+ epilogue when split), down (+ reduction when split)."""
+    pl = sk_plan(cfg, S, E, d, I, act_fp8)
+    ks_up, ks_down, mma, hout = pl["ks_up"], pl["ks_down"], pl["mma"], pl["hout"]
+    dec = int(cfg.decode == "asm")
+    hdt = jnp.float8_e4m3fn if hout == 0 else jnp.bfloat16
+    h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
+    common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, KSUB=cfg.KSUB, MMA=mma, DECODE=dec)
+    up_args = (p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3)
+    if ks_up == 1:
+        hq, hs = jt.triton_call(
+            *up_args, kernel=_moe_up_kernel_sk, out_shape=h_shapes,
+            grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(act_fp8), HOUT=hout, **common)
+    else:
+        part, _ = jt.triton_call(
+            *up_args, kernel=_moe_up_kernel_sk,
+            out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
+            grid=(TM, I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(act_fp8), HOUT=hout, **common)
+        BME, BNE = 16, _block_dividing(I, 128)
+        hq, hs = jt.triton_call(
+            part, p["rw"], kernel=_moe_up_epilogue_sk, out_shape=h_shapes,
+            grid=(triton.cdiv(S, BME), I // BNE), num_warps=4, num_stages=1,
+            S=S, I=I, LIMIT=float(limit), BM=BME, BN=BNE, KS=ks_up, HOUT=hout)
+    down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
+    if ks_down == 1:
+        o = jt.triton_call(
+            *down_args, kernel=_moe_down_kernel_sk, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+            grid=(TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            S=S, BN=cfg.BN_DOWN, KS=1, **common)
+    else:
+        part = jt.triton_call(
+            *down_args, kernel=_moe_down_kernel_sk, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
+            grid=(TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
+        BR, BNR = 8, _block_dividing(d, 512)
+        o = jt.triton_call(
+            part, kernel=_moe_down_reduce_sk, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+            grid=(triton.cdiv(S, BR), d // BNR), num_warps=4, num_stages=1, S=S, D=d, BR=BR, BN=BNR, KS=ks_down)
     return o, hq, hs
 
 

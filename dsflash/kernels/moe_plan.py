@@ -24,6 +24,13 @@ class MoeConfig:
     BK: int = 128         # K chunk of the "ds" kernels (multiple of 32 dividing d and I)
     act: str = "fp8"      # "ds" + reference precision: "fp8" = E4M3 codes + UE8M0 scales into dot_scaled;
                           # "bf16rt" = bf16 carriers of the same round-tripped values (exact), bf16 lhs
+    # kind "sk" (split-K decode kernels, moe_gemm_triton._moe_*_kernel_sk):
+    mma: str = "bf16"     # "bf16": BK-wide weight slab (16-byte loads) decoded to bf16 with its scales applied
+                          # (exact), next slab prefetched into registers, one bf16 MMA per slab, bf16 carriers of
+                          # the FP8 round trips; "fp8": the fp8mma per-32 block loop (KSUB blocks per step)
+    KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
+    KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
+    min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)
 
 
 FP8MMA_DECODE = MoeConfig()
@@ -54,7 +61,43 @@ NAMED_CONFIGS = {
     "ds_prefill_bn128": DS_PREFILL_BN128,
     "ds_decode_rt": DS_DECODE_RT,
     "ds_prefill_rt": DS_PREFILL_RT,
+    # split-K decode variants (2026-11-30, not yet run on a GPU; NOTES.md "MoE grouped GEMM" has the predictions)
+    "sk_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3),
+    "sk_bf16_bk256": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3),
+    "sk_bf16_w8": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
+                            warps_down=8, stages=3),
+    "slab_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3, KS_UP=1,
+                           KS_DOWN=1),
+    "sk_fp8": MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, stages=4),
 }
+
+
+def _ks_unit(cfg: MoeConfig) -> int:
+    return cfg.BK if cfg.mma == "bf16" else 32 * cfg.KSUB
+
+
+def split_k(size_k: int, unit: int, tiles: int, nblocks: int, target: int, ks: int = 0) -> int:
+    """K splits for a kernel whose grid is tiles x nblocks x KS: ``ks`` if given, else the smallest KS dividing
+    size_k / unit with tiles * nblocks * KS >= target, keeping >= 2 units per split (so the prefetch has a next
+    slab). ``tiles`` is the static upper bound on active M tiles (num_tiles), not the data-dependent count."""
+    n = size_k // unit
+    if ks:
+        if n % ks:
+            raise ValueError(f"KS={ks} must divide {size_k}/{unit}={n}")
+        return ks
+    cands = [c for c in range(1, n + 1) if n % c == 0 and (n // c >= 2 or c == 1)]
+    for c in cands:
+        if tiles * nblocks * c >= target:
+            return c
+    return cands[-1]
+
+
+def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, int]:
+    """(KS_UP, KS_DOWN) of a kind-"sk" config at S slots."""
+    tiles = num_tiles(S, E, cfg.BM)
+    unit = _ks_unit(cfg)
+    return (split_k(d, unit, tiles, inter // cfg.BN_UP, cfg.min_programs, cfg.KS_UP),
+            split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))
 
 
 def pick_config(rows: int, experts: int) -> MoeConfig:

@@ -35,6 +35,7 @@ def _triton():
 SMALL = [(1, 6, 16, 512, 256), (5, 6, 8, 512, 256), (64, 6, 16, 1024, 512), (300, 4, 8, 512, 768)]
 REAL_DECODE = (16, 6, 96, 5120, 2304)      # V4.1 expert shape, decode
 REAL_PREFILL = (1024, 6, 96, 5120, 2304)   # V4.1 expert shape, 6K slots
+REAL_ONE = (1, 6, 96, 5120, 2304)          # V4.1, one token: the split-K kernels split both GEMMs here
 COMBOS = (
     # tl.dot_scaled kernels ("ds")
     [(c, "ds_decode", "reference") for c in SMALL] + [(c, "ds_prefill", "reference") for c in SMALL[2:]]
@@ -44,6 +45,11 @@ COMBOS = (
     # tl.dot_scaled with bf16 carriers of the FP8 round trips ("_rt")
     + [(SMALL[3], "ds_decode_rt", "reference"), (REAL_DECODE, "ds_decode_rt", "reference"),
        (REAL_PREFILL, "ds_prefill_rt", "reference")]
+    # split-K decode kernels ("sk"; 2026-11-30: checked in Triton's interpreter only, DECODE="tl")
+    + [(c, n, "reference") for n in ("sk_bf16", "sk_fp8", "slab_bf16") for c in (SMALL[0], SMALL[1])]
+    + [(REAL_DECODE, n, "reference") for n in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "slab_bf16", "sk_fp8")]
+    + [(REAL_ONE, n, "reference") for n in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "sk_fp8")]
+    + [(SMALL[2], "sk_bf16", "bf16"), (SMALL[3], "sk_bf16", "reference")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
@@ -53,6 +59,8 @@ COMBOS = (
 def _cfg(name):
     if name == "decode_tl":
         return moe_plan.MoeConfig(decode="tl")
+    if name == "sk_bf16_split":     # forced splits at the small shape of test_intermediates_fully_written_twice
+        return moe_plan.MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2, KS_DOWN=2)
     return moe_plan.NAMED_CONFIGS[name]
 
 
@@ -90,7 +98,7 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
 
 
 @pytest.mark.parametrize("cfg_name", ["ds_decode_rt", "ds_prefill_rt", "ds_decode", "ds_prefill", "fp8mma_decode",
-                                      "fp8mma_prefill"])
+                                      "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split"])
 def test_intermediates_fully_written_twice(cfg_name):
     """Two runs at one shape with different inputs: every FP8 code of h and every output row must match the
     reference each time, so nothing can be left over from the previous run (a stale or unwritten element).
