@@ -66,9 +66,9 @@ def run(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtype=jnp.
     scale = D ** -0.5
     ref = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
                                                         precision=precision))
-    # Known flake (NOTES.md): under load, a kernel run in the interpreter sometimes computed a wholly wrong (but
-    # repeatable) result; reproduced 2026-11-30 with owned input copies, the reference awaited and
-    # OPENBLAS_NUM_THREADS=1, never with the cyclic GC off. So the GC stays off while the interpreter runs.
+    # Known flake (NOTES.md), NOT fixed: now and then a kernel run in the interpreter computes a wholly wrong
+    # (but repeatable) result or leaves stores unlanded; reproduced 2026-11-30 with owned input copies, the
+    # reference awaited and OPENBLAS_NUM_THREADS=1; turning the cyclic GC off (below) did not prevent it.
     gc.collect()
     gc.disable()
     try:
