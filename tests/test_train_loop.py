@@ -90,19 +90,28 @@ def test_greedy_extend_is_the_targets_own_greedy_chain(setup):
     assert loop.sample_anchors(np.random.default_rng(0), cfg, 3, 32, 4, lo=start - 1).min() >= start - 1
 
 
-def test_pipeline_keeps_the_best_heldout_step_and_honours_the_time_budget(tmp_path):
+# the shapes of the tests above (docs, vocab, batch 4 x 32, 2 anchors): their compiled steps are reused
+PIPELINE = dict(vocab_size=512, batch_size=4, seq_len=32, anchors=2, eval_every=2, eval_batches=1, quiet=True,
+                greedy_rows=8)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    from dsflash.train import run
+    out = tmp_path_factory.mktemp("pipeline")
+    m = run.train(str(out), config="mini", steps=4, draft_steps=50, docs=data.corpus_documents()[:120],
+                  max_draft_seconds=1e-9, **PIPELINE)
+    return out, m
+
+
+def test_pipeline_keeps_the_best_heldout_step_and_honours_the_time_budget(pipeline):
     """``dsflash.train.run.train`` end to end on the mini config: the exported target is the evaluated step
     with the lowest held-out loss (or the last when none beat the init), the draft stage stops at its time
     budget, and the checkpoint reloads with the held-out rows beside it."""
     import json
     import os
 
-    from dsflash.train import run
-
-    # the shapes of the tests above (docs, vocab, batch 4 x 32, 2 anchors): their compiled steps are reused
-    m = run.train(str(tmp_path), config="mini", vocab_size=512, steps=4, draft_steps=50, batch_size=4, seq_len=32,
-                  anchors=2, eval_every=2, eval_batches=1, quiet=True, docs=data.corpus_documents()[:120],
-                  greedy_rows=8, max_draft_seconds=1e-9)
+    tmp_path, m = pipeline
     log = [json.loads(x) for x in open(tmp_path / "log.jsonl")]
     evals = {r["step"]: r["heldout_loss"] for r in log if r["stage"] == "target" and "heldout_loss" in r}
     best = min((s for s in evals if s), key=evals.get)
@@ -110,3 +119,33 @@ def test_pipeline_keeps_the_best_heldout_step_and_honours_the_time_budget(tmp_pa
     assert m["steps_run"] == 4 and m["draft_steps_run"] == 1 and m["draft_data"] == "greedy"
     assert os.path.exists(tmp_path / "checkpoint" / "heldout_rows.npy")
     assert np.isfinite(m["loaded_heldout_ppl"])
+
+
+def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipeline, tmp_path):
+    """``train(target_from=...)``: only DSpark trains, on the served (stored) target's taps; the exported target
+    is the source's, tensor for tensor, so its perplexity is unchanged; bad requests fail before any work."""
+    import dsflash
+    from dsflash.train import run
+
+    docs = data.corpus_documents()[:120]
+    kw = PIPELINE
+    src_dir, src = pipeline
+    ck = str(src_dir / "checkpoint")
+    m = run.train(str(tmp_path / "drf"), target_from=ck, draft_init="checkpoint", draft_steps=3, docs=docs,
+                  greedy_batch=8, **kw)
+    a, b = dsflash.load(ck, progress=False), dsflash.load(str(tmp_path / "drf" / "checkpoint"), progress=False)
+    assert a.params.keys() == b.params.keys()
+    for k in a.params:
+        if not k.startswith("mtp."):
+            assert np.array_equal(np.asarray(a.params[k]), np.asarray(b.params[k])), k
+    assert not all(np.array_equal(np.asarray(a.params[k]), np.asarray(b.params[k])) for k in a.params
+                   if k.startswith("mtp."))
+    assert m["loaded_heldout_ppl"] == src["loaded_heldout_ppl"]
+    assert m["draft_steps_run"] == 3 and m["target_step_kept"] == src["target_step_kept"]
+    assert m["draft_taps"].startswith("served target") and m["draft_init"] == "checkpoint"
+    with pytest.raises(ValueError, match="corpus"):
+        run.train(str(tmp_path / "bad"), target_from=ck, draft_steps=1, docs=docs[:100], **kw)
+    with pytest.raises(ValueError, match="draft_init"):
+        run.train(str(tmp_path / "bad"), draft_init="checkpoint", docs=docs, **kw)
+    with pytest.raises(ValueError, match="dspark_"):
+        run.train(str(tmp_path / "bad"), target_from=ck, draft_overrides={"hidden_size": 8}, docs=docs, **kw)

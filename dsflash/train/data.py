@@ -18,6 +18,7 @@ import importlib
 import inspect
 import json
 import os
+import shutil
 import sys
 import warnings
 from unittest import mock
@@ -202,14 +203,23 @@ class Corpus:
     """Everything the trainer needs from the data side: tokenizer, packed train/held-out rows, info."""
 
     def __init__(self, folder: str, vocab_size: int, image_token_id: int, seq_len: int,
-                 heldout_every: int = 20, docs: list[str] | None = None):
+                 heldout_every: int = 20, docs: list[str] | None = None, tokenizer_from: str | None = None):
+        """``tokenizer_from``: a folder whose tokenizer files are reused (copied into ``folder``) instead of
+        training a new tokenizer -- a trained checkpoint's, so its rows tokenise exactly as it was trained."""
         from dsflash.tokenizer import Tokenizer
 
         docs = corpus_documents() if docs is None else docs
         self.info = corpus_info(docs)
         train, held = split_documents(docs, heldout_every)
         os.makedirs(folder, exist_ok=True)
-        train_tokenizer(folder, train, vocab_size, image_token_id)
+        if tokenizer_from is None:
+            train_tokenizer(folder, train, vocab_size, image_token_id)
+        else:
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                src = os.path.join(tokenizer_from, f)
+                if not os.path.exists(src):
+                    raise ValueError(f"tokenizer_from: {src} does not exist")
+                shutil.copyfile(src, os.path.join(folder, f))
         self.tokenizer = Tokenizer.from_folder(folder)
         self.folder = folder
         self.train_stream = encode_documents(self.tokenizer, train)

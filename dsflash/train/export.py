@@ -16,11 +16,12 @@ from dsflash.model import quant
 from dsflash.model.params import DERIVED, param_specs
 
 
-def quantize_params(cfg: ModelConfig, fparams: dict) -> dict:
-    """Float params (as ``float_params`` gives) -> stored-format params (numpy), derived constants dropped."""
+def quantize_params(cfg: ModelConfig, fparams: dict, skip=()) -> dict:
+    """Float params (as ``float_params`` gives) -> stored-format params (numpy), derived constants and the names
+    in ``skip`` dropped."""
     out = {}
     for s in param_specs(cfg):
-        if s.fmt == "scale":
+        if s.fmt == "scale" or s.name in skip:
             continue
         w = jnp.asarray(fparams[s.name])
         scale_name = s.name[: -len(".weight")] + ".scale"
@@ -40,11 +41,16 @@ def quantize_params(cfg: ModelConfig, fparams: dict) -> dict:
 
 
 def export_checkpoint(folder: str, cfg: ModelConfig, fparams: dict, tokenizer_folder: str,
-                      extra_meta: dict | None = None) -> dict:
-    """Quantise, write the official layout, copy the trained tokenizer; -> the stored params."""
+                      extra_meta: dict | None = None, keep: dict | None = None) -> dict:
+    """Quantise, write the official layout, copy the trained tokenizer; -> the stored params.
+
+    ``keep``: stored tensors written as they are (with their ``.scale`` partners), e.g. a served target whose
+    bytes must not change; the rest of ``fparams`` is quantised."""
     from dsflash.checkpoint.synth import write_synthetic_checkpoint
 
-    stored = quantize_params(cfg, {k: v for k, v in fparams.items() if k not in DERIVED})
+    keep = {k: v for k, v in (keep or {}).items() if k not in DERIVED}
+    stored = quantize_params(cfg, {k: v for k, v in fparams.items() if k not in DERIVED}, skip=keep)
+    stored.update({k: np.asarray(v) for k, v in keep.items()})
     write_synthetic_checkpoint(folder, cfg, params=stored, tokenizer=False, include_vision=False,
                                max_shard_bytes=8 << 20)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -114,9 +114,13 @@ def draft_logits(params, cfg: ModelConfig, taps, tokens, anchors, precision):
     return base + mk, x_hat, e, rows, p
 
 
-def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill):
+def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill, served=None, served_precision=None):
+    """``served`` (optional): the target as it is served (stored FP8/MXFP4 params), run at ``served_precision``
+    for the taps and the target logits, so the draft learns from what the engine will feed it; ``frozen`` then
+    holds its dequantised float copy for the shared ``embed`` / ``head``."""
     params = {**frozen, **draft}
-    out = jax.lax.stop_gradient(_target_forward(frozen, cfg, tokens, precision, taps=True))
+    src, src_precision = (frozen, precision) if served is None else (served, served_precision)
+    out = jax.lax.stop_gradient(_target_forward(src, cfg, tokens, src_precision, taps=True))
     K = cfg.dspark_block_size
     logits, x_hat, e, rows, p = draft_logits(params, cfg, out["taps"], tokens, anchors, precision)
     tpos = p[:, None] + jnp.arange(K)[None]                                 # target logits at p+i predict p+i+1
@@ -134,10 +138,11 @@ def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill):
     return loss, {"ce": jnp.mean(ce), "hit": jnp.mean(hit), "hit_per_pos": jnp.mean(hit, axis=0)}
 
 
-@functools.partial(jax.jit, static_argnums=(3, 6, 7, 8), donate_argnums=(0, 1))
-def draft_step(draft, opt_state, frozen, cfg, tokens, anchors, precision, opt, distill):
+@functools.partial(jax.jit, static_argnums=(3, 6, 7, 8, 10), donate_argnums=(0, 1))
+def draft_step(draft, opt_state, frozen, cfg, tokens, anchors, precision, opt, distill, served=None,
+               served_precision=None):
     (loss, aux), g = jax.value_and_grad(draft_loss, has_aux=True)(draft, frozen, cfg, tokens, anchors,
-                                                                   precision, distill)
+                                                                   precision, distill, served, served_precision)
     upd, opt_state = opt.update(g, opt_state, draft)
     return optax.apply_updates(draft, upd), opt_state, loss, aux
 
@@ -159,7 +164,7 @@ def perplexity(params, cfg, rows: np.ndarray, batch_size: int, precision: str) -
     return math.exp(tot / max(n, 1))
 
 
-draft_loss_jit = jax.jit(draft_loss, static_argnums=(2, 5, 6))
+draft_loss_jit = jax.jit(draft_loss, static_argnums=(2, 5, 6, 8))
 
 
 # ------------------------------------------------------------------ DSpark data: the target's own greedy chains

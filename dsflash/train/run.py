@@ -75,13 +75,44 @@ def _over_budget(t_start: float, limit_s: float) -> bool:
     return bool(limit_s) and time.time() - t_start > limit_s
 
 
+def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
+    """A trained checkpoint's target as served: config, stored params, and the training record."""
+    import dsflash
+    path = os.path.join(folder, "training.json")
+    if not os.path.exists(path):
+        raise ValueError(f"target_from: {folder} has no training.json (not a dsflash.train checkpoint)")
+    meta = json.load(open(path))
+    if docs is None and meta.get("config") not in CONFIGS:
+        raise ValueError(f"target_from: unknown config {meta.get('config')!r} in {path}")
+    m = dsflash.load(folder, progress=False)
+    if m.cfg.vocab_size != vocab_size or meta["seq_len"] != seq_len:
+        raise ValueError(f"target_from: {folder} has vocab_size {m.cfg.vocab_size} / seq_len {meta['seq_len']}, "
+                         f"asked for {vocab_size} / {seq_len}")
+    served = {k: v for k, v in m.params.items() if not k.startswith("mtp.")}
+    return {"cfg": m.cfg, "params": m.params, "served": served, "meta": meta}
+
+
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
           batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
           precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
           eval_batches: int = 8, quiet: bool = False, docs: list[str] | None = None,
           draft_data: str = "greedy", greedy_rows: int = 2048, greedy_start: int | None = None,
-          max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True) -> dict:
+          max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True,
+          target_from: str | None = None, draft_init: str = "fresh", draft_overrides: dict | None = None,
+          greedy_batch: int | None = None) -> dict:
+    """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
+    as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
+    greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
+    ``draft_init`` ("fresh" or "checkpoint": warm start from its draft), ``draft_overrides``: DSpark config
+    fields (e.g. ``dspark_n_routed_experts``) replaced before the draft is built."""
     t0 = time.time()
+    if draft_init not in ("fresh", "checkpoint"):
+        raise ValueError(f"draft_init must be 'fresh' or 'checkpoint', got {draft_init!r}")
+    bad = [k for k in (draft_overrides or {}) if not k.startswith("dspark_")]
+    if bad:
+        raise ValueError(f"draft_overrides may only change dspark_* fields, got {bad}")
+    if draft_init == "checkpoint" and (target_from is None or draft_overrides):
+        raise ValueError("draft_init='checkpoint' needs target_from and no draft_overrides (same draft shapes)")
     os.makedirs(out, exist_ok=True)
     log: list[dict] = []
     logf = open(os.path.join(out, "log.jsonl"), "w")
@@ -92,10 +123,21 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         logf.flush()
 
     # ---- data + tokenizer
-    corpus = data.Corpus(os.path.join(out, "tokenizer"), vocab_size, vocab_size - 1, seq_len, docs=docs)
+    source = None
+    if target_from is not None:
+        source = _served_target(target_from, vocab_size, seq_len, docs)
+        config = source["meta"]["config"]
+    corpus = data.Corpus(os.path.join(out, "tokenizer"), vocab_size, vocab_size - 1, seq_len, docs=docs,
+                         tokenizer_from=target_from)
+    if source is not None and corpus.info["sha256"] != source["meta"]["corpus"]["sha256"]:
+        raise ValueError(f"target_from: this machine's corpus (sha256 {corpus.info['sha256'][:12]}) is not the one "
+                         f"{target_from} was trained on ({source['meta']['corpus']['sha256'][:12]}, Python "
+                         f"{source['meta']['corpus'].get('python')}); its held-out rows would not match")
     from dsflash.engram_map import build_compressed_token_map
     tmap, n_comp = build_compressed_token_map(corpus.tokenizer)
-    cfg = CONFIGS[config](vocab_size, n_comp)
+    cfg = CONFIGS[config](vocab_size, n_comp) if source is None else source["cfg"]
+    if draft_overrides:
+        cfg = cfg.replace(**draft_overrides)
     held = corpus.held_rows[: eval_batches * batch_size]
     if len(held) < batch_size:
         held = corpus.train_rows[-batch_size:]          # tiny corpora (tests): no real held-out split
@@ -107,7 +149,15 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     params = float_params(cfg, init_params(cfg, seed))
     params["engram.token_map"] = jnp.asarray(tmap, jnp.int32)
     tgt, drf, const = loop.split_params(params)
-    opt = loop.make_optimizer(lr, steps)
+    served, served_precision = None, None
+    if source is not None:
+        # the served target: stored tensors for the taps, their dequantised floats for the shared embed/head
+        served, served_precision = source["served"], "reference"
+        tgt, loaded_drf, const = loop.split_params(float_params(source["cfg"], source["params"]))
+        if draft_init == "checkpoint":
+            drf = loaded_drf
+        steps = 0
+    opt = loop.make_optimizer(lr, max(steps, 1))
     opt_state = opt.init(tgt)
     it = iter(data.batches(corpus.train_rows, batch_size, seed))
 
@@ -147,10 +197,15 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         print(f"target: keeping step {best_step} (held-out loss {best_loss:.4f}, the lowest; the last step's is "
               f"higher: overfitting)", flush=True)
         tgt = {k: jnp.asarray(v) for k, v in best_w.items()}
-    save_orbax(os.path.join(out, "orbax", "target"), tgt)
+    if source is None:
+        save_orbax(os.path.join(out, "orbax", "target"), tgt)
+    else:
+        best_step = source["meta"].get("target_step_kept", 0)
 
     # ---- DSpark on the frozen target
     frozen = {**tgt, **const}
+    taps_src = frozen if served is None else served
+    taps_precision = precision if served is None else served_precision
     dopt = loop.make_optimizer(draft_lr, draft_steps)
     dstate = dopt.init(drf)
     rng = np.random.default_rng(seed + 1)
@@ -162,8 +217,10 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         pick = np.random.default_rng(seed + 2).permutation(len(corpus.train_rows))[:greedy_rows]
         bar = _bar(len(pick) // batch_size + len(held) // batch_size, "greedy chains", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
-        draft_rows = loop.greedy_pool(frozen, cfg, corpus.train_rows[pick], lo + 1, batch_size, precision, tick)
-        draft_held = loop.greedy_pool(frozen, cfg, held, lo + 1, batch_size, precision, tick)
+        gb = greedy_batch or batch_size
+        bar.total = len(pick) // gb + len(held) // batch_size if bar is not None else None
+        draft_rows = loop.greedy_pool(taps_src, cfg, corpus.train_rows[pick], lo + 1, gb, taps_precision, tick)
+        draft_held = loop.greedy_pool(taps_src, cfg, held, lo + 1, batch_size, taps_precision, tick)
         if bar is not None:
             bar.close()
     elif draft_data != "data":
@@ -177,7 +234,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         for i in range(0, len(draft_held) - batch_size + 1, batch_size):
             tok = jnp.asarray(draft_held[i:i + batch_size])
             a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, lo))
-            _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill)
+            _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill, served, served_precision)
             hits.append(np.asarray(aux["hit_per_pos"]))
             ces.append(float(aux["ce"]))
         return float(np.mean(ces)), np.mean(hits, axis=0)
@@ -187,7 +244,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     for step in range(1, draft_steps + 1):
         tok = jnp.asarray(next(dit))
         a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors, lo))
-        drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill)
+        drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill,
+                                                 served, served_precision)
         r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
              "t": round(time.time() - t0, 1)}
         out_of_time = _over_budget(t_stage, max_draft_seconds)
@@ -219,7 +277,17 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             "draft_data": draft_data,
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "draft_lr": draft_lr, "precision": precision,
             "seed": seed}
-    export_checkpoint(ck, cfg, final, corpus.folder, meta)
+    keep = None
+    if source is not None:
+        # the target's training record is the source's; this run adds the DSpark stage on its served weights
+        meta = dict(source["meta"], **{k: meta[k] for k in ("draft_steps", "draft_steps_run", "draft_data",
+                                                             "draft_lr", "seed")},
+                    draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
+                    target_from=source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from))),
+                    draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
+                    greedy_rows=greedy_rows, anchors=anchors, distill=distill)
+        keep = {k: v for k, v in source["params"].items() if not k.startswith("mtp.")}
+    export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
     np.save(os.path.join(ck, "heldout_rows.npy"), held.astype(np.int16))   # what the recorded perplexity used
     import dsflash
     m = dsflash.load(ck, progress=False)
@@ -266,11 +334,23 @@ def main(argv=None):
     ap.add_argument("--max-draft-seconds", type=float, default=0.0, help="stop the DSpark stage after this")
     ap.add_argument("--no-keep-best", action="store_true",
                     help="export the last target step, not the one with the lowest held-out loss")
+    ap.add_argument("--target-from", default=None,
+                    help="train only the DSpark stage on this trained checkpoint's served target (kept as stored)")
+    ap.add_argument("--draft-init", default="fresh", choices=("fresh", "checkpoint"),
+                    help="with --target-from: start the draft fresh or from that checkpoint's draft")
+    ap.add_argument("--draft-experts", type=int, default=None, help="override dspark_n_routed_experts")
+    ap.add_argument("--draft-topk", type=int, default=None, help="override dspark_num_experts_per_tok")
+    ap.add_argument("--markov-rank", type=int, default=None, help="override dspark_markov_rank")
+    ap.add_argument("--greedy-batch", type=int, default=None, help="batch of the greedy-chain generation")
     a = ap.parse_args(argv)
+    overrides = {k: v for k, v in (("dspark_n_routed_experts", a.draft_experts),
+                                   ("dspark_num_experts_per_tok", a.draft_topk),
+                                   ("dspark_markov_rank", a.markov_rank)) if v is not None}
     train(a.out, config=a.config, vocab_size=a.vocab_size, steps=a.steps,
           draft_steps=a.steps // 2 if a.draft_steps is None else a.draft_steps, batch_size=a.batch_size,
           seq_len=a.seq_len, lr=a.lr, draft_lr=a.draft_lr, precision=a.precision, seed=a.seed,
           anchors=a.anchors, distill=a.distill, eval_every=a.eval_every, quiet=a.quiet,
           draft_data=a.draft_data, greedy_rows=a.greedy_rows, greedy_start=a.greedy_start,
           max_target_seconds=a.max_target_seconds, max_draft_seconds=a.max_draft_seconds,
-          keep_best=not a.no_keep_best)
+          keep_best=not a.no_keep_best, target_from=a.target_from, draft_init=a.draft_init,
+          draft_overrides=overrides, greedy_batch=a.greedy_batch)
