@@ -78,3 +78,28 @@ def test_split_k_plan():
     assert moe_plan.split_k(512, 128, 1, 1, 10 ** 6) == 2               # capped: >= 2 units per split
     with pytest.raises(ValueError):
         moe_plan.split_k(512, 128, 1, 1, 1, ks=3)
+
+
+@pytest.mark.parametrize("T,k,E,BM,skew", [(1, 6, 96, 16, 0.0), (16, 6, 96, 16, 0.0), (256, 6, 96, 16, 3.0),
+                                           (7, 3, 5, 16, 3.0), (5, 2, 40, 128, 0.0), (300, 6, 8, 128, 1.0),
+                                           (3, 1, 1, 16, 0.0), (341, 6, 96, 16, 2.0)])
+def test_onehot_schedule_equals_sort(T, k, E, BM, skew):
+    """The sort-free decode prep (one-hot compares and sums) gives exactly the argsort path's integers, and
+    prepare's gathered routing weights bit for bit."""
+    key = jax.random.PRNGKey(T * 7 + E)
+    scores = jax.random.gumbel(key, (T, E)) + jnp.linspace(0, skew, E)
+    idx = jax.lax.top_k(scores, k)[1].astype(jnp.int32)
+    a = moe_plan.tile_schedule(idx, E, BM, method="sort")
+    b = moe_plan.tile_schedule(idx, E, BM, method="onehot")
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    w = jax.random.uniform(jax.random.fold_in(key, 1), (T, k), jnp.float32)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, 64), jnp.float32)
+    p = jax.jit(lambda x, i, w: moe_plan.prepare(x, i, w, E=E, BM=BM, act_fp8=True))(x, idx, w)
+    order = np.asarray(a[0])
+    np.testing.assert_array_equal(np.asarray(p["order"]), order)
+    np.testing.assert_array_equal(np.asarray(p["rw"]), np.asarray(w).reshape(-1)[order])
+    np.testing.assert_array_equal(np.asarray(p["tok"]), order // k)
+    for name, v in zip(("tile_e", "tile_s", "tile_end"), a[1:]):
+        np.testing.assert_array_equal(np.asarray(p[name]), np.asarray(v))

@@ -27,6 +27,12 @@ How it works
   (or bf16) times packed E2M1 weights with their UE8M0 scales; on Hopper Triton upcasts both to bf16 with the
   scales applied (exact) and accumulates a BK-wide chunk in one bf16 MMA. ``act="bf16rt"`` feeds bf16 carriers of
   the same FP8 round-tripped values (x dequantised in-kernel, h round-tripped in the epilogue).
+* ``kind="sk"`` kernels (``_moe_*_kernel_sk``, decode): the K dimension of both GEMMs split over a third grid axis
+  (``moe_plan.split_ks``: enough programs to fill the GPU when only a few experts are active), fp32 partials
+  summed in a fixed order by ``_moe_up_epilogue_sk`` (then the usual epilogue) and ``_moe_down_reduce_sk`` (then the
+  bf16 rounding of each expert's output). ``mma="bf16"`` loads BK-wide weight slabs (16-byte vectors), prefetches
+  the next slab into registers and decodes to bf16 with the scales applied (exact) for one bf16 MMA per slab;
+  ``mma="fp8"`` is the per-32 FP8-MMA loop above, split.
 Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert (defaults from the
 2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 """

@@ -109,13 +109,24 @@ def pick_config(rows: int, experts: int) -> MoeConfig:
     return DECODE_CONFIG
 
 
-def tile_schedule(idx, E: int, BM: int):
+ONEHOT_MAX_SLOTS = 2048   # tile_schedule's sort-free path up to this many slots (decode); argsort above
+
+
+def tile_schedule(idx, E: int, BM: int, method: str = "auto"):
     """Sort the T*k slots by expert (stable) and cut them into M-tiles that never cross an expert.
 
     Returns (order, tile_e, tile_start, tile_end): order [S] slot ids in sorted order; per tile the expert
-    (-1 for spare tiles), first sorted row, and the end row of that expert's run."""
+    (-1 for spare tiles), first sorted row, and the end row of that expert's run.
+    ``method``: "sort" (stable argsort, bincount, searchsorted, gathers) or "onehot" (the same integers from
+    one-hot compares and sums: no sort, scatter, while loop or gather -- fewer, fusible XLA ops for decode);
+    "auto" takes "onehot" up to ONEHOT_MAX_SLOTS slots."""
     flat_e = idx.reshape(-1).astype(jnp.int32)
     S = flat_e.shape[0]
+    if method == "auto":
+        method = "onehot" if S <= ONEHOT_MAX_SLOTS else "sort"
+    if method == "onehot":
+        order, _, tiles = _onehot_schedule(flat_e, E, BM)
+        return (order,) + tiles
     order = jnp.argsort(flat_e, stable=True).astype(jnp.int32)
     gs = jnp.bincount(flat_e, length=E).astype(jnp.int32)
     offs = jnp.cumsum(gs) - gs
@@ -133,6 +144,36 @@ def tile_schedule(idx, E: int, BM: int):
     return order, tile_e, tile_start.astype(jnp.int32), tile_end.astype(jnp.int32)
 
 
+def _onehot_schedule(flat_e, E: int, BM: int):
+    """Sort-free tile_schedule for small S: -> (order, rank, (tile_e, tile_start, tile_end)), rank[i] = sorted
+    position of slot i (order[rank[i]] = i). O(S*S + S*E + TM*E) integer work, all compares and sums (rank: the
+    number of (expert, slot) keys below a slot's own)."""
+    S = flat_e.shape[0]
+    ar_e = jnp.arange(E, dtype=jnp.int32)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    key = flat_e * S + pos                                                # unique; orders by (expert, slot)
+    rank = jnp.sum((key[None, :] < key[:, None]).astype(jnp.int32), axis=1)    # stable sorted position
+    gs = jnp.sum((flat_e[:, None] == ar_e[None, :]).astype(jnp.int32), axis=0)
+    offs = jnp.cumsum(gs) - gs
+    order = jnp.sum(jnp.where(rank[None, :] == pos[:, None], pos[None, :], 0), axis=1).astype(jnp.int32)
+    ntile = (gs + BM - 1) // BM
+    tcum = jnp.cumsum(ntile)
+    TM = num_tiles(S, E, BM)
+    t = jnp.arange(TM, dtype=jnp.int32)
+    e_of_t = jnp.sum((tcum[None, :] <= t[:, None]).astype(jnp.int32), axis=1)   # searchsorted side="right"
+    valid = e_of_t < E
+    ec = jnp.minimum(e_of_t, E - 1)
+    sel = (ec[:, None] == ar_e[None, :]).astype(jnp.int32)                 # [TM, E], one 1 per row
+
+    def pick(v):
+        return jnp.sum(sel * v[None, :], axis=1)
+    local = t - (pick(tcum) - pick(ntile))
+    tile_start = pick(offs) + local * BM
+    tile_end = pick(offs) + pick(gs)
+    tile_e = jnp.where(valid, ec, -1).astype(jnp.int32)
+    return order, rank.astype(jnp.int32), (tile_e, tile_start.astype(jnp.int32), tile_end.astype(jnp.int32))
+
+
 def num_tiles(S: int, E: int, BM: int) -> int:
     return S // BM + min(E, S)
 
@@ -141,9 +182,16 @@ def prepare(x, idx, weight, *, E, BM, act_fp8):
     """Everything the kernels read besides the weights (pure JAX)."""
     T, d = x.shape
     k = idx.shape[1]
-    order, tile_e, tile_s, tile_end = tile_schedule(idx, E, BM)
+    flat_w = weight.reshape(-1).astype(jnp.float32)
+    if T * k <= ONEHOT_MAX_SLOTS:
+        # sort-free path; rw[p] = w[order[p]] as a masked sum (one nonzero term: exact) instead of a gather
+        order, rank, (tile_e, tile_s, tile_end) = _onehot_schedule(idx.reshape(-1).astype(jnp.int32), E, BM)
+        pos = jnp.arange(T * k, dtype=jnp.int32)
+        rw = jnp.sum(jnp.where(rank[None, :] == pos[:, None], flat_w[None, :], 0.0), axis=1)
+    else:
+        order, tile_e, tile_s, tile_end = tile_schedule(idx, E, BM, method="sort")
+        rw = flat_w[order]
     tok = order // k
-    rw = weight.reshape(-1).astype(jnp.float32)[order]
     xb = x.astype(jnp.bfloat16)
     if act_fp8:
         xq, xs = quant.fp8_quant(xb, 32)
