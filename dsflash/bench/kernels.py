@@ -533,7 +533,8 @@ def main(argv=None):
     ap.add_argument("--xla-max-tokens", type=int, default=4096, help="skip the XLA reference above this")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--decode-configs",
-                    default="fp8mma_decode,ds_decode_rt,sk_bf16,sk_bf16_bk256,sk_bf16_w8,slab_bf16,sk_fp8",
+                    default="fp8mma_decode,ds_decode_rt,sk_bf16,sk_bf16_bk256,sk_bf16_w8,slab_bf16,sk_fp8,sk_gemv,"
+                    "sk_gemv_bk256",
                     help="named configs (moe_plan.NAMED_CONFIGS) timed when slots <= 32 * experts")
     ap.add_argument("--prefill-configs", default="ds_prefill_rt,ds_prefill_bn128",
                     help="named configs timed above that")
