@@ -67,10 +67,11 @@ def test_split_k_plan():
     cfg = moe_plan.NAMED_CONFIGS["sk_bf16"]
     assert moe_plan.split_ks(cfg, 6, 96, 5120, 2304) == (5, 6)        # 1 token: 6 tiles x 36 x 5, 6 x 40 x 6
     assert moe_plan.split_ks(cfg, 96, 96, 5120, 2304) == (1, 1)       # 16 tokens: enough tiles already
+    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sk_gemv"], 6, 96, 5120, 2304) == (5, 3)   # BM=1: 6 tiles
     assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["slab_bf16"], 6, 96, 5120, 2304) == (1, 1)
-    for name in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "sk_fp8"):
+    for name in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "sk_fp8", "sk_gemv", "sk_gemv_bk256"):
         c = moe_plan.NAMED_CONFIGS[name]
-        unit = c.BK if c.mma == "bf16" else 32 * c.KSUB
+        unit = 32 * c.KSUB if c.mma == "fp8" else c.BK
         ku, kd = moe_plan.split_ks(c, 6, 96, 5120, 2304)
         assert (5120 // unit) % ku == 0 and (2304 // unit) % kd == 0
         assert 5120 // unit // ku >= 2 and 2304 // unit // kd >= 2

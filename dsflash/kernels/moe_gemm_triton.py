@@ -590,6 +590,118 @@ def _moe_down_kernel_sk(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
 
 
 @triton.jit
+def _gemv_slab(p, s, xf, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
+    """One BK slab of a one-row product on the CUDA cores: [BN] = sum_k W[n, k] x[k]. Per 32-block the fp32 sum of
+    x times the E4M3-mapped nibbles (value * 2^-6; products exact), then times scale * 2^6 (exact powers of two)."""
+    if DECODE == 1:
+        w = _e2m1_to_e4m3_asm(p)
+    else:
+        w = _e2m1_to_e4m3_tl(p)
+    w3 = tl.reshape(w.to(tl.float32), (BN, BK // 32, 32))
+    blk = tl.sum(w3 * tl.reshape(xf, (1, BK // 32, 32)), axis=2)           # [BN, BK/32]
+    return tl.sum(blk * (_e8m0_to_f32(s) * 64.0), axis=1)
+
+
+@triton.jit
+def _moe_up_kernel_gemv(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                        w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                        h_ptr, hs_ptr,
+                        S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, ACT_FP8: tl.constexpr,
+                        HOUT: tl.constexpr, DECODE: tl.constexpr):
+    """Gate/up for one-row tiles (BM = 1: every routed slot is its own tile) without tensor cores: no padding rows,
+    no layout conversion for an MMA operand. Same K split, slab prefetch, partials and epilogue as
+    ``_moe_up_kernel_sk`` (HOUT 1 or 2)."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    ks = tl.program_id(2)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r = tl.load(tile_s_ptr + t)
+    tok = tl.load(tok_ptr + r).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = D // 2
+    KSC: tl.constexpr = D // 32
+    KCH: tl.constexpr = D // KS
+    kbeg = ks * KCH
+    e64 = e.to(tl.int64)
+    w1b = w1_ptr + e64 * (I * KPACK)
+    w3b = w3_ptr + e64 * (I * KPACK)
+    s1b = s1_ptr + e64 * (I * KSC)
+    s3b = s3_ptr + e64 * (I * KSC)
+    acc_g = tl.zeros((BN,), tl.float32)
+    acc_u = tl.zeros((BN,), tl.float32)
+    pg, sg = _load_w_slab(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK)
+    pu, su = _load_w_slab(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK)
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
+        npg, nsg = _load_w_slab(w1b, s1b, offs_n, kn, KPACK, KSC, BK)
+        npu, nsu = _load_w_slab(w3b, s3b, offs_n, kn, KPACK, KSC, BK)
+        xa = tl.load(xq_ptr + tok * D + k0 + tl.arange(0, BK)).to(tl.float32)
+        if ACT_FP8:
+            sx = tl.load(xs_ptr + tok * KSC + k0 // 32 + tl.arange(0, BK // 32))
+            xa = tl.reshape(tl.reshape(xa, (BK // 32, 32)) * sx[:, None], (BK,))   # exact round-tripped x
+        acc_g += _gemv_slab(pg, sg, xa, BN, BK, DECODE)
+        acc_u += _gemv_slab(pu, su, xa, BN, BK, DECODE)
+        pg = npg
+        sg = nsg
+        pu = npu
+        su = nsu
+    rows = r + tl.arange(0, 1)
+    rmask = rows < S
+    if KS == 1:
+        rw = tl.load(rw_ptr + rows)
+        _store_h(_swiglu_h(acc_g[None, :], acc_u[None, :], rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n, nb * BN,
+                 I, 1, BN, HOUT)
+    else:
+        base = h_ptr + (ks * S + r).to(tl.int64) * (2 * I) + offs_n
+        tl.store(base, acc_g)
+        tl.store(base + I, acc_u)
+
+
+@triton.jit
+def _moe_down_kernel_gemv(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                          w2_ptr, s2_ptr,
+                          o_ptr,
+                          S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DECODE: tl.constexpr):
+    """Down projection of one-row tiles (h as bf16 [S, I], sorted rows) on the CUDA cores; KS == 1: bf16-rounded
+    row at its slot of o [S, D]; KS > 1: fp32 partials [KS, S, D] for ``_moe_down_reduce_sk``."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    ks = tl.program_id(2)
+    e = tl.load(tile_e_ptr + t)
+    if e < 0:
+        return
+    r = tl.load(tile_s_ptr + t).to(tl.int64)
+    offs_n = nb * BN + tl.arange(0, BN)
+    KPACK: tl.constexpr = I // 2
+    KSC: tl.constexpr = I // 32
+    KCH: tl.constexpr = I // KS
+    kbeg = ks * KCH
+    e64 = e.to(tl.int64)
+    w2b = w2_ptr + e64 * (D * KPACK)
+    s2b = s2_ptr + e64 * (D * KSC)
+    acc = tl.zeros((BN,), tl.float32)
+    pw, sw = _load_w_slab(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK)
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
+        npw, nsw = _load_w_slab(w2b, s2b, offs_n, kn, KPACK, KSC, BK)
+        ha = tl.load(h_ptr + r * I + k0 + tl.arange(0, BK)).to(tl.float32)
+        acc += _gemv_slab(pw, sw, ha, BN, BK, DECODE)
+        pw = npw
+        sw = nsw
+    slot = tl.load(slot_ptr + r).to(tl.int64)
+    if KS == 1:
+        tl.store(o_ptr + slot * D + offs_n, _round_bf16(acc).to(tl.bfloat16))
+    else:
+        tl.store(o_ptr + (ks * S + slot) * D + offs_n, acc)
+
+
+@triton.jit
 def _moe_down_reduce_sk(part_ptr, o_ptr, S: tl.constexpr, D: tl.constexpr, BR: tl.constexpr,
                         BN: tl.constexpr, KS: tl.constexpr):
     """o[slot] = bf16(sum over ks = 0..KS-1 of the fp32 partials): each expert's output rounded once, as in the
@@ -616,7 +728,7 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         if size % b or b % 32:
             raise ValueError(f"{n}={size} must be a multiple of the block {b} (itself a multiple of 32)")
     if cfg.kind == "sk":
-        unit = cfg.BK if cfg.mma == "bf16" else 32 * cfg.KSUB
+        unit = 32 * cfg.KSUB if cfg.mma == "fp8" else cfg.BK
         if d % unit or I % unit or unit % 32:
             raise ValueError(f"K unit {unit} (BK or 32*KSUB) must be a multiple of 32 dividing d={d} and I={I}")
     if cfg.kind == "ds" and (d % cfg.BK or I % cfg.BK or cfg.BK % 32):
@@ -690,9 +802,11 @@ def _block_dividing(n, cap):
 def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
     """Static launch plan of a kind-"sk" config: K splits, the MMA flavour and how h travels."""
     ks_up, ks_down = split_ks(cfg, S, E, d, I)
-    mma = 1 if cfg.mma == "bf16" else 0
+    mma = {"fp8": 0, "bf16": 1, "gemv": 2}[cfg.mma]
     if not act_fp8 and not mma:
         raise NotImplementedError("kind 'sk' with mma='fp8' needs FP8 activations (precision 'reference')")
+    if mma == 2 and cfg.BM != 1:
+        raise ValueError("mma='gemv' needs BM=1 (one row per tile)")
     hout = (1 if mma else 0) if act_fp8 else 2     # bf16 carrier of the round trip / FP8 codes + scales / bf16
     return dict(ks_up=ks_up, ks_down=ks_down, mma=mma, hout=hout)
 
@@ -706,6 +820,9 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
     common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, KSUB=cfg.KSUB, MMA=mma, DECODE=dec)
     up_args = (p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3)
+    if mma == 2:
+        return _launch_gemv(jt, p, up_args, w2, s2, h_shapes, S=S, TM=TM, d=d, I=I, limit=limit, act_fp8=act_fp8,
+                            cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
     if ks_up == 1:
         hq, hs = jt.triton_call(
             *up_args, kernel=_moe_up_kernel_sk, out_shape=h_shapes,
@@ -717,11 +834,7 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
             grid=(TM, I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(act_fp8), HOUT=hout, **common)
-        BME, BNE = 16, _block_dividing(I, 128)
-        hq, hs = jt.triton_call(
-            part, p["rw"], kernel=_moe_up_epilogue_sk, out_shape=h_shapes,
-            grid=(triton.cdiv(S, BME), I // BNE), num_warps=4, num_stages=1,
-            S=S, I=I, LIMIT=float(limit), BM=BME, BN=BNE, KS=ks_up, HOUT=hout)
+        hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
     if ks_down == 1:
         o = jt.triton_call(
@@ -733,10 +846,52 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
             *down_args, kernel=_moe_down_kernel_sk, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
             grid=(TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
-        BR, BNR = 8, _block_dividing(d, 512)
+        o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)
+    return o, hq, hs
+
+
+def _up_epilogue(jt, part, p, h_shapes, *, S, I, limit, ks_up, hout):
+    BME, BNE = 16, _block_dividing(I, 128)
+    return jt.triton_call(
+        part, p["rw"], kernel=_moe_up_epilogue_sk, out_shape=h_shapes,
+        grid=(triton.cdiv(S, BME), I // BNE), num_warps=4, num_stages=1,
+        S=S, I=I, LIMIT=float(limit), BM=BME, BN=BNE, KS=ks_up, HOUT=hout)
+
+
+def _down_reduce(jt, part, *, S, d, ks_down):
+    BR, BNR = 8, _block_dividing(d, 512)
+    return jt.triton_call(
+        part, kernel=_moe_down_reduce_sk, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+        grid=(triton.cdiv(S, BR), d // BNR), num_warps=4, num_stages=1, S=S, D=d, BR=BR, BN=BNR, KS=ks_down)
+
+
+def _launch_gemv(jt, p, up_args, w2, s2, h_shapes, *, S, TM, d, I, limit, act_fp8, cfg, ks_up, ks_down, hout, dec):
+    """mma="gemv" (BM = 1): the CUDA-core one-row kernels, same split / epilogue / reduction kernels."""
+    kw = dict(S=S, D=d, I=I, BK=cfg.BK, DECODE=dec)
+    if ks_up == 1:
+        hq, hs = jt.triton_call(
+            *up_args, kernel=_moe_up_kernel_gemv, out_shape=h_shapes,
+            grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(act_fp8), HOUT=hout, **kw)
+    else:
+        part, _ = jt.triton_call(
+            *up_args, kernel=_moe_up_kernel_gemv,
+            out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
+            grid=(TM, I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(act_fp8), HOUT=hout, **kw)
+        hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
+    down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
+    if ks_down == 1:
         o = jt.triton_call(
-            part, kernel=_moe_down_reduce_sk, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
-            grid=(triton.cdiv(S, BR), d // BNR), num_warps=4, num_stages=1, S=S, D=d, BR=BR, BN=BNR, KS=ks_down)
+            *down_args, kernel=_moe_down_kernel_gemv, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+            grid=(TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            BN=cfg.BN_DOWN, KS=1, **kw)
+    else:
+        part = jt.triton_call(
+            *down_args, kernel=_moe_down_kernel_gemv, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
+            grid=(TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            BN=cfg.BN_DOWN, KS=ks_down, **kw)
+        o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)
     return o, hq, hs
 
 

@@ -27,7 +27,8 @@ class MoeConfig:
     # kind "sk" (split-K decode kernels, moe_gemm_triton._moe_*_kernel_sk):
     mma: str = "bf16"     # "bf16": BK-wide weight slab (16-byte loads) decoded to bf16 with its scales applied
                           # (exact), next slab prefetched into registers, one bf16 MMA per slab, bf16 carriers of
-                          # the FP8 round trips; "fp8": the fp8mma per-32 block loop (KSUB blocks per step)
+                          # the FP8 round trips; "fp8": the fp8mma per-32 block loop (KSUB blocks per step);
+                          # "gemv": BM=1 tiles on the CUDA cores (slab + prefetch as "bf16", no MMA)
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)
@@ -69,11 +70,13 @@ NAMED_CONFIGS = {
     "slab_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3, KS_UP=1,
                            KS_DOWN=1),
     "sk_fp8": MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, stages=4),
+    "sk_gemv": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
+    "sk_gemv_bk256": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=32, BN_DOWN=32, BK=256, stages=3),
 }
 
 
 def _ks_unit(cfg: MoeConfig) -> int:
-    return cfg.BK if cfg.mma == "bf16" else 32 * cfg.KSUB
+    return 32 * cfg.KSUB if cfg.mma == "fp8" else cfg.BK
 
 
 def split_k(size_k: int, unit: int, tiles: int, nblocks: int, target: int, ks: int = 0) -> int:
@@ -94,7 +97,7 @@ def split_k(size_k: int, unit: int, tiles: int, nblocks: int, target: int, ks: i
 
 def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, int]:
     """(KS_UP, KS_DOWN) of a kind-"sk" config at S slots."""
-    tiles = num_tiles(S, E, cfg.BM)
+    tiles = min(num_tiles(S, E, cfg.BM), S)      # valid tiles hold >= 1 slot each
     unit = _ks_unit(cfg)
     return (split_k(d, unit, tiles, inter // cfg.BN_UP, cfg.min_programs, cfg.KS_UP),
             split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))

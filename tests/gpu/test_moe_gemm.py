@@ -50,6 +50,8 @@ COMBOS = (
     + [(REAL_DECODE, n, "reference") for n in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "slab_bf16", "sk_fp8")]
     + [(REAL_ONE, n, "reference") for n in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "sk_fp8")]
     + [(SMALL[2], "sk_bf16", "bf16"), (SMALL[3], "sk_bf16", "reference")]
+    + [(c, "sk_gemv", "reference") for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
+    + [(REAL_ONE, "sk_gemv_bk256", "reference"), (SMALL[2], "sk_gemv", "bf16")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
@@ -98,7 +100,7 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
 
 
 @pytest.mark.parametrize("cfg_name", ["ds_decode_rt", "ds_prefill_rt", "ds_decode", "ds_prefill", "fp8mma_decode",
-                                      "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split"])
+                                      "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split", "sk_gemv"])
 def test_intermediates_fully_written_twice(cfg_name):
     """Two runs at one shape with different inputs: every FP8 code of h and every output row must match the
     reference each time, so nothing can be left over from the previous run (a stale or unwritten element).
