@@ -910,7 +910,10 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
     w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)
     o, hq, hs = _launch(p, w1, s1, w3, s3, w2, s2, T=T, k=k, d=d, I=I, E=E, limit=limit, act_fp8=act_fp8, cfg=cfg)
-    out = jnp.sum(o.reshape(T, k, d).astype(jnp.float32), axis=1)
+    # Slots routed to id E (ep_moe's marker for "not a local expert") sort last and belong to no tile, so their o
+    # rows are never written (jax-triton does not zero outputs): mask them, as the reference's ragged_dot does.
+    local = ((idx >= 0) & (idx < E)).reshape(T, k, 1)
+    out = jnp.sum(jnp.where(local, o.reshape(T, k, d).astype(jnp.float32), 0.0), axis=1)
     if return_intermediates:
         return out, dict(p, hq=hq, hs=hs, o=o)
     return out

@@ -132,6 +132,21 @@ def test_intermediates_fully_written_twice(cfg_name):
         assert _rel(out, ref) < TOL
 
 
+@pytest.mark.parametrize("cfg_name", ["fp8mma_decode", "ds_decode_rt", "ds_prefill_rt", "sk_bf16", "sk_gemv"])
+def test_nonlocal_slots_contribute_nothing(cfg_name):
+    """ep_moe marks slots of non-local experts with id E (weight 0): they must add nothing (their o rows are never
+    written by the kernels), as in the reference."""
+    mt = _triton()
+    x, idx, weight, *ws = moe_plan.random_moe_problem(jax.random.PRNGKey(5), 24, 6, 16, 512, 256)
+    idx = idx.at[::3, 1].set(16).at[5, :].set(16)
+    weight = jnp.where(idx == 16, 0.0, weight)
+    ref = moe_gemm.routed_moe_reference(x, idx, weight, *ws, limit=LIMIT)
+    out = jax.jit(lambda *a: mt.routed_moe_triton(*a, limit=LIMIT, config=_cfg(cfg_name)))(x, idx, weight, *ws)
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert _rel(out, ref) < TOL
+    assert np.all(np.asarray(out)[5] == 0)
+
+
 def test_backend_dispatch_uses_triton():
     args = moe_plan.random_moe_problem(jax.random.PRNGKey(3), 8, 6, 16, 512, 256)
     a = jax.jit(lambda *a: moe_gemm.routed_moe(*a, limit=LIMIT, backend="triton"))(*args)
