@@ -82,7 +82,8 @@ def _ks_unit(cfg: MoeConfig) -> int:
 def split_k(size_k: int, unit: int, tiles: int, nblocks: int, target: int, ks: int = 0) -> int:
     """K splits for a kernel whose grid is tiles x nblocks x KS: ``ks`` if given, else the smallest KS dividing
     size_k / unit with tiles * nblocks * KS >= target, keeping >= 2 units per split (so the prefetch has a next
-    slab). ``tiles`` is the static upper bound on active M tiles (num_tiles), not the data-dependent count."""
+    slab). ``tiles`` is a static upper bound on the active M tiles (min(num_tiles, S)), not the data-dependent
+    count (at 16 tokens 96 bound vs ~63 active experts)."""
     n = size_k // unit
     if ks:
         if n % ks:
