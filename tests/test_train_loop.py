@@ -143,6 +143,14 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
     assert m["loaded_heldout_ppl"] == src["loaded_heldout_ppl"]
     assert m["draft_steps_run"] == 3 and m["target_step_kept"] == src["target_step_kept"]
     assert m["draft_taps"].startswith("served target") and m["draft_init"] == "checkpoint"
+    # the chains come from the engine (KV-cached decode of the served target): each generated token is the
+    # served target's argmax given the chain so far (a full recompute at reference precision)
+    rows = np.load(src_dir / "checkpoint" / "heldout_rows.npy").astype(np.int32)[:4]
+    chains = loop.greedy_pool_served(a, rows, 16, max_num_seqs=4)
+    assert (chains[:, :16] == rows[:, :16]).all() and not (chains[:, 16:] == rows[:, 16:]).all()
+    served = {k: v for k, v in a.params.items() if not k.startswith("mtp.")}
+    lg = np.asarray(loop._target_forward(served, a.cfg, jnp.asarray(chains), "reference")["logits"])
+    assert (chains[:, 16:] == lg[:, 15:-1].argmax(-1)).mean() >= 0.95
     with pytest.raises(ValueError, match="corpus"):
         run.train(str(tmp_path / "bad"), target_from=ck, draft_steps=1, docs=docs[:100], **kw)
     with pytest.raises(ValueError, match="draft_init"):

@@ -89,7 +89,7 @@ def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
         raise ValueError(f"target_from: {folder} has vocab_size {m.cfg.vocab_size} / seq_len {meta['seq_len']}, "
                          f"asked for {vocab_size} / {seq_len}")
     served = {k: v for k, v in m.params.items() if not k.startswith("mtp.")}
-    return {"cfg": m.cfg, "params": m.params, "served": served, "meta": meta}
+    return {"cfg": m.cfg, "params": m.params, "served": served, "meta": meta, "model": m}
 
 
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
@@ -204,8 +204,6 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
 
     # ---- DSpark on the frozen target
     frozen = {**tgt, **const}
-    taps_src = frozen if served is None else served
-    taps_precision = precision if served is None else served_precision
     dopt = loop.make_optimizer(draft_lr, draft_steps)
     dstate = dopt.init(drf)
     rng = np.random.default_rng(seed + 1)
@@ -218,9 +216,14 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         bar = _bar(len(pick) // batch_size + len(held) // batch_size, "greedy chains", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
         gb = greedy_batch or batch_size
-        bar.total = len(pick) // gb + len(held) // batch_size if bar is not None else None
-        draft_rows = loop.greedy_pool(taps_src, cfg, corpus.train_rows[pick], lo + 1, gb, taps_precision, tick)
-        draft_held = loop.greedy_pool(taps_src, cfg, held, lo + 1, batch_size, taps_precision, tick)
+        if source is None:
+            draft_rows = loop.greedy_pool(frozen, cfg, corpus.train_rows[pick], lo + 1, gb, precision, tick)
+            draft_held = loop.greedy_pool(frozen, cfg, held, lo + 1, batch_size, precision, tick)
+        else:   # the served target's chains, decoded by the engine itself
+            if bar is not None:
+                bar.total = -(-len(pick) // 1024) + -(-len(held) // 1024)
+            draft_rows = loop.greedy_pool_served(source["model"], corpus.train_rows[pick], lo + 1, gb, progress=tick)
+            draft_held = loop.greedy_pool_served(source["model"], held, lo + 1, gb, progress=tick)
         if bar is not None:
             bar.close()
     elif draft_data != "data":
@@ -341,7 +344,8 @@ def main(argv=None):
     ap.add_argument("--draft-experts", type=int, default=None, help="override dspark_n_routed_experts")
     ap.add_argument("--draft-topk", type=int, default=None, help="override dspark_num_experts_per_tok")
     ap.add_argument("--markov-rank", type=int, default=None, help="override dspark_markov_rank")
-    ap.add_argument("--greedy-batch", type=int, default=None, help="batch of the greedy-chain generation")
+    ap.add_argument("--greedy-batch", type=int, default=None,
+                    help="batch of the greedy-chain generation (with --target-from: the engine's max_num_seqs)")
     a = ap.parse_args(argv)
     overrides = {k: v for k, v in (("dspark_n_routed_experts", a.draft_experts),
                                    ("dspark_num_experts_per_tok", a.draft_topk),

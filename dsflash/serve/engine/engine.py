@@ -158,8 +158,8 @@ class LLMEngine(SchedulerMixin):
     @staticmethod
     def _make_backend(model, precision, opts):
         from dsflash.serve.engine.backend import ModelBackend, load_model
-        if hasattr(model, "propose") and hasattr(model, "init_state") and hasattr(model, "forward"):
-            return model                                          # already an engine backend
+        if all(hasattr(model, a) for a in ("propose", "init_state", "forward", "vocab_size")):
+            return model            # already an engine backend (a loaded dsflash Model has no vocab_size)
         bounded = opts.pop("bounded_replay", None)
         kernel_backend = opts.pop("backend", "xla")
         load_opts = dict(opts.pop("load_options", {}) or {})
