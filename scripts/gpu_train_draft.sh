@@ -13,7 +13,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 COMMON="--target-from dsflash/assets/demo --batch-size 64 --eval-every 200 --anchors 16 --greedy-rows ${GREEDY_ROWS:-8192}
-        --greedy-batch 512 --draft-steps ${DRAFT_STEPS:-4000} --max-draft-seconds ${DRAFT_SECONDS:-270}"
+        --greedy-batch 256 --draft-steps ${DRAFT_STEPS:-4000} --max-draft-seconds ${DRAFT_SECONDS:-270}"
 variant() {   # name, extra args
   local name=$1; shift
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout "${TRAIN_TIMEOUT:-470}" python3 -m dsflash.train --out /tmp/draft_$name \
