@@ -10,7 +10,7 @@ Pieces, from policy to runtime:
   :func:`rebalance_experts` (hierarchical when ``num_groups % num_nodes == 0``, else the global
   policy = the same routine with one group and one node, which still packs GPUs). V4.1 routing has
   no expert groups (one group), so multi-node EP always takes the global policy.
-* **Tables** (:class:`EplbTables`, device arrays per layer): ``phy2log [L, P]``, ``log2phy [L, E, R]``
+* **Tables** (:class:`EplbTables`, host int32 arrays per layer): ``phy2log [L, P]``, ``log2phy [L, E, R]``
   (-1 padded, ``R = P - E + 1``), ``logcnt [L, E]``.
 * **Router** (:func:`route`): maps each (token, top-k slot) to a replica by a position modulo the
   replica count (``spread="position"``: vLLM's flattened ``t*k + j``; default ``"token"``: ``t + j``,
@@ -212,15 +212,16 @@ def physical_load(logical_load, phy2log, logcnt):
 @jax.tree_util.register_dataclass
 @dataclass
 class EplbTables:
-    """Per-layer placement as device arrays (pass into the jitted step; shapes never change)."""
-    phy2log: jax.Array   # [L, P] int32
-    log2phy: jax.Array   # [L, E, R] int32, -1 padded
-    logcnt: jax.Array    # [L, E] int32
+    """Per-layer placement, numpy int32 on the host (passed into the jitted step as arguments; shapes never
+    change, so a swap does not recompile)."""
+    phy2log: np.ndarray   # [L, P] int32
+    log2phy: np.ndarray   # [L, E, R] int32, -1 padded
+    logcnt: np.ndarray    # [L, E] int32
 
     @classmethod
     def from_phy2log(cls, phy2log, num_logical: int) -> "EplbTables":
         log2phy, logcnt = tables_from_phy2log(phy2log, num_logical)
-        return cls(jnp.asarray(phy2log, jnp.int32), jnp.asarray(log2phy), jnp.asarray(logcnt))
+        return cls(np.array(phy2log, np.int32), np.asarray(log2phy, np.int32), np.asarray(logcnt, np.int32))
 
     def layer(self, l):
         return EplbTables(self.phy2log[l], self.log2phy[l], self.logcnt[l])
@@ -382,24 +383,19 @@ class EplbState:
     """EPLB bookkeeping of one model (target or DSpark draft) on one EP group of ``num_ranks`` ranks."""
 
     def __init__(self, num_layers: int, num_logical: int, num_ranks: int, config: EplbConfig = EplbConfig(),
-                 name: str = "target", draft: bool = False, host: bool = False):
-        """``host=True`` (the engine): window, tables and swaps stay numpy on the host, so recording and
-        rebalancing never trace or compile anything (the engine reads each step's load back anyway)."""
-        self.name, self.draft, self.config, self.host = name, draft, config, host
+                 name: str = "target", draft: bool = False):
+        """Window, tables and swaps are numpy on the host, so recording and rebalancing never trace or compile
+        anything (the engine reads each step's load back anyway); the tables enter jitted code as arguments."""
+        self.name, self.draft, self.config = name, draft, config
         self.L, self.E, self.num_ranks = num_layers, num_logical, num_ranks
         self.P = num_logical + config.num_redundant_experts
         if self.P % num_ranks:
             raise ValueError(f"EPLB[{name}]: {num_logical} experts + {config.num_redundant_experts} redundant = "
                              f"{self.P} physical slots do not divide over {num_ranks} EP ranks")
         self.phy2log = initial_phy2log(self.L, self.E, self.P)
-        if host:
-            l2p, cnt = tables_from_phy2log(self.phy2log, self.E)
-            self.tables = EplbTables(self.phy2log.copy(), l2p, cnt)
-            self.window = np.zeros((config.window_size, self.L, self.P), np.int64)
-            self._window_sum = np.zeros((self.L, self.P), np.int64)
-        else:
-            self.tables = EplbTables.from_phy2log(self.phy2log, self.E)
-            self.window = jnp.zeros((config.window_size, self.L, self.P), jnp.int32)
+        self.tables = EplbTables.from_phy2log(self.phy2log, self.E)
+        self.window = np.zeros((config.window_size, self.L, self.P), np.int64)
+        self._window_sum = np.zeros((self.L, self.P), np.int64)
         self.window_pos = 0
         self.recorded_steps = 0
         self.step = 0
@@ -418,14 +414,10 @@ class EplbState:
     def record(self, load, dummy: bool = False) -> bool:
         """Add one engine step's load ``[L, P]`` (from :func:`route`); dummy steps only advance the
         counter. Returns True when a rebalance is due (call :meth:`rebalance`)."""
-        if not dummy and self.host:
+        if not dummy:
             load = np.rint(np.asarray(load)).astype(np.int64)
             self._window_sum += load - self.window[self.window_pos]
             self.window[self.window_pos] = load
-            self.window_pos = (self.window_pos + 1) % self.config.window_size
-            self.recorded_steps += 1
-        elif not dummy:
-            self.window = _push(self.window, jnp.asarray(load, jnp.int32), self.window_pos)
             self.window_pos = (self.window_pos + 1) % self.config.window_size
             self.recorded_steps += 1
         self.step += 1
@@ -437,10 +429,8 @@ class EplbState:
         return max(0, self.config.step_interval - self.steps_since)
 
     def window_load(self) -> np.ndarray:
-        """Per-physical-slot load summed over the window [L, P] (host copy)."""
-        if self.host:
-            return self._window_sum.copy()
-        return np.asarray(jnp.sum(self.window, axis=0))
+        """Per-physical-slot load summed over the window [L, P] (a copy)."""
+        return self._window_sum.copy()
 
     def logical_window_load(self) -> np.ndarray:
         pl = self.window_load()
@@ -476,16 +466,11 @@ class EplbState:
         return plan
 
     def set_layer(self, layer: int, phy2log_row) -> None:
-        """Swap one layer's tables (device arrays keep their shapes: no recompilation)."""
+        """Swap one layer's tables in place (shapes never change: the jitted step does not recompile)."""
         self.phy2log[layer] = np.asarray(phy2log_row)
         log2phy, logcnt = tables_from_phy2log(self.phy2log[layer:layer + 1], self.E)
-        if self.host:
-            t = self.tables
-            t.phy2log[layer], t.log2phy[layer], t.logcnt[layer] = self.phy2log[layer], log2phy[0], logcnt[0]
-            return
-        self.tables = EplbTables(self.tables.phy2log.at[layer].set(jnp.asarray(phy2log_row, jnp.int32)),
-                                 self.tables.log2phy.at[layer].set(jnp.asarray(log2phy[0])),
-                                 self.tables.logcnt.at[layer].set(jnp.asarray(logcnt[0])))
+        t = self.tables
+        t.phy2log[layer], t.log2phy[layer], t.logcnt[layer] = self.phy2log[layer], log2phy[0], logcnt[0]
 
     def commit(self, plan: RebalancePlan, params: dict | None = None) -> dict | None:
         """Apply every layer at once (stop-the-world variant; tests and offline use)."""
@@ -496,11 +481,6 @@ class EplbState:
 
     def to_json(self) -> str:
         return json.dumps({"name": self.name, "phy2log": self.phy2log.tolist(), "history": self.history})
-
-
-@jax.jit
-def _push(window, load, pos):
-    return jax.lax.dynamic_update_index_in_dim(window, load, pos, 0)
 
 
 class LayerMover:

@@ -60,7 +60,7 @@ class EngineEplb:
         self.L, self.E, self.n_ep = cfg.num_hidden_layers, cfg.n_routed_experts, n_ep
         try:
             self.state = EplbState(self.L, self.E, n_ep, EplbConfig(window_size=window, step_interval=interval,
-                                                                  num_redundant_experts=redundant), host=True)
+                                                                  num_redundant_experts=redundant))
         except ValueError as e:
             raise ValueError(f"eplb_redundant_experts: {e}") from None
         self.P = self.state.P
