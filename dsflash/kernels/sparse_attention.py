@@ -67,9 +67,9 @@ def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, 
 
 
 # Where ``backend="triton"`` really runs the Triton kernel: the query-row counts B*S (ranges, inclusive) at which a
-# GPU run measured the kernel faster than the jitted XLA reference. EMPTY on purpose: the one H200 timing
-# (2026-11-30, v1 kernel) lost at every decode shape (0.39-0.73x, dsflash/kernels/NOTES.md), and the v2 variants
-# are not timed yet. To flip after a GPU run of `python -m dsflash.bench kernels --ops attn`: add the winning
+# GPU run measured the kernel faster than the jitted XLA reference. EMPTY on purpose: on one H200 (2026-11-30) v1
+# lost at every decode shape (0.39-0.73x) and the best v2 variant reached 0.67-1.00x (a tie at 128 rows;
+# benchmarks/BENCHMARKS.md, dsflash/kernels/NOTES.md). To flip after a GPU run of `python -m dsflash.bench kernels --ops attn`: add the winning
 # ranges here, e.g. ``TRITON_ROWS = ((32, None),)`` for "B*S >= 32" (None = no upper bound); the variant used at
 # each row count is ``sparse_attention_triton.PICK_TABLE``.
 TRITON_ROWS: tuple = ()
