@@ -81,15 +81,7 @@ class _Dt:
 
 
 def main(precision="reference", T=5, k=2, E=4, d=256, I=128, BM=16, seed=0):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 8)
-    x = jax.random.normal(keys[0], (T, d), jnp.float32).astype(jnp.bfloat16)
-    idx = jax.random.randint(keys[1], (T, k), 0, E, jnp.int32)
-    weight = jax.random.uniform(keys[2], (T, k), jnp.float32)
-    def wq(key, shape):
-        return quant.quantize_mxfp4_weight(jax.random.normal(key, shape, jnp.float32) * 0.05)
-    w1, s1 = wq(keys[3], (E, I, d))
-    w3, s3 = wq(keys[4], (E, I, d))
-    w2, s2 = wq(keys[5], (E, d, I))
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
     limit = 10.0
     ref = moe_gemm.routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, limit=limit, precision=precision)
     act_fp8 = precision == "reference"

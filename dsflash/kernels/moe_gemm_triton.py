@@ -199,58 +199,116 @@ def _fp8_roundtrip_store_bf16(h, q_ptr, rows, rmask, offs_n, NCOLS: tl.constexpr
 
 
 @triton.jit
+def _swiglu_h(acc_g, acc_u, rw, LIMIT: tl.constexpr):
+    """The reference's rounding points up to h: clamp, SiLU, routing weight (before W2), bf16 rounding."""
+    g = tl.minimum(acc_g, LIMIT)
+    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+    return _round_bf16(g / (1.0 + tl.exp(-g)) * u * rw[:, None])
+
+
+@triton.jit
+def _store_h(hb, h_ptr, hs_ptr, rows, rmask, offs_n, n0, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+             HOUT: tl.constexpr):
+    """h (fp32 holding bf16 values) -> HOUT 0: FP8 codes + f32 pow2 scales; 1: bf16 carrier of its FP8 round
+    trip; 2: plain bf16 (precision "bf16")."""
+    if HOUT == 0:
+        _fp8_quant_store(hb, h_ptr, hs_ptr, rows, rmask, offs_n, n0, I, BM, BN)
+    elif HOUT == 1:
+        _fp8_roundtrip_store_bf16(hb, h_ptr, rows, rmask, offs_n, I, BM, BN)
+    else:
+        tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's M-tile (``program_id(0)``) and N block (``program_id(1)``): the tile's expert e (-1 on a spare
+    tile: the kernel returns at once; the tile tables have an entry for every tile, so the other loads are harmless),
+    its first sorted row r0, rows r0 + [0, BM) masked to the end of the expert's run, nb and the N columns offs_n."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    offs_n = nb * BN + tl.arange(0, BN)
+    return e, r0, rows, rmask, nb, offs_n
+
+
+@triton.jit
+def _expert_w(w_ptr, s_ptr, e, N: tl.constexpr, K: tl.constexpr):
+    """Expert e's [N, K] MXFP4 matrix in [E, N, K/2] packed bytes and [E, N, K/32] scales: its two base pointers
+    (int64 expert offset)."""
+    e64 = e.to(tl.int64)
+    return w_ptr + e64 * (N * (K // 2)), s_ptr + e64 * (N * (K // 32))
+
+
+@triton.jit
+def _up_block(xq_ptr, xs_ptr, tok, w1b, s1b, w3b, s3b, offs_n, kb, D: tl.constexpr, KPACK: tl.constexpr,
+              KSC: tl.constexpr, ACT_FP8: tl.constexpr, DECODE: tl.constexpr):
+    """Gate and up products [BM, BN] of the 32-wide K block kb, scales applied: ACT_FP8, FP8 MMA of the gathered x
+    codes and the E4M3-mapped nibbles times act_scale * weight_scale * 2^6; else bf16 MMA of bf16 x."""
+    xa = tl.load(xq_ptr + tok[:, None] * D + kb * 32 + tl.arange(0, 32)[None, :])
+    wg, sg = _load_w_block(w1b, s1b, offs_n, kb, KPACK, KSC, DECODE)
+    wu, su = _load_w_block(w3b, s3b, offs_n, kb, KPACK, KSC, DECODE)
+    if ACT_FP8:
+        sx = tl.load(xs_ptr + tok * KSC + kb)
+        dg = tl.dot(xa, tl.trans(wg)) * (sx[:, None] * sg[None, :])
+        du = tl.dot(xa, tl.trans(wu)) * (sx[:, None] * su[None, :])
+    else:
+        dg = _dot_bf16(xa, tl.trans(_fp8_to_bf16(wg, DECODE)), DECODE) * sg[None, :]
+        du = _dot_bf16(xa, tl.trans(_fp8_to_bf16(wu, DECODE)), DECODE) * su[None, :]
+    return dg, du
+
+
+@triton.jit
+def _down_block(h_ptr, hs_ptr, rows_c, w2b, s2b, offs_n, kb, I: tl.constexpr, KPACK: tl.constexpr,
+                KSC: tl.constexpr, ACT_FP8: tl.constexpr, DECODE: tl.constexpr):
+    """h (sorted rows rows_c; FP8 codes + f32 scales, or bf16) times W2 over the 32-wide K block kb -> [BM, BN],
+    scales applied, as ``_up_block``."""
+    ha = tl.load(h_ptr + rows_c[:, None] * I + kb * 32 + tl.arange(0, 32)[None, :])
+    w, sw = _load_w_block(w2b, s2b, offs_n, kb, KPACK, KSC, DECODE)
+    if ACT_FP8:
+        sh = tl.load(hs_ptr + rows_c * KSC + kb)
+        d = tl.dot(ha, tl.trans(w)) * (sh[:, None] * sw[None, :])
+    else:
+        d = _dot_bf16(ha, tl.trans(_fp8_to_bf16(w, DECODE)), DECODE) * sw[None, :]
+    return d
+
+
+@triton.jit
+def _store_o(acc, o_ptr, slot_ptr, rows, rmask, offs_n, D: tl.constexpr):
+    """A tile's rows of o, rounded to bf16 once, stored at their unsorted slots of o [S, D]."""
+    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
 def _moe_up_kernel(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
                    w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                    hq_ptr, hs_ptr,
                    D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, KSUB: tl.constexpr,
                    ACT_FP8: tl.constexpr, DECODE: tl.constexpr):
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(tile_e_ptr + t)
+    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
     KPACK: tl.constexpr = D // 2
     KSC: tl.constexpr = D // 32
-    e64 = e.to(tl.int64)
-    w1b = w1_ptr + e64 * (I * KPACK)
-    w3b = w3_ptr + e64 * (I * KPACK)
-    s1b = s1_ptr + e64 * (I * KSC)
-    s3b = s3_ptr + e64 * (I * KSC)
+    w1b, s1b = _expert_w(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _expert_w(w3_ptr, s3_ptr, e, I, D)
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     for kk in tl.range(0, KSC, KSUB):
         for j in tl.static_range(KSUB):
-            kb = kk + j
-            xa = tl.load(xq_ptr + tok[:, None] * D + kb * 32 + tl.arange(0, 32)[None, :])
-            wg, sg = _load_w_block(w1b, s1b, offs_n, kb, KPACK, KSC, DECODE)
-            wu, su = _load_w_block(w3b, s3b, offs_n, kb, KPACK, KSC, DECODE)
-            if ACT_FP8:
-                sx = tl.load(xs_ptr + tok * KSC + kb)
-                dg = tl.dot(xa, tl.trans(wg))
-                du = tl.dot(xa, tl.trans(wu))
-                acc_g += dg * (sx[:, None] * sg[None, :])
-                acc_u += du * (sx[:, None] * su[None, :])
-            else:
-                dg = _dot_bf16(xa, tl.trans(_fp8_to_bf16(wg, DECODE)), DECODE)
-                du = _dot_bf16(xa, tl.trans(_fp8_to_bf16(wu, DECODE)), DECODE)
-                acc_g += dg * sg[None, :]
-                acc_u += du * su[None, :]
-    g = tl.minimum(acc_g, LIMIT)
-    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+            dg, du = _up_block(xq_ptr, xs_ptr, tok, w1b, s1b, w3b, s3b, offs_n, kk + j, D, KPACK, KSC, ACT_FP8,
+                               DECODE)
+            acc_g += dg
+            acc_u += du
     rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
-    hb = _round_bf16(h)
-    if ACT_FP8:
-        _fp8_quant_store(hb, hq_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN)
-    else:
-        tl.store(hq_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
+    HOUT: tl.constexpr = 0 if ACT_FP8 else 2        # FP8 codes + f32 scales / plain bf16
+    _store_h(_swiglu_h(acc_g, acc_u, rw, LIMIT), hq_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN, HOUT)
 
 
 @triton.jit
@@ -260,35 +318,18 @@ def _moe_down_kernel(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_
                      D: tl.constexpr, I: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, KSUB: tl.constexpr,
                      ACT_FP8: tl.constexpr, DECODE: tl.constexpr):
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(tile_e_ptr + t)
+    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
     rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
-    offs_n = nb * BN + tl.arange(0, BN)
     KPACK: tl.constexpr = I // 2
     KSC: tl.constexpr = I // 32
-    e64 = e.to(tl.int64)
-    w2b = w2_ptr + e64 * (D * KPACK)
-    s2b = s2_ptr + e64 * (D * KSC)
+    w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
     acc = tl.zeros((BM, BN), tl.float32)
     for kk in tl.range(0, KSC, KSUB):
         for j in tl.static_range(KSUB):
-            kb = kk + j
-            ha = tl.load(hq_ptr + rows_c[:, None] * I + kb * 32 + tl.arange(0, 32)[None, :])
-            w, sw = _load_w_block(w2b, s2b, offs_n, kb, KPACK, KSC, DECODE)
-            if ACT_FP8:
-                sh = tl.load(hs_ptr + rows_c * KSC + kb)
-                acc += tl.dot(ha, tl.trans(w)) * (sh[:, None] * sw[None, :])
-            else:
-                acc += _dot_bf16(ha, tl.trans(_fp8_to_bf16(w, DECODE)), DECODE) * sw[None, :]
-    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+            acc += _down_block(hq_ptr, hs_ptr, rows_c, w2b, s2b, offs_n, kk + j, I, KPACK, KSC, ACT_FP8, DECODE)
+    _store_o(acc, o_ptr, slot_ptr, rows, rmask, offs_n, D)
 
 
 @triton.jit
@@ -300,24 +341,18 @@ def _moe_up_kernel_ds(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     """Gate/up via ``tl.dot_scaled``: x as E4M3 with UE8M0 scales per 32 (or bf16), W as packed E2M1 with its
     UE8M0 scales; on Hopper Triton upcasts both to bf16 with the scales applied (exact) and runs bf16 MMA with
     fp32 accumulation over a BK-wide chunk -- the reference's math, no per-32 accumulator rescaling."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(tile_e_ptr + t)
+    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
     KPACK: tl.constexpr = D // 2
     KSC: tl.constexpr = D // 32
-    e64 = e.to(tl.int64)
-    w1b = w1_ptr + e64 * (I * KPACK) + offs_n[:, None] * KPACK
-    w3b = w3_ptr + e64 * (I * KPACK) + offs_n[:, None] * KPACK
-    s1b = s1_ptr + e64 * (I * KSC) + offs_n[:, None] * KSC
-    s3b = s3_ptr + e64 * (I * KSC) + offs_n[:, None] * KSC
+    w1b, s1b = _expert_w(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _expert_w(w3_ptr, s3_ptr, e, I, D)
+    w1b = w1b + offs_n[:, None] * KPACK
+    w3b = w3b + offs_n[:, None] * KPACK
+    s1b = s1b + offs_n[:, None] * KSC
+    s3b = s3b + offs_n[:, None] * KSC
     offs_k = tl.arange(0, BK)
     offs_kp = tl.arange(0, BK // 2)
     offs_ks = tl.arange(0, BK // 32)
@@ -341,11 +376,8 @@ def _moe_up_kernel_ds(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
         else:
             acc_g = tl.dot_scaled(xa, None, "bf16", tl.trans(wg), sg, "e2m1", acc_g)
             acc_u = tl.dot_scaled(xa, None, "bf16", tl.trans(wu), su, "e2m1", acc_u)
-    g = tl.minimum(acc_g, LIMIT)
-    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
     rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-    h = g / (1.0 + tl.exp(-g)) * u * rw[:, None]
-    hb = _round_bf16(h)
+    hb = _swiglu_h(acc_g, acc_u, rw, LIMIT)
     if ACT_FP8 == 1:
         _fp8_quant_store(hb, hq_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN, 1)
     elif ACT_FP8 == 2:
@@ -360,22 +392,15 @@ def _moe_down_kernel_ds(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_e
                         o_ptr,
                         D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ACT_FP8: tl.constexpr):
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(tile_e_ptr + t)
+    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
-    rows_c = tl.where(rmask, rows, r0).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
     KPACK: tl.constexpr = I // 2
     KSC: tl.constexpr = I // 32
-    e64 = e.to(tl.int64)
-    w2b = w2_ptr + e64 * (D * KPACK) + offs_n[:, None] * KPACK
-    s2b = s2_ptr + e64 * (D * KSC) + offs_n[:, None] * KSC
+    w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
+    w2b = w2b + offs_n[:, None] * KPACK
+    s2b = s2b + offs_n[:, None] * KSC
     offs_k = tl.arange(0, BK)
     offs_kp = tl.arange(0, BK // 2)
     offs_ks = tl.arange(0, BK // 32)
@@ -389,8 +414,7 @@ def _moe_down_kernel_ds(hq_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_e
             acc = tl.dot_scaled(ha, sh, "e4m3", tl.trans(w), sw, "e2m1", acc)
         else:
             acc = tl.dot_scaled(ha, None, "bf16", tl.trans(w), sw, "e2m1", acc)
-    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+    _store_o(acc, o_ptr, slot_ptr, rows, rmask, offs_n, D)
 
 
 # ---------------------------------------------------------------- split-K decode kernels (kind "sk")
@@ -401,6 +425,13 @@ def _load_w_slab(w_base, s_base, offs_n, k0, KPACK: tl.constexpr, KSC: tl.conste
     p = tl.load(w_base + offs_n[:, None] * KPACK + k0 // 2 + tl.arange(0, BK // 2)[None, :])
     s = tl.load(s_base + offs_n[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
     return p, s
+
+
+@triton.jit
+def _slab_k(kbeg, i, KCH: tl.constexpr, BK: tl.constexpr):
+    """K offsets of slab i of the chunk [kbeg, kbeg + KCH) and of the slab to prefetch with it (the next one; the
+    last step re-reads its own slab: an L2/L1 hit)."""
+    return kbeg + i * BK, kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
 
 
 @triton.jit
@@ -417,27 +448,6 @@ def _decode_slab_bf16(p, s, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.const
 
 
 @triton.jit
-def _swiglu_h(acc_g, acc_u, rw, LIMIT: tl.constexpr):
-    """The reference's rounding points up to h: clamp, SiLU, routing weight (before W2), bf16 rounding."""
-    g = tl.minimum(acc_g, LIMIT)
-    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
-    return _round_bf16(g / (1.0 + tl.exp(-g)) * u * rw[:, None])
-
-
-@triton.jit
-def _store_h(hb, h_ptr, hs_ptr, rows, rmask, offs_n, n0, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-             HOUT: tl.constexpr):
-    """h (fp32 holding bf16 values) -> HOUT 0: FP8 codes + f32 pow2 scales; 1: bf16 carrier of its FP8 round
-    trip; 2: plain bf16 (precision "bf16")."""
-    if HOUT == 0:
-        _fp8_quant_store(hb, h_ptr, hs_ptr, rows, rmask, offs_n, n0, I, BM, BN)
-    elif HOUT == 1:
-        _fp8_roundtrip_store_bf16(hb, h_ptr, rows, rmask, offs_n, I, BM, BN)
-    else:
-        tl.store(h_ptr + rows[:, None] * I + offs_n[None, :], hb.to(tl.bfloat16), mask=rmask[:, None])
-
-
-@triton.jit
 def _moe_up_kernel_sk(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
                       w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                       h_ptr, hs_ptr,
@@ -450,35 +460,24 @@ def _moe_up_kernel_sk(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     MMA 1: per BK slab one bf16 MMA of the exact bf16 x (FP8 codes * scales, dequantised here) and the decoded,
     scaled weights; the next slab's raw bytes are loaded before this one is used (register double buffer).
     MMA 0: the fp8mma per-32 loop (``_moe_up_kernel``) restricted to the chunk."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    ks = tl.program_id(2)
-    e = tl.load(tile_e_ptr + t)
+    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
+    ks = tl.program_id(2)
     KPACK: tl.constexpr = D // 2
     KSC: tl.constexpr = D // 32
     KCH: tl.constexpr = D // KS
     kbeg = ks * KCH
-    e64 = e.to(tl.int64)
-    w1b = w1_ptr + e64 * (I * KPACK)
-    w3b = w3_ptr + e64 * (I * KPACK)
-    s1b = s1_ptr + e64 * (I * KSC)
-    s3b = s3_ptr + e64 * (I * KSC)
+    w1b, s1b = _expert_w(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _expert_w(w3_ptr, s3_ptr, e, I, D)
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     if MMA == 1:
         pg, sg = _load_w_slab(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK)
         pu, su = _load_w_slab(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK)
         for i in tl.range(0, KCH // BK):                     # constant bounds (also for Triton's interpreter)
-            k0 = kbeg + i * BK
-            kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK   # last step re-reads its own slab (L2/L1 hit)
+            k0, kn = _slab_k(kbeg, i, KCH, BK)
             npg, nsg = _load_w_slab(w1b, s1b, offs_n, kn, KPACK, KSC, BK)
             npu, nsu = _load_w_slab(w3b, s3b, offs_n, kn, KPACK, KSC, BK)
             xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
@@ -496,13 +495,10 @@ def _moe_up_kernel_sk(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     else:
         for kk in tl.range(0, KCH // 32, KSUB):
             for j in tl.static_range(KSUB):
-                kb = kbeg // 32 + kk + j
-                xa = tl.load(xq_ptr + tok[:, None] * D + kb * 32 + tl.arange(0, 32)[None, :])
-                wg, sgb = _load_w_block(w1b, s1b, offs_n, kb, KPACK, KSC, DECODE)
-                wu, sub = _load_w_block(w3b, s3b, offs_n, kb, KPACK, KSC, DECODE)
-                sx = tl.load(xs_ptr + tok * KSC + kb)
-                acc_g += tl.dot(xa, tl.trans(wg)) * (sx[:, None] * sgb[None, :])
-                acc_u += tl.dot(xa, tl.trans(wu)) * (sx[:, None] * sub[None, :])
+                dg, du = _up_block(xq_ptr, xs_ptr, tok, w1b, s1b, w3b, s3b, offs_n, kbeg // 32 + kk + j, D, KPACK,
+                                   KSC, 1, DECODE)
+                acc_g += dg
+                acc_u += du
     if KS == 1:
         rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
         _store_h(_swiglu_h(acc_g, acc_u, rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n, nb * BN, I, BM, BN,
@@ -543,31 +539,21 @@ def _moe_down_kernel_sk(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     """h (sorted rows; MMA 1: bf16 [S, I], MMA 0: FP8 codes + f32 scales) times MXFP4 W2 over K chunk
     ``program_id(2)`` of KS. KS == 1: bf16-rounded rows at their unsorted slot of o [S, D]; KS > 1: fp32
     partials [KS, S, D] (unsorted slots) for ``_moe_down_reduce_sk``."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    ks = tl.program_id(2)
-    e = tl.load(tile_e_ptr + t)
+    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
-    rows_c = tl.where(rmask, rows, r0).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
+    ks = tl.program_id(2)
     KPACK: tl.constexpr = I // 2
     KSC: tl.constexpr = I // 32
     KCH: tl.constexpr = I // KS
     kbeg = ks * KCH
-    e64 = e.to(tl.int64)
-    w2b = w2_ptr + e64 * (D * KPACK)
-    s2b = s2_ptr + e64 * (D * KSC)
+    w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
     acc = tl.zeros((BM, BN), tl.float32)
     if MMA == 1:
         pw, sw = _load_w_slab(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK)
         for i in tl.range(0, KCH // BK):
-            k0 = kbeg + i * BK
-            kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
+            k0, kn = _slab_k(kbeg, i, KCH, BK)
             npw, nsw = _load_w_slab(w2b, s2b, offs_n, kn, KPACK, KSC, BK)
             ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
             acc += _dot_bf16(ha, tl.trans(_decode_slab_bf16(pw, sw, BN, BK, DECODE)), DECODE)
@@ -576,16 +562,12 @@ def _moe_down_kernel_sk(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     else:
         for kk in tl.range(0, KCH // 32, KSUB):
             for j in tl.static_range(KSUB):
-                kb = kbeg // 32 + kk + j
-                ha = tl.load(h_ptr + rows_c[:, None] * I + kb * 32 + tl.arange(0, 32)[None, :])
-                w, swb = _load_w_block(w2b, s2b, offs_n, kb, KPACK, KSC, DECODE)
-                sh = tl.load(hs_ptr + rows_c * KSC + kb)
-                acc += tl.dot(ha, tl.trans(w)) * (sh[:, None] * swb[None, :])
-    slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+                acc += _down_block(h_ptr, hs_ptr, rows_c, w2b, s2b, offs_n, kbeg // 32 + kk + j, I, KPACK, KSC, 1,
+                                   DECODE)
     if KS == 1:
-        tl.store(o_ptr + slot[:, None] * D + offs_n[None, :], _round_bf16(acc).to(tl.bfloat16),
-                 mask=rmask[:, None])
+        _store_o(acc, o_ptr, slot_ptr, rows, rmask, offs_n, D)
     else:
+        slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
         tl.store(o_ptr + (ks * S + slot[:, None]) * D + offs_n[None, :], acc, mask=rmask[:, None])
 
 
@@ -612,31 +594,23 @@ def _moe_up_kernel_gemv(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr,
     """Gate/up for one-row tiles (BM = 1: every routed slot is its own tile) without tensor cores: no padding rows,
     no layout conversion for an MMA operand. Same K split, slab prefetch, partials and epilogue as
     ``_moe_up_kernel_sk`` (HOUT 1 or 2)."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    ks = tl.program_id(2)
-    e = tl.load(tile_e_ptr + t)
+    e, r, _, _, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, 1, BN)
     if e < 0:
         return
-    r = tl.load(tile_s_ptr + t)
     tok = tl.load(tok_ptr + r).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
+    ks = tl.program_id(2)
     KPACK: tl.constexpr = D // 2
     KSC: tl.constexpr = D // 32
     KCH: tl.constexpr = D // KS
     kbeg = ks * KCH
-    e64 = e.to(tl.int64)
-    w1b = w1_ptr + e64 * (I * KPACK)
-    w3b = w3_ptr + e64 * (I * KPACK)
-    s1b = s1_ptr + e64 * (I * KSC)
-    s3b = s3_ptr + e64 * (I * KSC)
+    w1b, s1b = _expert_w(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _expert_w(w3_ptr, s3_ptr, e, I, D)
     acc_g = tl.zeros((BN,), tl.float32)
     acc_u = tl.zeros((BN,), tl.float32)
     pg, sg = _load_w_slab(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK)
     pu, su = _load_w_slab(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK)
     for i in tl.range(0, KCH // BK):
-        k0 = kbeg + i * BK
-        kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
+        k0, kn = _slab_k(kbeg, i, KCH, BK)
         npg, nsg = _load_w_slab(w1b, s1b, offs_n, kn, KPACK, KSC, BK)
         npu, nsu = _load_w_slab(w3b, s3b, offs_n, kn, KPACK, KSC, BK)
         xa = tl.load(xq_ptr + tok * D + k0 + tl.arange(0, BK)).to(tl.float32)
@@ -669,26 +643,20 @@ def _moe_down_kernel_gemv(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_
                           BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DECODE: tl.constexpr):
     """Down projection of one-row tiles (h as bf16 [S, I], sorted rows) on the CUDA cores; KS == 1: bf16-rounded
     row at its slot of o [S, D]; KS > 1: fp32 partials [KS, S, D] for ``_moe_down_reduce_sk``."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
-    ks = tl.program_id(2)
-    e = tl.load(tile_e_ptr + t)
+    e, r0, _, _, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, 1, BN)
     if e < 0:
         return
-    r = tl.load(tile_s_ptr + t).to(tl.int64)
-    offs_n = nb * BN + tl.arange(0, BN)
+    r = r0.to(tl.int64)
+    ks = tl.program_id(2)
     KPACK: tl.constexpr = I // 2
     KSC: tl.constexpr = I // 32
     KCH: tl.constexpr = I // KS
     kbeg = ks * KCH
-    e64 = e.to(tl.int64)
-    w2b = w2_ptr + e64 * (D * KPACK)
-    s2b = s2_ptr + e64 * (D * KSC)
+    w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
     acc = tl.zeros((BN,), tl.float32)
     pw, sw = _load_w_slab(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK)
     for i in tl.range(0, KCH // BK):
-        k0 = kbeg + i * BK
-        kn = kbeg + tl.minimum(i + 1, KCH // BK - 1) * BK
+        k0, kn = _slab_k(kbeg, i, KCH, BK)
         npw, nsw = _load_w_slab(w2b, s2b, offs_n, kn, KPACK, KSC, BK)
         ha = tl.load(h_ptr + r * I + k0 + tl.arange(0, BK)).to(tl.float32)
         acc += _gemv_slab(pw, sw, ha, BN, BK, DECODE)
