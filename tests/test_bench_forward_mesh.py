@@ -24,3 +24,18 @@ def test_mesh_uniform_and_lag(tmp_path):
     assert lag["lag_s"] == 0.005 and lag["spin_iters_per_rank"] > 0 and lag["stagger_ms"] == 5.0
     assert lag["step_lag_ms"]["median"] > 0 and lag["spin_only_ms"] > 0
     assert abs(lag["exposed_ms"] + lag["absorbed_ms"] - lag["stagger_ms"]) < 1e-9
+
+
+def test_mesh_with_engram_tables_in_host_memory(tmp_path):
+    """``--engram-tables host`` (what the real ~100 GB tables need): the tables stay numpy on the host, each step
+    gathers its rows by a host callback under the dep=2 program, and the logits stay finite."""
+    _, cfgp = tiny4(tmp_path)
+    out = tmp_path / "res"
+    rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "2@32", "--reps", "1", "--warmup",
+                     "1", "--no-breakdown", "--no-uniform", "--no-draft", "--engram-tables", "host", "--fast-compile",
+                     "--out", str(out), "--no-plot"])
+    assert rc == 0
+    r = json.loads(next(out.glob("forward_*.json")).read_text())
+    assert r["engram_tables"]["where"] == "host" and r["engram_tables"]["host_bytes"] > 0
+    (pt,) = r["points"]
+    assert pt["finite_logits"] and pt["step_ms"]["median"] > 0

@@ -54,6 +54,28 @@ def test_param_shardings_dep8_tiny_place_params():
     assert a.addressable_shards[0].data.shape[0] == 1                 # one expert per device
 
 
+def test_init_params_placed_streams_the_same_values_onto_their_shardings():
+    """``init_params_placed`` (how ``load`` and ``bench forward`` build random weights, one tensor at a time) gives
+    ``init_params``'s exact values on each tensor's sharding; host Engram tables come back as numpy."""
+    from dsflash.model.params import init_params, init_params_placed
+    cfg = preset("tiny")
+    mesh = make_mesh("dep=8")
+    st = get_strategy("dep", draft_expert_parallel=False)
+    ref = init_params(cfg, seed=3, as_numpy=True)
+    sh = param_shardings(cfg, mesh, st, include_host=False)
+    params, tables = init_params_placed(cfg, seed=3, shardings=sh, host_tables=True)
+    host = {k for k in ref if ".engram.embed." in k}
+    assert host and set(params) == set(ref) - host and set(sh) == set(params)
+    for k, v in params.items():
+        assert v.sharding == sh[k], k
+        assert np.array_equal(np.asarray(v).view(np.uint8), ref[k].view(np.uint8)), k
+    assert sorted(tables) == sorted(cfg.engram_layer_ids)
+    for layer, (w, sc) in tables.items():
+        assert isinstance(w, np.ndarray) and np.array_equal(w.view(np.uint8),
+                                                            ref[f"layers.{layer}.engram.embed.weight"].view(np.uint8))
+        assert np.array_equal(sc, ref[f"layers.{layer}.engram.embed.scale"])
+
+
 def test_tp_and_dep_tp_rules():
     cfg = preset("tiny")
     tp = param_partition_specs(cfg, "tp=2", "tp")

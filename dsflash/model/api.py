@@ -17,7 +17,7 @@ import numpy as np
 from dsflash.config import PRESETS, ModelConfig, preset
 from dsflash.model import dspark
 from dsflash.model.forward import forward_jit
-from dsflash.model.params import check_params, init_params
+from dsflash.model.params import check_params, init_params_placed
 from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ def load(model: str | os.PathLike = "demo", *, seed: int = 0, precision: str = "
         path = SHIPPED[path]            # a local checkpoint folder of the same name still wins
     mesh = _mesh(mesh)
     tokenizer = None
+    host_tables = None
     if os.path.isdir(path):
         from dsflash.checkpoint import load_checkpoint
         from dsflash.config import ModelConfig as _C
@@ -174,24 +175,25 @@ def load(model: str | os.PathLike = "demo", *, seed: int = 0, precision: str = "
         name = os.path.basename(os.path.normpath(path))      # "demo" for the shipped model too
     elif path in PRESETS:
         cfg = preset(path).replace(**cfg_overrides) if cfg_overrides else preset(path)
-        params = init_params(cfg, seed)
-        if mesh is not None:
-            sh = _shardings(cfg, mesh, strategy, engram_tables)
-            params = {k: jax.device_put(v, sh[k]) if k in sh else v for k, v in params.items()}
+        # tensor by tensor onto the devices (the real model's ~300 GB never sits on the host at once)
+        params, host_tables = init_params_placed(
+            cfg, seed, _shardings(cfg, mesh, strategy, engram_tables) if mesh is not None else None,
+            host_tables=engram_tables == "host", progress=progress and cfg.num_hidden_layers > 8)
         tokenizer = _synthetic_tokenizer(cfg)
         name = path
     else:
         raise ValueError(f"model: {path!r} is neither a checkpoint folder, a shipped model ({', '.join(SHIPPED)}) "
                          f"nor a preset ({', '.join(PRESETS)})")
     if engram_tables == "host":
-        params = dict(params)
-        tables = {}
-        for layer in cfg.engram_layer_ids:
-            w = params.pop(f"layers.{layer}.engram.embed.weight")
-            sc = params.pop(f"layers.{layer}.engram.embed.scale")
-            tables[layer] = (np.asarray(w), np.asarray(sc))      # memmaps stay memmaps
+        if host_tables is None:             # a checkpoint: its tables are (memory-mapped) entries of params
+            params = dict(params)
+            host_tables = {}
+            for layer in cfg.engram_layer_ids:
+                w = params.pop(f"layers.{layer}.engram.embed.weight")
+                sc = params.pop(f"layers.{layer}.engram.embed.scale")
+                host_tables[layer] = (np.asarray(w), np.asarray(sc))      # memmaps stay memmaps
         from dsflash.model.engram import register_host_tables
-        register_host_tables(cfg, tables)
+        register_host_tables(cfg, host_tables)
     tail = replay_tail if replay_tail is not None else cfg.sliding_window + cfg.dspark_block_size
     opts = RunOptions(precision=precision, bounded_replay=bounded_replay, replay_tail=tail if bounded_replay else 0,
                       backend=backend, page_size=page_size)
