@@ -12,7 +12,8 @@
 #   dep2       nvidia-h200-x2: dep=2 (EP over 2 GPUs), real vs uniform routing, --mirror and --lag
 #   eplb       CPU-only numbers, any machine: bench eplb on dep=8 / dep=32 (v41_flash synthetic + bench real)
 #   dep4 dep8  nvidia-h200-x4 / -x8 (issue 9, NOT RUN YET: those kinds were never lent): the full v41_flash widths
-#              and depth, random weights drawn and placed tensor by tensor, Engram tables in host memory;
+#              and depth, random weights generated on the GPUs tensor by tensor (--init device), Engram tables in
+#              host memory;
 #              decode B per rank 1-64 at 8K, 32 at 32K / 128K. dep4-prefill / dep8-prefill: 4K-32K new tokens.
 #
 # Results: $OUT/forward_<date>_h200_<stage>.json + .png + <stage>.log. Copy the JSON/PNG into
@@ -44,11 +45,11 @@ case "$STAGE" in
     timeout "$T" python3 -m dsflash.bench eplb --mesh dep=32 --preset v41_flash --redundant 32 --draft-redundant 32 \
       --tokens 5120 --steps 4 --out "$OUT/v41" "$@" ;;
   dep4|dep8)
-    timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=${STAGE#dep}" --engram-tables host \
+    timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=${STAGE#dep}" --engram-tables host --init device \
       --decode 1,8,32,64@8192 "32@32768,131072" --no-uniform --no-breakdown --reps 5 --warmup 2 "$@" ;;
   dep4-prefill|dep8-prefill)
     N=${STAGE%-prefill}; N=${N#dep}
-    timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=$N" --engram-tables host \
+    timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=$N" --engram-tables host --init device \
       --prefill 4096,16384,32768@0 --no-uniform --no-breakdown --no-draft --reps 3 --warmup 1 "$@" ;;
   *) echo "unknown stage $STAGE (decode|prefill|breakdown|triton|dep2|eplb|dep4|dep8|dep4-prefill|dep8-prefill)" >&2
      exit 2 ;;

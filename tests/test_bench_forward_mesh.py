@@ -27,15 +27,18 @@ def test_mesh_uniform_and_lag(tmp_path):
 
 
 def test_mesh_with_engram_tables_in_host_memory(tmp_path):
-    """``--engram-tables host`` (what the real ~100 GB tables need): the tables stay numpy on the host, each step
-    gathers its rows by a host callback under the dep=2 program, and the logits stay finite."""
+    """``--engram-tables host --init device`` (what the full-size run needs): the tables stay numpy on the host,
+    each step gathers its rows by a host callback under the dep=2 program, the weights are generated on the
+    devices, and the logits stay finite."""
     _, cfgp = tiny4(tmp_path)
     out = tmp_path / "res"
     rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "2@32", "--reps", "1", "--warmup",
-                     "1", "--no-breakdown", "--no-uniform", "--no-draft", "--engram-tables", "host", "--fast-compile",
+                     "1", "--no-breakdown", "--no-uniform", "--no-draft", "--engram-tables", "host", "--init", "device",
+                     "--fast-compile",
                      "--out", str(out), "--no-plot"])
     assert rc == 0
     r = json.loads(next(out.glob("forward_*.json")).read_text())
     assert r["engram_tables"]["where"] == "host" and r["engram_tables"]["host_bytes"] > 0
+    assert r["weights_init"] == "device"
     (pt,) = r["points"]
     assert pt["finite_logits"] and pt["step_ms"]["median"] > 0

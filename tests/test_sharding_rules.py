@@ -76,6 +76,34 @@ def test_init_params_placed_streams_the_same_values_onto_their_shardings():
         assert np.array_equal(sc, ref[f"layers.{layer}.engram.embed.scale"])
 
 
+def test_init_params_on_device_has_the_formats_and_placement_of_init_params():
+    """``init_params_on_device`` (bench forward ``--init device``, for the full-size model): same names, shapes,
+    dtypes, scales and shardings as ``init_params_placed``; other random values, every E4M3 code finite; the host
+    tables repeat one random block."""
+    import ml_dtypes
+
+    from dsflash.model.params import init_params_on_device, init_params_placed
+    cfg = preset("tiny")
+    sh = param_shardings(cfg, make_mesh("dep=8"), get_strategy("dep", draft_expert_parallel=False),
+                         include_host=False)
+    ref, ref_tables = init_params_placed(cfg, seed=1, shardings=sh, host_tables=True)
+    dev, tables = init_params_on_device(cfg, seed=1, shardings=sh, host_tables=True)
+    assert dev.keys() == ref.keys()
+    for k, v in dev.items():
+        r = ref[k]
+        assert (v.shape, v.dtype, v.sharding) == (r.shape, r.dtype, r.sharding), k
+        if k.endswith(".scale"):
+            assert np.array_equal(np.asarray(v), np.asarray(r)), k
+        if v.dtype == jnp.float8_e4m3fn:
+            assert np.isfinite(np.asarray(v).astype(np.float32)).all(), k
+    w = "layers.3.ffn.experts.w1.weight"
+    assert not np.array_equal(np.asarray(dev[w]), np.asarray(ref[w]))
+    for layer, (tw, ts) in tables.items():
+        rw, rs = ref_tables[layer]
+        assert tw.shape == rw.shape and tw.dtype == rw.dtype and np.array_equal(ts, rs)
+        assert np.isfinite(tw.astype(np.float32)).all() and tw.dtype == ml_dtypes.float8_e4m3fn
+
+
 def test_tp_and_dep_tp_rules():
     cfg = preset("tiny")
     tp = param_partition_specs(cfg, "tp=2", "tp")

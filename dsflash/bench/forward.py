@@ -147,7 +147,7 @@ class ForwardBench:
     def __init__(self, args):
         import jax
 
-        from dsflash.model.params import init_params_placed
+        from dsflash.model.params import init_params_on_device, init_params_placed
         from dsflash.sharding import rules
         from dsflash.sharding.mesh import mesh_sizes, parse_spec
 
@@ -174,8 +174,9 @@ class ForwardBench:
             self.n_ep = int(np.prod([mesh_sizes(self.mesh)[a] for a in rules.expert_axes(self.mesh, self.strategy)]))
             shardings = rules.param_shardings(cfg, self.mesh, self.strategy, include_host=not host)
         # drawn and placed tensor by tensor: at real size the host never holds the whole model
-        self.params, tables = init_params_placed(cfg, args.seed, shardings, device=jax.devices()[0],
-                                                 host_tables=host, progress=cfg.num_hidden_layers > 8)
+        init = init_params_on_device if getattr(args, "init", "numpy") == "device" else init_params_placed
+        self.params, tables = init(cfg, args.seed, shardings, device=jax.devices()[0], host_tables=host,
+                                   progress=cfg.num_hidden_layers > 8)
         if host:
             from dsflash.model.engram import register_host_tables
             register_host_tables(cfg, tables)
@@ -651,6 +652,9 @@ def build_parser():
     ap.add_argument("--engram-tables", default="device", choices=("device", "host"),
                     help="Engram tables on the devices or in host memory (rows gathered per step by a host "
                          "callback: what the real ~100 GB tables need)")
+    ap.add_argument("--init", default="numpy", choices=("numpy", "device"),
+                    help="random weights: numpy (init_params's values, drawn per tensor on the host) or device "
+                         "(jax.random on the devices, other values, same formats: for the full-size model)")
     ap.add_argument("--fast-compile", action="store_true", help="low XLA optimisation (CPU tests only)")
     ap.add_argument("--out", default=None, help="directory for JSON/PNG (default benchmarks/results)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
@@ -717,6 +721,7 @@ def main(argv=None):
             fast_compile=bool(args.fast_compile)),
         setup_s=dict(init_and_place_params=round(bench.init_s, 2)),
         engram_tables=dict(where=getattr(args, "engram_tables", "device"), host_bytes=bench.host_table_bytes),
+        weights_init=getattr(args, "init", "numpy"),
         points=[])
     out_dir = args.out or os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
     stem = f"forward_{now.strftime('%Y%m%d')}_{short}" + (f"_{args.tag}" if args.tag else "")

@@ -12,6 +12,7 @@ f32 tensors as stored. Dequantisation happens where a weight is used.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -220,13 +221,7 @@ def init_params_placed(cfg: ModelConfig, seed: int = 0, shardings: dict | None =
     ``host_tables``: the Engram tables (``host=True`` specs) stay numpy in host memory and come back separately,
     ready for :func:`dsflash.model.engram.register_host_tables`. -> ``(params, {layer: (weight, scale)})``."""
     specs = [s for s in param_specs(cfg) if s.fmt != "scale"]
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(specs), desc="init params", dynamic_ncols=True)
-        except ImportError:  # pragma: no cover
-            bar = None
+    bar = _progress(len(specs), "init params") if progress else None
     params, tables = {}, {}
     for s in specs:
         drawn = _draw(s, seed)
@@ -245,29 +240,112 @@ def init_params_placed(cfg: ModelConfig, seed: int = 0, shardings: dict | None =
     return params, tables
 
 
+def init_params_on_device(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None, device=None,
+                          host_tables: bool = False, progress: bool = False) -> tuple[dict, dict]:
+    """Like :func:`init_params_placed` (same kinds, formats, scales and placement), but every device tensor is
+    generated in place by ``jax.random`` -- its values differ from :func:`init_params`'s. For benchmarks at real
+    size: drawing the ~300 GB of device weights with numpy would take minutes per run. Host Engram tables
+    (``host_tables``) repeat one random block of 64K rows (period 64K: the gathers still touch distinct
+    addresses), so ~100 GB tables are filled at copy speed."""
+    specs = [s for s in param_specs(cfg) if s.fmt != "scale"]
+    bar = _progress(len(specs), "init params (device)") if progress else None
+    params, tables = {}, {}
+    key = jax.random.PRNGKey(seed)
+    for i, s in enumerate(specs):
+        if s.host and host_tables:
+            layer = int(s.name.split(".")[1])
+            tables[layer] = _tiled_host_table(s, seed)
+        else:
+            def place(k):
+                target = shardings.get(k) if shardings else None
+                return target if target is not None else (device or jax.devices()[0])
+            params[s.name] = _device_tensor(s.init, s.shape, np.dtype(s.dtype).name, _std(s),
+                                            place(s.name))(jax.random.fold_in(key, i))
+            for k, v in _scale(s).items():
+                params[k] = jax.device_put(v, place(k))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    jax.block_until_ready(params)
+    return params, tables
+
+
+def _std(s: ParamSpec) -> float:
+    return (0.1 if "hc_" in s.name else 1.0) / float(np.sqrt(s.shape[-1])) if s.shape else 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tensor(init: str, shape: tuple, dtype: str, std: float, target):
+    """A jitted generator of one tensor kind, placed by ``target`` (a sharding or device); cached per signature."""
+    sharding = target if isinstance(target, jax.sharding.Sharding) else jax.sharding.SingleDeviceSharding(target)
+
+    def gen(k):
+        if init in ("fp8", "fp8rows"):                   # E4M3 codes, magnitudes in [1/8, 2) as _fp8_codes
+            b = jax.random.bits(k, shape, jnp.uint8)
+            return ((b & 0x87) | ((4 + ((b >> 3) & 3)) << 3)).astype(jnp.uint8).view(jnp.float8_e4m3fn)
+        if init == "mxfp4":
+            return jax.random.bits(k, shape, jnp.uint8).view(jnp.int8)
+        if init == "normal":
+            return (jax.random.uniform(k, shape, jnp.float32, -1.0, 1.0) * (std * 3 ** 0.5)).astype(dtype)
+        if init == "ones":
+            return jnp.ones(shape, dtype)
+        if init == "zeros":
+            return jnp.zeros(shape, dtype)
+        raise ValueError(f"unknown init {init!r}")
+    return jax.jit(gen, out_shardings=sharding)
+
+
+def _tiled_host_table(s: ParamSpec, seed: int, period: int = 1 << 16):
+    rows = s.shape[0]
+    block = _draw(ParamSpec(s.name, (min(rows, period), *s.shape[1:]), s.dtype, s.axes, s.init, s.fmt), seed)[s.name]
+    w = np.empty(s.shape, block.dtype)
+    for r0 in range(0, rows, period):
+        n = min(period, rows - r0)
+        w[r0:r0 + n] = block[:n]
+    (sc,) = _scale(s).values()
+    return w, sc
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc=desc, dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        return None
+
+
 def _draw(s: ParamSpec, seed: int) -> dict:
     """One tensor (and its ``.scale``) of :func:`init_params`, numpy."""
     rng = np.random.default_rng([seed, _name_hash(s.name)])
-    scale_name = s.name[: -len(".weight")] + ".scale"
+    if s.init in ("fp8", "fp8rows"):
+        w = _fp8_codes(rng, s.shape)
+    elif s.init == "mxfp4":
+        w = _rand_u8(rng, s.shape).view(np.int8)
+    elif s.init == "normal":
+        u = _rand_u8(rng, s.shape).view(np.int8).astype(np.float32)
+        w = (u * np.float32(_std(s) * np.sqrt(3.0) / 128.0)).astype(np.dtype(s.dtype))
+    elif s.init == "ones":
+        w = np.ones(s.shape, np.dtype(s.dtype))
+    elif s.init == "zeros":
+        w = np.zeros(s.shape, np.dtype(s.dtype))
+    else:
+        raise ValueError(f"unknown init {s.init!r} for {s.name}")
+    return {s.name: w, **_scale(s)}
+
+
+def _scale(s: ParamSpec) -> dict:
+    """The constant UE8M0 scale tensor of a quantised weight (``{}`` for plain tensors)."""
+    name = s.name[: -len(".weight")] + ".scale"
     if s.init == "fp8":
-        return {s.name: _fp8_codes(rng, s.shape),
-                scale_name: np.full((*s.shape[:-2], s.shape[-2] // 32, s.shape[-1] // 32),
-                                    _e8m0(1 / np.sqrt(s.shape[-1])), np.uint8)}
+        return {name: np.full((*s.shape[:-2], s.shape[-2] // 32, s.shape[-1] // 32), _e8m0(1 / np.sqrt(s.shape[-1])),
+                              np.uint8)}
     if s.init == "fp8rows":
-        return {s.name: _fp8_codes(rng, s.shape), scale_name: np.full((*s.shape[:-1], s.shape[-1] // 32), 127, np.uint8)}
+        return {name: np.full((*s.shape[:-1], s.shape[-1] // 32), 127, np.uint8)}
     if s.init == "mxfp4":
         fan_in = 2 * s.shape[-1]
-        return {s.name: _rand_u8(rng, s.shape).view(np.int8),
-                scale_name: np.full((*s.shape[:-1], fan_in // 32), _e8m0(1 / (3 * np.sqrt(fan_in))), np.uint8)}
-    if s.init == "normal":
-        std = (0.1 if "hc_" in s.name else 1.0) / np.sqrt(s.shape[-1])
-        u = _rand_u8(rng, s.shape).view(np.int8).astype(np.float32)
-        return {s.name: (u * np.float32(std * np.sqrt(3.0) / 128.0)).astype(np.dtype(s.dtype))}
-    if s.init == "ones":
-        return {s.name: np.ones(s.shape, np.dtype(s.dtype))}
-    if s.init == "zeros":
-        return {s.name: np.zeros(s.shape, np.dtype(s.dtype))}
-    raise ValueError(f"unknown init {s.init!r} for {s.name}")
+        return {name: np.full((*s.shape[:-1], fan_in // 32), _e8m0(1 / (3 * np.sqrt(fan_in))), np.uint8)}
+    return {}
 
 
 def _e8m0(x: float) -> int:
