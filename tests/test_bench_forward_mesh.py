@@ -2,6 +2,8 @@
 balancedness over the mesh's 2 EP ranks, and the lag replay (rank 1 starts late by a calibrated on-device spin)."""
 import json
 
+import numpy as np
+
 from dsflash.bench.__main__ import main as bench_main
 from test_bench_forward import tiny4
 
@@ -42,3 +44,12 @@ def test_mesh_with_engram_tables_in_host_memory(tmp_path):
     assert r["weights_init"] == "device"
     (pt,) = r["points"]
     assert pt["finite_logits"] and pt["step_ms"]["median"] > 0
+    # per-device bytes: the routed experts (target and DSpark draft) are split over the 2 EP ranks, the host
+    # tables are on no device
+    from dsflash.bench.forward import load_config
+    from dsflash.model.params import param_specs
+    specs = [s for s in param_specs(load_config(cfgp)) if not s.host]
+    total = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs)
+    experts = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs if ".ffn.experts." in s.name)
+    mem = pt["memory_per_device_bytes"]
+    assert mem["params"] == total - experts // 2 and mem["state"] > 0

@@ -423,6 +423,26 @@ class ForwardBench:
         return self._lag_rate
 
     # ---------------------------------------------------------------- points
+    def memory(self, state) -> dict:
+        """Per-device bytes of the placed params and of this point's state (the shards each device holds; the
+        largest device), and the allocator's peak where the platform reports it (GPU)."""
+        import jax
+
+        def per_device(tree):
+            out = {}
+            for a in jax.tree_util.tree_leaves(tree):
+                for sh in getattr(a, "addressable_shards", ()):
+                    out[sh.device.id] = out.get(sh.device.id, 0) + sh.data.nbytes
+            return out
+        p, st = per_device(self.params), per_device(state)
+        devs = sorted(set(p) | set(st))
+        rec = {"params": max(p.get(d, 0) for d in devs), "state": max(st.get(d, 0) for d in devs)}
+        peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()
+                 if hasattr(d, "memory_stats")]
+        if peaks and all(isinstance(x, int) for x in peaks):
+            rec["peak_in_use"] = max(peaks)
+        return rec
+
     def balancedness(self, loads):
         from dsflash.sharding.eplb import balancedness
         R = self.balance_ranks
@@ -445,6 +465,7 @@ class ForwardBench:
             rec.update(N=n)
         batch, state = self.make_inputs(S, [C] * rows)
         stats, state, loads, finite = self.run_variant("full", phase, batch, state)
+        rec["memory_per_device_bytes"] = self.memory(state)
         rec["step_ms"] = stats
         rec["finite_logits"] = finite
         rec["tok_per_s"] = rows * S / (stats["median"] * 1e-3)
