@@ -6,7 +6,8 @@ dyadic grid, so every fp32 sum is exact whatever its order: scores must be bit-i
 (many exact ties, so the lowest-index rule is exercised). A continuous-input case checks scores to 1 bf16 ulp.
 Non-finite input: the rounding helper on special bit patterns (the GPU's canonical NaN 0x7FFFFFFF cannot be made
 by numpy arithmetic, so it is fed in directly) and NaN weights / queries end to end vs the reference's NaN pattern.
-Usage: python scripts/triton_interpret_indexer.py   (needs `pip install triton`)"""
+Each check runs in its own process, a failed one re-run once (``interpret_isolation``).
+Usage: python scripts/triton_interpret_indexer.py [--list | --check NAME]   (needs `pip install triton`)"""
 import os
 import sys
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from triton_interpret_moe import Fake  # noqa: E402
+import interpret_isolation  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from dsflash.kernels import indexer_topk as ik, indexer_topk_triton as it  # noqa: E402
@@ -122,14 +124,23 @@ def run(B=2, S=3, Hi=16, Di=32, T=300, topk=40, seed=0, grid=True, dtype=jnp.bfl
     return rel
 
 
+def _continuous():
+    rel = run(B=2, S=2, Hi=32, Di=128, T=260, topk=64, seed=5, grid=False)
+    assert rel < 1e-2, rel
+
+
+CHECKS = {   # each runs in its own process (``interpret_isolation``)
+    "specials": lambda: check_specials(it._bf16_rne, it._relu_nan),
+    "poison_w": lambda: run_poison(),
+    "poison_q": lambda: run_poison(where="q"),
+    "grid": lambda: run(),
+    "decode": lambda: run(B=1, S=1, Hi=32, Di=128, T=700, topk=512, seed=1),          # V4.1 head shape, decode
+    "cand": lambda: run(B=2, S=6, Hi=32, Di=64, T=200, topk=64, seed=2, cand=True),   # consumer layer, 6 rows
+    "filter": lambda: run(B=1, S=5, Hi=8, Di=32, T=130, topk=16, seed=3, filt=(8, 4)),  # candidate source
+    "fp32": lambda: run(B=1, S=4, Hi=16, Di=32, T=100, topk=20, seed=4, dtype=jnp.float32),  # "fp32" precision
+    "continuous": _continuous,
+}
+
+
 if __name__ == "__main__":
-    check_specials(it._bf16_rne, it._relu_nan)
-    run_poison()
-    run_poison(where="q")
-    run()
-    run(B=1, S=1, Hi=32, Di=128, T=700, topk=512, seed=1)                   # V4.1 head shape, decode
-    run(B=2, S=6, Hi=32, Di=64, T=200, topk=64, seed=2, cand=True)           # consumer layer, 6 rows
-    run(B=1, S=5, Hi=8, Di=32, T=130, topk=16, seed=3, filt=(8, 4))          # candidate source
-    run(B=1, S=4, Hi=16, Di=32, T=100, topk=20, seed=4, dtype=jnp.float32)   # "fp32" precision
-    assert run(B=2, S=2, Hi=32, Di=128, T=260, topk=64, seed=5, grid=False) < 1e-2
-    print("ok")
+    interpret_isolation.main(__file__, CHECKS)
