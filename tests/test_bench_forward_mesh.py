@@ -53,3 +53,13 @@ def test_mesh_with_engram_tables_in_host_memory(tmp_path):
     experts = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs if ".ffn.experts." in s.name)
     mem = pt["memory_per_device_bytes"]
     assert mem["params"] == total - experts // 2 and mem["state"] > 0
+    # roofline bytes: the target's dense weights + the touched share of its rank's experts + the state
+    roof = pt["roofline"]
+    tgt_dense = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs
+                    if ".ffn.experts." not in s.name and not s.name.startswith("mtp."))
+    tgt_experts = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs
+                      if ".ffn.experts." in s.name and not s.name.startswith("mtp."))
+    assert roof["dense_bytes"] == tgt_dense and roof["state_bytes"] == mem["state"]
+    assert 0 < roof["expert_bytes_touched"] <= tgt_experts // 2
+    assert roof["bytes"] == roof["dense_bytes"] + roof["expert_bytes_touched"] + roof["state_bytes"]
+    assert roof["copy_bw_Bps"] > 0 and abs(roof["frac_of_roofline"] - roof["roofline_ms"] / pt["step_ms"]["median"]) < 1e-9

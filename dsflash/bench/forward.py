@@ -443,6 +443,53 @@ class ForwardBench:
             rec["peak_in_use"] = max(peaks)
         return rec
 
+    def copy_bandwidth(self) -> float:
+        """Bytes/s of one device reading and writing a large buffer (``a + 1``), measured once per run."""
+        if getattr(self, "_copy_bw", None) is None:
+            import jax
+            import jax.numpy as jnp
+            dev = jax.devices()[0]
+            n = (256 if dev.platform == "gpu" else 8) << 20
+            x = jax.device_put(jnp.zeros((n,), jnp.float32), dev)
+            f = jax.jit(lambda a: a + 1)
+            jax.block_until_ready(f(x))
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x))
+                ts.append(time.perf_counter() - t0)
+            self._copy_bw = 2 * 4 * n / float(np.median(ts))
+        return self._copy_bw
+
+    def roofline(self, loads, mem, step_ms) -> dict:
+        """HBM roofline of this step on the fullest device: bytes = its dense target weights + the routed-expert
+        weights of the experts its rank's tokens touched (from this step's loads) + its whole state (the dummy
+        KV / index / ring bytes of these contexts: an upper bound of what attention reads, so the ratio errs
+        high), over the copy bandwidth measured in this run."""
+        import jax
+        per = {}
+        for k, a in self.params.items():
+            if k.startswith("mtp."):
+                continue                                  # the draft is not part of the target step
+            kind = "experts" if ".ffn.experts." in k else "dense"
+            for sh in a.addressable_shards:
+                d = per.setdefault(sh.device.id, {"experts": 0, "dense": 0})
+                d[kind] += sh.data.nbytes
+        dense = max(v["dense"] for v in per.values())
+        experts = max(v["experts"] for v in per.values())
+        touched = 1.0
+        if loads.size:
+            L, E = loads.shape
+            R = self.n_ep
+            per_rank = (loads > 0).reshape(L, R, E // R).sum(axis=(0, 2)) / (L * E // R)
+            touched = float(per_rank.max())
+        nbytes = dense + experts * touched + mem["state"]
+        bw = self.copy_bandwidth()
+        ms = nbytes / bw * 1e3
+        return {"bytes": int(nbytes), "dense_bytes": int(dense), "expert_bytes_touched": int(experts * touched),
+                "state_bytes": int(mem["state"]), "copy_bw_Bps": bw, "roofline_ms": ms,
+                "frac_of_roofline": ms / step_ms}
+
     def balancedness(self, loads):
         from dsflash.sharding.eplb import balancedness
         R = self.balance_ranks
@@ -467,6 +514,7 @@ class ForwardBench:
         stats, state, loads, finite = self.run_variant("full", phase, batch, state)
         rec["memory_per_device_bytes"] = self.memory(state)
         rec["step_ms"] = stats
+        rec["roofline"] = self.roofline(loads, rec["memory_per_device_bytes"], stats["median"])
         rec["finite_logits"] = finite
         rec["tok_per_s"] = rows * S / (stats["median"] * 1e-3)
         rec["tok_per_s_per_rank"] = rec["tok_per_s"] / self.n_dp
@@ -579,7 +627,8 @@ def _fmt(v, nd=3):
 def table(result) -> str:
     lines = []
     hdr = (f"{'phase':7} {'B/N':>5} {'C':>7} {'rows':>5} {'step ms':>9} {'p90':>8} {'tok/s':>10} "
-           f"{'draft ms':>8} {'unif ms':>8} {'bal real':>8} {'bal unif':>8} {'attn':>7} {'moe':>7} {'routed':>7} {'other':>7}")
+           f"{'draft ms':>8} {'unif ms':>8} {'bal real':>8} {'bal unif':>8} {'attn':>7} {'moe':>7} {'routed':>7} {'other':>7}"
+           f" {'%roof':>6}")
     lines.append(hdr)
     for r in result["points"]:
         b = r.get("breakdown_ms") or {}
@@ -590,7 +639,8 @@ def table(result) -> str:
             f"{_fmt((r.get('draft_ms') or {}).get('median')):>8} "
             f"{_fmt((r.get('uniform_ms') or {}).get('median')):>8} {_fmt(bal.get('real')):>8} "
             f"{_fmt(bal.get('uniform')):>8} {_fmt(b.get('attention')):>7} {_fmt(b.get('moe')):>7} "
-            f"{_fmt(b.get('routed')):>7} {_fmt(b.get('other')):>7}")
+            f"{_fmt(b.get('routed')):>7} {_fmt(b.get('other')):>7}"
+            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if r.get('roofline') else None, 1):>6}")
     return "\n".join(lines)
 
 
