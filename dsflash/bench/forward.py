@@ -466,7 +466,6 @@ class ForwardBench:
         weights of the experts its rank's tokens touched (from this step's loads) + its whole state (the dummy
         KV / index / ring bytes of these contexts: an upper bound of what attention reads, so the ratio errs
         high), over the copy bandwidth measured in this run."""
-        import jax
         per = {}
         for k, a in self.params.items():
             if k.startswith("mtp."):
