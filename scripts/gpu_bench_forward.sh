@@ -46,7 +46,7 @@ case "$STAGE" in
       --tokens 5120 --steps 4 --out "$OUT/v41" "$@" ;;
   dep4|dep8)
     timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=${STAGE#dep}" --engram-tables host --init device \
-      --decode 1,8,32,64@8192 "32@32768,131072" --no-uniform --no-breakdown --reps 5 --warmup 2 "$@" ;;
+      --decode 1,8,32,64@8192 "32@32768,131072" --no-uniform --zipf 1.2 --no-breakdown --reps 5 --warmup 2 "$@" ;;
   dep4-prefill|dep8-prefill)
     N=${STAGE%-prefill}; N=${N#dep}
     timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=$N" --engram-tables host --init device \

@@ -29,13 +29,14 @@ def test_mesh_uniform_and_lag(tmp_path):
 
 
 def test_mesh_with_engram_tables_in_host_memory(tmp_path):
-    """``--engram-tables host --init device`` (what the full-size run needs): the tables stay numpy on the host,
-    each step gathers its rows by a host callback under the dep=2 program, the weights are generated on the
-    devices, and the logits stay finite."""
+    """``--engram-tables host --init device --zipf`` (what the full-size run needs): the tables stay numpy on the
+    host, each step gathers its rows by a host callback under the dep=2 program, the weights are generated on the
+    devices, the logits stay finite, and the skewed-router variant is timed with its balancedness."""
     _, cfgp = tiny4(tmp_path)
     out = tmp_path / "res"
     rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "2@32", "--reps", "1", "--warmup",
-                     "1", "--no-breakdown", "--no-uniform", "--no-draft", "--engram-tables", "host", "--init", "device",
+                     "1", "--no-breakdown", "--no-uniform", "--zipf", "1.5", "--no-draft", "--engram-tables", "host",
+                     "--init", "device",
                      "--fast-compile",
                      "--out", str(out), "--no-plot"])
     assert rc == 0
@@ -44,6 +45,7 @@ def test_mesh_with_engram_tables_in_host_memory(tmp_path):
     assert r["weights_init"] == "device"
     (pt,) = r["points"]
     assert pt["finite_logits"] and pt["step_ms"]["median"] > 0
+    assert pt["zipf_alpha"] == 1.5 and pt["zipf_ms"]["median"] > 0 and 0.5 <= pt["balancedness"]["zipf"] < 1
     # per-device bytes: the routed experts (target and DSpark draft) are split over the 2 EP ranks, the host
     # tables are on no device
     from dsflash.bench.forward import load_config
@@ -63,3 +65,20 @@ def test_mesh_with_engram_tables_in_host_memory(tmp_path):
     assert 0 < roof["expert_bytes_touched"] <= tgt_experts // 2
     assert roof["bytes"] == roof["dense_bytes"] + roof["expert_bytes_touched"] + roof["state_bytes"]
     assert roof["copy_bw_Bps"] > 0 and abs(roof["frac_of_roofline"] - roof["roofline_ms"] / pt["step_ms"]["median"]) < 1e-9
+
+
+def test_random_router_skew_follows_the_ranking():
+    """``--zipf A``'s router: distinct ids per token; at A=1.5 the experts' counts fall with their fixed rank, at
+    A=0 they are flat."""
+    import jax
+    from dsflash.bench.forward import random_router
+    E, k, T = 8, 2, 20000
+    rank = np.random.default_rng(99).permutation(E) + 1          # the router's fixed ranking
+    for alpha in (0.0, 1.5):
+        idx = np.asarray(random_router(jax.random.PRNGKey(0), T, E, k, alpha))
+        assert idx.shape == (T, k) and (idx[:, 0] != idx[:, 1]).all()
+        counts = np.bincount(idx.ravel(), minlength=E)[np.argsort(rank)]     # hottest rank first
+        if alpha == 0:
+            assert counts.max() / counts.min() < 1.1
+        else:
+            assert (np.diff(counts) < 0).all() and counts[0] > 3 * counts[-1]

@@ -21,7 +21,9 @@ the state is donated and the returned state fed back, so every call rewrites the
   ``update_context`` with the verified rows' taps (random, as if from the target) + ``propose`` of the next
   block; ``spec_step_ms`` = step + draft;
 * ``uniform_ms``: the same step with a uniform random router (top-k distinct ids per token from a fixed
-  key), and ``balancedness`` of both: per-layer expert loads recorded by routing this step's tokens,
+  key); ``zipf_ms`` (``--zipf A``): a skewed random router (top-k distinct ids per token with expert
+  probabilities ~ 1 / rank^A over a fixed random ranking of the experts: hot experts land on random EP ranks);
+  and ``balancedness`` of each: per-layer expert loads recorded by routing this step's tokens,
   balancedness = Σ_layers mean rank load / Σ_layers max rank load for the mesh's EP placement
   (experts contiguous per EP rank; on a single device ``--balance-ranks`` hypothetical ranks);
 * ``breakdown`` (``--breakdown``, default on): attention = full − (attention replaced by zeros: no
@@ -103,6 +105,19 @@ def load_config(name):
     if name.endswith(".json") or os.path.isdir(name):
         return ModelConfig.load_json(name)
     return preset(name)
+
+
+# ------------------------------------------------------------------------------------------ synthetic routers
+def random_router(key, T: int, E: int, k: int, alpha: float = 0.0):
+    """``[T, k]`` distinct expert ids per token: uniform (``alpha`` 0) or skewed, expert ``e`` drawn with
+    probability ~ ``rank_e ** -alpha`` over a fixed random ranking (so the hot experts sit on random EP ranks);
+    k draws without replacement by Gumbel top-k."""
+    import jax
+    import jax.numpy as jnp
+    rank = np.random.default_rng(99).permutation(E) + 1
+    logp = jnp.asarray(-alpha * np.log(rank), jnp.float32)
+    _, idx = jax.lax.top_k(logp[None, :] + jax.random.gumbel(key, (T, E)), k)
+    return idx.astype(jnp.int32)
 
 
 # ------------------------------------------------------------------------------------------ state fill
@@ -232,7 +247,7 @@ class ForwardBench:
 
     def step_fn(self, variant, phase, lag_iters=0):
         """A pure step ``(params, batch, state) -> (logits, state, loads [L, E])`` for one variant:
-        full | uniform | no_attn | no_moe | no_both | no_routed | lag."""
+        full | uniform | zipf | no_attn | no_moe | no_both | no_routed | lag."""
         import jax
         import jax.numpy as jnp
 
@@ -252,10 +267,10 @@ class ForwardBench:
             valid = batch.valid.reshape(-1)
 
             def hook(x, idx, w, *ws, **kw):
-                if variant == "uniform":
+                if variant in ("uniform", "zipf"):
                     key = jax.random.fold_in(jax.random.PRNGKey(1234), len(rec))
-                    _, idx = jax.lax.top_k(jax.random.uniform(key, (x.shape[0], E)), idx.shape[1])
-                    idx = idx.astype(jnp.int32)
+                    idx = random_router(key, x.shape[0], E, idx.shape[1],
+                                        getattr(self.args, "zipf", 0.0) if variant == "zipf" else 0.0)
                 if variant not in ("no_moe", "no_both"):
                     rec.append(jnp.zeros((E,), jnp.int32).at[idx].add(
                         jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32)))
@@ -526,6 +541,11 @@ class ForwardBench:
             rec["uniform_ms"] = st
             rec["balancedness"]["uniform"] = self.balancedness(ul)
             rec["real_over_uniform"] = stats["median"] / st["median"]
+        if getattr(args, "zipf", 0.0):
+            st, state, zl, _ = self.run_variant("zipf", phase, batch, state)
+            rec["zipf_ms"] = st
+            rec["balancedness"]["zipf"] = self.balancedness(zl)
+            rec["zipf_alpha"] = args.zipf
         if phase == "decode" and args.draft and self.cfg.n_stages:
             rec["draft_ms"], state = self.run_draft(batch, state)
             rec["spec_step_ms"] = stats["median"] + rec["draft_ms"]["median"]
@@ -708,6 +728,8 @@ def build_parser():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-uniform", dest="uniform", action="store_false", help="skip the uniform-router run")
+    ap.add_argument("--zipf", type=float, default=0.0,
+                    help="also time a skewed random router: expert probabilities ~ 1/rank^A (0 = off)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the ablation runs")
     ap.add_argument("--no-draft", dest="draft", action="store_false",
                     help="skip timing the DSpark draft (update_context + propose) at decode points")
@@ -748,6 +770,9 @@ def main(argv=None):
     if args.draft_rows < 1:
         print("--draft-rows must be >= 1", file=sys.stderr)
         return 2
+    if not args.zipf >= 0:
+        print(f"--zipf must be >= 0 (0 = off), got {args.zipf}", file=sys.stderr)
+        return 2
     try:
         pre = parse_points(args.prefill)
         dec = parse_points(args.decode)
@@ -783,7 +808,8 @@ def main(argv=None):
             cached_context="dummy-filled state (random finite packed bytes in page pools and rings; page "
                            "tables point at each row's own pages); no prefill",
             balancedness="per-layer expert loads of this step's tokens; sum_l mean rank load / sum_l max rank "
-                         "load, experts contiguous per EP rank; uniform = random top-k router (fixed key)",
+                         "load, experts contiguous per EP rank; uniform = random top-k router (fixed key); "
+                         "zipf = top-k without replacement, p_e ~ rank_e^-A over a fixed random expert ranking",
             breakdown="differences of separately compiled programs: attention -> zeros, MoE -> zeros, "
                       "routed experts -> zeros" if args.breakdown else None,
             mirror="decode: rank r at C*(1-F+2F r/(N-1)) as-is vs every rank given rank r's work" if args.mirror else None,
