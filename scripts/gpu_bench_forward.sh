@@ -14,7 +14,8 @@
 #   dep4 dep8  nvidia-h200-x4 / -x8 (issue 9, NOT RUN YET: those kinds were never lent): the full v41_flash widths
 #              and depth, random weights generated on the GPUs tensor by tensor (--init device), Engram tables in
 #              host memory;
-#              decode B per rank 1-64 at 8K, 32 at 32K / 128K. dep4-prefill / dep8-prefill: 4K-32K new tokens.
+#              decode B per rank 1-64 at 8K, 32 at 32K / 128K, real + Zipf-1.2 routers (dep8: + EPLB on, 32
+#              redundant slots). dep4-prefill / dep8-prefill: 4K-32K new tokens.
 #
 # Results: $OUT/forward_<date>_h200_<stage>.json + .png + <stage>.log. Copy the JSON/PNG into
 # benchmarks/results/ and the headline rows into benchmarks/BENCHMARKS.md. Budget: compile dominates
@@ -45,8 +46,11 @@ case "$STAGE" in
     timeout "$T" python3 -m dsflash.bench eplb --mesh dep=32 --preset v41_flash --redundant 32 --draft-redundant 32 \
       --tokens 5120 --steps 4 --out "$OUT/v41" "$@" ;;
   dep4|dep8)
+    # EPLB on needs a second copy of the routed experts: ~70 GB more per GPU at DEP4 (does not fit), ~35 at DEP8
+    X=(); [ "$STAGE" = dep8 ] && X=(--eplb 32)
     timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=${STAGE#dep}" --engram-tables host --init device \
-      --decode 1,8,32,64@8192 "32@32768,131072" --no-uniform --zipf 1.2 --no-breakdown --reps 5 --warmup 2 "$@" ;;
+      --decode 1,8,32,64@8192 "32@32768,131072" --no-uniform --zipf 1.2 "${X[@]}" --no-breakdown --reps 5 \
+      --warmup 2 "$@" ;;
   dep4-prefill|dep8-prefill)
     N=${STAGE%-prefill}; N=${N#dep}
     timeout "$T" "${B[@]}" --preset v41_flash --mesh "dep=$N" --engram-tables host --init device \

@@ -29,14 +29,15 @@ def test_mesh_uniform_and_lag(tmp_path):
 
 
 def test_mesh_with_engram_tables_in_host_memory(tmp_path):
-    """``--engram-tables host --init device --zipf`` (what the full-size run needs): the tables stay numpy on the
-    host, each step gathers its rows by a host callback under the dep=2 program, the weights are generated on the
-    devices, the logits stay finite, and the skewed-router variant is timed with its balancedness."""
+    """``--engram-tables host --init device --zipf --eplb`` (what the full-size run needs): the tables stay numpy on
+    the host, each step gathers its rows by a host callback under the dep=2 program, the weights are generated on
+    the devices, the logits stay finite, the skewed-router variant is timed with its balancedness, and again with
+    EPLB's physical placement (tables as jit arguments)."""
     _, cfgp = tiny4(tmp_path)
     out = tmp_path / "res"
     rc = bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--decode", "2@32", "--reps", "1", "--warmup",
-                     "1", "--no-breakdown", "--no-uniform", "--zipf", "1.5", "--no-draft", "--engram-tables", "host",
-                     "--init", "device",
+                     "1", "--no-breakdown", "--no-uniform", "--zipf", "1.5", "--eplb", "2", "--no-draft",
+                     "--engram-tables", "host", "--init", "device",
                      "--fast-compile",
                      "--out", str(out), "--no-plot"])
     assert rc == 0
@@ -46,6 +47,11 @@ def test_mesh_with_engram_tables_in_host_memory(tmp_path):
     (pt,) = r["points"]
     assert pt["finite_logits"] and pt["step_ms"]["median"] > 0
     assert pt["zipf_alpha"] == 1.5 and pt["zipf_ms"]["median"] > 0 and 0.5 <= pt["balancedness"]["zipf"] < 1
+    # EPLB on (2 redundant slots, placement from the Zipf step's loads), timed with the same router
+    ep = pt["eplb"]
+    assert ep["redundant"] == 2 and ep["router"] == "zipf" and ep["finite_logits"] and ep["step_ms"]["median"] > 0
+    assert ep["balancedness_before"] == pt["balancedness"]["zipf"]
+    assert ep["balancedness_after_predicted"] > ep["balancedness_before"]
     # per-device bytes: the routed experts (target and DSpark draft) are split over the 2 EP ranks, the host
     # tables are on no device
     from dsflash.bench.forward import load_config
@@ -82,3 +88,11 @@ def test_random_router_skew_follows_the_ranking():
             assert counts.max() / counts.min() < 1.1
         else:
             assert (np.diff(counts) < 0).all() and counts[0] > 3 * counts[-1]
+
+
+def test_eplb_needs_an_expert_parallel_mesh(tmp_path, capsys):
+    _, cfgp = tiny4(tmp_path)
+    assert bench_main(["forward", "--preset", cfgp, "--eplb", "2", "--decode", "1@32", "--no-save"]) == 2
+    assert "--eplb 2: needs a mesh with expert-parallel size > 1" in capsys.readouterr().err
+    assert bench_main(["forward", "--preset", cfgp, "--mesh", "dep=2", "--eplb", "1", "--decode", "1@32",
+                       "--no-save"]) == 2                  # 8 experts + 1 slot do not split over 2 ranks

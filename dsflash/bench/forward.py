@@ -237,17 +237,25 @@ class ForwardBench:
         return batch, state
 
     # ---------------------------------------------------------------- steps
-    def routed_base(self, phase):
+    def routed_base(self, phase, tables=None):
+        """The EP hook of this phase; ``tables`` (traced ``(log2phy [L, E, R], logcnt [L, E])``): EPLB, logical
+        ids mapped to the physical replicas of each layer."""
         if self.mesh is None:
             return None
         from dsflash.sharding.ep_moe import EPSettings, make_routed_fn
         mode = "prefill" if phase == "prefill" else self.args.ep_decode_mode
+        kw = {}
+        if tables is not None:
+            names = [f"layers.{l}" for l in range(self.cfg.num_hidden_layers)]
+            kw = dict(log2phy={n: tables[0][l] for l, n in enumerate(names)},
+                      logcnt={n: tables[1][l] for l, n in enumerate(names)})
         return make_routed_fn(self.mesh, EPSettings(self.args.ep_collective, mode,
-                                                    capacity_factor=self.args.capacity_factor))
+                                                    capacity_factor=self.args.capacity_factor), **kw)
 
     def step_fn(self, variant, phase, lag_iters=0):
         """A pure step ``(params, batch, state) -> (logits, state, loads [L, E])`` for one variant:
-        full | uniform | zipf | no_attn | no_moe | no_both | no_routed | lag."""
+        full | uniform | zipf | eplb | zipf_eplb | no_attn | no_moe | no_both | no_routed | lag (``*eplb``:
+        physical experts + the tables ``eplb.log2phy`` / ``eplb.logcnt`` carried in params, as jit arguments)."""
         import jax
         import jax.numpy as jnp
 
@@ -259,18 +267,19 @@ class ForwardBench:
         cfg = self.cfg
         opts = RunOptions(precision=self.args.precision, backend=self.args.backend, page_size=self.page,
                           logits="last")
-        base = self.routed_base(phase) or moe_gemm.routed_moe
         E = cfg.n_routed_experts
 
         def step(params, batch, state):
             rec = []
             valid = batch.valid.reshape(-1)
+            tables = (params["eplb.log2phy"], params["eplb.logcnt"]) if variant.endswith("eplb") else None
+            base = self.routed_base(phase, tables) or moe_gemm.routed_moe
 
             def hook(x, idx, w, *ws, **kw):
-                if variant in ("uniform", "zipf"):
+                if variant in ("uniform", "zipf", "zipf_eplb"):
                     key = jax.random.fold_in(jax.random.PRNGKey(1234), len(rec))
                     idx = random_router(key, x.shape[0], E, idx.shape[1],
-                                        getattr(self.args, "zipf", 0.0) if variant == "zipf" else 0.0)
+                                        getattr(self.args, "zipf", 0.0) if variant.startswith("zipf") else 0.0)
                 if variant not in ("no_moe", "no_both"):
                     rec.append(jnp.zeros((E,), jnp.int32).at[idx].add(
                         jnp.broadcast_to(valid[:, None], idx.shape).astype(jnp.int32)))
@@ -309,16 +318,18 @@ class ForwardBench:
         finite = bool(np.isfinite(np.asarray(jax.device_get(logits), np.float32)).all())
         return _stats(ts), state, np.asarray(jax.device_get(loads)), finite
 
-    def run_variant(self, variant, phase, batch, state, lag_iters=0):
-        """Compile (or reuse: same variant and input shapes/shardings give the same program) and time."""
+    def run_variant(self, variant, phase, batch, state, lag_iters=0, params=None):
+        """Compile (or reuse: same variant and input shapes/shardings give the same program) and time;
+        ``params``: other weights of the same shapes per variant (the EPLB variants' physical experts)."""
         import jax
+        params = self.params if params is None else params
         key = str((variant, phase, lag_iters, jax.tree.map(lambda a: (a.shape, str(a.dtype), str(a.sharding)),
                                                              (batch, state))))
         hit = key in self._compiled
         if not hit:
-            self._compiled[key] = self.compile(self.step_fn(variant, phase, lag_iters), self.params, batch, state)[0]
+            self._compiled[key] = self.compile(self.step_fn(variant, phase, lag_iters), params, batch, state)[0]
             cs = self._last_compile_s
-        stats, state, loads, finite = self.time_step(self._compiled[key], self.params, batch, state)
+        stats, state, loads, finite = self.time_step(self._compiled[key], params, batch, state)
         stats["compile_s"] = 0.0 if hit else round(cs, 3)
         stats["compiled_program_reused"] = hit
         return stats, state, loads, finite
@@ -504,6 +515,40 @@ class ForwardBench:
                 "state_bytes": int(mem["state"]), "copy_bw_Bps": bw, "roofline_ms": ms,
                 "frac_of_roofline": ms / step_ms}
 
+    def run_eplb(self, phase, batch, state, logical_loads, variant):
+        """EPLB on: DeepSeek's policy on this step's logical loads ``[L, E]`` with ``--eplb R`` redundant slots,
+        the routed experts re-laid out physically (``[E + R, ...]``, same sharding), the step timed again with
+        the same router. Needs room for a second copy of the routed experts on each device."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from dsflash.sharding.eplb import (EXPERT_TENSORS, balancedness, expert_prefix, physical_load,
+                                           rebalance_experts)
+        cfg, R = self.cfg, self.args.eplb
+        L, E = logical_loads.shape
+        if L != cfg.num_hidden_layers:
+            raise ValueError(f"--eplb: recorded {L} MoE layers, the config has {cfg.num_hidden_layers}")
+        phy2log, log2phy, logcnt = rebalance_experts(logical_loads.astype(np.float64), E + R, 1, 1, self.n_ep)
+        params = dict(self.params)
+        for l in range(L):
+            idx = jnp.asarray(phy2log[l], jnp.int32)
+            for t in EXPERT_TENSORS:
+                a = params[expert_prefix(l) + t]
+                take = jax.jit(lambda x, i: jnp.take(x, i, axis=0),
+                               out_shardings=NamedSharding(self.mesh, a.sharding.spec))
+                params[expert_prefix(l) + t] = take(a, idx)
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        params["eplb.log2phy"] = jax.device_put(np.asarray(log2phy, np.int32), rep)
+        params["eplb.logcnt"] = jax.device_put(np.asarray(logcnt, np.int32), rep)
+        st, state, _, finite = self.run_variant(variant, phase, batch, state, params=params)
+        del params
+        return {"redundant": R, "router": variant.replace("_eplb", "") if variant != "eplb" else "real",
+                "step_ms": st, "finite_logits": finite,
+                "balancedness_before": round(balancedness(logical_loads, self.n_ep), 4),
+                "balancedness_after_predicted": round(balancedness(
+                    physical_load(logical_loads, phy2log, logcnt), self.n_ep), 4)}, state
+
     def balancedness(self, loads):
         from dsflash.sharding.eplb import balancedness
         R = self.balance_ranks
@@ -546,6 +591,9 @@ class ForwardBench:
             rec["zipf_ms"] = st
             rec["balancedness"]["zipf"] = self.balancedness(zl)
             rec["zipf_alpha"] = args.zipf
+        if getattr(args, "eplb", None) is not None:
+            rec["eplb"], state = self.run_eplb(phase, batch, state, zl if getattr(args, "zipf", 0.0) else loads,
+                                               "zipf_eplb" if getattr(args, "zipf", 0.0) else "eplb")
         if phase == "decode" and args.draft and self.cfg.n_stages:
             rec["draft_ms"], state = self.run_draft(batch, state)
             rec["spec_step_ms"] = stats["median"] + rec["draft_ms"]["median"]
@@ -728,6 +776,9 @@ def build_parser():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-uniform", dest="uniform", action="store_false", help="skip the uniform-router run")
+    ap.add_argument("--eplb", type=int, default=None, metavar="R",
+                    help="also time each point with EPLB on: R redundant expert slots, placement by DeepSeek's "
+                         "policy from that point's loads (the --zipf router's if given); needs a mesh with EP > 1")
     ap.add_argument("--zipf", type=float, default=0.0,
                     help="also time a skewed random router: expert probabilities ~ 1/rank^A (0 = off)")
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the ablation runs")
@@ -773,6 +824,17 @@ def main(argv=None):
     if not args.zipf >= 0:
         print(f"--zipf must be >= 0 (0 = off), got {args.zipf}", file=sys.stderr)
         return 2
+    if args.eplb is not None:
+        from dsflash.sharding.mesh import parse_spec
+        from dsflash.sharding.rules import expert_axes
+        n_ep = 1
+        if args.mesh:
+            sizes = parse_spec(args.mesh)
+            n_ep = int(np.prod([v for k, v in sizes.items() if k in expert_axes(sizes, "dep")]))
+        if n_ep < 2 or args.eplb < 0 or (cfg.n_routed_experts + args.eplb) % n_ep:
+            print(f"--eplb {args.eplb}: needs a mesh with expert-parallel size > 1 and R >= 0 with "
+                  f"(experts {cfg.n_routed_experts} + R) divisible by it (mesh {args.mesh or 'none'})", file=sys.stderr)
+            return 2
     try:
         pre = parse_points(args.prefill)
         dec = parse_points(args.decode)
