@@ -470,21 +470,11 @@ class ForwardBench:
         return rec
 
     def copy_bandwidth(self) -> float:
-        """Bytes/s of one device reading and writing a large buffer (``a + 1``), measured once per run."""
+        """Bytes/s of one device reading and writing a large buffer, measured once per run."""
         if getattr(self, "_copy_bw", None) is None:
             import jax
-            import jax.numpy as jnp
-            dev = jax.devices()[0]
-            n = (256 if dev.platform == "gpu" else 8) << 20
-            x = jax.device_put(jnp.zeros((n,), jnp.float32), dev)
-            f = jax.jit(lambda a: a + 1)
-            jax.block_until_ready(f(x))
-            ts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x))
-                ts.append(time.perf_counter() - t0)
-            self._copy_bw = 2 * 4 * n / float(np.median(ts))
+            from dsflash.bench.kernels import jax_copy_bandwidth
+            self._copy_bw = jax_copy_bandwidth((1 << 30) if jax.devices()[0].platform == "gpu" else (32 << 20))
         return self._copy_bw
 
     def roofline(self, loads, mem, step_ms) -> dict:

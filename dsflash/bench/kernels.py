@@ -87,6 +87,21 @@ def time_torch(fn):
 
 
 # ------------------------------------------------------------------------------------------ ceilings
+def jax_copy_bandwidth(nbytes: int, reps: int = 5, device=None) -> float:
+    """Bytes/s of one device reading and writing a ``nbytes`` bf16 buffer once (``v * 2``, median of ``reps``)."""
+    import jax
+    import jax.numpy as jnp
+    x = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device or jax.devices()[0])
+    f = jax.jit(lambda v: v * 2)
+    jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ts.append(time.perf_counter() - t0)
+    return 2 * x.nbytes / float(np.median(ts))
+
+
 def measure_ceilings(quick=False):
     res = {}
     try:
@@ -115,18 +130,7 @@ def measure_ceilings(quick=False):
     except Exception as e:  # noqa: BLE001
         res["torch_error"] = repr(e)[:300]
     try:
-        import jax
-        import jax.numpy as jnp
-        x = jnp.ones(((1 if quick else 4) << 29,), jnp.bfloat16)   # 1 or 4 GiB, read + written once
-        f = jax.jit(lambda v: v * 2)
-        jax.block_until_ready(f(x))
-        ts = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t0)
-        res["copy_TBps_jax_elementwise"] = 2 * x.nbytes / float(np.median(ts)) / 1e12
-        del x
+        res["copy_TBps_jax_elementwise"] = jax_copy_bandwidth((1 if quick else 4) << 30, reps=7) / 1e12
     except Exception as e:  # noqa: BLE001
         res["jax_copy_error"] = repr(e)[:300]
     res["copy_TBps"] = max(res.get("copy_TBps_torch", 0), res.get("copy_TBps_jax_elementwise", 0))
