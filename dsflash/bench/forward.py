@@ -685,7 +685,7 @@ def table(result) -> str:
     lines = []
     hdr = (f"{'phase':7} {'B/N':>5} {'C':>7} {'rows':>5} {'step ms':>9} {'p90':>8} {'tok/s':>10} "
            f"{'draft ms':>8} {'unif ms':>8} {'bal real':>8} {'bal unif':>8} {'attn':>7} {'moe':>7} {'routed':>7} {'other':>7}"
-           f" {'%roof':>6}")
+           f" {'%roof':>6} {'zipf ms':>8} {'bal zipf':>8} {'eplb ms':>8} {'bal eplb*':>9}")
     lines.append(hdr)
     for r in result["points"]:
         b = r.get("breakdown_ms") or {}
@@ -697,7 +697,12 @@ def table(result) -> str:
             f"{_fmt((r.get('uniform_ms') or {}).get('median')):>8} {_fmt(bal.get('real')):>8} "
             f"{_fmt(bal.get('uniform')):>8} {_fmt(b.get('attention')):>7} {_fmt(b.get('moe')):>7} "
             f"{_fmt(b.get('routed')):>7} {_fmt(b.get('other')):>7}"
-            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if r.get('roofline') else None, 1):>6}")
+            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if r.get('roofline') else None, 1):>6}"
+            f" {_fmt((r.get('zipf_ms') or {}).get('median')):>8} {_fmt(bal.get('zipf')):>8}"
+            f" {_fmt(((r.get('eplb') or {}).get('step_ms') or {}).get('median')):>8}"
+            f" {_fmt((r.get('eplb') or {}).get('balancedness_after_predicted')):>9}")
+    if any(r.get("eplb") for r in result["points"]):
+        lines.append("bal eplb* = balancedness predicted by the EPLB policy for the new placement")
     return "\n".join(lines)
 
 
