@@ -77,17 +77,17 @@ def test_init_params_placed_streams_the_same_values_onto_their_shardings():
 
 
 def test_init_params_on_device_has_the_formats_and_placement_of_init_params():
-    """``init_params_on_device`` (bench forward ``--init device``, for the full-size model): same names, shapes,
+    """``init_params_placed(on_device=True)`` (bench forward ``--init device``, full-size model): same names, shapes,
     dtypes, scales and shardings as ``init_params_placed``; other random values, every E4M3 code finite; the host
     tables repeat one random block."""
     import ml_dtypes
 
-    from dsflash.model.params import init_params_on_device, init_params_placed
+    from dsflash.model.params import init_params_placed
     cfg = preset("tiny")
     sh = param_shardings(cfg, make_mesh("dep=8"), get_strategy("dep", draft_expert_parallel=False),
                          include_host=False)
     ref, ref_tables = init_params_placed(cfg, seed=1, shardings=sh, host_tables=True)
-    dev, tables = init_params_on_device(cfg, seed=1, shardings=sh, host_tables=True)
+    dev, tables = init_params_placed(cfg, seed=1, shardings=sh, host_tables=True, on_device=True)
     assert dev.keys() == ref.keys()
     for k, v in dev.items():
         r = ref[k]

@@ -162,7 +162,7 @@ class ForwardBench:
     def __init__(self, args):
         import jax
 
-        from dsflash.model.params import init_params_on_device, init_params_placed
+        from dsflash.model.params import init_params_placed
         from dsflash.sharding import rules
         from dsflash.sharding.mesh import mesh_sizes, parse_spec
 
@@ -189,9 +189,9 @@ class ForwardBench:
             self.n_ep = int(np.prod([mesh_sizes(self.mesh)[a] for a in rules.expert_axes(self.mesh, self.strategy)]))
             shardings = rules.param_shardings(cfg, self.mesh, self.strategy, include_host=not host)
         # drawn and placed tensor by tensor: at real size the host never holds the whole model
-        init = init_params_on_device if getattr(args, "init", "numpy") == "device" else init_params_placed
-        self.params, tables = init(cfg, args.seed, shardings, device=jax.devices()[0], host_tables=host,
-                                   progress=cfg.num_hidden_layers > 8)
+        self.params, tables = init_params_placed(cfg, args.seed, shardings, device=jax.devices()[0], host_tables=host,
+                                                 progress=cfg.num_hidden_layers > 8,
+                                                 on_device=getattr(args, "init", "numpy") == "device")
         if host:
             from dsflash.model.engram import register_host_tables
             register_host_tables(cfg, tables)
@@ -482,16 +482,17 @@ class ForwardBench:
         weights of the experts its rank's tokens touched (from this step's loads) + its whole state (the dummy
         KV / index / ring bytes of these contexts: an upper bound of what attention reads, so the ratio errs
         high), over the copy bandwidth measured in this run."""
-        per = {}
-        for k, a in self.params.items():
-            if k.startswith("mtp."):
-                continue                                  # the draft is not part of the target step
-            kind = "experts" if ".ffn.experts." in k else "dense"
-            for sh in a.addressable_shards:
-                d = per.setdefault(sh.device.id, {"experts": 0, "dense": 0})
-                d[kind] += sh.data.nbytes
-        dense = max(v["dense"] for v in per.values())
-        experts = max(v["experts"] for v in per.values())
+        if getattr(self, "_weight_bytes", None) is None:     # the placed weights do not change: count once
+            per = {}
+            for k, a in self.params.items():
+                if k.startswith("mtp."):
+                    continue                              # the draft is not part of the target step
+                kind = "experts" if ".ffn.experts." in k else "dense"
+                for sh in a.addressable_shards:
+                    d = per.setdefault(sh.device.id, {"experts": 0, "dense": 0})
+                    d[kind] += sh.data.nbytes
+            self._weight_bytes = (max(v["dense"] for v in per.values()), max(v["experts"] for v in per.values()))
+        dense, experts = self._weight_bytes
         touched = 1.0
         if loads.size:
             L, E = loads.shape
@@ -510,24 +511,15 @@ class ForwardBench:
         the routed experts re-laid out physically (``[E + R, ...]``, same sharding), the step timed again with
         the same router. Needs room for a second copy of the routed experts on each device."""
         import jax
-        import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
 
-        from dsflash.sharding.eplb import (EXPERT_TENSORS, balancedness, expert_prefix, physical_load,
-                                           rebalance_experts)
+        from dsflash.sharding.eplb import balancedness, expand_to_physical, physical_load, rebalance_experts
         cfg, R = self.cfg, self.args.eplb
         L, E = logical_loads.shape
         if L != cfg.num_hidden_layers:
             raise ValueError(f"--eplb: recorded {L} MoE layers, the config has {cfg.num_hidden_layers}")
         phy2log, log2phy, logcnt = rebalance_experts(logical_loads.astype(np.float64), E + R, 1, 1, self.n_ep)
-        params = dict(self.params)
-        for l in range(L):
-            idx = jnp.asarray(phy2log[l], jnp.int32)
-            for t in EXPERT_TENSORS:
-                a = params[expert_prefix(l) + t]
-                take = jax.jit(lambda x, i: jnp.take(x, i, axis=0),
-                               out_shardings=NamedSharding(self.mesh, a.sharding.spec))
-                params[expert_prefix(l) + t] = take(a, idx)
+        params = expand_to_physical(self.params, phy2log, L)       # each expert array keeps its EP sharding
         rep = NamedSharding(self.mesh, PartitionSpec())
         params["eplb.log2phy"] = jax.device_put(np.asarray(log2phy, np.int32), rep)
         params["eplb.logcnt"] = jax.device_put(np.asarray(logcnt, np.int32), rep)

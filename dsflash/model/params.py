@@ -213,60 +213,40 @@ def init_params(cfg: ModelConfig, seed: int = 0, include_host: bool = True,
 
 
 def init_params_placed(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None, device=None,
-                       host_tables: bool = False, progress: bool = False) -> tuple[dict, dict]:
+                       host_tables: bool = False, progress: bool = False, on_device: bool = False) -> tuple[dict, dict]:
     """:func:`init_params`'s values, each tensor placed (``shardings[name]``, else ``device``, else the default
     device) before the next one is drawn: the host holds one tensor at a time (the real model's largest, one
     layer's routed experts, is ~6.5 GB) instead of the whole ~300 GB.
 
     ``host_tables``: the Engram tables (``host=True`` specs) stay numpy in host memory and come back separately,
-    ready for :func:`dsflash.model.engram.register_host_tables`. -> ``(params, {layer: (weight, scale)})``."""
+    ready for :func:`dsflash.model.engram.register_host_tables`. -> ``(params, {layer: (weight, scale)})``.
+    ``on_device`` (benchmarks at real size, where drawing ~300 GB with numpy takes minutes): each device tensor is
+    generated in place by ``jax.random`` instead -- same kinds, formats, scales and placement, other values -- and
+    host tables repeat one random block of 64K rows (the gathers still touch distinct addresses)."""
+    from dsflash.checkpoint.loader import _progress_bar
     specs = [s for s in param_specs(cfg) if s.fmt != "scale"]
-    bar = _progress(len(specs), "init params") if progress else None
-    params, tables = {}, {}
-    for s in specs:
-        drawn = _draw(s, seed)
-        if s.host and host_tables:
-            layer = int(s.name.split(".")[1])
-            tables[layer] = (drawn[s.name], drawn[s.name[: -len(".weight")] + ".scale"])
-        else:
-            for k, v in drawn.items():
-                target = shardings.get(k) if shardings else None
-                params[k] = jax.device_put(v, target if target is not None else device)
-            jax.block_until_ready([params[k] for k in drawn])      # before the host copy is dropped
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    return params, tables
-
-
-def init_params_on_device(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None, device=None,
-                          host_tables: bool = False, progress: bool = False) -> tuple[dict, dict]:
-    """Like :func:`init_params_placed` (same kinds, formats, scales and placement), but every device tensor is
-    generated in place by ``jax.random`` -- its values differ from :func:`init_params`'s. For benchmarks at real
-    size: drawing the ~300 GB of device weights with numpy would take minutes per run. Host Engram tables
-    (``host_tables``) repeat one random block of 64K rows (period 64K: the gathers still touch distinct
-    addresses), so ~100 GB tables are filled at copy speed."""
-    specs = [s for s in param_specs(cfg) if s.fmt != "scale"]
-    bar = _progress(len(specs), "init params (device)") if progress else None
-    params, tables = {}, {}
+    bar = _progress_bar(total=len(specs), desc="init params", disable=not progress, dynamic_ncols=True)
     key = jax.random.PRNGKey(seed)
+
+    def place(k):
+        target = shardings.get(k) if shardings else None
+        return target if target is not None else (device or jax.devices()[0])
+
+    params, tables = {}, {}
     for i, s in enumerate(specs):
         if s.host and host_tables:
-            layer = int(s.name.split(".")[1])
-            tables[layer] = _tiled_host_table(s, seed)
-        else:
-            def place(k):
-                target = shardings.get(k) if shardings else None
-                return target if target is not None else (device or jax.devices()[0])
+            drawn = _tiled_host_table(s, seed) if on_device else _draw(s, seed)
+            tables[int(s.name.split(".")[1])] = (drawn[s.name], drawn[s.name[: -len(".weight")] + ".scale"])
+        elif on_device:
             params[s.name] = _device_tensor(s.init, s.shape, np.dtype(s.dtype).name, _std(s),
                                             place(s.name))(jax.random.fold_in(key, i))
-            for k, v in _scale(s).items():
-                params[k] = jax.device_put(v, place(k))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+            params.update({k: jax.device_put(v, place(k)) for k, v in _scale(s).items()})
+        else:
+            drawn = _draw(s, seed)
+            params.update({k: jax.device_put(v, place(k)) for k, v in drawn.items()})
+            jax.block_until_ready([params[k] for k in drawn])      # before the host copy is dropped
+        bar.update(1)
+    bar.close()
     jax.block_until_ready(params)
     return params, tables
 
@@ -296,23 +276,15 @@ def _device_tensor(init: str, shape: tuple, dtype: str, std: float, target):
     return jax.jit(gen, out_shardings=sharding)
 
 
-def _tiled_host_table(s: ParamSpec, seed: int, period: int = 1 << 16):
+def _tiled_host_table(s: ParamSpec, seed: int, period: int = 1 << 16) -> dict:
+    """:func:`_draw`'s dict for a big table, its rows repeating one random block of ``period`` rows."""
     rows = s.shape[0]
     block = _draw(ParamSpec(s.name, (min(rows, period), *s.shape[1:]), s.dtype, s.axes, s.init, s.fmt), seed)[s.name]
     w = np.empty(s.shape, block.dtype)
     for r0 in range(0, rows, period):
         n = min(period, rows - r0)
         w[r0:r0 + n] = block[:n]
-    (sc,) = _scale(s).values()
-    return w, sc
-
-
-def _progress(total: int, desc: str):
-    try:
-        from tqdm.auto import tqdm
-        return tqdm(total=total, desc=desc, dynamic_ncols=True)
-    except ImportError:  # pragma: no cover
-        return None
+    return {s.name: w, **_scale(s)}
 
 
 def _draw(s: ParamSpec, seed: int) -> dict:

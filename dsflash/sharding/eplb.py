@@ -32,6 +32,7 @@ same global array.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -338,14 +339,24 @@ def _take0(a, src):
 
 
 def expand_to_physical(params: dict, phy2log, num_layers: int, draft: bool = False) -> dict:
-    """Logical stacked experts ``[E, ...]`` -> physical ``[P, ...]`` following ``phy2log [L, P]``."""
+    """Logical stacked experts ``[E, ...]`` -> physical ``[P, ...]`` following ``phy2log [L, P]``; an array placed
+    on a mesh keeps its sharding (the EP split of the expert dim)."""
     out = dict(params)
     for l in range(num_layers):
         pre = expert_prefix(l, draft)
         idx = jnp.asarray(np.asarray(phy2log)[l], jnp.int32)
         for t in EXPERT_TENSORS:
-            out[pre + t] = jnp.take(params[pre + t], idx, axis=0)
+            a = params[pre + t]
+            sh = getattr(a, "sharding", None)
+            out[pre + t] = (_take_rows(sh)(a, idx) if isinstance(sh, jax.sharding.NamedSharding)
+                            else jnp.take(a, idx, axis=0))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _take_rows(sharding):
+    """``take(a, idx, axis=0)`` with its output placed like ``a`` (one function per sharding: compiles per shape)."""
+    return jax.jit(lambda a, idx: jnp.take(a, idx, axis=0), out_shardings=sharding)
 
 
 # ================================================================================ state

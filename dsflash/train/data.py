@@ -199,6 +199,19 @@ def batches(rows: np.ndarray, batch_size: int, seed: int, shuffle: bool = True, 
     return ds.batch(batch_size, drop_remainder=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def copy_tokenizer(src_folder: str, dst_folder: str) -> None:
+    """Copy a trained tokenizer's files (a folder onto itself is a no-op)."""
+    for f in TOKENIZER_FILES:
+        src, dst = os.path.join(src_folder, f), os.path.join(dst_folder, f)
+        if not os.path.exists(src):
+            raise ValueError(f"tokenizer: {src} does not exist")
+        if os.path.abspath(src) != os.path.abspath(dst):
+            shutil.copyfile(src, dst)
+
+
 class Corpus:
     """Everything the trainer needs from the data side: tokenizer, packed train/held-out rows, info."""
 
@@ -215,11 +228,7 @@ class Corpus:
         if tokenizer_from is None:
             train_tokenizer(folder, train, vocab_size, image_token_id)
         else:
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                src = os.path.join(tokenizer_from, f)
-                if not os.path.exists(src):
-                    raise ValueError(f"tokenizer_from: {src} does not exist")
-                shutil.copyfile(src, os.path.join(folder, f))
+            copy_tokenizer(tokenizer_from, folder)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.folder = folder
         self.train_stream = encode_documents(self.tokenizer, train)

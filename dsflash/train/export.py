@@ -14,6 +14,7 @@ import numpy as np
 from dsflash.config import ModelConfig
 from dsflash.model import quant
 from dsflash.model.params import DERIVED, param_specs
+from dsflash.train.data import copy_tokenizer
 
 
 def quantize_params(cfg: ModelConfig, fparams: dict, skip=()) -> dict:
@@ -53,11 +54,7 @@ def export_checkpoint(folder: str, cfg: ModelConfig, fparams: dict, tokenizer_fo
     stored.update({k: np.asarray(v) for k, v in keep.items()})
     write_synthetic_checkpoint(folder, cfg, params=stored, tokenizer=False, include_vision=False,
                                max_shard_bytes=8 << 20)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        src = os.path.join(tokenizer_folder, f)
-        if os.path.abspath(src) != os.path.abspath(os.path.join(folder, f)):
-            with open(src, "rb") as a, open(os.path.join(folder, f), "wb") as b:
-                b.write(a.read())
+    copy_tokenizer(tokenizer_folder, folder)
     if extra_meta is not None:
         with open(os.path.join(folder, "training.json"), "w") as f:
             json.dump(extra_meta, f, indent=2)

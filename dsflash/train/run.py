@@ -76,7 +76,7 @@ def _over_budget(t_start: float, limit_s: float) -> bool:
 
 
 def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
-    """A trained checkpoint's target as served: config, stored params, and the training record."""
+    """A trained checkpoint as served (``model``: the loaded checkpoint) and its training record (``meta``)."""
     import dsflash
     path = os.path.join(folder, "training.json")
     if not os.path.exists(path):
@@ -88,8 +88,7 @@ def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
     if m.cfg.vocab_size != vocab_size or meta["seq_len"] != seq_len:
         raise ValueError(f"target_from: {folder} has vocab_size {m.cfg.vocab_size} / seq_len {meta['seq_len']}, "
                          f"asked for {vocab_size} / {seq_len}")
-    served = {k: v for k, v in m.params.items() if not k.startswith("mtp.")}
-    return {"cfg": m.cfg, "params": m.params, "served": served, "meta": meta, "model": m}
+    return {"model": m, "meta": meta}
 
 
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
@@ -135,7 +134,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
                          f"{source['meta']['corpus'].get('python')}); its held-out rows would not match")
     from dsflash.engram_map import build_compressed_token_map
     tmap, n_comp = build_compressed_token_map(corpus.tokenizer)
-    cfg = CONFIGS[config](vocab_size, n_comp) if source is None else source["cfg"]
+    cfg = CONFIGS[config](vocab_size, n_comp) if source is None else source["model"].cfg
     if draft_overrides:
         cfg = cfg.replace(**draft_overrides)
     held = corpus.held_rows[: eval_batches * batch_size]
@@ -152,8 +151,10 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     served, served_precision = None, None
     if source is not None:
         # the served target: stored tensors for the taps, their dequantised floats for the shared embed/head
-        served, served_precision = source["served"], "reference"
-        tgt, loaded_drf, const = loop.split_params(float_params(source["cfg"], source["params"]))
+        m = source["model"]
+        served = {k: v for k, v in m.params.items() if not k.startswith("mtp.")}
+        served_precision = "reference"
+        tgt, loaded_drf, const = loop.split_params(float_params(m.cfg, m.params))
         if draft_init == "checkpoint":
             drf = loaded_drf
         steps = 0
@@ -213,17 +214,18 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         # the target's own greedy continuations of data prefixes: what acceptance is measured against
         lo = (seq_len // 2 if greedy_start is None else greedy_start) - 1
         pick = np.random.default_rng(seed + 2).permutation(len(corpus.train_rows))[:greedy_rows]
-        bar = _bar(len(pick) // batch_size + len(held) // batch_size, "greedy chains", quiet)
+        rows, gb = corpus.train_rows[pick], greedy_batch or batch_size
+        if source is None:      # the float target, the whole row recomputed per token (one tick per batch)
+            def pool(r, b, tick):
+                return loop.greedy_pool(frozen, cfg, r, lo + 1, b, precision, tick)
+            ticks = len(rows) // gb + len(held) // batch_size
+        else:                   # the served target's chains, decoded by the engine itself (a tick per 1,024 rows)
+            def pool(r, b, tick):
+                return loop.greedy_pool_served(source["model"], r, lo + 1, gb, progress=tick)
+            ticks = -(-len(rows) // 1024) + -(-len(held) // 1024)
+        bar = _bar(ticks, "greedy chains", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
-        gb = greedy_batch or batch_size
-        if source is None:
-            draft_rows = loop.greedy_pool(frozen, cfg, corpus.train_rows[pick], lo + 1, gb, precision, tick)
-            draft_held = loop.greedy_pool(frozen, cfg, held, lo + 1, batch_size, precision, tick)
-        else:   # the served target's chains, decoded by the engine itself
-            if bar is not None:
-                bar.total = -(-len(pick) // 1024) + -(-len(held) // 1024)
-            draft_rows = loop.greedy_pool_served(source["model"], corpus.train_rows[pick], lo + 1, gb, progress=tick)
-            draft_held = loop.greedy_pool_served(source["model"], held, lo + 1, gb, progress=tick)
+        draft_rows, draft_held = pool(rows, gb, tick), pool(held, batch_size, tick)
         if bar is not None:
             bar.close()
     elif draft_data != "data":
@@ -289,7 +291,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
                     target_from=source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from))),
                     draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
                     greedy_rows=greedy_rows, anchors=anchors, distill=distill)
-        keep = {k: v for k, v in source["params"].items() if not k.startswith("mtp.")}
+        keep = served
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
     np.save(os.path.join(ck, "heldout_rows.npy"), held.astype(np.int16))   # what the recorded perplexity used
     import dsflash

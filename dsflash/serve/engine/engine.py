@@ -158,8 +158,10 @@ class LLMEngine(SchedulerMixin):
     @staticmethod
     def _make_backend(model, precision, opts):
         from dsflash.serve.engine.backend import ModelBackend, load_model
-        if all(hasattr(model, a) for a in ("propose", "init_state", "forward", "vocab_size")):
-            return model            # already an engine backend (a loaded dsflash Model has no vocab_size)
+        from dsflash.model.api import Model
+        if not isinstance(model, (str, Model)) and all(hasattr(model, a) for a in ("propose", "init_state",
+                                                                                    "forward")):
+            return model                                          # already an engine backend
         bounded = opts.pop("bounded_replay", None)
         kernel_backend = opts.pop("backend", "xla")
         load_opts = dict(opts.pop("load_options", {}) or {})
