@@ -2,7 +2,7 @@
 
 Why: repeated Triton-interpreter launches within one process were seen (2026-11-30) to return garbage now and then
 (wholly wrong but repeatable outputs, stores never landing, once "free(): invalid pointer"), also with the old
-kernels; cause not found. Same approach as ``triton_interpret_moe._run_isolated``: each check runs as
+kernels; cause not found. Used by every triton_interpret_* script: each check runs as
 ``python <script> --check <name>`` in a new process; a failed check is run once more in another new process and
 the retry is printed loudly. A real bug must not hide behind the retry, so the run still fails if a re-run fails,
 or if more than one check needed a re-run. Deliberately light (no jax / triton import): the parent only dispatches.
