@@ -185,7 +185,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", **({"held": f"{r['heldout_loss']:.3f}"}
-                                                         if "heldout_loss" in r else {}))
+                                                         if "heldout_loss" in r else {}), refresh=False)
         if out_of_time:
             print(f"target: time budget {max_target_seconds:.0f} s reached after {step} of {steps} steps "
                   "(learning rate not annealed to its end value)", flush=True)
@@ -253,6 +253,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
                                                  served, served_precision)
         r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
              "t": round(time.time() - t0, 1)}
+        if step == 1:
+            t_stage = time.time()       # the budget counts training, not the first step's compile
         out_of_time = _over_budget(t_stage, max_draft_seconds)
         if step % eval_every == 0 or step == draft_steps or out_of_time:
             ce, hits = draft_eval(drf)
@@ -261,7 +263,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         done_draft = step
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", hit=f"{float(aux['hit']):.2f}")
+            bar.set_postfix(loss=f"{float(loss):.3f}", hit=f"{float(aux['hit']):.2f}", refresh=False)
         if out_of_time:
             print(f"dspark: time budget {max_draft_seconds:.0f} s reached after {step} of {draft_steps} steps",
                   flush=True)
@@ -336,7 +338,7 @@ def main(argv=None):
     ap.add_argument("--greedy-rows", type=int, default=2048, help="rows of greedy continuations for DSpark")
     ap.add_argument("--greedy-start", type=int, default=None, help="prefix length kept (default seq_len // 2)")
     ap.add_argument("--max-target-seconds", type=float, default=0.0, help="stop the target stage after this")
-    ap.add_argument("--max-draft-seconds", type=float, default=0.0, help="stop the DSpark stage after this")
+    ap.add_argument("--max-draft-seconds", type=float, default=0.0, help="stop the DSpark stage after this many seconds of training (its compile not counted)")
     ap.add_argument("--no-keep-best", action="store_true",
                     help="export the last target step, not the one with the lowest held-out loss")
     ap.add_argument("--target-from", default=None,
