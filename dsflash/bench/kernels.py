@@ -264,7 +264,8 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
                 log(traceback.format_exc()[-2000:])
             if T in [int(v) for v in args.bf16_tokens.split(",") if v]:
                 try:
-                    row["triton_bf16_variant_s"], _ = time_jax_loop(tri(bcfg, "bf16"), varying, fixed, reps=3)
+                    fcfg = bcfg if (bcfg.kind, bcfg.mma) != ("sk", "fp8") else moe_plan.pick_config(S, E, False)
+                    row["triton_bf16_variant_s"], _ = time_jax_loop(tri(fcfg, "bf16"), varying, fixed, reps=3)
                 except Exception as e:  # noqa: BLE001
                     row["triton_bf16_variant_error"] = repr(e)[:300]
         ref_op = lambda x, i, w, *f: moe_gemm.routed_moe_reference(x, i, w, *f, limit=limit)  # noqa: E731

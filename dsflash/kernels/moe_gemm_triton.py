@@ -33,8 +33,8 @@ How it works
   bf16 rounding of each expert's output). ``mma="bf16"`` loads BK-wide weight slabs (16-byte vectors), prefetches
   the next slab into registers and decodes to bf16 with the scales applied (exact) for one bf16 MMA per slab;
   ``mma="fp8"`` is the per-32 FP8-MMA loop above, split.
-Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert (defaults from the
-2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
+Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert and activation format (defaults
+from the 2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -873,7 +873,7 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     k = idx.shape[1]
     E, I, _ = w1.shape
     S = T * k
-    cfg = config or pick_config(S, E)
+    cfg = config or pick_config(S, E, act_fp8)
     _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg)
     p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
     w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)

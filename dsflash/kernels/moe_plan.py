@@ -44,11 +44,13 @@ DS_PREFILL_RT = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warp
 DS_PREFILL_BN128 = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3)
 # Defaults (2026-11-30, H200 run 4, whole op in ms): prefill ds_prefill_rt (bf16 carriers of the FP8 round trips,
 # passes tests/gpu) 9.45 / 31.98 at 4K / 16K tokens vs 15.04 / 49.26 for ds_prefill_bn128, the previous default.
-# Decode: ds_decode_rt vs fp8mma_decode measured 0.311 vs 0.354 at 1 token (6 slots), 1.328 vs 1.197 at 16 (96),
-# 2.458 vs 2.483 at 256 (1536; a tie within noise): ds_decode_rt below one slot per expert and from 8 per expert
-# (the earlier run 1 had fp8mma ahead of dot_scaled at 64 tokens = 4 per expert), fp8mma_decode in between.
-DECODE_CONFIG = DS_DECODE_RT          # the config of the smallest sizes (rows < experts)
-DECODE_MID_CONFIG = FP8MMA_DECODE     # experts <= rows < 8 * experts
+# Decode (run 6, after the sort-free routing prep): sk_fp8 (the fp8mma loop with split K) is fastest at every
+# measured size, 0.170 / 0.432 / 1.021 / 1.498 / 2.263 ms at 1 / 4 / 16 / 64 / 256 tokens, against 0.188 / 0.439 /
+# 1.068 / 1.581 / 2.328 for fp8mma_decode and 0.188 / 0.457 / 1.126 / 1.621 / 2.316 for ds_decode_rt. It needs FP8
+# activations; with bf16 activations (precision "bf16") decode keeps fp8mma_decode, timed in run 4.
+SK_FP8 = MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, stages=4)
+DECODE_CONFIG = SK_FP8                # decode (rows <= 32 * experts), FP8 activations
+DECODE_BF16_CONFIG = FP8MMA_DECODE    # decode, bf16 activations
 PREFILL_CONFIG = DS_PREFILL_RT
 NAMED_CONFIGS = {
     "fp8mma_decode": FP8MMA_DECODE,
@@ -62,14 +64,14 @@ NAMED_CONFIGS = {
     "ds_prefill_bn128": DS_PREFILL_BN128,
     "ds_decode_rt": DS_DECODE_RT,
     "ds_prefill_rt": DS_PREFILL_RT,
-    # split-K decode variants (2026-11-30, not yet run on a GPU; NOTES.md "MoE grouped GEMM" has the predictions)
+    # split-K decode variants (2026-11-30; H200 run 6: all pass tests/gpu, sk_fp8 the fastest; NOTES.md)
     "sk_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3),
     "sk_bf16_bk256": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3),
     "sk_bf16_w8": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
                             warps_down=8, stages=3),
     "slab_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3, KS_UP=1,
                            KS_DOWN=1),
-    "sk_fp8": MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, stages=4),
+    "sk_fp8": SK_FP8,
     "sk_gemv": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
     "sk_gemv_bk256": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=32, BN_DOWN=32, BK=256, stages=3),
 }
@@ -104,13 +106,12 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
             split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))
 
 
-def pick_config(rows: int, experts: int) -> MoeConfig:
-    """Default config for ``rows`` token slots (T * k) over ``experts`` local experts (bands: comment above)."""
+def pick_config(rows: int, experts: int, act_fp8: bool = True) -> MoeConfig:
+    """Default config for ``rows`` token slots (T * k) over ``experts`` local experts; ``act_fp8``: FP8
+    activations (precision "reference") or bf16 ones (the measurements: comment above)."""
     if rows > 32 * experts:
         return PREFILL_CONFIG
-    if experts <= rows < 8 * experts:
-        return DECODE_MID_CONFIG
-    return DECODE_CONFIG
+    return DECODE_CONFIG if act_fp8 else DECODE_BF16_CONFIG
 
 
 ONEHOT_MAX_SLOTS = 2048   # tile_schedule's sort-free path up to this many slots (decode); argsort above
