@@ -165,10 +165,12 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     def heldout(p):
         return math.log(loop.perplexity(p, cfg, held, batch_size, precision))
 
-    init_loss = heldout({**tgt, **const})
-    record({"stage": "target", "step": 0, "heldout_loss": init_loss})
+    init_loss = None                    # target_from: no target stage (its perplexity is float_heldout_ppl)
+    if source is None:
+        init_loss = heldout({**tgt, **const})
+        record({"stage": "target", "step": 0, "heldout_loss": init_loss})
     best_loss, best_step, best_w = init_loss, 0, None      # best_w: host copy of the best weights
-    bar = _bar(steps, "target", quiet)
+    bar = _bar(steps, "target", quiet) if steps else None
     t_stage = time.time()
     done_steps = 0
     for step in range(1, steps + 1):
@@ -303,7 +305,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck))
     metrics = dict(meta, config_hash=cfg.hash(), engram_compressed_vocab_size=n_comp,
                    heldout_tokens_evaluated=int(held.size - len(held)),
-                   init_heldout_ppl=math.exp(init_loss), float_heldout_ppl=float_ppl,
+                   **({} if init_loss is None else {"init_heldout_ppl": math.exp(init_loss)}),
+                   float_heldout_ppl=float_ppl,
                    loaded_heldout_ppl=loaded_ppl, uniform_ppl=vocab_size,
                    loaded_draft_teacher_forced_hit_per_pos=[float(h) for h in hits],
                    checkpoint_bytes=size, seconds=round(time.time() - t0, 1))
