@@ -54,7 +54,8 @@ def test_greedy_speculative_equals_plain_fp32(prompts):
             acc = llm.engine.metrics_snapshot()["spec_mean_acceptance_length"]
     assert outs[True] == outs[False]
     assert all(len(t) == 24 for t in outs[True])
-    # measured 1.49 (16 prompts x 48 tokens, fp32); random drafts are accepted at ~1/4096 per position
+    # the previous draft measured 1.49 (16 prompts x 48 tokens, fp32), draft A 1.51 (reference precision); random
+    # drafts are accepted at ~1/4096 per position
     assert acc > 1.2, acc
 
 
