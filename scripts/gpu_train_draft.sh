@@ -16,7 +16,10 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 COMMON="--target-from dsflash/assets/demo --batch-size 64 --eval-every 200 --anchors 16 --greedy-rows ${GREEDY_ROWS:-4096}
-        --greedy-batch 256 --draft-steps ${DRAFT_STEPS:-6000} --max-draft-seconds ${DRAFT_SECONDS:-150}"
+        --greedy-batch 256 --draft-steps ${DRAFT_STEPS:-6000} --max-draft-seconds ${DRAFT_SECONDS:-150}
+        --greedy-doc-starts 0.5 --greedy-start 40"
+# half the greedy chains start at a document's first token, from token 40 (spec_eval's prompts: a held-out document's
+# first 160 characters, ~40 tokens; docs/training.md)
 variant() {   # name, extra args
   local name=$1; shift
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout "${TRAIN_TIMEOUT:-420}" python3 -m dsflash.train --out /tmp/draft_$name \

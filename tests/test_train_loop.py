@@ -157,3 +157,93 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
         run.train(str(tmp_path / "bad"), draft_init="checkpoint", docs=docs, **kw)
     with pytest.raises(ValueError, match="dspark_"):
         run.train(str(tmp_path / "bad"), target_from=ck, draft_overrides={"hidden_size": 8}, docs=docs, **kw)
+
+
+def test_greedy_doc_starts_pool_rows_begin_at_document_starts(pipeline, tmp_path, monkeypatch):
+    """``train(doc_start_fraction=f)``: that fraction of each greedy pool (training and held-out) is the first tokens
+    of a document of that split (as the tokenizer encodes it, no BOS: what a prompt cut from a document's start is),
+    the rest mid-stream rows as before; before ``start`` the rows are that data, from ``start`` on the engine's
+    greedy chain; the fraction is recorded in the checkpoint; a fraction outside [0, 1] fails before any work."""
+    import json
+
+    import dsflash
+    from dsflash.tokenizer import Tokenizer
+    from dsflash.train import run
+
+    docs = data.corpus_documents()[:120]
+    src_dir, _ = pipeline
+    ck = str(src_dir / "checkpoint")
+    calls = []
+    real = loop.greedy_pool_served
+
+    def spy(model, rows, start, *a, **k):           # what train() hands the engine, and what comes back
+        out = real(model, rows, start, *a, **k)
+        calls.append((np.array(rows), start, out))
+        return out
+
+    monkeypatch.setattr(loop, "greedy_pool_served", spy)
+    frac = 0.5
+    m = run.train(str(tmp_path / "doc"), target_from=ck, draft_steps=1, docs=docs, greedy_batch=8,
+                  doc_start_fraction=frac, **PIPELINE)
+    assert len(calls) == 2                           # the training pool, then the held-out pool
+
+    tok = Tokenizer.from_folder(ck)
+    train_docs, held_docs = data.split_documents(docs)
+    seq_len, start = PIPELINE["seq_len"], PIPELINE["seq_len"] // 2
+    held = np.load(tmp_path / "doc" / "checkpoint" / "heldout_rows.npy").astype(np.int32)
+    mid_stream = {"train": {tuple(r) for r in data.pack(data.encode_documents(tok, train_docs), seq_len)},
+                  "held": {tuple(r) for r in held}}
+    a = dsflash.load(ck, progress=False)
+    served = {k: v for k, v in a.params.items() if not k.startswith("mtp.")}
+    n_docs = {}
+    for (rows, s, out), split, split_docs, n in zip(calls, ("train", "held"), (train_docs, held_docs),
+                                                    (PIPELINE["greedy_rows"], len(held))):
+        assert s == start and rows.shape == (n, seq_len)
+        firsts = {tuple(ids[:start]): ids for ids in tok.encode_batch(split_docs) if len(ids) >= start}
+        assert len(firsts) >= round(frac * n) > 0, "the test needs enough long documents"
+        is_doc = np.array([tuple(r[:start]) in firsts for r in rows])
+        n_docs[split] = int(is_doc.sum())
+        assert n_docs[split] == round(frac * n), (split, is_doc)
+        for r in rows[is_doc]:                       # a document's own first tokens, as far as the row reaches
+            ids = firsts[tuple(r[:start])]
+            k = min(len(ids), seq_len)
+            assert list(r[:k]) == list(ids[:k])
+        assert len({tuple(r[:start]) for r in rows[is_doc]}) == is_doc.sum()    # distinct documents
+        assert all(tuple(r) in mid_stream[split] for r in rows[~is_doc]), split
+        # before start: the data; from start on: the served target's greedy chain (full recompute at reference)
+        assert (out[:, :start] == rows[:, :start]).all()
+        assert not (out[is_doc, start:] == rows[is_doc, start:]).all()
+        lg = np.concatenate([np.asarray(loop._target_forward(served, a.cfg, jnp.asarray(out[i:i + 4]), "reference")
+                                        ["logits"]) for i in range(0, len(out), 4)])    # the shape compiled above
+        assert (out[:, start:] == lg[:, start - 1:-1].argmax(-1)).mean() >= 0.95
+    meta = json.load(open(tmp_path / "doc" / "checkpoint" / "training.json"))
+    assert meta["greedy_doc_starts"] == frac and meta["greedy_rows"] == PIPELINE["greedy_rows"]
+    assert meta["greedy_doc_start_rows"] == n_docs["train"] and meta["greedy_doc_start_held_rows"] == n_docs["held"]
+    assert m["greedy_doc_starts"] == frac
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="doc_start_fraction"):
+            run.train(str(tmp_path / "bad"), target_from=ck, docs=docs, doc_start_fraction=bad, **PIPELINE)
+    with pytest.raises(ValueError, match="doc_start_fraction"):
+        run.train(str(tmp_path / "bad"), docs=docs, draft_data="data", doc_start_fraction=0.5, **PIPELINE)
+
+
+def test_greedy_doc_starts_are_capped_at_the_long_documents(pipeline, tmp_path):
+    """More document-start rows asked for than there are documents with >= ``start`` tokens: every such document is
+    used once and mid-stream rows keep the pool at its size."""
+    from dsflash.tokenizer import Tokenizer
+    from dsflash.train import run
+
+    docs = data.corpus_documents()[:120]
+    ck = str(pipeline[0] / "checkpoint")
+    corpus = data.Corpus(str(tmp_path / "tok"), PIPELINE["vocab_size"], PIPELINE["vocab_size"] - 1,
+                         PIPELINE["seq_len"], docs=docs, tokenizer_from=ck)
+    start = 24
+    held_ids = Tokenizer.from_folder(ck).encode_batch(data.split_documents(docs)[1])
+    long_docs = [ids for ids in held_ids if len(ids) >= start]
+    mid = corpus.train_rows[: 3 * len(held_ids)]
+    assert 0 < len(long_docs) < len(mid)
+    rows, n = run._with_doc_starts(corpus, mid, "held", 1.0, start, seed=0)
+    assert n == len(long_docs) and rows.shape == mid.shape
+    firsts = sorted(tuple(ids[:start]) for ids in long_docs)
+    assert sorted(tuple(r[:start]) for r in rows if tuple(r[:start]) in set(firsts)) == firsts
+    assert run._with_doc_starts(corpus, mid, "held", 0.0, start, seed=0)[0] is mid     # default: untouched

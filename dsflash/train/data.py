@@ -173,12 +173,19 @@ def train_tokenizer(folder: str | os.PathLike, docs: list[str], vocab_size: int,
 
 def encode_documents(tokenizer, docs: list[str]) -> np.ndarray:
     """One int32 stream: ``BOS doc EOS`` per document."""
+    return encode_documents_indexed(tokenizer, docs)[0]
+
+
+def encode_documents_indexed(tokenizer, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`encode_documents` and where each document's ``BOS`` sits in the stream (``[len(docs)]`` int64;
+    document ``i``'s tokens are ``stream[starts[i] + 1 : starts[i + 1] - 1]``)."""
     ids = tokenizer.encode_batch(docs)
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
     parts = []
     for x in ids:
         parts.append(np.asarray([bos, *x, eos], np.int32))
-    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+    starts = np.cumsum([0] + [len(x) for x in parts[:-1]]).astype(np.int64) if parts else np.zeros((0,), np.int64)
+    return (np.concatenate(parts) if parts else np.zeros((0,), np.int32)), starts
 
 
 def pack(stream: np.ndarray, seq_len: int) -> np.ndarray:
@@ -231,10 +238,30 @@ class Corpus:
             copy_tokenizer(tokenizer_from, folder)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.folder = folder
-        self.train_stream = encode_documents(self.tokenizer, train)
-        self.held_stream = encode_documents(self.tokenizer, held)
+        self.train_stream, self.train_doc_starts = encode_documents_indexed(self.tokenizer, train)
+        self.held_stream, self.held_doc_starts = encode_documents_indexed(self.tokenizer, held)
         self.train_rows = pack(self.train_stream, seq_len)
         self.held_rows = pack(self.held_stream, seq_len)
         self.info.update(train_documents=len(train), heldout_documents=len(held),
                          train_tokens=int(len(self.train_stream)), heldout_tokens=int(len(self.held_stream)),
                          seq_len=seq_len, vocab_size=vocab_size)
+
+    def document_rows(self, split: str, length: int, min_tokens: int | None = None) -> np.ndarray:
+        """``[N, length]``: the first ``length`` tokens of every document of ``split`` ("train" / "held") that has
+        at least ``min_tokens`` tokens (default ``length``), in corpus order -- the document's own ids as
+        ``tokenizer.encode`` gives them (no BOS), i.e. the token ids a prompt cut from a document's start is fed
+        to the engine as. A document shorter than ``length`` is followed by its EOS, then pad ids.
+        No re-tokenisation: the rows are cut from the split's stream at the recorded document starts."""
+        if split not in ("train", "held"):
+            raise ValueError(f"split must be 'train' or 'held', got {split!r}")
+        stream, starts = ((self.train_stream, self.train_doc_starts) if split == "train"
+                          else (self.held_stream, self.held_doc_starts))
+        min_tokens = length if min_tokens is None else min_tokens
+        ends = np.append(starts[1:], len(stream)) - 1              # each document's EOS
+        keep = np.flatnonzero(ends - (starts + 1) >= min_tokens)
+        pad = self.tokenizer.pad_id
+        rows = np.full((len(keep), length), self.tokenizer.eos_id if pad is None else pad, np.int32)
+        for i, d in enumerate(keep):
+            r = stream[starts[d] + 1: min(ends[d] + 1, starts[d] + 1 + length)]
+            rows[i, :len(r)] = r
+        return rows

@@ -91,6 +91,26 @@ def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
     return {"model": m, "meta": meta}
 
 
+def _with_doc_starts(corpus, rows: np.ndarray, split: str, fraction: float, start: int,
+                     seed: int) -> tuple[np.ndarray, int]:
+    """``rows`` (mid-stream rows of ``split``) with ``round(fraction * len(rows))`` of them replaced by document
+    starts (:meth:`data.Corpus.document_rows`, seeded choice): a document's first tokens, from documents with at
+    least ``start`` tokens -- the greedy chain replaces everything from ``start`` on, so only the prefix must be
+    the document's. Fewer such documents than asked: all of them are used (printed) and mid-stream rows fill
+    the rest, so the pool keeps its size. -> (the rows in a seeded shuffled order, how many are document starts)."""
+    n_doc = round(fraction * len(rows))
+    if n_doc == 0:
+        return rows, 0
+    docs = corpus.document_rows(split, rows.shape[1], min_tokens=start)
+    if n_doc > len(docs):
+        print(f"greedy chains ({split}): {len(docs)} document-start rows of the {n_doc} asked for (only {len(docs)} "
+              f"{split} documents have >= {start} tokens); mid-stream rows fill the rest", flush=True)
+        n_doc = len(docs)
+    rng = np.random.default_rng(seed)
+    mixed = np.concatenate([rows[: len(rows) - n_doc], docs[rng.permutation(len(docs))[:n_doc]]])
+    return mixed[rng.permutation(len(mixed))], n_doc
+
+
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
           batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
           precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
@@ -98,13 +118,22 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           draft_data: str = "greedy", greedy_rows: int = 2048, greedy_start: int | None = None,
           max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True,
           target_from: str | None = None, draft_init: str = "fresh", draft_overrides: dict | None = None,
-          greedy_batch: int | None = None) -> dict:
+          greedy_batch: int | None = None, doc_start_fraction: float = 0.0) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
     ``draft_init`` ("fresh" or "checkpoint": warm start from its draft), ``draft_overrides``: DSpark config
-    fields (e.g. ``dspark_n_routed_experts``) replaced before the draft is built."""
+    fields (e.g. ``dspark_n_routed_experts``) replaced before the draft is built. ``doc_start_fraction``: that
+    fraction of the greedy pools (training and held-out) starts at a document's first token instead of mid-stream
+    (:func:`_with_doc_starts`; capped at the documents with >= ``greedy_start`` tokens), the chain from the same
+    ``greedy_start``: prompts cut from a document's start (spec_eval, ``bench engine --text-prompts``) are what
+    the mid-stream rows never show the draft."""
     t0 = time.time()
+    if not 0.0 <= doc_start_fraction <= 1.0:
+        raise ValueError(f"doc_start_fraction must be in [0, 1], got {doc_start_fraction!r}")
+    if doc_start_fraction and draft_data != "greedy":
+        raise ValueError(f"doc_start_fraction needs draft_data='greedy' (document starts are chain prefixes), "
+                         f"got draft_data={draft_data!r}")
     if draft_init not in ("fresh", "checkpoint"):
         raise ValueError(f"draft_init must be 'fresh' or 'checkpoint', got {draft_init!r}")
     bad = [k for k in (draft_overrides or {}) if not k.startswith("dspark_")]
@@ -211,12 +240,15 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     dstate = dopt.init(drf)
     rng = np.random.default_rng(seed + 1)
     lo = 0
+    n_doc_rows = n_doc_held = 0
     draft_rows, draft_held = corpus.train_rows, held
     if draft_data == "greedy" and draft_steps:
         # the target's own greedy continuations of data prefixes: what acceptance is measured against
         lo = (seq_len // 2 if greedy_start is None else greedy_start) - 1
         pick = np.random.default_rng(seed + 2).permutation(len(corpus.train_rows))[:greedy_rows]
         rows, gb = corpus.train_rows[pick], greedy_batch or batch_size
+        rows, n_doc_rows = _with_doc_starts(corpus, rows, "train", doc_start_fraction, lo + 1, seed + 4)
+        held_src, n_doc_held = _with_doc_starts(corpus, held, "held", doc_start_fraction, lo + 1, seed + 5)
         if source is None:      # the float target, the whole row recomputed per token (one tick per batch)
             def pool(r, b, tick):
                 return loop.greedy_pool(frozen, cfg, r, lo + 1, b, precision, tick)
@@ -227,7 +259,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             ticks = -(-len(rows) // 1024) + -(-len(held) // 1024)
         bar = _bar(ticks, "greedy chains", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
-        draft_rows, draft_held = pool(rows, gb, tick), pool(held, batch_size, tick)
+        draft_rows, draft_held = pool(rows, gb, tick), pool(held_src, batch_size, tick)
         if bar is not None:
             bar.close()
     elif draft_data != "data":
@@ -286,6 +318,13 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             "draft_data": draft_data,
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "draft_lr": draft_lr, "precision": precision,
             "seed": seed}
+    # the greedy pools' make-up: always in target_from mode (a source's own values must not carry over), else only
+    # when document starts were asked for (a default full run records what it always did)
+    doc_meta = {"greedy_doc_starts": doc_start_fraction, "greedy_doc_start_rows": n_doc_rows,
+                "greedy_doc_start_held_rows": n_doc_held,
+                "greedy_start": lo + 1 if draft_data == "greedy" and draft_steps else None}
+    if doc_start_fraction:
+        meta.update(doc_meta)
     keep = None
     if source is not None:
         # the target's training record is the source's; this run adds the DSpark stage on its served weights
@@ -294,7 +333,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
                     draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
                     target_from=source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from))),
                     draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
-                    greedy_rows=greedy_rows, anchors=anchors, distill=distill)
+                    greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill)
         keep = served
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
     np.save(os.path.join(ck, "heldout_rows.npy"), held.astype(np.int16))   # what the recorded perplexity used
@@ -340,6 +379,10 @@ def main(argv=None):
                     help="DSpark rows: the target's greedy continuations of data prefixes (default) or the data")
     ap.add_argument("--greedy-rows", type=int, default=2048, help="rows of greedy continuations for DSpark")
     ap.add_argument("--greedy-start", type=int, default=None, help="prefix length kept (default seq_len // 2)")
+    ap.add_argument("--greedy-doc-starts", type=float, default=0.0, metavar="FRACTION",
+                    help="this fraction of the greedy rows (training and held-out pools) starts at a document's first "
+                         "token instead of mid-stream (capped at the documents with >= --greedy-start tokens); use "
+                         "with --greedy-start 40: spec_eval's prompts are a document's first ~40 tokens")
     ap.add_argument("--max-target-seconds", type=float, default=0.0, help="stop the target stage after this")
     ap.add_argument("--max-draft-seconds", type=float, default=0.0, help="stop the DSpark stage after this many seconds of training (its compile not counted)")
     ap.add_argument("--no-keep-best", action="store_true",
@@ -364,4 +407,4 @@ def main(argv=None):
           draft_data=a.draft_data, greedy_rows=a.greedy_rows, greedy_start=a.greedy_start,
           max_target_seconds=a.max_target_seconds, max_draft_seconds=a.max_draft_seconds,
           keep_best=not a.no_keep_best, target_from=a.target_from, draft_init=a.draft_init,
-          draft_overrides=overrides, greedy_batch=a.greedy_batch)
+          draft_overrides=overrides, greedy_batch=a.greedy_batch, doc_start_fraction=a.greedy_doc_starts)
