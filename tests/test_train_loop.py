@@ -143,6 +143,18 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
     assert m["loaded_heldout_ppl"] == src["loaded_heldout_ppl"]
     assert m["draft_steps_run"] == 3 and m["target_step_kept"] == src["target_step_kept"]
     assert m["draft_taps"].startswith("served target") and m["draft_init"] == "checkpoint"
+    # the cached target (default: taps + logits of the pools computed once) trains exactly like the in-step one:
+    # same batches, same losses, same held-out hits -- a misaligned cache row would change them
+    import json
+    m2 = run.train(str(tmp_path / "nocache"), target_from=ck, draft_init="checkpoint", draft_steps=3, docs=docs,
+                   greedy_batch=8, target_cache=False, **kw)
+
+    def draft_log(d):
+        return [r for r in map(json.loads, open(tmp_path / d / "log.jsonl")) if r["stage"] == "draft"]
+    for r1, r2 in zip(draft_log("drf"), draft_log("nocache"), strict=True):
+        np.testing.assert_allclose(r1["loss"], r2["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m["loaded_draft_teacher_forced_hit_per_pos"],
+                               m2["loaded_draft_teacher_forced_hit_per_pos"], atol=1e-6)
     # the chains come from the engine (KV-cached decode of the served target): each generated token is the
     # served target's argmax given the chain so far (a full recompute at reference precision)
     rows = np.load(src_dir / "checkpoint" / "heldout_rows.npy").astype(np.int32)[:4]

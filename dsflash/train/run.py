@@ -111,6 +111,18 @@ def _with_doc_starts(corpus, rows: np.ndarray, split: str, fraction: float, star
     return mixed[rng.permutation(len(mixed))], n_doc
 
 
+def _target_cache(src, cfg, rows: np.ndarray, batch_size: int, precision: str, offset: int, tick) -> dict:
+    """:func:`loop.target_outputs` of every row of a fixed pool (batches of ``batch_size``, the tail in one more
+    call), concatenated on the device: the frozen target runs once per row instead of once per draft step."""
+    parts = []
+    for i in range(0, len(rows), batch_size):
+        parts.append(loop.target_outputs(src, cfg, jnp.asarray(rows[i:i + batch_size]), precision, offset))
+        if tick is not None:
+            tick(1)
+    out = {k: jnp.concatenate([p[k] for p in parts]) for k in ("taps", "logits")}
+    return dict(out, offset=jnp.int32(offset))
+
+
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
           batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
           precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
@@ -118,7 +130,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           draft_data: str = "greedy", greedy_rows: int = 2048, greedy_start: int | None = None,
           max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True,
           target_from: str | None = None, draft_init: str = "fresh", draft_overrides: dict | None = None,
-          greedy_batch: int | None = None, doc_start_fraction: float = 0.0) -> dict:
+          greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -127,7 +139,9 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     fraction of the greedy pools (training and held-out) starts at a document's first token instead of mid-stream
     (:func:`_with_doc_starts`; capped at the documents with >= ``greedy_start`` tokens), the chain from the same
     ``greedy_start``: prompts cut from a document's start (spec_eval, ``bench engine --text-prompts``) are what
-    the mid-stream rows never show the draft."""
+    the mid-stream rows never show the draft. ``target_cache``: run the frozen target once over the draft's row
+    pools and keep its taps and logits (:func:`_target_cache`; fp32, rows x seq_len x (taps + vocab) x 4 bytes at
+    most) instead of once per draft step -- same losses (tests/test_train_target_cache.py), less time."""
     t0 = time.time()
     if not 0.0 <= doc_start_fraction <= 1.0:
         raise ValueError(f"doc_start_fraction must be in [0, 1], got {doc_start_fraction!r}")
@@ -264,7 +278,26 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             bar.close()
     elif draft_data != "data":
         raise ValueError(f"draft_data must be 'greedy' or 'data', got {draft_data!r}")
-    dit = iter(data.batches(draft_rows, batch_size, seed + 3)) if draft_steps else None
+    # index batches (grain shuffles indices either way: the same batches as shuffling the rows themselves)
+    dit = iter(data.batches(np.arange(len(draft_rows)), batch_size, seed + 3)) if draft_steps else None
+    cache = held_cache = None
+    if target_cache and draft_steps and draft_data == "greedy":     # a fixed pool, not the whole corpus
+        off = max(lo, cfg.sliding_window)                   # sample_anchors' lowest anchor
+        src, src_precision = (frozen, precision) if served is None else (served, served_precision)
+        bar = _bar(-(-len(draft_rows) // batch_size) + -(-len(draft_held) // batch_size), "target taps", quiet)
+        tick = (lambda _: bar.update(1)) if bar is not None else None
+        cache = _target_cache(src, cfg, draft_rows, batch_size, src_precision, off, tick)
+        held_cache = _target_cache(src, cfg, draft_held, batch_size, src_precision, off, tick)
+        if bar is not None:
+            bar.close()
+        if not quiet:
+            gb_ = sum(c[k].nbytes for c in (cache, held_cache) for k in ("taps", "logits")) / 1e9
+            print(f"target taps + logits cached for {len(draft_rows)} + {len(draft_held)} rows: {gb_:.2f} GB",
+                  flush=True)
+
+    def cached_rows(c, idx):
+        return None if c is None else dict(c, taps=c["taps"][idx], logits=c["logits"][idx])
+
     bar = _bar(draft_steps, "dspark", quiet)
 
     def draft_eval(d):
@@ -273,7 +306,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         for i in range(0, len(draft_held) - batch_size + 1, batch_size):
             tok = jnp.asarray(draft_held[i:i + batch_size])
             a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, lo))
-            _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill, served, served_precision)
+            _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill, served, served_precision,
+                                         cached_rows(held_cache, slice(i, i + batch_size)))
             hits.append(np.asarray(aux["hit_per_pos"]))
             ces.append(float(aux["ce"]))
         return float(np.mean(ces)), np.mean(hits, axis=0)
@@ -281,10 +315,11 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     t_stage = time.time()
     done_draft = 0
     for step in range(1, draft_steps + 1):
-        tok = jnp.asarray(next(dit))
+        idx = np.asarray(next(dit))
+        tok = jnp.asarray(draft_rows[idx])
         a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors, lo))
         drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill,
-                                                 served, served_precision)
+                                                 served, served_precision, cached_rows(cache, jnp.asarray(idx)))
         r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
              "t": round(time.time() - t0, 1)}
         if step == 1:
@@ -379,6 +414,8 @@ def main(argv=None):
                     help="DSpark rows: the target's greedy continuations of data prefixes (default) or the data")
     ap.add_argument("--greedy-rows", type=int, default=2048, help="rows of greedy continuations for DSpark")
     ap.add_argument("--greedy-start", type=int, default=None, help="prefix length kept (default seq_len // 2)")
+    ap.add_argument("--no-target-cache", action="store_true",
+                    help="run the frozen target inside every draft step instead of once per pool row (less memory)")
     ap.add_argument("--greedy-doc-starts", type=float, default=0.0, metavar="FRACTION",
                     help="this fraction of the greedy rows (training and held-out pools) starts at a document's first "
                          "token instead of mid-stream (capped at the documents with >= --greedy-start tokens); use "
@@ -407,4 +444,5 @@ def main(argv=None):
           draft_data=a.draft_data, greedy_rows=a.greedy_rows, greedy_start=a.greedy_start,
           max_target_seconds=a.max_target_seconds, max_draft_seconds=a.max_draft_seconds,
           keep_best=not a.no_keep_best, target_from=a.target_from, draft_init=a.draft_init,
-          draft_overrides=overrides, greedy_batch=a.greedy_batch, doc_start_fraction=a.greedy_doc_starts)
+          draft_overrides=overrides, greedy_batch=a.greedy_batch, doc_start_fraction=a.greedy_doc_starts,
+          target_cache=not a.no_target_cache)
