@@ -171,6 +171,24 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
         run.train(str(tmp_path / "bad"), target_from=ck, draft_overrides={"hidden_size": 8}, docs=docs, **kw)
 
 
+def test_other_corpus_trains_the_draft_and_keeps_the_checkpoints_heldout_rows(pipeline, tmp_path):
+    """``allow_other_corpus``: a corpus unlike the checkpoint's (here a subset of its documents; in practice another
+    Python's) trains the draft; the perplexity rows stay the checkpoint's own, so the recorded perplexity of the
+    unchanged target is reproduced, and the export records the draft's corpus."""
+    from dsflash.train import run
+
+    src_dir, src = pipeline
+    ck = str(src_dir / "checkpoint")
+    docs = data.corpus_documents()[:100]
+    m = run.train(str(tmp_path / "other"), target_from=ck, draft_steps=1, docs=docs, allow_other_corpus=True,
+                  greedy_batch=8, **PIPELINE)
+    want = np.load(src_dir / "checkpoint" / "heldout_rows.npy")
+    got = np.load(tmp_path / "other" / "checkpoint" / "heldout_rows.npy")
+    assert np.array_equal(got, want)
+    assert m["loaded_heldout_ppl"] == src["loaded_heldout_ppl"]
+    assert m["draft_corpus"]["sha256"] != m["corpus"]["sha256"] == src["corpus"]["sha256"]
+
+
 def test_greedy_doc_starts_pool_rows_begin_at_document_starts(pipeline, tmp_path, monkeypatch):
     """``train(doc_start_fraction=f)``: that fraction of each greedy pool (training and held-out) is the first tokens
     of a document of that split (as the tokenizer encodes it, no BOS: what a prompt cut from a document's start is),

@@ -130,7 +130,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           draft_data: str = "greedy", greedy_rows: int = 2048, greedy_start: int | None = None,
           max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True,
           target_from: str | None = None, draft_init: str = "fresh", draft_overrides: dict | None = None,
-          greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True) -> dict:
+          greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True,
+          allow_other_corpus: bool = False) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -141,7 +142,10 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     ``greedy_start``: prompts cut from a document's start (spec_eval, ``bench engine --text-prompts``) are what
     the mid-stream rows never show the draft. ``target_cache``: run the frozen target once over the draft's row
     pools and keep its taps and logits (:func:`_target_cache`; fp32, rows x seq_len x (taps + vocab) x 4 bytes at
-    most) instead of once per draft step -- same losses (tests/test_train_target_cache.py), less time."""
+    most) instead of once per draft step -- same losses (tests/test_train_target_cache.py), less time.
+    ``allow_other_corpus`` (target_from only): this machine's corpus differs from the checkpoint's (another
+    Python's documents): the draft trains on it, the checkpoint's heldout_rows.npy stays the perplexity rows and
+    the export records both corpora."""
     t0 = time.time()
     if not 0.0 <= doc_start_fraction <= 1.0:
         raise ValueError(f"doc_start_fraction must be in [0, 1], got {doc_start_fraction!r}")
@@ -171,10 +175,16 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         config = source["meta"]["config"]
     corpus = data.Corpus(os.path.join(out, "tokenizer"), vocab_size, vocab_size - 1, seq_len, docs=docs,
                          tokenizer_from=target_from)
-    if source is not None and corpus.info["sha256"] != source["meta"]["corpus"]["sha256"]:
-        raise ValueError(f"target_from: this machine's corpus (sha256 {corpus.info['sha256'][:12]}) is not the one "
-                         f"{target_from} was trained on ({source['meta']['corpus']['sha256'][:12]}, Python "
-                         f"{source['meta']['corpus'].get('python')}); its held-out rows would not match")
+    other_corpus = source is not None and corpus.info["sha256"] != source["meta"]["corpus"]["sha256"]
+    if other_corpus:
+        msg = (f"target_from: this machine's corpus (sha256 {corpus.info['sha256'][:12]}, Python "
+               f"{corpus.info.get('python')}) is not the one {target_from} was trained on "
+               f"({source['meta']['corpus']['sha256'][:12]}, Python {source['meta']['corpus'].get('python')})")
+        if not allow_other_corpus:
+            raise ValueError(msg + "; its held-out rows would not match (allow_other_corpus / --allow-other-corpus "
+                             "trains the draft on this corpus and keeps the checkpoint's held-out rows)")
+        print(msg + ": the draft trains on this machine's documents; perplexities use the checkpoint's own "
+              "heldout_rows.npy", flush=True)
     from dsflash.engram_map import build_compressed_token_map
     tmap, n_comp = build_compressed_token_map(corpus.tokenizer)
     cfg = CONFIGS[config](vocab_size, n_comp) if source is None else source["model"].cfg
@@ -183,6 +193,12 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     held = corpus.held_rows[: eval_batches * batch_size]
     if len(held) < batch_size:
         held = corpus.train_rows[-batch_size:]          # tiny corpora (tests): no real held-out split
+    ppl_rows = held             # the rows every recorded perplexity uses (saved beside the checkpoint)
+    if other_corpus:
+        src_rows = os.path.join(target_from, "heldout_rows.npy")
+        if not os.path.exists(src_rows):
+            raise ValueError(f"allow_other_corpus: {target_from} has no heldout_rows.npy to keep")
+        ppl_rows = np.load(src_rows).astype(np.int32)
     if not quiet:
         print(f"corpus {corpus.info}\nconfig {config} {cfg.hash()}: engram compressed vocab {n_comp}", flush=True)
 
@@ -345,7 +361,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
 
     # ---- export + reload through the official loader
     final = {**tgt, **drf, **const}
-    float_ppl = loop.perplexity(final, cfg, held, batch_size, precision)
+    float_ppl = loop.perplexity(final, cfg, ppl_rows, batch_size, precision)
     ck = os.path.join(out, "checkpoint")
     from dsflash.train.export import export_checkpoint
     meta = {"corpus": corpus.info, "config": config, "steps": steps, "steps_run": done_steps,
@@ -368,17 +384,18 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
                     draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
                     target_from=source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from))),
                     draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
-                    greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill)
+                    greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill,
+                    draft_corpus=corpus.info)
         keep = served
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
-    np.save(os.path.join(ck, "heldout_rows.npy"), held.astype(np.int16))   # what the recorded perplexity used
+    np.save(os.path.join(ck, "heldout_rows.npy"), ppl_rows.astype(np.int16))   # what the recorded perplexity used
     import dsflash
     m = dsflash.load(ck, progress=False)
-    loaded_ppl = loop.perplexity(m.params, cfg, held, batch_size, "reference")
+    loaded_ppl = loop.perplexity(m.params, cfg, ppl_rows, batch_size, "reference")
     _, hits = draft_eval({k: v for k, v in m.params.items() if k.startswith("mtp.")}) if draft_steps else (0, [])
     size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck))
     metrics = dict(meta, config_hash=cfg.hash(), engram_compressed_vocab_size=n_comp,
-                   heldout_tokens_evaluated=int(held.size - len(held)),
+                   heldout_tokens_evaluated=int(ppl_rows.size - len(ppl_rows)),
                    **({} if init_loss is None else {"init_heldout_ppl": math.exp(init_loss)}),
                    float_heldout_ppl=float_ppl,
                    loaded_heldout_ppl=loaded_ppl, uniform_ppl=vocab_size,
@@ -414,6 +431,8 @@ def main(argv=None):
                     help="DSpark rows: the target's greedy continuations of data prefixes (default) or the data")
     ap.add_argument("--greedy-rows", type=int, default=2048, help="rows of greedy continuations for DSpark")
     ap.add_argument("--greedy-start", type=int, default=None, help="prefix length kept (default seq_len // 2)")
+    ap.add_argument("--allow-other-corpus", action="store_true",
+                    help="--target-from on a machine whose corpus differs from the checkpoint's (other Python)")
     ap.add_argument("--no-target-cache", action="store_true",
                     help="run the frozen target inside every draft step instead of once per pool row (less memory)")
     ap.add_argument("--greedy-doc-starts", type=float, default=0.0, metavar="FRACTION",
@@ -445,4 +464,4 @@ def main(argv=None):
           max_target_seconds=a.max_target_seconds, max_draft_seconds=a.max_draft_seconds,
           keep_best=not a.no_keep_best, target_from=a.target_from, draft_init=a.draft_init,
           draft_overrides=overrides, greedy_batch=a.greedy_batch, doc_start_fraction=a.greedy_doc_starts,
-          target_cache=not a.no_target_cache)
+          target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus)
