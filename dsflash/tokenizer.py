@@ -187,6 +187,12 @@ class Tokenizer:
             raise ValueError(f"Tokenizer.encode: text must be str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids as every serving entry point sends it to the model: BOS once, then the text (a text
+        that already starts with the BOS token keeps its one). The model saw BOS before every document."""
+        ids = self.encode(text)
+        return ids if ids and ids[0] == self.bos_id else [self.bos_id] + ids
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 

@@ -90,7 +90,7 @@ def test_real_model_text_api_stop_strings_and_chat(spec_engine):
     out = llm.generate(["hello world", "a b c"], sp)
     o = out[0].outputs[0]
     assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
-    assert out[0].prompt == "hello world" and out[0].prompt_token_ids == tok.encode("hello world")
+    assert out[0].prompt == "hello world" and out[0].prompt_token_ids == [tok.bos_id] + tok.encode("hello world")
     # a stop string taken from the free-running text ends generation there
     if len(o.text) > 2:
         stop = o.text[1:3]

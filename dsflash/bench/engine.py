@@ -45,14 +45,15 @@ def parse(argv):
 
 
 def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """The first ``length`` tokens of the first ``n`` held-out documents that are long enough."""
+    """The first ``length`` tokens (BOS first, as a served text prompt) of the first ``n`` held-out documents
+    that are long enough."""
     from dsflash.train import data
     if tokenizer is None:
         raise SystemExit("--text-prompts needs a model with a tokenizer")
     _, held = data.split_documents(data.corpus_documents())
     out = []
     for d in held:
-        ids = tokenizer.encode(d)
+        ids = tokenizer.encode_prompt(d)
         if len(ids) >= length:
             out.append([int(t) for t in ids[:length]])
         if len(out) == n:

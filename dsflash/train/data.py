@@ -248,9 +248,9 @@ class Corpus:
 
     def document_rows(self, split: str, length: int, min_tokens: int | None = None) -> np.ndarray:
         """``[N, length]``: the first ``length`` tokens of every document of ``split`` ("train" / "held") that has
-        at least ``min_tokens`` tokens (default ``length``), in corpus order -- the document's own ids as
-        ``tokenizer.encode`` gives them (no BOS), i.e. the token ids a prompt cut from a document's start is fed
-        to the engine as. A document shorter than ``length`` is followed by its EOS, then pad ids.
+        at least ``min_tokens`` tokens (default ``length``), in corpus order -- BOS and the document's ids, i.e.
+        what a text prompt cut from the document's start is fed to the model as (``Tokenizer.encode_prompt``). A
+        document shorter than ``length`` is followed by its EOS, then pad ids.
         No re-tokenisation: the rows are cut from the split's stream at the recorded document starts."""
         if split not in ("train", "held"):
             raise ValueError(f"split must be 'train' or 'held', got {split!r}")
@@ -262,6 +262,6 @@ class Corpus:
         pad = self.tokenizer.pad_id
         rows = np.full((len(keep), length), self.tokenizer.eos_id if pad is None else pad, np.int32)
         for i, d in enumerate(keep):
-            r = stream[starts[d] + 1: min(ends[d] + 1, starts[d] + 1 + length)]
+            r = stream[starts[d]: min(ends[d] + 1, starts[d] + length)]
             rows[i, :len(r)] = r
         return rows

@@ -195,8 +195,7 @@ class LLMEngine(SchedulerMixin):
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            ids = list(self.tokenizer.encode(prompt))
-            return prompt, ids
+            return prompt, list(self.tokenizer.encode_prompt(prompt))      # BOS first, as the HTTP server
         try:
             ids = [int(t) for t in prompt]
         except (TypeError, ValueError):

@@ -456,10 +456,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         if isinstance(p, str):
             if tok is None:
                 raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-            ids = tok.encode(p)
-            if not ids or ids[0] != tok.bos_id:
-                ids = [tok.bos_id] + ids
-            prompts.append(ids)
+            prompts.append(tok.encode_prompt(p))
             texts.append(p)
         else:
             V = tok.vocab_size if tok is not None else None
