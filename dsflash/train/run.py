@@ -63,7 +63,8 @@ def plot_losses(path: str, log: list[dict]) -> None:
         ax.set_title(f"{stage}: " + ("CE of the Markov-chained drafts (teacher forced)" if stage == "draft"
                                      else "next-token CE"))
         ax.set_xlabel("step")
-        ax.legend()
+        if rows:                        # target_from: no target stage, an empty panel
+            ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
