@@ -4,7 +4,36 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent XLA compilation cache in tests: on 2026-11-30 two full runs on the 2-core CPU segfaulted inside
-# jax's cache read (compilation_cache.get_executable_and_time) while an engine warmed up in
-# test_train_loop.py, the second time with a fresh cache directory; the files alone pass. Cause not found.
+# No persistent XLA compilation cache in tests (it does not help a one-off CI run and was where the first
+# map-count crash below surfaced).
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+def _memory_map_count() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:                                    # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """XLA's CPU backend JIT-compiles every kernel of an executable into its own small memory mappings, and jax's
+    jit caches keep every executable alive. Over the whole suite that reached Linux's default limit of 65,530
+    mappings per process (measured: ~1,000 at the start, 35,000 by test_server_dp.py, growing by up to 5,000 per
+    module) and the next compile or cache read died with SIGSEGV when its mmap failed (CI exit 139 in
+    test_train_loop.py, twice locally). Dropping the caches after each module frees them; a module's own fixtures
+    (warm LLMs) are torn down before this runs."""
+    yield
+    import jax
+    jax.clear_caches()
+    gc.collect()
+    n = _memory_map_count()
+    if n is not None and n > 50_000:
+        raise RuntimeError(f"{n} memory mappings after this module (limit vm.max_map_count, usually 65,530): a "
+                           "module keeps compiled programs alive; the next compile may segfault")
