@@ -69,6 +69,51 @@ def test_process_logits_topk_topp_minp():
     np.testing.assert_allclose(pr, np.array([.16, .09, .04, .01]) / .30, atol=1e-6)
 
 
+def test_a_row_without_top_p_keeps_its_tail_whatever_its_batch_mates_ask():
+    """The sort behind top-k / top-p runs only when some row asks for it (a ``lax.cond``), so a row with neither
+    must come out the same on both branches: its exact ``log_softmax``, even where the fp32 running mass has
+    reached 1 before its tail (a dominant token), which a ``before < top_p`` test alone would cut at top_p = 1."""
+    V = 64
+    logits = jnp.zeros((2, V), jnp.float32).at[:, 0].set(50.0)        # p(0) rounds to 1 in fp32
+    want = np.asarray(jax.nn.log_softmax(logits[0]))
+    arr = lambda *v, dt=jnp.float32: jnp.asarray(v, dt)
+    alone = S.process_logits(logits[:1], arr(1.0), arr(0, dt=jnp.int32), arr(1.0), arr(0.0))
+    mixed = S.process_logits(logits, arr(1.0, 1.0), arr(0, 0, dt=jnp.int32), arr(1.0, 0.5), arr(0.0, 0.0))
+    assert bool(S.needs_truncation(arr(0, 0, dt=jnp.int32), arr(1.0, 0.5), V))
+    assert not bool(S.needs_truncation(arr(0, V, dt=jnp.int32), arr(1.0, 1.0), V))
+    np.testing.assert_allclose(np.asarray(alone[0]), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mixed[0]), want, rtol=1e-6)
+    assert np.isfinite(np.asarray(mixed[0])).all()
+    assert np.isneginf(np.asarray(mixed[1, 1:])).all() and np.isfinite(float(mixed[1, 0]))   # top-p 0.5: one kept
+
+
+def test_sampling_is_greedy_argmax_on_the_all_greedy_branch_and_samples_on_the_other():
+    """``sample`` / ``rejection_sample`` skip the Gumbel noise when every row is greedy; with one sampled row in
+    the batch the greedy rows still get their argmax and the sampled row a sample of its distribution."""
+    rng = np.random.default_rng(3)
+    V, B = 16, 6
+    lg = jnp.asarray(rng.normal(size=(B, V)), jnp.float32)
+    lp = jax.nn.log_softmax(lg, -1)
+    keys = _keys(B, 1, 5)[:, 0]
+    arg = np.asarray(jnp.argmax(lg, -1))
+    np.testing.assert_array_equal(np.asarray(S.sample(lp, lg, jnp.ones((B,), bool), keys)), arg)
+    greedy = jnp.asarray([True] * (B - 1) + [False])
+    mixed = np.asarray(S.sample(lp, lg, greedy, keys))
+    np.testing.assert_array_equal(mixed[:-1], arg[:-1])
+    np.testing.assert_array_equal(mixed[-1], np.asarray(S.gumbel_argmax(keys, lp))[-1])
+    # rejection sampler: first draft wrong -> greedy rows emit the target argmax, the sampled row a residual sample
+    tl = jnp.broadcast_to(lp[:, None], (B, 2, V))
+    drafts = jnp.asarray((arg + 1) % V, jnp.int32)[:, None]
+    ql = jnp.where(jnp.arange(V) == drafts[..., None], 0.0, -jnp.inf)
+    toks, num = S.rejection_sample(tl, tl, ql, drafts, jnp.ones((B,), bool), _keys(B, 2, 0), _keys(B, 2, 1))
+    np.testing.assert_array_equal(np.asarray(num), 1)
+    np.testing.assert_array_equal(np.asarray(toks[:, 0]), arg)
+    toks, num = S.rejection_sample(tl, tl, ql, drafts, greedy, _keys(B, 2, 0), _keys(B, 2, 1))
+    np.testing.assert_array_equal(np.asarray(toks[:-1, 0]), arg[:-1])
+    if int(num[-1]) == 1:                   # draft rejected: the correction is never the rejected one-hot draft
+        assert int(toks[-1, 0]) != int(drafts[-1, 0])
+
+
 def test_penalties():
     logits = jnp.asarray([[2.0, -2.0, 1.0]])
     counts = jnp.asarray([[2, 1, 0]])

@@ -114,10 +114,16 @@ class ModelBackend:
         t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
         def sampler(li, i):
-            k = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
-            g = jax.vmap(lambda kk: jax.random.gumbel(kk, (li.shape[-1],), jnp.float32))(k)
-            s = jnp.argmax(li / t + g, axis=-1)
-            return jnp.where(temperature > 0, s, jnp.argmax(li, axis=-1)).astype(jnp.int32)
+            greedy = jnp.argmax(li, axis=-1).astype(jnp.int32)
+
+            def sampled():
+                k = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
+                g = jax.vmap(lambda kk: jax.random.gumbel(kk, (li.shape[-1],), jnp.float32))(k)
+                return jnp.argmax(li / t + g, axis=-1).astype(jnp.int32)
+
+            # the V-wide Gumbel noise only when some row drafts at a temperature
+            s = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+            return jnp.where(temperature > 0, s, greedy)
 
         kw = {"routed_fn": self.routed_fn} if self.routed_fn is not None else {}
         out = dspark.propose(params, self.cfg, state, y, pos + 1, slots, self._opts(), sampler=sampler,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 ACCEPT, SAMPLE, DRAFT = 1, 2, 3
 NEG_INF = -jnp.inf
@@ -64,13 +65,17 @@ def apply_penalties(logits, counts, seen, presence, frequency, repetition):
     return logits - frequency[..., None] * c - presence[..., None] * (c > 0)
 
 
-def process_logits(logits, temperature, top_k, top_p, min_p):
-    """Penalised logits [..., V] -> normalised log-probabilities of the sampling distribution.
+def needs_truncation(top_k, top_p, vocab_size: int):
+    """Whether any row restricts its distribution by top-k (``0 < k < V``) or top-p (``p < 1``)."""
+    return jnp.any(((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0))
 
-    Rows with temperature 0 get the distribution at temperature 1 (they are sampled by argmax)."""
-    V = logits.shape[-1]
-    t = jnp.where(temperature > 0, temperature, 1.0)[..., None]
-    x = logits.astype(jnp.float32) / t
+
+def _truncate_top_k_top_p(x, top_k, top_p):
+    """Scaled logits [..., V] -> the same with everything outside each row's top-k / top-p set at -inf.
+
+    ``top_p >= 1`` keeps every token: in fp32 the running mass can round up to 1 before the tail, which would
+    otherwise cut tokens of rows that asked for no top-p (and make a row's result depend on its batch-mates)."""
+    V = x.shape[-1]
     srt = -jnp.sort(-x, axis=-1)                                          # descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)[..., None]
     kth = jnp.take_along_axis(srt, k - 1, axis=-1)
@@ -78,10 +83,23 @@ def process_logits(logits, temperature, top_k, top_p, min_p):
     srt = jnp.where(jnp.arange(V) < k, srt, NEG_INF)
     ps = jax.nn.softmax(srt, axis=-1)
     before = jnp.cumsum(ps, axis=-1) - ps                                  # mass strictly above each
-    keep = (before < top_p[..., None]) & (jnp.arange(V) < k)
+    keep = ((before < top_p[..., None]) | (top_p[..., None] >= 1.0)) & (jnp.arange(V) < k)
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1, keepdims=True), 1)
     thr = jnp.take_along_axis(srt, n_keep - 1, axis=-1)
-    x = jnp.where(x < thr, NEG_INF, x)
+    return jnp.where(x < thr, NEG_INF, x)
+
+
+def process_logits(logits, temperature, top_k, top_p, min_p):
+    """Penalised logits [..., V] -> normalised log-probabilities of the sampling distribution.
+
+    Rows with temperature 0 get the distribution at temperature 1 (they are sampled by argmax). The sort behind
+    top-k / top-p runs only when some row asks for either (``lax.cond``): it dominated a CPU decode step of the
+    demo model (31 ms of a ~74 ms speculative iteration at 8 x 6 rows x 4,096 ids), and most requests are plain."""
+    V = logits.shape[-1]
+    t = jnp.where(temperature > 0, temperature, 1.0)[..., None]
+    x = logits.astype(jnp.float32) / t
+    x = lax.cond(needs_truncation(top_k, top_p, V), lambda x: _truncate_top_k_top_p(x, top_k, top_p),
+                 lambda x: x, x)
     logp = jax.nn.log_softmax(x, axis=-1)
     mx = jnp.max(logp, axis=-1, keepdims=True)
     x = jnp.where((min_p[..., None] > 0) & (logp < mx + jnp.log(jnp.maximum(min_p[..., None], 1e-30))), NEG_INF, x)
@@ -90,8 +108,9 @@ def process_logits(logits, temperature, top_k, top_p, min_p):
 
 def sample(logp, greedy_logits, greedy, keys):
     """One token per row: argmax of ``greedy_logits`` where ``greedy`` else a sample of ``logp``."""
-    s = gumbel_argmax(keys, logp)
     g = jnp.argmax(greedy_logits, axis=-1).astype(jnp.int32)
+    # the V-wide Gumbel noise only when some row samples
+    s = lax.cond(jnp.any(~greedy), lambda: gumbel_argmax(keys, logp), lambda: g)
     return jnp.where(greedy, g, s)
 
 
@@ -123,14 +142,18 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
     acc = jnp.where(greedy[:, None], acc_g, acc_s)
     a = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=1), axis=1)        # accepted prefix length
     # correction / bonus distribution at position a
-    p_a = jnp.take_along_axis(target_logp, a[:, None, None], axis=1)[:, 0]   # [B, V]
-    q_pad = jnp.concatenate([draft_logp, jnp.full((B, 1, V), NEG_INF, draft_logp.dtype)], axis=1)
-    q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]
-    resid = jnp.maximum(jnp.exp(p_a) - jnp.exp(q_a), 0.0)
-    has_resid = jnp.sum(resid, axis=-1, keepdims=True) > 0
-    logr = jnp.where(has_resid, jnp.log(resid), p_a)                        # residual (or p if p == q)
-    k_a = jnp.take_along_axis(keys_sample, a[:, None, None], axis=1)[:, 0]
-    corr_s = gumbel_argmax(k_a, logr)
+    def residual_sample():
+        p_a = jnp.take_along_axis(target_logp, a[:, None, None], axis=1)[:, 0]   # [B, V]
+        q_pad = jnp.concatenate([draft_logp, jnp.full((B, 1, V), NEG_INF, draft_logp.dtype)], axis=1)
+        q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]
+        resid = jnp.maximum(jnp.exp(p_a) - jnp.exp(q_a), 0.0)
+        has_resid = jnp.sum(resid, axis=-1, keepdims=True) > 0
+        logr = jnp.where(has_resid, jnp.log(resid), p_a)                    # residual (or p if p == q)
+        k_a = jnp.take_along_axis(keys_sample, a[:, None, None], axis=1)[:, 0]
+        return gumbel_argmax(k_a, logr)
+
+    # the V-wide residual and its Gumbel noise only when some row samples
+    corr_s = lax.cond(jnp.any(~greedy), residual_sample, lambda: jnp.zeros((B,), jnp.int32))
     corr_g = jnp.take_along_axis(tgt_arg, a[:, None], axis=1)[:, 0]
     corr = jnp.where(greedy, corr_g, corr_s)
     j = jnp.arange(k1)[None, :]
