@@ -5,6 +5,11 @@ after warm-up (compilation excluded), and prints generated tokens/s, steps, host
 the acceptance numbers (drafts, acceptance rate, mean acceptance length = 1 + accepted/drafts, per
 position). ``--json PATH`` writes the numbers. Random-weight presets accept few drafts: the point on
 CPU is the mechanism and the host overhead, not the speed-up.
+
+``--breakdown`` also times, at the engine's shapes and on its live state, the model work of one decode iteration
+in isolation: the target forward over 1 row per sequence (a plain iteration), over ``block + 1`` rows with the
+draft-context update (a speculative verification), and the draft's proposal. A speculative iteration pays off
+when the mean acceptance length exceeds its cost in plain iterations.
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ def parse(argv):
                    help="dispatch step N+1 before processing step N (on a dispatch thread)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval for the run (GIL hand-off latency of the dispatch thread)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the forward at 1 and block+1 rows per sequence and the draft proposal in isolation")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per --breakdown part (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
     return p.parse_args(argv)
@@ -59,6 +67,57 @@ def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
         if len(out) == n:
             return out
     raise SystemExit(f"--text-prompts: only {len(out)} held-out documents have {length} tokens")
+
+
+def _median_ms(fn, args, repeats: int) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))                     # compile + first touch
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def iteration_breakdown(eng, repeats: int) -> dict:
+    """Median ms of the parts of one decode iteration, each its own jitted program over the engine's params and
+    state (not donated, so the engine's state is untouched): every sequence slot active at one position, page
+    table = the slot's first pages."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsflash.model.state import Batch
+    r, be = eng.runner, eng.backend
+    if not r.spec:
+        raise ValueError("iteration_breakdown needs a speculative engine")
+    S_, K1 = r.S, r.K1
+    pos = jnp.full((S_,), min(eng.max_model_len // 2, eng.max_model_len - K1 - 1), jnp.int32)
+    slots = jnp.arange(S_, dtype=jnp.int32)
+    zero = jnp.zeros((S_,), jnp.int32)
+    pages = jnp.asarray(np.arange(S_ * r.P, dtype=np.int32).reshape(S_, r.P) % max(1, eng.geo.num_pages))
+
+    def forward(params, state, tokens, taps):
+        b = Batch(tokens, pos + 1, jnp.full((S_,), tokens.shape[1], jnp.int32), slots, pages, zero, zero, zero)
+        out, state = be.forward(params, b, state, logits="all", taps=taps)
+        if taps:
+            state = be.update_context(params, out, b, state)
+        return out["logits"], state
+
+    plain = jax.jit(lambda p, s, t: forward(p, s, t, False))
+    verify = jax.jit(lambda p, s, t: forward(p, s, t, True))
+    propose = jax.jit(lambda p, s, y: be.propose(p, s, y, pos, slots, zero, jnp.zeros((S_,), jnp.float32),
+                                                 jnp.zeros((S_, 2), jnp.uint32))[0])
+    y = jnp.full((S_,), 5, jnp.int32)
+    out = {"rows": S_, "block": r.k,
+           "forward_1_ms": _median_ms(plain, (r.params, r.state, y[:, None]), repeats),
+           "forward_block1_with_context_ms": _median_ms(verify, (r.params, r.state, jnp.tile(y[:, None], (1, K1))),
+                                                        repeats),
+           "propose_ms": _median_ms(propose, (r.params, r.state, y), repeats)}
+    out["spec_model_work_in_plain_iterations"] = (
+        (out["forward_block1_with_context_ms"] + out["propose_ms"]) / out["forward_1_ms"])
+    return out
 
 
 def run_mode(model, args, speculative: bool) -> dict:
@@ -101,18 +160,21 @@ def run_mode(model, args, speculative: bool) -> dict:
     drafts = m["spec_num_drafts"] - m0["spec_num_drafts"]
     acc = m["spec_num_accepted_tokens"] - m0["spec_num_accepted_tokens"]
     per_pos = [a - b for a, b in zip(m["spec_accepted_per_pos"], m0["spec_accepted_per_pos"])]
+    iters = m["num_decode_iters"] - m0["num_decode_iters"]
+    breakdown = iteration_breakdown(eng, args.repeats) if speculative and args.breakdown else None
     return {
         "speculative": speculative, "startup_s": startup, "warmup_s": eng.warmup_time,
         "generated_tokens": n_tok, "elapsed_s": dt, "tokens_per_s": n_tok / dt if dt else 0.0,
         "steps": steps, "host_overhead_per_step_ms": 1e3 * statistics.mean(host) if host else 0.0,
         "step_time_ms": 1e3 * dt / steps if steps else 0.0,
-        "decode_iters": m["num_decode_iters"] - m0["num_decode_iters"],
+        "decode_iters": iters, "ms_per_decode_iter": 1e3 * dt / iters if iters else 0.0,
         "drafts": drafts, "draft_tokens": drafts * eng.k, "accepted_tokens": acc,
         "acceptance_rate": acc / (drafts * eng.k) if drafts else 0.0,
         "mean_acceptance_length": 1 + acc / drafts if drafts else 0.0,
         "acceptance_rate_per_pos": [a / drafts for a in per_pos] if drafts else [],
         "compiles_after_warmup": eng.compiles_after_warmup,
         "kv_bytes_per_token": eng.memory["global_kv_bytes_per_token"],
+        **({"iteration_breakdown": breakdown} if breakdown else {}),
     }
 
 
@@ -146,6 +208,13 @@ def main(argv=None) -> int:
             print(f"        drafts {r['drafts']}, draft tokens {r['draft_tokens']}, accepted {r['accepted_tokens']}, "
                   f"acceptance rate {r['acceptance_rate']:.3f}, mean acceptance length "
                   f"{r['mean_acceptance_length']:.3f}, per position [{pp}]")
+            b = r.get("iteration_breakdown")
+            if b:
+                print(f"        breakdown ({b['rows']} rows, median ms): forward 1 row {b['forward_1_ms']:.2f}, "
+                      f"forward {b['block'] + 1} rows + draft context {b['forward_block1_with_context_ms']:.2f}, "
+                      f"propose {b['propose_ms']:.2f} -> a speculative iteration's model work = "
+                      f"{b['spec_model_work_in_plain_iterations']:.2f} plain iterations' (pays off when the mean "
+                      f"acceptance length is larger)")
         sys.stdout.flush()
     if len(results) == 2 and results[1]["tokens_per_s"]:
         print(f"speculative / plain tokens/s: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")

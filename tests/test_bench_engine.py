@@ -1,0 +1,30 @@
+"""``python -m dsflash.bench engine`` end to end on the engine's toy backend: both modes generate every token, the
+speculative one reports its acceptance, and ``--breakdown`` times the parts of an iteration on the live engine."""
+import json
+
+from dsflash.bench import engine as bench_engine
+
+
+def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    rc = bench_engine.main(["--model", "toy", "--num-prompts", "3", "--prompt-len", "8", "--max-tokens", "12",
+                            "--max-num-seqs", "2", "--max-model-len", "64", "--page-size", "8",
+                            "--prefill-buckets", "2x8", "--breakdown", "--repeats", "3", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())["results"]
+    spec, plain = res
+    assert spec["speculative"] and not plain["speculative"]
+    for r in res:
+        assert r["generated_tokens"] == 3 * 12
+        assert r["decode_iters"] > 0 and r["ms_per_decode_iter"] > 0
+        assert r["compiles_after_warmup"] == 0
+    # the toy draft often agrees with the toy target: fewer iterations than tokens per sequence
+    assert spec["mean_acceptance_length"] > 1.2 and spec["decode_iters"] < plain["decode_iters"]
+    b = spec["iteration_breakdown"]
+    assert b["rows"] == 2 and b["block"] == 3
+    assert min(b["forward_1_ms"], b["forward_block1_with_context_ms"], b["propose_ms"]) > 0
+    assert abs(b["spec_model_work_in_plain_iterations"]
+               - (b["forward_block1_with_context_ms"] + b["propose_ms"]) / b["forward_1_ms"]) < 1e-9
+    assert "iteration_breakdown" not in plain
+    text = capsys.readouterr().out
+    assert "breakdown (2 rows" in text and "speculative / plain tokens/s" in text
