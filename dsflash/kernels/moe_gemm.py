@@ -23,6 +23,51 @@ def _compute_dtype(precision):
     return jnp.float32 if precision == "fp32" else jnp.bfloat16
 
 
+# CPU path of grouped_dot: rows per block, and the cap on its gathered per-block weights (bytes) above which it
+# falls back to lax.ragged_dot
+_CPU_BLOCK_ROWS = 8
+_CPU_MAX_GATHER_BYTES = 256 << 20
+
+
+def grouped_dot(xs, w, group_sizes):
+    """``lax.ragged_dot(xs, w, group_sizes)`` with fp32 accumulation: xs [M, K] rows sorted by group, w [G, K, N],
+    group_sizes [G] -> [M, N] f32; rows past the last group are 0.
+
+    On CPU, XLA lowers ``ragged_dot`` to a product of every row with every group's matrix (its cost analysis counts
+    G x the grouped flops), which made the routed MoE most of a demo-model forward. The CPU path here cuts each
+    group's rows into blocks of ``_CPU_BLOCK_ROWS`` (a static bound of M / 8 + G blocks), gathers each block's rows
+    and matrix and runs one batched matmul: the grouped flops plus block padding. Measured (demo MoE, G=8, K=256,
+    N=128, bf16, 2 cores): 0.31 vs 1.43 ms at 96 rows, 2.7 vs 11.5 ms at 1,024. Results equal ``ragged_dot``'s to
+    fp32 accumulation order (~3e-7 relative) and a row's result does not depend on the other rows (fixed block
+    shape; tested). Other platforms keep ``ragged_dot``, a real grouped GEMM there."""
+    def ragged(xs, w, group_sizes):
+        return jax.lax.ragged_dot(xs, w, group_sizes, preferred_element_type=jnp.float32)
+
+    M, K = xs.shape
+    G, _, N = w.shape
+    b = _CPU_BLOCK_ROWS
+    nb = -(-M // b) + G                                     # each group wastes < 1 block
+    if nb * K * N * w.dtype.itemsize > _CPU_MAX_GATHER_BYTES:
+        return ragged(xs, w, group_sizes)
+
+    def blocked(xs, w, group_sizes):
+        ends = jnp.cumsum(group_sizes)
+        starts = ends - group_sizes
+        blocks = -(-group_sizes // b)
+        bend = jnp.cumsum(blocks)
+        j = jnp.arange(nb)
+        grp = jnp.searchsorted(bend, j, side="right")       # G: an unused block
+        g = jnp.minimum(grp, G - 1)
+        rows = (starts[g] + (j - (bend - blocks)[g]) * b)[:, None] + jnp.arange(b)[None]      # [nb, b]
+        ok = (grp < G)[:, None] & (rows < ends[g][:, None])
+        xb = jnp.where(ok[..., None], xs[jnp.clip(rows, 0, M - 1)], 0)
+        ob = jnp.einsum("jbk,jkn->jbn", xb, w[g], preferred_element_type=jnp.float32)
+        out = jnp.zeros((M + 1, N), jnp.float32).at[jnp.where(ok, rows, M).reshape(-1)].set(ob.reshape(-1, N))
+        return out[:M]
+
+    return jax.lax.platform_dependent(xs, w, group_sizes, cpu=blocked, default=ragged)
+
+
 def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference"):
     T, d = x.shape
     k = idx.shape[1]
@@ -39,15 +84,15 @@ def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, preci
     W1 = quant.dequant_mxfp4_weight(w1, s1, cdt)
     W3 = quant.dequant_mxfp4_weight(w3, s3, cdt)
     W2 = quant.dequant_mxfp4_weight(w2, s2, cdt)
-    g = jax.lax.ragged_dot(xs, jnp.swapaxes(W1, 1, 2), group_sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, jnp.swapaxes(W3, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+    g = grouped_dot(xs, jnp.swapaxes(W1, 1, 2), group_sizes)
+    u = grouped_dot(xs, jnp.swapaxes(W3, 1, 2), group_sizes)
     g = jnp.minimum(g, limit)
     u = jnp.clip(u, -limit, limit)
     h = jax.nn.silu(g) * u * weight.reshape(-1)[order][:, None].astype(jnp.float32)
     h = h.astype(cdt)
     if precision == "reference":
         h = quant.fp8_roundtrip(h, 32)
-    o = jax.lax.ragged_dot(h, jnp.swapaxes(W2, 1, 2), group_sizes, preferred_element_type=jnp.float32)
+    o = grouped_dot(h, jnp.swapaxes(W2, 1, 2), group_sizes)
     o = o.astype(cdt).astype(jnp.float32)
     return jnp.zeros((T, d), jnp.float32).at[tok].add(o)
 
