@@ -34,7 +34,8 @@ def load_model(name_or_path, **load_opts):
 class ModelBackend:
     supports_row_keys = True
 
-    def __init__(self, model, *, precision: str = "reference", bounded_replay=None, backend: str = "xla"):
+    def __init__(self, model, *, precision: str = "reference", bounded_replay=None, backend: str = "xla",
+                 dequantize: bool | None = None):
         self.model = model
         self.cfg = model.cfg
         self.params = model.params
@@ -60,6 +61,16 @@ class ModelBackend:
         self.mesh = getattr(model, "mesh", None) if self.dp > 1 else None
         self.strategy = getattr(model, "strategy", "dep")
         self.routed_fn = getattr(model, "routed_fn", None) if self.dp > 1 else None
+        # XLA on one CPU device: dequantise the FP8 / MXFP4 weights once instead of in every call (bit-identical
+        # outputs; dsflash.model.params.dequantized_weights). None = that case; True / False force it.
+        if dequantize is None:
+            dequantize = backend == "xla" and self.mesh is None and jax.default_backend() == "cpu"
+        self.dequantized = False
+        if dequantize:
+            from dsflash.model.params import dequantized_weights
+            dq = dequantized_weights(self.cfg, self.params)
+            if dq is not None:
+                self.params, self.dequantized = dq, True
         # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params;
         # (L, P) of the per-physical load every forward then returns, None = EPLB off
         self.eplb_shape = None
