@@ -14,6 +14,7 @@ import math
 import os
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -114,14 +115,22 @@ def _with_doc_starts(corpus, rows: np.ndarray, split: str, fraction: float, star
 
 def _target_cache(src, cfg, rows: np.ndarray, batch_size: int, precision: str, offset: int, tick) -> dict:
     """:func:`loop.target_outputs` of every row of a fixed pool (batches of ``batch_size``, the tail in one more
-    call), concatenated on the device: the frozen target runs once per row instead of once per draft step."""
-    parts = []
+    call), written into buffers of the whole pool's size on the device: the frozen target runs once per row instead
+    of once per draft step. The buffers are donated to each write, so memory peaks at the cache plus one batch (a
+    concatenation of the parts would hold the cache twice)."""
+    write = jax.jit(lambda buf, part, i: {k: jax.lax.dynamic_update_slice_in_dim(buf[k], part[k], i, 0) for k in buf},
+                    donate_argnums=0)
+    buf = None
     for i in range(0, len(rows), batch_size):
-        parts.append(loop.target_outputs(src, cfg, jnp.asarray(rows[i:i + batch_size]), precision, offset))
+        out = loop.target_outputs(src, cfg, jnp.asarray(rows[i:i + batch_size]), precision, offset)
+        part = {k: out[k] for k in ("taps", "logits")}
+        if buf is None:
+            buf = {k: jnp.zeros((len(rows), *v.shape[1:]), v.dtype) for k, v in part.items()}
+        buf = write(buf, part, i)
+        del out, part
         if tick is not None:
             tick(1)
-    out = {k: jnp.concatenate([p[k] for p in parts]) for k in ("taps", "logits")}
-    return dict(out, offset=jnp.int32(offset))
+    return dict(buf, offset=jnp.int32(offset))
 
 
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
