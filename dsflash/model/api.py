@@ -59,16 +59,20 @@ class Model:
 
     # ------------------------------------------------------------------ state
     def init_state(self, batch_size: int = 1, max_len: int = 512, page_size: int | None = None,
-                   ring_slack: int = 16):
+                   ring_slack: int = 16, precision: str | None = None):
+        """A fresh session. Its caches are laid out for ``precision`` (default: the model's), and every
+        ``forward`` on it must run at that precision."""
         ps = page_size or self.opts.page_size
+        precision = precision or self.opts.precision
         pages = -(-max_len // ps)
         slots = -(-batch_size // self.dp) * self.dp            # rows shard over the DP axes
         geo = CacheGeometry(num_slots=slots, num_pages=slots * pages, page_size=ps, ring_slack=ring_slack)
-        state = init_state(self.cfg, geo, self.opts.precision)
+        state = init_state(self.cfg, geo, precision)
         if self.mesh is not None:
             from dsflash.sharding.rules import state_shardings
             state = jax.device_put(state, state_shardings(state, self.mesh, self.strategy))
-        return {"state": state, "pages_per_seq": pages, "page_size": ps, "max_len": pages * ps}
+        return {"state": state, "pages_per_seq": pages, "page_size": ps, "max_len": pages * ps,
+                "precision": precision}
 
     def forward(self, token_ids, session, start=0, lengths=None, **opts):
         """One forward over ``token_ids`` [B, S] at positions start.. (int or per row). ``session`` comes from
@@ -92,13 +96,16 @@ class Model:
             from dsflash.sharding.rules import batch_shardings
             batch = jax.device_put(batch, batch_shardings(batch, self.mesh, self.strategy))
         o = self.opts.replace(page_size=session["page_size"], **opts)
+        if o.precision != session.get("precision", o.precision):
+            raise ValueError(f"precision: the session's caches were made for precision={session['precision']!r}, "
+                             f"not {o.precision!r}; make it with init_state(..., precision={o.precision!r})")
         out, session["state"] = forward_jit(self.params, self.cfg, batch, session["state"], o, self.routed_fn)
         return {k: (v[:B] if k != "expert_load" else v) for k, v in out.items()}
 
     def logits(self, token_ids, **opts):
         """Full-prefill logits ``[batch, seq, vocab]`` (float32, numpy) of a fresh sequence per row."""
         tokens = self._tokens(token_ids)
-        sess = self.init_state(tokens.shape[0], max(tokens.shape[1], 1))
+        sess = self.init_state(tokens.shape[0], max(tokens.shape[1], 1), precision=opts.get("precision"))
         return np.asarray(self.forward(tokens, sess, logits="all", **opts)["logits"])
 
     def propose(self, token_ids, y=None, **opts):
@@ -106,7 +113,7 @@ class Model:
         (default: the target's greedy next token). Returns numpy dict(drafts, logits, confidence, y)."""
         tokens = self._tokens(token_ids)
         B, S = tokens.shape
-        sess = self.init_state(B, S + self.cfg.dspark_block_size + 1)
+        sess = self.init_state(B, S + self.cfg.dspark_block_size + 1, precision=opts.get("precision"))
         opts = dict(opts, taps=True, logits="last")
         o = self.opts.replace(**opts)
         out = self.forward(tokens, sess, **opts)
