@@ -207,6 +207,9 @@ def _sk_cases():
         (MC(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=32, BK=64), dict(T=1, k=2, E=8)),   # auto KS
         (MC(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=2, KS_DOWN=2), dict(precision="bf16")),
         (MC(BM=16, BN_UP=64, BN_DOWN=64, KSUB=2), {}),
+        # the default decode configs fitted to the tiny preset's d = 256, I = 64 (fit_config)
+        (mt.fit_config(mt.DECODE_CONFIG, 256, 64), dict(I=64)),
+        (mt.fit_config(mt.pick_config(1, 8, False), 256, 64), dict(I=64, precision="bf16", T=3, E=8)),
     ]
 
 

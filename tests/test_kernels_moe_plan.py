@@ -107,3 +107,16 @@ def test_onehot_schedule_equals_sort(T, k, E, BM, skew):
     np.testing.assert_array_equal(np.asarray(p["tok"]), order // k)
     for name, v in zip(("tile_e", "tile_s", "tile_end"), a[1:]):
         np.testing.assert_array_equal(np.asarray(p[name]), np.asarray(v))
+
+
+def test_fit_config_shrinks_blocks_to_small_models_and_keeps_v41_configs():
+    for cfg in moe_plan.NAMED_CONFIGS.values():          # tuned at V4.1's sizes: untouched there
+        assert moe_plan.fit_config(cfg, 5120, 2304) == cfg
+    for rows, act_fp8 in ((8, True), (8, False), (4096, True)):  # the tiny preset: d = 256, I = 64
+        cfg = moe_plan.fit_config(moe_plan.pick_config(rows, 8, act_fp8), 256, 64)
+        assert 64 % cfg.BN_UP == 0 and 256 % cfg.BN_DOWN == 0 and min(cfg.BN_UP, cfg.BN_DOWN, cfg.BK) >= 32
+        assert 64 % cfg.BK == 0 and (64 // 32) % cfg.KSUB == 0
+        if cfg.kind == "sk":                              # a split-K plan exists at that size
+            assert moe_plan.split_ks(cfg, rows * 2, 8, 256, 64)[0] >= 1
+    with pytest.raises(ValueError, match="divisible by 32"):
+        moe_plan.fit_config(moe_plan.DECODE_CONFIG, 256, 48)

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from dsflash.model import quant
-from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, num_tiles, pick_config,  # noqa: F401
+from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, fit_config, num_tiles, pick_config,  # noqa: F401
                                       prepare, split_ks, tile_schedule)
 
 
@@ -873,7 +873,7 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     k = idx.shape[1]
     E, I, _ = w1.shape
     S = T * k
-    cfg = config or pick_config(S, E, act_fp8)
+    cfg = config or fit_config(pick_config(S, E, act_fp8), d, I)
     _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg)
     p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
     w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)

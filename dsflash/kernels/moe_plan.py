@@ -3,6 +3,7 @@ expert-sorted tile schedule and the activation preparation. Tested on CPU in tes
 from __future__ import annotations
 
 import dataclasses
+from math import gcd
 
 import jax.numpy as jnp
 
@@ -112,6 +113,28 @@ def pick_config(rows: int, experts: int, act_fp8: bool = True) -> MoeConfig:
     if rows > 32 * experts:
         return PREFILL_CONFIG
     return DECODE_CONFIG if act_fp8 else DECODE_BF16_CONFIG
+
+
+def _pow2_dividing(b: int, n: int, floor: int) -> int:
+    while b >= floor and n % b:
+        b //= 2
+    return b
+
+
+def fit_config(cfg: MoeConfig, d: int, inter: int) -> MoeConfig:
+    """``cfg`` with its blocks shrunk (halved) until they divide the model's sizes: the tuned configs assume V4.1's
+    d = 5120, I = 2304, a small model (the tiny preset: d = 256, I = 64) needs smaller ones. Column blocks stay
+    >= 32 (one MXFP4 scale group), KSUB >= 1. Only the default config is fitted; an explicit one is checked as
+    given (``moe_gemm_triton._check_shapes``)."""
+    if d % 32 or inter % 32:
+        raise ValueError(f"the Triton MoE GEMM needs hidden_size and moe_intermediate_size divisible by 32 (the "
+                         f"MXFP4 scale group); got d={d}, I={inter}")
+    k_both = gcd(d, inter)
+    bn_up, bn_down = _pow2_dividing(cfg.BN_UP, inter, 32), _pow2_dividing(cfg.BN_DOWN, d, 32)
+    bk, ksub = _pow2_dividing(cfg.BK, k_both, 32), _pow2_dividing(cfg.KSUB, k_both // 32, 1)
+    if min(bn_up, bn_down, bk) < 32:
+        raise ValueError(f"no block of the config {cfg} fits d={d}, I={inter} (blocks are powers of two >= 32)")
+    return dataclasses.replace(cfg, BN_UP=bn_up, BN_DOWN=bn_down, BK=bk, KSUB=ksub)
 
 
 ONEHOT_MAX_SLOTS = 2048   # tile_schedule's sort-free path up to this many slots (decode); argsort above
