@@ -54,9 +54,9 @@ def test_greedy_speculative_equals_plain_fp32(prompts):
             acc = llm.engine.metrics_snapshot()["spec_mean_acceptance_length"]
     assert outs[True] == outs[False]
     assert all(len(t) == 24 for t in outs[True])
-    # the previous draft measured 1.49 (16 prompts x 48 tokens, fp32), draft A 1.51 (reference precision); random
-    # drafts are accepted at ~1/4096 per position
-    assert acc > 1.2, acc
+    # the shipped draft (2026-11-30, fourth run) measured 1.62 on these 6 prompts x 24 tokens at fp32, the one
+    # before it ~1.5; a random draft is accepted at ~1/4096 per position (mean length ~1.0)
+    assert acc > 1.4, acc
 
 
 def test_generates_readable_text():
