@@ -6,7 +6,10 @@
 #
 #   bash scripts/gpu_train_draft.sh
 #
-# Variants: A = warm start from the shipped draft, B = a fresh, larger draft (16 experts, top 2).
+# Variants: A = warm start from the shipped draft, B = a fresh, larger draft (16 experts, top 2); VARIANTS="A" runs
+# one. Time: chains ~13 s per 1,000 GREEDY_ROWS (+ ~60 s compile), taps ~8 s per 1,000, then DRAFT_SECONDS, then
+# export and evaluation (~60 s): TRAIN_TIMEOUT must cover all of it or metrics.json is lost (fourth run: 450 s was
+# ~30 s short). The target cache takes ~1.7 GB of GPU memory per 1,000 rows (MEM_FRACTION, default 0.4 each).
 # Returns: {A,B}_metrics.json, {A,B}_spec.json, {A,B}_checkpoint.tgz, train_{A,B}.log (tails).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -22,17 +25,22 @@ COMMON="--target-from dsflash/assets/demo --batch-size 64 --eval-every 200 --anc
 # first 160 characters, ~40 tokens; docs/training.md)
 variant() {   # name, extra args
   local name=$1; shift
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout "${TRAIN_TIMEOUT:-420}" python3 -m dsflash.train --out /tmp/draft_$name \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.4} timeout "${TRAIN_TIMEOUT:-420}" python3 -m dsflash.train --out /tmp/draft_$name \
     $COMMON "$@" > "$OUT/train_$name.log" 2>&1
   cp /tmp/draft_$name/metrics.json "$OUT/${name}_metrics.json" 2>/dev/null
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout "${SPEC_TIMEOUT:-120}" python3 -m dsflash.train.spec_eval \
     /tmp/draft_$name/checkpoint --prompts 16 --max-tokens 48 > "$OUT/${name}_spec.json" 2>> "$OUT/train_$name.log"
   tar czf "$OUT/${name}_checkpoint.tgz" -C /tmp/draft_$name checkpoint loss.png log.jsonl 2>/dev/null
 }
-variant A --draft-init checkpoint --draft-lr 1e-3 &
-variant B --draft-experts 16 --draft-topk 2 --draft-lr 3e-3 &
+for v in ${VARIANTS:-A B}; do
+  case $v in
+    A) variant A --draft-init checkpoint --draft-lr 1e-3 & ;;
+    B) variant B --draft-experts 16 --draft-topk 2 --draft-lr 3e-3 & ;;
+    *) echo "unknown variant $v (A or B)"; exit 2 ;;
+  esac
+done
 wait
-for n in A B; do
+for n in ${VARIANTS:-A B}; do
   echo "== $n"; tr '\r' '\n' < "$OUT/train_$n.log" | grep -v "^\s*$" | tail -8
   python3 - "$OUT/${n}_metrics.json" "$OUT/${n}_spec.json" <<'PY'
 import json, sys
@@ -46,5 +54,5 @@ except Exception as e:
     print("no result:", e)
 PY
 done
-for n in A B; do tr '\r' '\n' < "$OUT/train_$n.log" | tail -c 20000 > "$OUT/train_$n.tail.log"; mv "$OUT/train_$n.tail.log" "$OUT/train_$n.log"; done
+for n in ${VARIANTS:-A B}; do tr '\r' '\n' < "$OUT/train_$n.log" | tail -c 20000 > "$OUT/train_$n.tail.log"; mv "$OUT/train_$n.tail.log" "$OUT/train_$n.log"; done
 ls -la "$OUT"
