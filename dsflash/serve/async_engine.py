@@ -298,6 +298,7 @@ class AsyncEngine:
                     s.loop.call_soon_threadsafe(_set_exc, s.future, e)
                     continue
                 self._live[s.request_id] = (s.stream, s.loop)
+                self._num_live = len(self._live)        # counted before the caller hears it was added
                 s.loop.call_soon_threadsafe(_set_result, s.future)
             self._num_live = len(self._live)
             if stop:
@@ -330,6 +331,9 @@ class AsyncEngine:
             if out.finished:
                 self._live.pop(out.request_id, None)
             by_loop.setdefault(loop, []).append((stream, out))
+        # counted before delivery: a client that has its final output must not still see its request in flight
+        # (the delivery can run on its loop before this thread gets on; seen as a flaky test under load)
+        self._num_live = len(self._live)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
