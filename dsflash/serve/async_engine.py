@@ -124,9 +124,10 @@ class AsyncEngine:
         self._ready = threading.Event()
         self.engine: Any = None
         self.error: Optional[BaseException] = None
-        # engine-thread state (read by other threads only as plain int/dict snapshots)
+        # engine-thread state; other threads read only len(self._live) (the in-flight count, atomic) and snapshots.
+        # A request enters _live before its caller hears it was added and leaves before its final output is handed
+        # over, so a caller never sees a count that contradicts what it was told.
         self._live: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
-        self._num_live = 0
         self._snapshot: dict = {}
         self._snapshot_time = 0.0
         self.num_steps = 0
@@ -159,7 +160,7 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests the engine currently holds (added, not finished, not yet aborted)."""
-        return self._num_live
+        return len(self._live)
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on; in-flight requests keep running. Thread/signal-safe."""
@@ -179,7 +180,7 @@ class AsyncEngine:
     async def wait_idle(self, timeout: Optional[float] = None, poll_s: float = 0.05) -> bool:
         """Wait until no request is in flight; True if that happened within ``timeout``."""
         t_end = None if timeout is None else time.monotonic() + timeout
-        while self._num_live > 0 or self._inbox_add:
+        while self._live or self._inbox_add:
             if t_end is not None and time.monotonic() > t_end:
                 return False
             await asyncio.sleep(poll_s)
@@ -235,8 +236,8 @@ class AsyncEngine:
         """The newest ``engine.metrics_snapshot()`` (refreshed by the engine thread every
         ``snapshot_interval_s``) plus this wrapper's own counters."""
         snap = dict(self._snapshot)
-        snap.setdefault("num_requests_in_flight", self._num_live)
-        snap["async_engine_in_flight"] = self._num_live
+        snap.setdefault("num_requests_in_flight", len(self._live))
+        snap["async_engine_in_flight"] = len(self._live)
         snap["async_engine_pending_adds"] = len(self._inbox_add)
         snap["async_engine_steps"] = self.num_steps
         snap["async_engine_step_time_s"] = self.step_time_s
@@ -298,9 +299,7 @@ class AsyncEngine:
                     s.loop.call_soon_threadsafe(_set_exc, s.future, e)
                     continue
                 self._live[s.request_id] = (s.stream, s.loop)
-                self._num_live = len(self._live)        # counted before the caller hears it was added
                 s.loop.call_soon_threadsafe(_set_result, s.future)
-            self._num_live = len(self._live)
             if stop:
                 for rid in list(self._live):
                     try:
@@ -318,7 +317,6 @@ class AsyncEngine:
                 self.num_steps += 1
                 self._dispatch(outs)
                 has_work = bool(eng.has_unfinished_requests())
-            self._num_live = len(self._live)
             self._refresh_snapshot(force=not has_work and not adds and not aborts)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
@@ -331,9 +329,6 @@ class AsyncEngine:
             if out.finished:
                 self._live.pop(out.request_id, None)
             by_loop.setdefault(loop, []).append((stream, out))
-        # counted before delivery: a client that has its final output must not still see its request in flight
-        # (the delivery can run on its loop before this thread gets on; seen as a flaky test under load)
-        self._num_live = len(self._live)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -342,7 +337,6 @@ class AsyncEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         live, self._live = self._live, {}
-        self._num_live = 0
         by_loop: dict = {}
         for stream, loop in live.values():
             by_loop.setdefault(loop, []).append((stream, exc))
