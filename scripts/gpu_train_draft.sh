@@ -7,9 +7,10 @@
 #   bash scripts/gpu_train_draft.sh
 #
 # Variants: A = warm start from the shipped draft, B = a fresh, larger draft (16 experts, top 2); VARIANTS="A" runs
-# one. Time: chains ~13 s per 1,000 GREEDY_ROWS (+ ~60 s compile), taps ~8 s per 1,000, then DRAFT_SECONDS, then
-# export and evaluation (~60 s): TRAIN_TIMEOUT must cover all of it or metrics.json is lost (fourth run: 450 s was
-# ~30 s short). The target cache takes ~1.7 GB of GPU memory per 1,000 rows (MEM_FRACTION, default 0.4 each).
+# one. Time (fourth run): chains ~13 s per 1,000 GREEDY_ROWS after a ~45 s compile, taps ~8 s per 1,000, then
+# DRAFT_SECONDS, then export and evaluation (not timed: the ~30 s that 450 s left them were too few). TRAIN_TIMEOUT
+# must cover all of it or metrics.json is lost. The target cache takes ~1.7 GB of GPU memory per 1,000 rows
+# (MEM_FRACTION, default 0.4 per process).
 # Returns: {A,B}_metrics.json, {A,B}_spec.json, {A,B}_checkpoint.tgz, train_{A,B}.log (tails).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,7 +29,7 @@ variant() {   # name, extra args
   XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.4} timeout "${TRAIN_TIMEOUT:-420}" python3 -m dsflash.train --out /tmp/draft_$name \
     $COMMON "$@" > "$OUT/train_$name.log" 2>&1
   cp /tmp/draft_$name/metrics.json "$OUT/${name}_metrics.json" 2>/dev/null
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout "${SPEC_TIMEOUT:-120}" python3 -m dsflash.train.spec_eval \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.4} timeout "${SPEC_TIMEOUT:-120}" python3 -m dsflash.train.spec_eval \
     /tmp/draft_$name/checkpoint --prompts 16 --max-tokens 48 > "$OUT/${name}_spec.json" 2>> "$OUT/train_$name.log"
   tar czf "$OUT/${name}_checkpoint.tgz" -C /tmp/draft_$name checkpoint loss.png log.jsonl 2>/dev/null
 }
