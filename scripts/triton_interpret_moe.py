@@ -213,6 +213,32 @@ def _sk_cases():
     ]
 
 
+def _sw_cases():
+    """The swapped-operand kernels (mma "swap" / "swap_eo"): split and unsplit, hand prefetch or not, decode and
+    prefill-sized tiles, both precisions."""
+    MC = mt.MoeConfig
+    return [
+        (MC(kind="sk", mma="swap", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2), {}),
+        (MC(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2), {}),
+        (MC(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=1, KS_DOWN=1),
+         dict(T=40, k=3, E=3, seed=1)),
+        (MC(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=64, prefetch=False), dict(T=1, k=2, E=8)),
+        (MC(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=2, KS_DOWN=2),
+         dict(precision="bf16")),
+        (MC(kind="sk", mma="swap_eo", BM=64, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=1, KS_DOWN=1, prefetch=False),
+         dict(T=40, k=3, E=3, seed=2)),
+        (MC(kind="sk", mma="swap", BM=16, BN_UP=32, BN_DOWN=128, BK=128, KS_UP=2, KS_DOWN=1, prefetch=False),
+         dict(seed=3)),
+    ]
+
+
+def _sw(j):
+    cfg, kw = _sw_cases()[j]
+    rel, same = check_launch(cfg, **kw)
+    assert rel < 1e-2, rel
+    assert kw.get("precision", "reference") != "reference" or same >= 0.999, same
+
+
 def _legacy(j):
     r = {0: lambda: main("reference"), 1: lambda: main("bf16"),
          2: lambda: main("reference", T=40, k=3, E=3, BM=16, seed=1)}[j]()
@@ -231,4 +257,5 @@ if __name__ == "__main__":
     from interpret_isolation import main as run_isolated
     checks = {f"legacy-{j}": functools.partial(_legacy, j) for j in range(3)}
     checks.update({f"sk-{j}": functools.partial(_sk, j) for j in range(len(_sk_cases()))})
+    checks.update({f"sw-{j}": functools.partial(_sw, j) for j in range(len(_sw_cases()))})
     run_isolated(__file__, checks)

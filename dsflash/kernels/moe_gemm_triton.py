@@ -65,8 +65,21 @@ def _e2m1_to_e4m3_tl(p):
 
 
 @triton.jit
-def _e2m1_to_e4m3_asm(p):
-    lo, hi = tl.inline_asm_elementwise(
+def _e2m1_planes_tl(p):
+    """uint8 [R, C] nibble pairs -> two uint8 [R, C] planes of E4M3 bytes worth E2M1 * 2^-6: the low nibbles (even
+    K elements) and the high nibbles (odd K elements), not interleaved."""
+    v = p.to(tl.int32)
+    lo = v & 0xF
+    hi = (v >> 4) & 0xF
+    blo = ((lo & 8) << 4) | ((lo & 7) << 2)
+    bhi = ((hi & 8) << 4) | ((hi & 7) << 2)
+    return blo.to(tl.uint8), bhi.to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_planes_asm(p):
+    """``_e2m1_planes_tl`` in inline PTX: four shifts/ands per 8 nibbles."""
+    return tl.inline_asm_elementwise(
         asm="""
         {
         .reg .b32 t0, t1;
@@ -87,6 +100,11 @@ def _e2m1_to_e4m3_asm(p):
         is_pure=True,
         pack=4,
     )
+
+
+@triton.jit
+def _e2m1_to_e4m3_asm(p):
+    lo, hi = _e2m1_planes_asm(p)
     b = tl.join(lo, hi)
     b = tl.reshape(b, (p.shape[0], 2 * p.shape[1]))
     return b.to(tl.float8e4nv, bitcast=True)
@@ -685,6 +703,136 @@ def _moe_down_reduce_sk(part_ptr, o_ptr, S: tl.constexpr, D: tl.constexpr, BR: t
     tl.store(o_ptr + offs, _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
 
 
+# ------------------------------------------- swapped-operand kernels (kind "sk", mma "swap" / "swap_eo")
+# The weights are the MMA's left operand: acc^T [BN, BM] += W [BN, BK] . x^T [BK, BM]. On Hopper a wgmma takes its
+# A operand from registers, so the weights decoded in registers feed the tensor cores without a trip through
+# shared memory, and BN (64-128 weight rows) fills the wgmma's M = 64 while the few token rows of a decode tile are
+# its N (>= 16). "swap_eo" also drops the nibble interleave: the low nibbles (even K elements) and the high nibbles
+# (odd K elements) stay two planes, each multiplied by the matching half of x.
+@triton.jit
+def _decode_planes_bf16(p, s, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
+    """Packed E2M1 [BN, BK/2] + UE8M0 [BN, BK/32] -> (even, odd) bf16 planes [BN, BK/2] = value * scale (exact):
+    plane column j is K element 2j (even) or 2j + 1 (odd) of the slab, in scale group j // 16."""
+    if DECODE == 1:
+        lo, hi = _e2m1_planes_asm(p)
+    else:
+        lo, hi = _e2m1_planes_tl(p)
+    sc = (_e8m0_to_f32(s) * 64.0)[:, :, None]                          # E4M3 byte holds value * 2^-6
+    wl = tl.reshape(lo.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BN, BK // 32, 16)) * sc
+    wh = tl.reshape(hi.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BN, BK // 32, 16)) * sc
+    return tl.reshape(wl, (BN, BK // 2)).to(tl.bfloat16), tl.reshape(wh, (BN, BK // 2)).to(tl.bfloat16)
+
+
+@triton.jit
+def _sw_mma(acc, p, s, xb, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EO: tl.constexpr,
+            DECODE: tl.constexpr):
+    """acc^T [BN, BM] += decoded weight slab [BN, BK] . xb^T (xb: bf16 [BM, BK], exact carriers)."""
+    if EO:
+        wl, wh = _decode_planes_bf16(p, s, BN, BK, DECODE)
+        xe, xo = tl.split(tl.reshape(xb, (BM, BK // 2, 2)))
+        acc += _dot_bf16(wl, tl.trans(xe), DECODE)
+        acc += _dot_bf16(wh, tl.trans(xo), DECODE)
+    else:
+        acc += _dot_bf16(_decode_slab_bf16(p, s, BN, BK, DECODE), tl.trans(xb), DECODE)
+    return acc
+
+
+@triton.jit
+def _moe_up_kernel_sw(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                      w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                      h_ptr, hs_ptr,
+                      S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, EO: tl.constexpr,
+                      PREFETCH: tl.constexpr, ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
+    """``_moe_up_kernel_sk`` (mma "bf16") with the operands swapped (block comment above). PREFETCH: the next slab's
+    raw bytes are loaded into registers before this one is used; else plain loads that Triton's pipeliner may stage
+    (``num_stages``). KS > 1: fp32 partials [KS, S, 2, I] for ``_moe_up_epilogue_sk``; KS == 1: the epilogue here."""
+    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    ks = tl.program_id(2)
+    KPACK: tl.constexpr = D // 2
+    KSC: tl.constexpr = D // 32
+    KCH: tl.constexpr = D // KS
+    kbeg = ks * KCH
+    w1b, s1b = _expert_w(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _expert_w(w3_ptr, s3_ptr, e, I, D)
+    acc_g = tl.zeros((BN, BM), tl.float32)
+    acc_u = tl.zeros((BN, BM), tl.float32)
+    if PREFETCH:
+        pg, sg = _load_w_slab(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK)
+        pu, su = _load_w_slab(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK)
+    for i in tl.range(0, KCH // BK):
+        k0, kn = _slab_k(kbeg, i, KCH, BK)
+        if PREFETCH:
+            npg, nsg = _load_w_slab(w1b, s1b, offs_n, kn, KPACK, KSC, BK)
+            npu, nsu = _load_w_slab(w3b, s3b, offs_n, kn, KPACK, KSC, BK)
+        else:
+            pg, sg = _load_w_slab(w1b, s1b, offs_n, k0, KPACK, KSC, BK)
+            pu, su = _load_w_slab(w3b, s3b, offs_n, k0, KPACK, KSC, BK)
+        xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
+        if ACT_FP8:
+            sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
+            xb = _fp8_dequant_bf16(xa, sx, BM, BK)
+        else:
+            xb = xa
+        acc_g = _sw_mma(acc_g, pg, sg, xb, BM, BN, BK, EO, DECODE)
+        acc_u = _sw_mma(acc_u, pu, su, xb, BM, BN, BK, EO, DECODE)
+        if PREFETCH:
+            pg = npg
+            sg = nsg
+            pu = npu
+            su = nsu
+    if KS == 1:
+        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+        _store_h(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n,
+                 nb * BN, I, BM, BN, HOUT)
+    else:
+        base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + offs_n[:, None]
+        tl.store(base, acc_g, mask=rmask[None, :])
+        tl.store(base + I, acc_u, mask=rmask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel_sw(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                        w2_ptr, s2_ptr,
+                        o_ptr,
+                        S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, EO: tl.constexpr,
+                        PREFETCH: tl.constexpr, DECODE: tl.constexpr):
+    """``_moe_down_kernel_sk`` (mma "bf16", h as bf16 [S, I] in sorted rows) with the operands swapped."""
+    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
+    ks = tl.program_id(2)
+    KPACK: tl.constexpr = I // 2
+    KSC: tl.constexpr = I // 32
+    KCH: tl.constexpr = I // KS
+    kbeg = ks * KCH
+    w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
+    acc = tl.zeros((BN, BM), tl.float32)
+    if PREFETCH:
+        pw, sw = _load_w_slab(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK)
+    for i in tl.range(0, KCH // BK):
+        k0, kn = _slab_k(kbeg, i, KCH, BK)
+        if PREFETCH:
+            npw, nsw = _load_w_slab(w2b, s2b, offs_n, kn, KPACK, KSC, BK)
+        else:
+            pw, sw = _load_w_slab(w2b, s2b, offs_n, k0, KPACK, KSC, BK)
+        ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
+        acc = _sw_mma(acc, pw, sw, ha, BM, BN, BK, EO, DECODE)
+        if PREFETCH:
+            pw = npw
+            sw = nsw
+    if KS == 1:
+        _store_o(tl.trans(acc), o_ptr, slot_ptr, rows, rmask, offs_n, D)
+    else:
+        slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        tl.store(o_ptr + (ks * S + slot[None, :]) * D + offs_n[:, None], acc, mask=rmask[None, :])
+
+
 # ------------------------------------------------------------------------------------------ JAX side
 def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
     T, d = x.shape
@@ -770,7 +918,7 @@ def _block_dividing(n, cap):
 def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
     """Static launch plan of a kind-"sk" config: K splits, the MMA flavour and how h travels."""
     ks_up, ks_down = split_ks(cfg, S, E, d, I)
-    mma = {"fp8": 0, "bf16": 1, "gemv": 2}[cfg.mma]
+    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4}[cfg.mma]
     if not act_fp8 and not mma:
         raise NotImplementedError("kind 'sk' with mma='fp8' needs FP8 activations (precision 'reference')")
     if mma == 2 and cfg.BM != 1:
@@ -786,19 +934,24 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     dec = int(cfg.decode == "asm")
     hdt = jnp.float8_e4m3fn if hout == 0 else jnp.bfloat16
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
-    common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, KSUB=cfg.KSUB, MMA=mma, DECODE=dec)
+    if mma >= 3:
+        kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
+        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=int(mma == 4), PREFETCH=int(cfg.prefetch), DECODE=dec)
+    else:
+        kern_up, kern_down = _moe_up_kernel_sk, _moe_down_kernel_sk
+        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, KSUB=cfg.KSUB, MMA=mma, DECODE=dec)
     up_args = (p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3)
     if mma == 2:
         return _launch_gemv(jt, p, up_args, w2, s2, h_shapes, S=S, TM=TM, d=d, I=I, limit=limit, act_fp8=act_fp8,
                             cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
     if ks_up == 1:
         hq, hs = jt.triton_call(
-            *up_args, kernel=_moe_up_kernel_sk, out_shape=h_shapes,
+            *up_args, kernel=kern_up, out_shape=h_shapes,
             grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(act_fp8), HOUT=hout, **common)
     else:
         part, _ = jt.triton_call(
-            *up_args, kernel=_moe_up_kernel_sk,
+            *up_args, kernel=kern_up,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
             grid=(TM, I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(act_fp8), HOUT=hout, **common)
@@ -806,12 +959,12 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
     if ks_down == 1:
         o = jt.triton_call(
-            *down_args, kernel=_moe_down_kernel_sk, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
+            *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
             grid=(TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=1, **common)
     else:
         part = jt.triton_call(
-            *down_args, kernel=_moe_down_kernel_sk, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
+            *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
             grid=(TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
         o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)

@@ -30,6 +30,10 @@ class MoeConfig:
                           # (exact), next slab prefetched into registers, one bf16 MMA per slab, bf16 carriers of
                           # the FP8 round trips; "fp8": the fp8mma per-32 block loop (KSUB blocks per step);
                           # "gemv": BM=1 tiles on the CUDA cores (slab + prefetch as "bf16", no MMA)
+                          # "swap": as "bf16" with the weights as the MMA's left operand (acc^T = W . x^T; Hopper
+                          # wgmma reads it from registers); "swap_eo": "swap" without the nibble interleave (even
+                          # and odd K elements as two planes, two MMAs per slab)
+    prefetch: bool = True # mma "swap" / "swap_eo": next slab loaded into registers by hand (else Triton's pipeliner)
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)
@@ -75,6 +79,21 @@ NAMED_CONFIGS = {
     "sk_fp8": SK_FP8,
     "sk_gemv": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
     "sk_gemv_bk256": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=32, BN_DOWN=32, BK=256, stages=3),
+    # swapped operands (weights as the MMA's left operand; 2026-11-30, interpreter-checked, not yet timed): decode
+    # with split K ...
+    "sw_bf16": MoeConfig(kind="sk", mma="swap", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
+    "sw_eo": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
+    "sw_eo_bn128": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=3),
+    "sw_eo_np": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_eo_np_bk256": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3,
+                                prefetch=False),
+    # ... and prefill (no split, token tiles of 64-128 as the MMA's N)
+    "sw_eo_prefill": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3,
+                               KS_UP=1, KS_DOWN=1, prefetch=False),
+    "sw_eo_prefill_bm128": MoeConfig(kind="sk", mma="swap_eo", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8,
+                                     warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
+    "sw_prefill": MoeConfig(kind="sk", mma="swap", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3, KS_UP=1,
+                            KS_DOWN=1, prefetch=False),
 }
 
 

@@ -52,6 +52,11 @@ COMBOS = (
     + [(SMALL[2], "sk_bf16", "bf16"), (SMALL[3], "sk_bf16", "reference")]
     + [(c, "sk_gemv", "reference") for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
     + [(REAL_ONE, "sk_gemv_bk256", "reference"), (SMALL[2], "sk_gemv", "bf16")]
+    # swapped operands (weights as the MMA's left operand; interpreter-checked before their first GPU run)
+    + [(c, n, "reference") for n in ("sw_bf16", "sw_eo", "sw_eo_np") for c in (SMALL[0], SMALL[1])]
+    + [(c, n, "reference") for n in ("sw_eo", "sw_eo_bn128", "sw_eo_np_bk256") for c in (REAL_ONE, REAL_DECODE)]
+    + [(SMALL[2], "sw_eo", "bf16"), (SMALL[3], "sw_eo_prefill", "reference"), (SMALL[2], "sw_prefill", "bf16")]
+    + [(REAL_PREFILL, n, "reference") for n in ("sw_eo_prefill", "sw_eo_prefill_bm128", "sw_prefill")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
