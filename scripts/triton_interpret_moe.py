@@ -229,6 +229,12 @@ def _sw_cases():
          dict(T=40, k=3, E=3, seed=2)),
         (MC(kind="sk", mma="swap", BM=16, BN_UP=32, BN_DOWN=128, BK=128, KS_UP=2, KS_DOWN=1, prefetch=False),
          dict(seed=3)),
+        # "swap_bd": bf16 bits built directly (DECODE="tl" twin of the inline-PTX decoder)
+        (MC(kind="sk", mma="swap_bd", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2, prefetch=False), {}),
+        (MC(kind="sk", mma="swap_bd", BM=64, BN_UP=64, BN_DOWN=64, BK=128, KS_UP=1, KS_DOWN=1, prefetch=False),
+         dict(T=40, k=3, E=3, seed=4)),
+        (MC(kind="sk", mma="swap_bd", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=2, KS_DOWN=1),
+         dict(precision="bf16", seed=5)),
     ]
 
 

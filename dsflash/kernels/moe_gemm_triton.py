@@ -724,10 +724,106 @@ def _decode_planes_bf16(p, s, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.con
 
 
 @triton.jit
+def _e2m1_bf16_planes_asm(p, s):
+    """Packed E2M1 bytes p and their UE8M0 scale bytes s (same shape; four bytes of one scale group per register)
+    -> (even, odd) bf16 planes = value * 2^(s - 127), built directly as bf16 bits: the nibble's three magnitude bits
+    go to bf16 bits 6-8 and its sign to bit 15, which is exactly value * 2^-126 (the subnormal 0.5 included, as
+    for the E4M3 mapping), then two exact power-of-two multiplies, 2^100 and 2^(s - 101) (bf16 exponent field
+    s + 26: exact for 8 <= s <= 228; each byte uses its own scale byte, whatever elements a register packs).
+    ~2.5 integer ops + 1 bf16x2 multiply per weight, no fp32."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 m, w, t, u, c;
+        mov.b32 c, 0x71807180;
+        prmt.b32 m, $5, 0, 0x4140;
+        add.u32 m, m, 0x001A001A;
+        shl.b32 m, m, 7;
+        prmt.b32 w, $4, 0, 0x4140;
+        shl.b32 t, w, 6;
+        and.b32 t, t, 0x01C001C0;
+        shl.b32 u, w, 12;
+        and.b32 u, u, 0x80008000;
+        or.b32 t, t, u;
+        mul.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 $0, t, m;
+        shl.b32 t, w, 2;
+        and.b32 t, t, 0x01C001C0;
+        shl.b32 u, w, 8;
+        and.b32 u, u, 0x80008000;
+        or.b32 t, t, u;
+        mul.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 $2, t, m;
+        prmt.b32 m, $5, 0, 0x4342;
+        add.u32 m, m, 0x001A001A;
+        shl.b32 m, m, 7;
+        prmt.b32 w, $4, 0, 0x4342;
+        shl.b32 t, w, 6;
+        and.b32 t, t, 0x01C001C0;
+        shl.b32 u, w, 12;
+        and.b32 u, u, 0x80008000;
+        or.b32 t, t, u;
+        mul.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 $1, t, m;
+        shl.b32 t, w, 2;
+        and.b32 t, t, 0x01C001C0;
+        shl.b32 u, w, 8;
+        and.b32 u, u, 0x80008000;
+        or.b32 t, t, u;
+        mul.rn.bf16x2 t, t, c;
+        mul.rn.bf16x2 $3, t, m;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r",
+        args=[p, s],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _e2m1_bf16_planes_tl(p, s):
+    """``_e2m1_bf16_planes_asm`` in plain Triton ops (Triton's interpreter): the same bf16 bit construction, the
+    scale applied in fp32 (exact either way)."""
+    v = p.to(tl.uint32)
+    lo = ((v & 7) << 6) | ((v & 8) << 12)
+    hi = ((v & 0x70) << 2) | ((v & 0x80) << 8)
+    f = ((s.to(tl.int32) + 26) << 23).to(tl.float32, bitcast=True)          # 2^(s - 101)
+    wl = (lo << 16).to(tl.float32, bitcast=True) * 1.2676506002282294e30 * f   # * 2^100 * 2^(s - 101)
+    wh = (hi << 16).to(tl.float32, bitcast=True) * 1.2676506002282294e30 * f
+    return wl.to(tl.bfloat16), wh.to(tl.bfloat16)
+
+
+@triton.jit
+def _load_w_sw(w_base, s_base, offs_n, k0, KPACK: tl.constexpr, KSC: tl.constexpr, BK: tl.constexpr,
+               EO: tl.constexpr):
+    """The raw slab for ``_sw_mma``: as ``_load_w_slab``, or for EO == 2 the bytes as [BN, BK/32, 16] and their
+    scale bytes as [BN, BK/32, 1] (so the decoder gets each byte's scale elementwise, by broadcast)."""
+    if EO == 2:
+        g = tl.arange(0, BK // 32)
+        p = tl.load(w_base + offs_n[:, None, None] * KPACK + k0 // 2 + g[None, :, None] * 16
+                    + tl.arange(0, 16)[None, None, :])
+        s = tl.load(s_base + offs_n[:, None, None] * KSC + k0 // 32 + g[None, :, None])
+        return p, s
+    return _load_w_slab(w_base, s_base, offs_n, k0, KPACK, KSC, BK)
+
+
+@triton.jit
 def _sw_mma(acc, p, s, xb, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EO: tl.constexpr,
             DECODE: tl.constexpr):
     """acc^T [BN, BM] += decoded weight slab [BN, BK] . xb^T (xb: bf16 [BM, BK], exact carriers)."""
-    if EO:
+    if EO == 2:
+        if DECODE == 1:
+            wl, wh = _e2m1_bf16_planes_asm(p, s)
+        else:
+            wl, wh = _e2m1_bf16_planes_tl(p, s)
+        wl = tl.reshape(wl, (BN, BK // 2))
+        wh = tl.reshape(wh, (BN, BK // 2))
+        xe, xo = tl.split(tl.reshape(xb, (BM, BK // 2, 2)))
+        acc += _dot_bf16(wl, tl.trans(xe), DECODE)
+        acc += _dot_bf16(wh, tl.trans(xo), DECODE)
+    elif EO:
         wl, wh = _decode_planes_bf16(p, s, BN, BK, DECODE)
         xe, xo = tl.split(tl.reshape(xb, (BM, BK // 2, 2)))
         acc += _dot_bf16(wl, tl.trans(xe), DECODE)
@@ -761,16 +857,16 @@ def _moe_up_kernel_sw(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
     if PREFETCH:
-        pg, sg = _load_w_slab(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK)
-        pu, su = _load_w_slab(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK)
+        pg, sg = _load_w_sw(w1b, s1b, offs_n, kbeg, KPACK, KSC, BK, EO)
+        pu, su = _load_w_sw(w3b, s3b, offs_n, kbeg, KPACK, KSC, BK, EO)
     for i in tl.range(0, KCH // BK):
         k0, kn = _slab_k(kbeg, i, KCH, BK)
         if PREFETCH:
-            npg, nsg = _load_w_slab(w1b, s1b, offs_n, kn, KPACK, KSC, BK)
-            npu, nsu = _load_w_slab(w3b, s3b, offs_n, kn, KPACK, KSC, BK)
+            npg, nsg = _load_w_sw(w1b, s1b, offs_n, kn, KPACK, KSC, BK, EO)
+            npu, nsu = _load_w_sw(w3b, s3b, offs_n, kn, KPACK, KSC, BK, EO)
         else:
-            pg, sg = _load_w_slab(w1b, s1b, offs_n, k0, KPACK, KSC, BK)
-            pu, su = _load_w_slab(w3b, s3b, offs_n, k0, KPACK, KSC, BK)
+            pg, sg = _load_w_sw(w1b, s1b, offs_n, k0, KPACK, KSC, BK, EO)
+            pu, su = _load_w_sw(w3b, s3b, offs_n, k0, KPACK, KSC, BK, EO)
         xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
         if ACT_FP8:
             sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
@@ -814,13 +910,13 @@ def _moe_down_kernel_sw(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
     acc = tl.zeros((BN, BM), tl.float32)
     if PREFETCH:
-        pw, sw = _load_w_slab(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK)
+        pw, sw = _load_w_sw(w2b, s2b, offs_n, kbeg, KPACK, KSC, BK, EO)
     for i in tl.range(0, KCH // BK):
         k0, kn = _slab_k(kbeg, i, KCH, BK)
         if PREFETCH:
-            npw, nsw = _load_w_slab(w2b, s2b, offs_n, kn, KPACK, KSC, BK)
+            npw, nsw = _load_w_sw(w2b, s2b, offs_n, kn, KPACK, KSC, BK, EO)
         else:
-            pw, sw = _load_w_slab(w2b, s2b, offs_n, k0, KPACK, KSC, BK)
+            pw, sw = _load_w_sw(w2b, s2b, offs_n, k0, KPACK, KSC, BK, EO)
         ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
         acc = _sw_mma(acc, pw, sw, ha, BM, BN, BK, EO, DECODE)
         if PREFETCH:
@@ -918,7 +1014,7 @@ def _block_dividing(n, cap):
 def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
     """Static launch plan of a kind-"sk" config: K splits, the MMA flavour and how h travels."""
     ks_up, ks_down = split_ks(cfg, S, E, d, I)
-    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4}[cfg.mma]
+    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4, "swap_bd": 5}[cfg.mma]
     if not act_fp8 and not mma:
         raise NotImplementedError("kind 'sk' with mma='fp8' needs FP8 activations (precision 'reference')")
     if mma == 2 and cfg.BM != 1:
@@ -936,7 +1032,7 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
     if mma >= 3:
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
-        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=int(mma == 4), PREFETCH=int(cfg.prefetch), DECODE=dec)
+        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)
     else:
         kern_up, kern_down = _moe_up_kernel_sk, _moe_down_kernel_sk
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, KSUB=cfg.KSUB, MMA=mma, DECODE=dec)

@@ -32,7 +32,8 @@ class MoeConfig:
                           # "gemv": BM=1 tiles on the CUDA cores (slab + prefetch as "bf16", no MMA)
                           # "swap": as "bf16" with the weights as the MMA's left operand (acc^T = W . x^T; Hopper
                           # wgmma reads it from registers); "swap_eo": "swap" without the nibble interleave (even
-                          # and odd K elements as two planes, two MMAs per slab)
+                          # and odd K elements as two planes, two MMAs per slab); "swap_bd": "swap_eo" with the
+                          # planes built as bf16 bits directly (inline PTX, bf16x2 scale multiplies, no fp32)
     prefetch: bool = True # mma "swap" / "swap_eo": next slab loaded into registers by hand (else Triton's pipeliner)
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
@@ -95,6 +96,9 @@ NAMED_CONFIGS = {
                              warps_down=8, stages=4, prefetch=False),
     "sw_eo_np_bk64": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=64, stages=6,
                                prefetch=False),
+    "sw_bd_np": MoeConfig(kind="sk", mma="swap_bd", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_bd_np_bk256": MoeConfig(kind="sk", mma="swap_bd", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3,
+                                prefetch=False),
     # ... and prefill (no split, token tiles of 64-128 as the MMA's N)
     "sw_eo_prefill": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3,
                                KS_UP=1, KS_DOWN=1, prefetch=False),
@@ -106,6 +110,8 @@ NAMED_CONFIGS = {
                                   warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
     "sw_eo_prefill_bn256": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=256, BN_DOWN=256, BK=64, warps_up=8,
                                      warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
+    "sw_bd_prefill_w8": MoeConfig(kind="sk", mma="swap_bd", BM=128, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
+                                  warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
     "sw_prefill": MoeConfig(kind="sk", mma="swap", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3, KS_UP=1,
                             KS_DOWN=1, prefetch=False),
 }

@@ -57,6 +57,10 @@ COMBOS = (
     + [(c, n, "reference") for n in ("sw_eo", "sw_eo_bn128", "sw_eo_np_bk256") for c in (REAL_ONE, REAL_DECODE)]
     + [(SMALL[2], "sw_eo", "bf16"), (SMALL[3], "sw_eo_prefill", "reference"), (SMALL[2], "sw_prefill", "bf16")]
     + [(REAL_PREFILL, n, "reference") for n in ("sw_eo_prefill", "sw_eo_prefill_bm128", "sw_prefill")]
+    # swapped operands, bf16 weight bits built in inline PTX ("swap_bd")
+    + [(c, "sw_bd_np", "reference") for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
+    + [(SMALL[2], "sw_bd_np", "bf16"), (REAL_ONE, "sw_bd_np_bk256", "reference"),
+       (SMALL[3], "sw_bd_prefill_w8", "reference"), (REAL_PREFILL, "sw_bd_prefill_w8", "reference")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
