@@ -805,8 +805,9 @@ def _load_w_sw(w_base, s_base, offs_n, k0, KPACK: tl.constexpr, KSC: tl.constexp
         p = tl.load(w_base + offs_n[:, None, None] * KPACK + k0 // 2 + g[None, :, None] * 16
                     + tl.arange(0, 16)[None, None, :])
         s = tl.load(s_base + offs_n[:, None, None] * KSC + k0 // 32 + g[None, :, None])
-        return p, s
-    return _load_w_slab(w_base, s_base, offs_n, k0, KPACK, KSC, BK)
+    else:
+        p, s = _load_w_slab(w_base, s_base, offs_n, k0, KPACK, KSC, BK)
+    return p, s     # one return: the compiler refuses returns of different shapes, even under a constexpr branch
 
 
 @triton.jit
