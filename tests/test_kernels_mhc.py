@@ -79,3 +79,85 @@ def test_collapse_and_expand_pin_fp32_products():
                   jax.make_jaxpr(lambda *t: mf.expand(*t, jnp.bfloat16))(y, X, a, comb)):
         dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
         assert dots and all("HIGHEST" in str(e.params["precision"]) for e in dots), dots
+
+
+# ------------------------------------------------------------------ Triton kernel plan (pure Python, see mhc_fused)
+V41 = dict(n=4, d=5120)
+TS = [1, 2, 7, 16, 17, 33, 64, 65, 100, 128, 129, 256, 257, 1000, 1024, 2048, 2049, 4096, 5000, 8192, 16384, 65536]
+
+
+@pytest.mark.parametrize("n,d", [(4, 5120), (4, 128), (2, 64), (4, 256), (4, 384), (8, 4096), (1, 32)])
+def test_plan_splits_d_into_bd_multiples(n, d):
+    for T in TS:
+        p = mf.kernel_plan(T, n, d)
+        assert p["BD"] in mf.BD_CHOICES and d % p["BD"] == 0, (T, p)
+        assert d % p["DS"] == 0 and (d // p["DS"]) % p["BD"] == 0, (T, p)     # every split = whole BD chunks
+        assert p["BT"] * p["BD"] <= mf.TILE_CAP or p["BD"] == mf.BD_CHOICES[-1], (T, p)
+        assert p["SB"] * p["BTE"] * p["NCP"] <= mf.EPI_TILE_CAP and p["SB"] <= mf._next_pow2(p["DS"]), (T, p)
+        assert p["NCP"] >= 2 * n + n * n and p["programs"] == -(-T // p["BT"]) * p["DS"], (T, p)
+        assert p["num_warps"] in (4, 8)
+        mf.check_plan(p, n, d)
+
+
+def test_plan_fills_the_gpu_at_small_T():
+    """The old kernel ran <= 16 programs at <= 256 tokens (the measured latency floor): every V4.1 size now puts at
+    least one kernel-A program on each SM, two from 64 tokens on, and walks at most two chunks a program up to 256."""
+    for T in TS:
+        p = mf.kernel_plan(T, **V41)
+        assert p["programs"] >= mf.MIN_PROGRAMS, (T, p)
+        if T >= 64:
+            assert p["programs"] >= mf.TARGET_PROGRAMS, (T, p)
+        if T <= 256:
+            assert V41["d"] // p["DS"] // p["BD"] <= 2, (T, p)
+    assert mf.kernel_plan(1, **V41)["DS"] > 1 and mf.kernel_plan(64, **V41)["DS"] > 1
+
+
+def test_plan_partials_stay_small_at_large_T():
+    """Partials (written by A, read by B) vs the X read: bounded by the plan's cap everywhere, < 4 % from 1024 tokens
+    at V4.1, and large T uses wide token blocks (fn re-read per block) and few splits."""
+    for n, d in [(4, 5120), (4, 256), (2, 64)]:
+        for T in TS:
+            p = mf.kernel_plan(T, n, d)
+            x_bytes = T * n * d * 2
+            assert mf.partial_bytes(T, p["DS"], p["NCP"]) <= max(mf.PARTIAL_X_FRAC * x_bytes, mf.PARTIAL_FLOOR) \
+                or p["DS"] == 1, (n, d, T, p)
+    for T in (1024, 2048, 4096, 16384, 65536):
+        p = mf.kernel_plan(T, **V41)
+        assert mf.partial_bytes(T, p["DS"], p["NCP"]) < 0.04 * T * 4 * 5120 * 2, (T, p)
+    p = mf.kernel_plan(16384, **V41)
+    assert p["BT"] == 64 and p["DS"] <= 4, p
+
+
+def test_plan_rejects_unsupported_shapes():
+    for T, n, d in [(0, 4, 5120), (5, 3, 5120), (5, 4, 5000), (5, 4, 48)]:
+        with pytest.raises(ValueError):
+            mf.kernel_plan(T, n, d)
+    good = mf.kernel_plan(20, 4, 256)
+    for bad in (dict(DS=3), dict(BT=24), dict(BD=8), dict(NCP=16), dict(SB=3), dict(BTE=8)):
+        with pytest.raises(ValueError):
+            mf.check_plan(dict(good, **bad), 4, 256)
+
+
+def test_prefers_xla_table(monkeypatch):
+    assert mf.TRITON_TOKENS == ()           # empty until a GPU measurement shows a win (NOTES.md, Fused mHC)
+    assert all(mf.prefers_xla(T) for T in TS)
+    monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, 64), (4096, None)))
+    assert [mf.prefers_xla(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [False, False, True, True, False, False]
+
+
+@pytest.mark.parametrize("dot,terms", [(2, 2), (2, 3), (3, 2), (1, 1)])
+def test_pack_fn_layout_and_split(dot, terms):
+    """pack_fn's [parts, d/BD, n*BD, NCP] tiles hold fn[j, c*d + i*BD + e] at [., i, c*BD + e, j] (zeros past NC),
+    and the bf16 parts sum to fn within 2^-16 (2 parts) / fp32 rounding (3 parts)."""
+    mt = pytest.importorskip("dsflash.kernels.mhc_fused_triton")   # needs triton (the interpreter's CPU install)
+    n, d, BD, NCP = 4, 256, 64, 32
+    nc = 2 * n + n * n
+    fn = jax.random.normal(jax.random.PRNGKey(3), (nc, n * d)) * 0.1
+    pk = mt.pack_fn(fn, n, d, BD, NCP, dot, terms)
+    assert pk.shape == (terms, d // BD, n * BD, NCP)
+    assert pk.dtype == (jnp.bfloat16 if dot == mt.DOT_BF16_SPLIT else jnp.float32)
+    tot = np.asarray(pk.astype(jnp.float32)).sum(0)             # [d/BD, n*BD, NCP]
+    back = tot.reshape(d // BD, n, BD, NCP).transpose(3, 1, 0, 2).reshape(NCP, n * d)
+    assert np.all(back[nc:] == 0)
+    err = np.max(np.abs(back[:nc] - np.asarray(fn)) / np.abs(np.asarray(fn)))
+    assert err <= {1: 0, 2: 2.0 ** -16, 3: 2.0 ** -23}[terms], err

@@ -85,6 +85,97 @@ def mhc_fused_reference(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps
                                                                iters=iters)
 
 
+# ------------------------------------------------------------------------------------------ kernel plan
+# The Triton kernel (``mhc_fused_triton``, its docstring has the byte / flop reasoning) runs as two launches:
+# A over (token blocks of BT) x (DS contiguous d ranges of d / DS, walked in BD-wide chunks) writing partial logits
+# and partial sums of squares, then B over token blocks of BTE summing the DS partials (groups of SB) and running
+# the epilogue. ``kernel_plan`` picks the blocking from the shape alone (pure Python, tested on CPU).
+SMS = 132                    # streaming multiprocessors of the H200 the constants were chosen for
+MIN_PROGRAMS = SMS           # kernel A programs wanted at least: one per SM (small T is latency-bound)
+TARGET_PROGRAMS = 2 * SMS    # preferred: two per SM
+TILE_CAP = 2048              # elements of kernel A's per-stream [BT, BD] tile: <= 8 a thread (warps = BT*BD / 256)
+EPI_TILE_CAP = 4096          # elements of kernel B's [SB, BTE, NCP] partials tile (32 a thread at 4 warps)
+PARTIAL_X_FRAC = 1 / 16      # partial bytes at most this fraction of X's bytes ...
+PARTIAL_FLOOR = 8 << 20      # ... or of this many bytes (small T: everything stays in L2)
+BD_CHOICES = (128, 64, 32)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _next_pow2(v):
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def partial_bytes(T, DS, NCP):
+    """Bytes of kernel A's partials (logits [DS, T, NCP] + sums of squares [DS, T], fp32), written once, read once."""
+    return DS * T * (NCP + 1) * 4
+
+
+def kernel_plan(T, n, d):
+    """Blocking of the Triton kernel for T tokens, n streams of width d: dict with
+    BT (tokens a kernel-A program), BD (d chunk), DS (d splits; d / DS is a multiple of BD), NCP (logit columns,
+    padded to a power of two >= 16), BTE / SB (kernel B: tokens a program, partials summed per step), programs
+    (kernel A's grid size), num_warps (kernel A).
+    Rules: BT 16 / 32 / 64 for T <= 128 / <= 2048 / larger (MMA rows; fn is re-read once per token block). Then
+    among BD in BD_CHOICES with BT*BD <= TILE_CAP and DS dividing d / BD, with partial bytes within
+    max(PARTIAL_X_FRAC * X bytes, PARTIAL_FLOOR): the fewest splits reaching TARGET_PROGRAMS with BD >= 64 (or the
+    widest BD allowed, if narrower; largest BD first), else the fewest reaching MIN_PROGRAMS (largest BD first), else
+    the most programs."""
+    if T < 1 or n < 1 or n & (n - 1) or d % BD_CHOICES[-1]:
+        raise ValueError(f"the Triton mHC kernel needs T >= 1, a power-of-two stream count and d % "
+                         f"{BD_CHOICES[-1]} == 0, got T={T}, n={n}, d={d}")
+    NCP = max(16, _next_pow2(2 * n + n * n))
+    BT = 16 if T <= 128 else 32 if T <= 2048 else 64
+    tb = _cdiv(T, BT)
+    cap = max(PARTIAL_X_FRAC * T * n * d * 2, PARTIAL_FLOOR)
+    cands = []                                   # (BD, DS): BD descending, DS ascending
+    for BD in BD_CHOICES:
+        if d % BD or (BT * BD > TILE_CAP and BD != BD_CHOICES[-1]):
+            continue
+        chunks = d // BD
+        cands += [(BD, DS) for DS in range(1, chunks + 1)
+                  if chunks % DS == 0 and (DS == 1 or partial_bytes(T, DS, NCP) <= cap)]
+    wide = min(64, max(c[0] for c in cands))        # one-chunk BD-32 splits only where nothing wider fits
+    pick = (next((c for c in cands if c[0] >= wide and tb * c[1] >= TARGET_PROGRAMS), None)
+            or next((c for c in cands if tb * c[1] >= MIN_PROGRAMS), None)
+            or max(cands, key=lambda c: (c[1], c[0])))      # the most programs (splits), then the widest BD
+    BD, DS = pick
+    BTE = 16 if T <= 2048 else 32
+    return dict(BT=BT, BD=BD, DS=DS, NCP=NCP, BTE=BTE, SB=min(_next_pow2(DS), max(1, EPI_TILE_CAP // (BTE * NCP))),
+                programs=tb * DS, num_warps=num_warps(BT, BD))
+
+
+def num_warps(BT, BD):
+    """Kernel A's warps: 8 tile elements a thread (an sm_90 compile of the kernel spilled at 16), 4 to 8 warps."""
+    return max(4, min(8, BT * BD // 256))
+
+
+def check_plan(p, n, d):
+    """Raise ValueError unless plan ``p`` (kernel_plan's keys, e.g. with overrides) fits the kernels."""
+    pow2 = lambda v: v >= 1 and v & (v - 1) == 0  # noqa: E731
+    if not all(pow2(p[k]) for k in ("BT", "BD", "NCP", "BTE", "SB")) or min(p["BT"], p["BTE"]) < 16:
+        raise ValueError(f"BT, BD, NCP, BTE, SB must be powers of two (BT, BTE >= 16), got {p}")
+    if p["NCP"] < 2 * n + n * n or p["BD"] < 16 or p["DS"] < 1 or d % (p["DS"] * p["BD"]):
+        raise ValueError(f"plan {p} does not fit n={n}, d={d}: need NCP >= 2n+n^2, BD >= 16, "
+                         f"d % (DS*BD) == 0")
+
+
+# Where the MODEL should run the kernel: token-count ranges (inclusive; None = no upper bound) at which a GPU run
+# measured ``mhc_fused(backend="triton")`` faster than the jitted XLA reference. EMPTY on purpose: the split-d
+# redesign is checked only in Triton's interpreter on CPU, and the previous kernel lost at every size on the H200
+# (2026-11-30). To flip after a GPU run of `python -m dsflash.bench kernels --ops mhc`: add the winning ranges,
+# e.g. ``TRITON_TOKENS = ((1, 4096),)``; forward.py would then route through ``mhc.pre_mix`` / ``post_mix`` with
+# backend "triton" only where ``prefers_xla(tokens)`` is False (not wired today, NOTES.md "Fused mHC").
+TRITON_TOKENS: tuple = ()
+
+
+def prefers_xla(T: int) -> bool:
+    """True when the model should keep mHC on XLA at T tokens (not measured faster with the kernel)."""
+    return not any(lo <= T and (hi is None or T <= hi) for lo, hi in TRITON_TOKENS)
+
+
 def use_triton(backend):
     """``backend="triton"`` runs the kernel on a GPU only; CPU (and any non-GPU platform) uses the reference."""
     if backend not in ("xla", "triton"):
@@ -93,10 +184,12 @@ def use_triton(backend):
 
 
 def mhc_fused(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, iters, out_dtype, backend="xla"):
-    """``backend="triton"`` runs the kernel (tests, bench). The model does NOT route mHC here: forward.py calls the
-    pieces (coefficients / collapse / expand) in XLA whatever ``RunOptions.backend`` is, because the kernel was
-    slower than the jitted XLA reference at every measured size on the H200 (2026-11-30; 0.97 vs 0.32 ms at
-    1 token, 1.80 vs 1.17 at 4096, 6.81 vs 4.23 at 16384). ``tests/test_kernels_mhc.py`` guards that."""
+    """``backend="triton"`` runs the kernel on a GPU at every size (tests, bench; ``TRITON_TOKENS`` does not gate
+    this entry point, it is for the model's routing). The model does NOT route mHC here: forward.py calls the
+    pieces (coefficients / collapse / expand) in XLA whatever ``RunOptions.backend`` is, because the first kernel
+    was slower than the jitted XLA reference at every measured size on the H200 (2026-11-30; 0.97 vs 0.32 ms at
+    1 token, 1.80 vs 1.17 at 4096, 6.81 vs 4.23 at 16384); the split-d redesign is not yet measured.
+    ``tests/test_kernels_mhc.py`` guards that."""
     kw = dict(eps=eps, rms_eps=rms_eps, iters=iters, out_dtype=out_dtype)
     if not use_triton(backend):
         return mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)
