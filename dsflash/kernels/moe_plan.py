@@ -48,16 +48,18 @@ DS_DECODE_RT = MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages
 DS_PREFILL_RT = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3,
                           act="bf16rt")
 DS_PREFILL_BN128 = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3)
-# Defaults (2026-11-30, H200 run 4, whole op in ms): prefill ds_prefill_rt (bf16 carriers of the FP8 round trips,
-# passes tests/gpu) 9.45 / 31.98 at 4K / 16K tokens vs 15.04 / 49.26 for ds_prefill_bn128, the previous default.
-# Decode (run 6, after the sort-free routing prep): sk_fp8 (the fp8mma loop with split K) is fastest at every
-# measured size, 0.170 / 0.432 / 1.021 / 1.498 / 2.263 ms at 1 / 4 / 16 / 64 / 256 tokens, against 0.188 / 0.439 /
-# 1.068 / 1.581 / 2.328 for fp8mma_decode and 0.188 / 0.457 / 1.126 / 1.621 / 2.316 for ds_decode_rt. It needs FP8
-# activations; with bf16 activations (precision "bf16") decode keeps fp8mma_decode, timed in run 4.
 SK_FP8 = MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, stages=4)
-DECODE_CONFIG = SK_FP8                # decode (rows <= 32 * experts), FP8 activations
-DECODE_BF16_CONFIG = FP8MMA_DECODE    # decode, bf16 activations
-PREFILL_CONFIG = DS_PREFILL_RT
+# Defaults (2026-11-30, H200 runs 7-9, whole op in ms; JSON benchmarks/results/kernels_20261130_h200_run{7,8,9}*):
+# swapped operands with even/odd nibble planes and Triton's own load pipelining beat every earlier kernel.
+# Decode sw_eo_np: 0.146 / 0.805 / 1.147 / 1.630 ms at 1 / 16 / 64 / 256 tokens (run 9), against sk_fp8 (the
+# previous default) 0.172 / 1.014 / - / 2.226 (run 7); with bf16 activations 0.805 at 16 tokens. Prefill
+# sw_eo_prefill_w8: 7.73-7.78 ms at 4096 tokens against ds_prefill_rt (the previous default) 10.77 in run 7.
+SW_EO_NP = MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False)
+SW_EO_PREFILL_W8 = MoeConfig(kind="sk", mma="swap_eo", BM=128, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
+                             warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False)
+DECODE_CONFIG = SW_EO_NP              # decode (rows <= 32 * experts), FP8 activations
+DECODE_BF16_CONFIG = SW_EO_NP         # decode, bf16 activations
+PREFILL_CONFIG = SW_EO_PREFILL_W8
 NAMED_CONFIGS = {
     "fp8mma_decode": FP8MMA_DECODE,
     "fp8mma_prefill": FP8MMA_PREFILL,
@@ -80,12 +82,12 @@ NAMED_CONFIGS = {
     "sk_fp8": SK_FP8,
     "sk_gemv": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
     "sk_gemv_bk256": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=32, BN_DOWN=32, BK=256, stages=3),
-    # swapped operands (weights as the MMA's left operand; 2026-11-30, interpreter-checked, not yet timed): decode
-    # with split K ...
+    # swapped operands (weights as the MMA's left operand; 2026-11-30, all pass tests/gpu; timings in NOTES.md):
+    # decode with split K ...
     "sw_bf16": MoeConfig(kind="sk", mma="swap", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
     "sw_eo": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
     "sw_eo_bn128": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=3),
-    "sw_eo_np": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_eo_np": SW_EO_NP,
     "sw_eo_np_bk256": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3,
                                 prefetch=False),
     "sw_eo_np_s6": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=6,
@@ -106,8 +108,7 @@ NAMED_CONFIGS = {
                                      warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
     "sw_eo_prefill_bk128": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=128, BN_DOWN=128, BK=128, stages=3,
                                      KS_UP=1, KS_DOWN=1, prefetch=False),
-    "sw_eo_prefill_w8": MoeConfig(kind="sk", mma="swap_eo", BM=128, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
-                                  warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
+    "sw_eo_prefill_w8": SW_EO_PREFILL_W8,
     "sw_eo_prefill_bn256": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=256, BN_DOWN=256, BK=64, warps_up=8,
                                      warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
     "sw_bd_prefill_w8": MoeConfig(kind="sk", mma="swap_bd", BM=128, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,

@@ -57,6 +57,10 @@ COMBOS = (
     + [(c, n, "reference") for n in ("sw_eo", "sw_eo_bn128", "sw_eo_np_bk256") for c in (REAL_ONE, REAL_DECODE)]
     + [(SMALL[2], "sw_eo", "bf16"), (SMALL[3], "sw_eo_prefill", "reference"), (SMALL[2], "sw_prefill", "bf16")]
     + [(REAL_PREFILL, n, "reference") for n in ("sw_eo_prefill", "sw_eo_prefill_bm128", "sw_prefill")]
+    # the defaults since 2026-11-30 run 9 (sw_eo_np decode, sw_eo_prefill_w8 prefill), both precisions
+    + [(c, "sw_eo_np", "reference") for c in (SMALL[3], REAL_ONE, REAL_DECODE)]
+    + [(SMALL[2], "sw_eo_np", "bf16"), (SMALL[3], "sw_eo_prefill_w8", "reference"),
+       (SMALL[3], "sw_eo_prefill_w8", "bf16"), (REAL_PREFILL, "sw_eo_prefill_w8", "reference")]
     # swapped operands, bf16 weight bits built in inline PTX ("swap_bd")
     + [(c, "sw_bd_np", "reference") for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
     + [(SMALL[2], "sw_bd_np", "bf16"), (REAL_ONE, "sw_bd_np_bk256", "reference"),
@@ -72,6 +76,9 @@ def _cfg(name):
         return moe_plan.MoeConfig(decode="tl")
     if name == "sk_bf16_split":     # forced splits at the small shape of test_intermediates_fully_written_twice
         return moe_plan.MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2, KS_DOWN=2)
+    if name == "sw_eo_split":       # the decode default with forced splits at that small shape
+        return moe_plan.MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2,
+                                  KS_DOWN=2, prefetch=False)
     return moe_plan.NAMED_CONFIGS[name]
 
 
@@ -109,7 +116,8 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
 
 
 @pytest.mark.parametrize("cfg_name", ["ds_decode_rt", "ds_prefill_rt", "ds_decode", "ds_prefill", "fp8mma_decode",
-                                      "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split", "sk_gemv"])
+                                      "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split", "sk_gemv",
+                                      "sw_eo_np", "sw_eo_split", "sw_eo_prefill_w8"])
 def test_intermediates_fully_written_twice(cfg_name):
     """Two runs at one shape with different inputs: every FP8 code of h and every output row must match the
     reference each time, so nothing can be left over from the previous run (a stale or unwritten element).
@@ -141,7 +149,8 @@ def test_intermediates_fully_written_twice(cfg_name):
         assert _rel(out, ref) < TOL
 
 
-@pytest.mark.parametrize("cfg_name", ["fp8mma_decode", "ds_decode_rt", "ds_prefill_rt", "sk_bf16", "sk_gemv"])
+@pytest.mark.parametrize("cfg_name", ["fp8mma_decode", "ds_decode_rt", "ds_prefill_rt", "sk_bf16", "sk_gemv",
+                                      "sw_eo_np", "sw_eo_prefill_w8"])
 def test_nonlocal_slots_contribute_nothing(cfg_name):
     """ep_moe marks slots of non-local experts with id E (weight 0): they must add nothing (their o rows are never
     written by the kernels), as in the reference."""
