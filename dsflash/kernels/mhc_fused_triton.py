@@ -69,11 +69,12 @@ def _logit_mma(acc, x, fp_ptr, koff, PART: tl.constexpr, DOT: tl.constexpr, TERM
     DOT_BF16_SPLIT: x is bf16-exact, the parts are bf16 (hi, lo[, lo2]); one bf16 MMA a part, fp32 accumulation,
     exact products. DOT_SPLIT_EMULATED: the same part values stored as fp32, IEEE dots (the interpreter cannot dot
     bf16 operands). DOT_IEEE / DOT_TF32X3: one fp32 part."""
-    if DOT == 2:
-        # an opaque identity (a register move): Triton otherwise pushes the MMA operand layout back through every
-        # elementwise op up to the loads, computing the expand a second time in that layout (sm_90 compile: 255
-        # registers + spills at BT16 BD64)
+    if DOT == 1 or DOT == 2:
+        # an opaque identity (a register move; GPU paths only): Triton otherwise pushes the MMA operand layout back
+        # through every elementwise op up to the loads, computing the expand a second time in that layout (sm_90
+        # compile: 255 registers + spills at BT16 BD64; 3xTF32 with expand: 7.6 KB spilled)
         x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    if DOT == 2:
         xb = x.to(tl.bfloat16)
         for p in tl.static_range(TERMS):
             acc = tl.dot(xb, tl.load(fp_ptr + p * PART + koff), acc)
