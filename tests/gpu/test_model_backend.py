@@ -9,7 +9,12 @@ that the kernels were really reached (trace-time call counts), so a dispatch tha
 Tolerance: the kernels compute the same function with the same roundings but a different fp32 accumulation order,
 so a rare FP8 / bf16 rounding of an intermediate lands on the other side and the difference propagates through the
 layers: relative Frobenius error of the logits < 2e-2 and the same argmax at >= 97 % of positions (both measured
-values are printed).
+values are printed). At "bf16" (no FP8 round trips, every activation bf16) the two backends' difference is bf16
+rounding noise amplified by the random tiny model: 1.65e-2 with the earlier kernels, 1.98e-2 with the swapped-
+operand ones (H200, 2026-11-30), so a fixed bound there says little. Instead both backends are compared with the
+fp32 model (XLA): the Triton logits must be as close to it as XLA's own bf16 logits are (within 25 %; on CPU the
+XLA bf16 logits are 13.6 % from the fp32 ones), the two backends within 5e-2 of each other, and agreeing on the
+argmax as above.
 """
 import numpy as np
 import pytest
@@ -55,4 +60,13 @@ def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision):
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
     print(f"tiny, {precision}: logits rel err {rel:.2e}, argmax agreement {agree:.4f}, kernel traces {kernel_calls}")
-    assert rel < 2e-2 and agree >= 0.97
+    assert agree >= 0.97
+    if precision == "reference":
+        assert rel < 2e-2
+        return
+    ideal = tiny.logits(tokens, backend="xla", precision="fp32")
+    err_triton = float(np.linalg.norm(got - ideal) / np.linalg.norm(ideal))
+    err_xla = float(np.linalg.norm(want - ideal) / np.linalg.norm(ideal))
+    print(f"tiny, bf16 vs the fp32 model: triton {err_triton:.2e}, xla {err_xla:.2e}")
+    assert err_triton < 1.25 * err_xla, (err_triton, err_xla)
+    assert rel < 5e-2       # a plain sanity bound as well (2.5x the largest difference measured)
