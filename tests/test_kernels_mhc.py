@@ -58,16 +58,30 @@ def test_bad_backend_and_shapes():
             mf.mhc_fused(*args, **kw)
 
 
-def test_model_keeps_mhc_on_xla():
-    """The fused kernel was slower than XLA at every size on the H200 (NOTES.md): forward.py must keep calling the
-    XLA pieces, never the fused ops that take a backend."""
-    import importlib
-    import inspect
+def test_model_routes_mhc_through_the_fused_ops_by_the_table(monkeypatch):
+    """forward.py runs mHC as pre_mix / post_mix with the run's backend where ``TRITON_TOKENS`` says the kernel was
+    measured faster, else with "xla"; on CPU both give the XLA pieces' numbers (the kernel runs only on a GPU)."""
+    import jax
 
-    src = inspect.getsource(importlib.import_module("dsflash.model.forward"))
-    assert "mhc.coefficients(" in src and "mhc.expand(" in src
-    for name in ("pre_mix", "post_mix", "mhc_fused"):
-        assert name not in src, f"forward.py calls {name}: re-time the mHC kernel first (NOTES.md, Fused mHC)"
+    import dsflash
+    m = dsflash.load("tiny")
+    seen = []
+    real = mf.mhc_fused
+
+    def spy(*a, backend="xla", **k):
+        seen.append(backend)
+        return real(*a, backend=backend, **k)
+    monkeypatch.setattr(mf, "mhc_fused", spy)
+    tokens = np.arange(16, 48, dtype=np.int32)[None]
+    want = m.logits(tokens, backend="xla")
+    assert seen and set(seen) == {"xla"}
+    for table, expect in ((((1, None),), {"triton"}), ((), {"xla"}), (((64, None),), {"xla"})):
+        monkeypatch.setattr(mf, "TRITON_TOKENS", table)
+        jax.clear_caches()
+        seen.clear()
+        got = m.logits(tokens, backend="triton")
+        assert seen and set(seen) == expect, (table, set(seen))
+        np.testing.assert_array_equal(got, want)
 
 
 def test_collapse_and_expand_pin_fp32_products():
@@ -139,8 +153,8 @@ def test_plan_rejects_unsupported_shapes():
 
 
 def test_prefers_xla_table(monkeypatch):
-    assert mf.TRITON_TOKENS == ()           # empty until a GPU measurement shows a win (NOTES.md, Fused mHC)
-    assert all(mf.prefers_xla(T) for T in TS)
+    # H200 2026-11-30: the split-d kernel beat XLA at every measured size (1-16384 tokens), so the model uses it
+    assert not any(mf.prefers_xla(T) for T in TS)
     monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, 64), (4096, None)))
     assert [mf.prefers_xla(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [False, False, True, True, False, False]
 

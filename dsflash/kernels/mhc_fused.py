@@ -162,13 +162,13 @@ def check_plan(p, n, d):
                          f"d % (DS*BD) == 0")
 
 
-# Where the MODEL should run the kernel: token-count ranges (inclusive; None = no upper bound) at which a GPU run
-# measured ``mhc_fused(backend="triton")`` faster than the jitted XLA reference. EMPTY on purpose: the split-d
-# redesign is checked only in Triton's interpreter on CPU, and the previous kernel lost at every size on the H200
-# (2026-11-30). To flip after a GPU run of `python -m dsflash.bench kernels --ops mhc`: add the winning ranges,
-# e.g. ``TRITON_TOKENS = ((1, 4096),)``; forward.py would then route through ``mhc.pre_mix`` / ``post_mix`` with
-# backend "triton" only where ``prefers_xla(tokens)`` is False (not wired today, NOTES.md "Fused mHC").
-TRITON_TOKENS: tuple = ()
+# Where the MODEL runs the kernel (forward.py routes mHC through ``mhc.pre_mix`` / ``post_mix`` with backend
+# "triton" where ``prefers_xla(tokens)`` is False): token-count ranges (inclusive; None = no upper bound) at which a
+# GPU run measured ``mhc_fused(backend="triton")`` faster than the jitted XLA reference. H200, 2026-11-30 (commit
+# b6cdc74; benchmarks/BENCHMARKS.md): the split-d kernel took 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at
+# 1 / 16 / 64 / 256 / 4096 / 16384 tokens against XLA's 0.318 / 0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x),
+# so every size.
+TRITON_TOKENS: tuple = ((1, None),)
 
 
 def prefers_xla(T: int) -> bool:
@@ -185,11 +185,7 @@ def use_triton(backend):
 
 def mhc_fused(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, iters, out_dtype, backend="xla"):
     """``backend="triton"`` runs the kernel on a GPU at every size (tests, bench; ``TRITON_TOKENS`` does not gate
-    this entry point, it is for the model's routing). The model does NOT route mHC here: forward.py calls the
-    pieces (coefficients / collapse / expand) in XLA whatever ``RunOptions.backend`` is, because the first kernel
-    was slower than the jitted XLA reference at every measured size on the H200 (2026-11-30; 0.97 vs 0.32 ms at
-    1 token, 1.80 vs 1.17 at 4096, 6.81 vs 4.23 at 16384); the split-d redesign is not yet measured.
-    ``tests/test_kernels_mhc.py`` guards that."""
+    this entry point, it is for the model's routing through ``dsflash.model.mhc.pre_mix`` / ``post_mix``)."""
     kw = dict(eps=eps, rms_eps=rms_eps, iters=iters, out_dtype=out_dtype)
     if not use_triton(backend):
         return mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)

@@ -101,8 +101,12 @@ def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, preci
 
 
 def routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla", layer=None):
-    """Dispatch by backend. ``layer`` (the block name) is accepted for hook compatibility and unused here."""
-    if backend == "xla":
+    """Dispatch by backend. ``layer`` (the block name) is accepted for hook compatibility and unused here.
+    ``backend="triton"`` runs the kernel on a GPU only; on any other platform the reference, as for the other
+    kernels (before, a CPU run failed inside jit for want of jax-triton)."""
+    if backend not in ("xla", "triton"):
+        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
+    if backend == "xla" or jax.default_backend() != "gpu":
         return routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, limit=limit, precision=precision)
     if backend == "triton":
         from dsflash.kernels import moe_gemm_triton  # lazy: needs a CUDA GPU and jax-triton

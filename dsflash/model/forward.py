@@ -6,11 +6,13 @@ docs/model-contract.md for the batch/state contract.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
+from dsflash.kernels import mhc_fused
 from dsflash.model import engram, mhc
 from dsflash.model.attention import Ctx, csa_attention, ring_write_mask, scatter_ring
 from dsflash.model.layers import act_dtype, linear_f32, rms_norm
@@ -54,14 +56,18 @@ def embed_streams(params, tokens, cfg, precision):
 def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None, valid=None):
     """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre, expert load [E])."""
     pre = f"{name}"
-    a_pre, a_post, a_comb = mhc.coefficients(X, params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"],
-                                             params[f"{pre}.hc_attn_scale"], cfg)
-    x = rms_norm(mhc.collapse(X, p, precision), params[f"{pre}.attn_norm.weight"], cfg.rms_norm_eps, precision)
+    # mHC at the two sublayer boundaries as fused ops: pre_mix = coefficients(X) + collapse(X, p); post_mix =
+    # expand, then coefficients + collapse of the result. The XLA backend computes exactly the separate pieces;
+    # backend "triton" runs the fused kernel where mhc_fused.TRITON_TOKENS says it was measured faster.
+    mb = "xla" if mhc_fused.prefers_xla(math.prod(X.shape[:-2])) else backend
+    hx, (a_pre, a_post, a_comb) = mhc.pre_mix(X, p, params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"],
+                                              params[f"{pre}.hc_attn_scale"], cfg, precision, mb)
+    x = rms_norm(hx, params[f"{pre}.attn_norm.weight"], cfg.rms_norm_eps, precision)
     y = attn_fn(x)
-    X1 = mhc.expand(y, X, a_post, a_comb, precision)
-    f_pre, f_post, f_comb = mhc.coefficients(X1, params[f"{pre}.hc_ffn_fn"], params[f"{pre}.hc_ffn_base"],
-                                             params[f"{pre}.hc_ffn_scale"], cfg)
-    h = rms_norm(mhc.collapse(X1, a_pre, precision), params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
+    X1, hf, (f_pre, f_post, f_comb) = mhc.post_mix(y, X, a_post, a_comb, a_pre, params[f"{pre}.hc_ffn_fn"],
+                                                   params[f"{pre}.hc_ffn_base"], params[f"{pre}.hc_ffn_scale"], cfg,
+                                                   precision, mb)
+    h = rms_norm(hf, params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
     z, load = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn, valid=valid)
     return mhc.expand(z, X1, f_post, f_comb, precision), f_pre, load
 
