@@ -153,8 +153,8 @@ def test_plan_rejects_unsupported_shapes():
 
 
 def test_prefers_xla_table(monkeypatch):
-    # H200 2026-11-30: the split-d kernel beat XLA at every measured size (1-16384 tokens), so the model uses it
-    assert not any(mf.prefers_xla(T) for T in TS)
+    # empty until an end-to-end check can judge the kernel inside the model (mhc_fused.py, above the table)
+    assert mf.TRITON_TOKENS == () and all(mf.prefers_xla(T) for T in TS)
     monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, 64), (4096, None)))
     assert [mf.prefers_xla(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [False, False, True, True, False, False]
 

@@ -2,9 +2,9 @@
 config's random weights in the checkpoint's stored formats (FP8 dense, MXFP4 experts), prefill logits of fresh
 random prompts at the two served precisions.
 
-What runs on Triton there: the routed-expert MoE GEMM at every layer, the fused mHC at every boundary
-(``mhc_fused.TRITON_TOKENS``) and the indexer scoring (``prefers_xla`` keeps only one-row scoring on XLA); sparse
-attention stays on XLA (``dsflash/kernels/NOTES.md``). The test checks
+What runs on Triton there: the routed-expert MoE GEMM at every layer and the indexer scoring (``prefers_xla`` keeps
+only one-row scoring on XLA); sparse attention and mHC stay on XLA (``sparse_attention.TRITON_ROWS`` and
+``mhc_fused.TRITON_TOKENS`` are empty; ``dsflash/kernels/NOTES.md``). The test checks
 that the kernels were really reached (trace-time call counts), so a dispatch that silently fell back to XLA fails.
 
 Tolerance: the kernels compute the same function with the same roundings but a different fp32 accumulation order,
@@ -34,8 +34,8 @@ def tiny():
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Trace-time calls of the Triton entry points (jit caches dropped first, so this test's traces count)."""
-    from dsflash.kernels import indexer_topk_triton, mhc_fused_triton, moe_gemm_triton
-    calls = {"moe": 0, "indexer": 0, "mhc": 0}
+    from dsflash.kernels import indexer_topk_triton, moe_gemm_triton
+    calls = {"moe": 0, "indexer": 0}
 
     def counting(name, fn):
         def wrapped(*a, **k):
@@ -46,7 +46,6 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(moe_gemm_triton, "routed_moe_triton", counting("moe", moe_gemm_triton.routed_moe_triton))
     monkeypatch.setattr(indexer_topk_triton, "indexer_scores_triton",
                         counting("indexer", indexer_topk_triton.indexer_scores_triton))
-    monkeypatch.setattr(mhc_fused_triton, "mhc_fused_triton", counting("mhc", mhc_fused_triton.mhc_fused_triton))
     jax.clear_caches()
     return calls
 
