@@ -1,11 +1,13 @@
 """Triton (jax-triton) fused mHC; same contract as ``mhc_fused.mhc_fused_reference``.
 
-STATUS: split-d redesign (an XLA fn pack + two launches), checked against the reference in Triton's interpreter
-only (``scripts/triton_interpret_mhc.py``) and compiled for sm_90 on a CPU host (ptxas: no register spills at the
-V4.1 plans); NOT yet run on a GPU. The first design (one program per 16 tokens walking all of d) was SLOWER than
-the jitted XLA reference at every size on the H200 (2026-11-30, commit 199278b: 0.97 vs 0.32 ms at 1 token, 6.81
-vs 4.23 ms at 16384; NOTES.md "Fused mHC"); its sm_90 compile spills (255 registers, 2.4 KB with expand). The model
-does not use the kernel (``mhc_fused.TRITON_TOKENS`` is empty).
+STATUS: split-d redesign (an XLA fn pack + two launches). On one H200 (2026-11-30, commit b6cdc74) it passes
+tests/gpu/test_mhc.py (X1 / h within the one-ulp band, 0 elements off at V4.1 shapes; coefficients rel err
+<= 5.5e-6; split vs unsplit X1 / h bit-identical) and beats the jitted XLA reference at every measured size:
+0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens against 0.318 /
+0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x; still 1-33 % of the roofline). The first design (one program
+per 16 tokens walking all of d) was slower than XLA everywhere (0.97 vs 0.32 ms at 1 token); its sm_90 compile
+spills (255 registers, 2.4 KB with expand). The model routes mHC through ``mhc.pre_mix`` / ``post_mix`` but keeps
+XLA (``mhc_fused.TRITON_TOKENS`` empty): see the note above that table.
 
 Design (blocking from ``mhc_fused.kernel_plan``):
 * ``pack_fn`` (XLA, once a call): fn [NC, n*d] fp32 -> [parts, d/BD, n*BD, NCP], zero-padded to NCP columns, so
