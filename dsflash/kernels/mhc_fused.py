@@ -165,7 +165,7 @@ def check_plan(p, n, d):
 # Where the MODEL runs the kernel (forward.py routes mHC through ``mhc.pre_mix`` / ``post_mix`` with backend
 # "triton" where ``prefers_xla(tokens)`` is False): token-count ranges (inclusive; None = no upper bound).
 # EMPTY for now, although the split-d kernel beat XLA at every measured size on the H200 (2026-11-30, commit
-# b6cdc74: 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens against
+# 4ae4c64: 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens against
 # 0.318 / 0.395 / 0.423 / 0.305 / 1.207 / 4.316, 2.1-5.0x) and passes tests/gpu/test_mhc.py: with ((1, None),) the
 # end-to-end test (tiny random model, triton vs xla logits) failed, rel 1.3e-1 / argmax 0.87 at "reference".
 # Not a kernel error as far as measured: on CPU, multiplying the XLA coefficients by (1 + 1e-7 N(0, 1)) -- one

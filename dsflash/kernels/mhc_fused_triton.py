@@ -1,6 +1,6 @@
 """Triton (jax-triton) fused mHC; same contract as ``mhc_fused.mhc_fused_reference``.
 
-STATUS: split-d redesign (an XLA fn pack + two launches). On one H200 (2026-11-30, commit b6cdc74) it passes
+STATUS: split-d redesign (an XLA fn pack + two launches). On one H200 (2026-11-30, commit 4ae4c64) it passes
 tests/gpu/test_mhc.py (X1 / h within the one-ulp band, 0 elements off at V4.1 shapes; coefficients rel err
 <= 5.5e-6; split vs unsplit X1 / h bit-identical) and beats the jitted XLA reference at every measured size:
 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens against 0.318 /
