@@ -33,6 +33,11 @@ How it works
   bf16 rounding of each expert's output). ``mma="bf16"`` loads BK-wide weight slabs (16-byte vectors), prefetches
   the next slab into registers and decodes to bf16 with the scales applied (exact) for one bf16 MMA per slab;
   ``mma="fp8"`` is the per-32 FP8-MMA loop above, split.
+* ``mma="swap"`` / ``"swap_eo"`` / ``"swap_bd"`` (``_moe_*_kernel_sw``): the same split-K plan with the weights as the
+  MMA's left operand (acc^T = W . x^T; Hopper wgmma reads it from registers, and the weight rows fill its M while a
+  decode tile's token rows are its N); "swap_eo" keeps the even / odd K elements (low / high nibbles) as two planes
+  instead of interleaving them, "swap_bd" builds their bf16 bits in inline PTX. The defaults since 2026-11-30
+  (``sw_eo_np`` decode, ``sw_eo_prefill_w8`` prefill) are "swap_eo" with Triton's own load pipelining.
 Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert and activation format (defaults
 from the 2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 """
