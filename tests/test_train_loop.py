@@ -9,6 +9,26 @@ from dsflash.train import data, loop
 from dsflash.train.config import mini_config
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_compilation_cache(tmp_path_factory):
+    """A persistent XLA compilation cache for this module only, in a fresh folder. ``train()`` builds new jitted
+    programs per call for the same computations (each serving engine jits its own prefill/decode; a new optax
+    optimizer is a new static argument of the steps); with the cache their second and later compiles are disk
+    reads of the same executables. Results are the same either way (the cache key is the program); the
+    suite-wide default (no cache, conftest.py) is restored after the module."""
+    from jax._src import compilation_cache as cc
+    keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    cc.reset_cache()
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    cc.reset_cache()
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tok")
