@@ -34,8 +34,13 @@ def _start(module: str, *args: str, name: str) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     procs = {}
+    mp = pytest.MonkeyPatch()
+    # the server processes inherit the environment: conftest.py turns the persistent compilation cache off for the
+    # test process, so turn it back on for the servers, in a fresh folder of this module's
+    mp.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")
+    mp.setenv("DSFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("xla_cache")))
     try:
         # the first process fills the persistent compilation cache; the others then start in seconds
         procs["agg"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
@@ -48,6 +53,7 @@ def cluster():
                                  "--affinity-block", "32", name="router").wait_healthy(60)
         yield procs
     finally:
+        mp.undo()
         for p in procs.values():
             p.close()
 
