@@ -6,6 +6,11 @@ on numpy buffers at small shapes and compares with ``sparse_sink_attention_refer
 with -1 holes, a row with no valid entry, K not a multiple of the block). The interpreter's bf16 dot is wrong, so
 the kernels' IEEE flag (fp32 dots of the same bf16 values: products are exact, so it is the same math) is set.
 Each (config, case) check runs in its own process, a failed one re-run once (``interpret_isolation``).
+v3 ("flash", ``flash.*`` / ``prod.flash*`` checks) goes through the real launcher ``sparse_sink_attention_triton``
+with a jax_triton stand-in (outputs NaN-poisoned, so an unwritten element shows), and is checked against the per
+element error band of ``sat.flash_bound`` (vs the bf16-P reference and vs the fp32 reference; it rounds P against
+a running max, so it is not bit-comparable). ``mutant.*`` checks feed the kernel a wrong scale / sink / empty slots read
+as row 0, and PASS only when that band is violated (the check is not vacuous).
 Usage: python scripts/triton_interpret_sparse_attention.py [--list | --check NAME]   (needs `pip install triton`)"""
 import dataclasses
 import gc
@@ -91,6 +96,77 @@ def run(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtype=jnp.
     return rel
 
 
+class _JtShim:
+    """Stand-in for jax_triton.triton_call: the kernel run by the interpreter on owned numpy copies; every output is
+    NaN-poisoned first (integer outputs: -7), so an element the kernel does not write fails the finiteness check."""
+
+    @staticmethod
+    def triton_call(*args, kernel, out_shape, grid, num_warps=4, num_stages=1, **kw):
+        multi = isinstance(out_shape, (tuple, list))
+        shapes = out_shape if multi else (out_shape,)
+        outs = [np.full(o.shape, np.nan if jnp.issubdtype(o.dtype, jnp.floating) else -7, o.dtype) for o in shapes]
+        fakes = [Fake(o) for o in outs]
+        ins = [Fake(_np(a)) for a in args]
+        kernel[tuple(grid)](*ins, *fakes, **kw)
+        res = [f.a for f in fakes]
+        for r in res:
+            assert not np.isnan(np.asarray(r, np.float32)).any(), f"{kernel.__name__}: unwritten output elements"
+        return tuple(res) if multi else res[0]
+
+
+def run_flash(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtype=jnp.bfloat16, seed=0,
+              sink_shift=0.0, label="", empty_prefix=0, mutate=None):
+    """v3 through the real launcher (jax_triton stand-in). Inputs are bf16 values; the kernel gets them as fp32
+    arrays (IEEE dots: the interpreter's bf16 dot is wrong; products of bf16 values are exact in fp32) and rounds P
+    with the same integer RNE as on the GPU. Returns (ok, message): ok = inside the error band everywhere, no NaN,
+    a row with no valid entry exactly 0. ``empty_prefix``: row 0's first entries set to -1 (whole empty splits).
+    ``mutate``: "scale" (kernel scale x 1.01), "sink" (kernel sink + 0.25) or "leak" (the kernel gets row 0 where
+    the reference has an empty slot) -- must break the band."""
+    sys.modules["jax_triton"] = _JtShim
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = (jax.random.normal(ks[0], (B, S, H, D), jnp.float32) * 2).astype(dtype)
+    kv = jax.random.normal(ks[1], (B, N, D), jnp.float32).astype(dtype)
+    kv = kv.at[:, 0].set(8.0)           # row 0 is never valid (ids in [1, N)): an empty slot leaking in shows
+    idx = jax.random.randint(ks[2], (B, S, K), 1, N, jnp.int32)
+    idx = jnp.where(jax.random.uniform(ks[3], (B, S, K)) < 0.3, -1, idx)
+    if empty_prefix:
+        idx = idx.at[0, 0, :empty_prefix].set(-1)
+    if B * S > 1:
+        idx = idx.at[B - 1, S - 1].set(-1)               # a row with no valid entry
+    sink = jax.random.normal(ks[4], (H,), jnp.float32) + sink_shift
+    scale = D ** -0.5
+    ref = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
+                                                        precision=precision))
+    ref32 = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
+                                                          precision="fp32"))
+    A = np.asarray(sat.flash_weights_abs(q, kv, idx, sink, scale))
+    k_scale = scale * (1.01 if mutate == "scale" else 1.0)
+    k_sink = sink + (0.25 if mutate == "sink" else 0.0)
+    k_idx = jnp.where(idx < 0, 0, idx) if mutate == "leak" else idx   # empty slots turned into row-0 reads
+    ns, bps = sat.flash_plan(cfg, B * S, K)
+    gc.collect()
+    gc.disable()
+    try:
+        with np.errstate(over="ignore"):
+            out = np.asarray(sat.sparse_sink_attention_triton(
+                q.astype(jnp.float32), kv.astype(jnp.float32), k_idx, k_sink, k_scale, out_dtype=jnp.float32,
+                precision=precision, config=cfg))
+    finally:
+        gc.enable()
+    rounds = 0 if precision == "fp32" else 2
+    viol_ref = np.abs(out - ref) / sat.flash_bound(A, ref, rounds)
+    viol_32 = np.abs(out - ref32) / sat.flash_bound(A, ref32, min(rounds, 1))
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    rel32 = np.linalg.norm(out - ref32) / np.linalg.norm(ref32)
+    empty = np.abs(out[B - 1, S - 1]).max() if B * S > 1 else 0.0
+    msg = (f"{label:>18} BK{cfg.BK} NS{ns} BPS{bps} | B{B} S{S} H{H} D{D} K{K} {precision} "
+           f"{'mutant ' + mutate if mutate else ''}: rel err vs ref {rel:.2e}, vs fp32 ref {rel32:.2e}; "
+           f"max |err| / band: vs ref {viol_ref.max():.3f}, vs fp32 {viol_32.max():.3f}; empty row max {empty:.1e}")
+    ok = bool(np.all(np.isfinite(out)) and viol_ref.max() <= 1.0 and viol_32.max() <= 1.0 and empty == 0.0
+              and rel < 5e-3)
+    return ok, msg
+
+
 def small(name, **kw):
     cfg = sat.NAMED_CONFIGS[name]
     # the interpreter is slow: shrink BK / DV / CH to the small shapes, keep the kind
@@ -123,6 +199,44 @@ def checks():
     for label, cfg_fn in cfgs:
         for j, c in enumerate(cases):
             out[f"{label}.{j}"] = check(cfg_fn, label, c)
+    # v3 ("flash"): real launcher, error band (see run_flash). BK shrunk to 16 at the small shapes so that the
+    # splits are ragged (K=40: 3 blocks -> NS=2 gives splits of 2 + 1 blocks) and the auto planner splits.
+    fcases = cases + [dict(B=1, S=2, H=16, D=64, N=80, K=64, seed=5, empty_prefix=48)]   # row 0: 3 empty blocks
+
+    def fcheck(cfg_fn, label, kw, expect_ok=True):
+        def f():
+            ok, msg = run_flash(cfg_fn(), label=label, **kw)
+            print(msg + ("" if expect_ok else f"  -> band {'held (BAD: vacuous)' if ok else 'violated, as it must'}"))
+            assert ok == expect_ok, msg
+        return f
+    fcfgs = [
+        ("flash_auto", lambda: small("flash_bk64", BK=16)),                      # NS from the row count
+        ("flash_ns2", lambda: small("flash_bk64", BK=16, NS=2)),                 # split + XLA combine, ragged
+        ("flash_ns1", lambda: small("flash_bk64_ns1", BK=16)),                   # one program per row, final store
+    ]
+    for label, cfg_fn in fcfgs:
+        for j, c in enumerate(fcases):
+            out[f"flash.{label}.{j}"] = fcheck(cfg_fn, label, c)
+    prod = dict(H=64, D=512, N=700, K=640)
+    out["prod.flash_bk64.B1"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64"], "flash_bk64",
+                                       dict(prod, B=1, S=1, seed=6))                       # auto: NS=10
+    out["prod.flash_bk32.B1"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk32"], "flash_bk32",
+                                       dict(prod, B=1, S=1, seed=7))                       # auto: NS=20
+    out["prod.flash_bk64_ns1.B2"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64_ns1"], "flash_bk64_ns1",
+                                           dict(prod, B=2, S=1, seed=8, empty_prefix=200))  # row 1 all -1
+    out["prod.flash_bk64_ns4.B1S2"] = fcheck(lambda: small("flash_bk64", NS=4), "flash_bk64_ns4",
+                                             dict(prod, B=1, S=2, seed=9, empty_prefix=192))  # split 0 empty
+    out["prod.flash_bk32_ns1.fp32"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk32_ns1"], "flash_bk32_ns1",
+                                             dict(prod, B=1, S=2, seed=10, precision="fp32", dtype=jnp.float32))
+    # not vacuous: a 1 % wrong scale, or a sink off by 0.25 where the sink carries real mass, must break the band
+    out["mutant.scale"] = fcheck(lambda: small("flash_bk64", BK=16, NS=2), "flash_ns2",
+                                 dict(seed=11, mutate="scale"), expect_ok=False)
+    out["mutant.sink"] = fcheck(lambda: small("flash_bk64", BK=16, NS=2), "flash_ns2",
+                                dict(seed=12, sink_shift=6.0, mutate="sink"), expect_ok=False)
+    out["mutant.leak"] = fcheck(lambda: small("flash_bk64", BK=16, NS=2), "flash_ns2",
+                                dict(seed=13, mutate="leak"), expect_ok=False)
+    out["mutant.scale.prod"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64"], "flash_bk64",
+                                      dict(prod, B=1, S=1, seed=6, mutate="scale"), expect_ok=False)
     # the real V4.1 head count / width at one row, K = 640 (window + compressed), with the production configs
     for name in ("fused_dv512", "split_ch128_dv128"):
         out[f"prod.{name}"] = check(lambda n=name: sat.NAMED_CONFIGS[n], name,

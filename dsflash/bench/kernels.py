@@ -550,7 +550,9 @@ def main(argv=None):
                     help="sparse attention decode shapes BxS (sequences x query rows); empty to skip")
     ap.add_argument("--attn-ctx", type=int, default=4096, help="cached rows per sequence for sparse attention")
     ap.add_argument("--attn-variants", default="fused_dv128,fused_dv256,fused_dv256_bk32,fused_dv512,fused_dv512_bk32,"
-                    "split_ch128_dv128,split_ch64_dv128,split_ch128_dv512,split_auto_dv256",
+                    "split_ch128_dv128,split_ch64_dv128,split_ch128_dv512,split_auto_dv256,"
+                    "flash_bk32,flash_bk32_s7,flash_bk32_s3,flash_bk64,flash_bk64_s2,flash_bk32_ns1,flash_bk64_ns1,"
+                    "flash_bk32_ns2",
                     help="sparse_attention_triton.NAMED_CONFIGS timed per shape (a column each)")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated")

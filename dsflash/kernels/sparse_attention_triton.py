@@ -45,6 +45,7 @@ class AttnConfig:
     DC: int = 64          # D chunk of the QK product
     DV: int = 512         # output channels per program (pass 2)
     CH: int = 0           # "split": entries per chunk (multiple of BK); 0 = pick from the row count (auto)
+    NS: int = 0           # "flash" (v3): splits of the K entries per query row; 0 = pick from the row count (auto)
     warps: int = 8
     stages: int = 2
 
@@ -59,6 +60,16 @@ NAMED_CONFIGS = {
     "split_ch64_dv128": AttnConfig(kind="split", BK=64, DV=128, CH=64, warps=4),
     "split_ch128_dv512": AttnConfig(kind="split", BK=64, DV=512, CH=128, warps=8, stages=1),
     "split_auto_dv256": AttnConfig(kind="split", BK=64, DV=256, CH=0, warps=8, stages=1),
+    # v3 (2026-12-01, not yet run on a GPU): one program per (query row, split), flash-style online softmax, all
+    # H heads = the MMA's M, one gather of [BK, D] per block serves QK and P.V (K = V). Configs: see NOTES.md.
+    "flash_bk32": AttnConfig(kind="flash", BK=32, NS=0, warps=8, stages=5),      # kv 2 blocks ahead (3 buffers)
+    "flash_bk32_s7": AttnConfig(kind="flash", BK=32, NS=0, warps=8, stages=7),   # kv 3 blocks ahead (4 buffers)
+    "flash_bk32_s3": AttnConfig(kind="flash", BK=32, NS=0, warps=8, stages=3),   # kv 1 block ahead
+    "flash_bk64": AttnConfig(kind="flash", BK=64, NS=0, warps=8, stages=3),      # kv 1 block ahead (smem bound)
+    "flash_bk64_s2": AttnConfig(kind="flash", BK=64, NS=0, warps=8, stages=2),   # + synchronous idx load
+    "flash_bk32_ns1": AttnConfig(kind="flash", BK=32, NS=1, warps=8, stages=5),
+    "flash_bk64_ns1": AttnConfig(kind="flash", BK=64, NS=1, warps=8, stages=3),
+    "flash_bk32_ns2": AttnConfig(kind="flash", BK=32, NS=2, warps=8, stages=5),
 }
 # Shape -> variant used by ``sparse_sink_attention_triton(config=None)``: the first entry whose max_rows >= B*S.
 # From the first v2 H200 run (2026-11-30, commit 270df7c, NOTES.md): the fastest variant that ran at each measured
@@ -89,6 +100,80 @@ def split_chunk(cfg: AttnConfig, rows: int, D: int, K: int) -> int:
     per_row = max(1, -(-2 * SMS // max(1, rows * (D // cfg.DV))))          # chunks wanted per row
     ch = -(-K // per_row)
     return max(cfg.BK, -(-ch // cfg.BK) * cfg.BK)
+
+
+# v3 ("flash") split planner. Cost model, in units of one 64-entry block (64 KB gathered, ~3 us at one SM's share
+# of HBM bandwidth; its 8.4 MFLOP of QK + P.V take ~1.6 us at one SM's share of the measured 690 TFLOP/s and should
+# hide under the load): a program costs its blocks + 1 (q, 64 KB, loaded once) + 1 more when it writes fp32
+# partials (128 KB) instead of the final output; programs run one per SM (smem and registers, NOTES.md) in
+# ceil(programs / SMS) waves; splitting adds an XLA combine of ~2 blocks + the partials' read
+# (rows * NS * 128 KB at the whole GPU's bandwidth, 0.017 blocks each).
+FLASH_Q_COST, FLASH_PARTIAL_COST, FLASH_COMBINE_COST, FLASH_PARTIAL_READ = 1.0, 1.0, 2.0, 0.017
+
+
+def flash_plan(cfg: AttnConfig, rows: int, K: int):
+    """(NS splits per query row, BPS blocks of BK entries per split) of a "flash" config: cfg.NS if set (capped
+    at the block count), else the split with the least modelled time (above), ties to fewer splits."""
+    nb = max(1, -(-K // cfg.BK))
+    if cfg.NS:
+        bps = -(-nb // min(cfg.NS, nb))
+        return -(-nb // bps), bps
+    best = None
+    for bps in range(nb, 0, -1):
+        ns = -(-nb // bps)
+        if best is not None and ns == best[1]:
+            continue
+        waves = -(-rows * ns // SMS)
+        cost = waves * (bps * cfg.BK / 64 + FLASH_Q_COST + (FLASH_PARTIAL_COST if ns > 1 else 0.0))
+        if ns > 1:
+            cost += FLASH_COMBINE_COST + FLASH_PARTIAL_READ * rows * ns
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, ns, bps)
+    return best[1], best[2]
+
+
+def flash_combine(op, mp, lp, sink, out_shape, out_dtype):
+    """Exact fp32 merge of the v3 split partials: M = max_s m_s, w_s = exp(m_s - M),
+    o = sum_s w_s acc_s / (sum_s w_s l_s + exp(sink - M)). A row with no valid entry: M = -1e30, acc = l = 0 -> 0."""
+    M = jnp.max(mp, axis=1)                                                     # [R, H]
+    w = jnp.exp(mp - M[:, None, :])                                             # [R, NS, H]
+    den = jnp.sum(w * lp, axis=1) + jnp.exp(sink.astype(jnp.float32)[None, :] - M)
+    o = jnp.einsum("rsh,rshd->rhd", w, op, precision=jax.lax.Precision.HIGHEST) / den[..., None]
+    return o.reshape(out_shape).astype(out_dtype)
+
+
+# v3 error band. v3 rounds each probability to bf16 relative to the RUNNING max m_j of its split (then rescales by
+# exp(m_j - m) in fp32), the reference relative to the global max m. Either way the rounded term is
+# p_e (1 + d_e) with |d_e| <= 2^-8 (RNE to 8 significant bits), so per output element (h, c):
+#   |o_v3 - o_ref|  <= 2 * 2^-8 * A + slack,   |o_v3 - o_fp32| <= 2^-8 * A + slack,
+#   A[h, c] = sum_e p_e |kv_e[c]| / den   (p_e = exp(s_e - m), den incl. the sink; fp32),
+# slack = FLASH_SLACK * A + 1e-5 * |o| + 1e-30 (fp32 exp / rescale products / MMA vs XLA summation order, orders of
+# magnitude below 2^-8). Where entries after the split's max is reached round exactly as the reference does (same m),
+# the typical error is far below the bound: RMS of one rounding ~2^-9.3, so the whole-tensor relative error is
+# expected around 1e-3 (<= 5e-3 asserted) for the bench's random inputs.
+P_ROUND = 2.0 ** -8
+FLASH_SLACK = 1e-4
+
+
+def flash_weights_abs(q, kv, idx, sink, scale):
+    """A [B, S, H, D] fp32 of the v3 error band above (pure JAX, fp32 HIGHEST)."""
+    q = q.astype(jnp.float32)
+    kv = kv.astype(jnp.float32)
+    valid = idx >= 0
+    rows = jax.vmap(lambda kvb, ib: kvb[ib])(kv, jnp.where(valid, idx, 0))               # [B, S, K, D]
+    hp = jax.lax.Precision.HIGHEST
+    lg = jnp.einsum("bshd,bskd->bshk", q, rows, precision=hp) * jnp.float32(scale)
+    lg = jnp.where(valid[:, :, None, :], lg, -jnp.inf)
+    m = jnp.maximum(jnp.max(lg, axis=-1, keepdims=True), jnp.float32(-1e30))
+    p = jnp.exp(lg - m)
+    den = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[None, None, :, None] - m)
+    return jnp.einsum("bshk,bskd->bshd", p, jnp.abs(rows), precision=hp) / den
+
+
+def flash_bound(A, ref, roundings):
+    """Per-element tolerance: ``roundings`` = 2 vs the bf16-P reference, 1 vs the fp32 reference, 0 when the kernel
+    keeps P in fp32 (precision="fp32")."""
+    return (roundings * P_ROUND + FLASH_SLACK) * A + 1e-5 * abs(ref) + 1e-30
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -219,6 +304,85 @@ def _chunk_pv_kernel(q_ptr, kv_ptr, idx_ptr, mpart_ptr, accp_ptr, denp_ptr,
     tl.store(denp_ptr + base * H + offs_h, den, mask=(offs_h < H) & (dv == 0))
 
 
+# ----------------------------------------------------------------------------------------------- v3: "flash"
+@triton.jit
+def _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
+                D: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr,
+                P_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of query row ``row`` over its split ``sp`` (blocks [sp * BPS, sp * BPS + BPS) of BK entries):
+    (m [H] running max, >= -1e30; l [H] fp32 sum of exp(s - m); acc [H, D] fp32 sum of bf16(exp(s - m_j)) * kv
+    rescaled to m). q [H, D] is loaded once; each block gathers kv[idx] [BK, D] once for both products."""
+    offs_h = tl.arange(0, H)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + row * (H * D) + offs_h[:, None] * D + offs_d[None, :])
+    if IEEE:
+        q = q.to(tl.float32)
+    kv_base = kv_ptr + (row // S) * (N * D)
+    i_base = idx_ptr + row * K
+    m = tl.full((H,), -1e30, tl.float32)          # = the reference's clamp: a row with no valid entry keeps -1e30
+    l = tl.zeros((H,), tl.float32)
+    acc = tl.zeros((H, D), tl.float32)
+    # static trip count (a tensor loop bound breaks Triton 3.6's interpreter): blocks past K in the last split of a
+    # ragged split are all masked (nothing loaded, p = 0); they cost MMA time only, in a program no longer than
+    # the others of its wave
+    for j in tl.range(0, BPS):
+        offs = (sp * BPS + j) * BK + tl.arange(0, BK)
+        ids = tl.load(i_base + offs, mask=offs < K, other=-1)
+        valid = ids >= 0
+        safe = tl.minimum(tl.where(valid, ids, 0), N - 1).to(tl.int64)
+        # empty slots are not read (zero-filled); their logit is forced to -inf below anyway
+        kv = tl.load(kv_base + safe[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+        s = tl.where(valid[None, :], s * SCALE, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)                 # 1 while the max does not grow; exp(-1e30 - m) = 0 never NaN
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if P_BF16:
+            if IEEE:
+                acc = tl.dot(_rne_bf16(p).to(tl.float32), kv.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(_rne_bf16(p), kv.to(tl.bfloat16), acc)
+        else:
+            acc = tl.dot(p, kv.to(tl.float32), acc, input_precision="ieee")
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr,
+                  S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                  SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, P_BF16: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """NS = 1: grid (rows,), the whole row in one program, o = acc / (l + exp(sink - m)) stored directly."""
+    row = tl.program_id(0).to(tl.int64)
+    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, 0, S, N, H, D, K, SCALE, BK, BPS, P_BF16, IEEE)
+    offs_h = tl.arange(0, H)
+    den = l + tl.exp(tl.load(sink_ptr + offs_h) - m)      # inf for a row with no valid entry: 0 / inf = 0
+    o = acc / den[:, None]
+    tl.store(o_ptr + row * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], o.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _flash_split_kernel(q_ptr, kv_ptr, idx_ptr, op_ptr, mp_ptr, lp_ptr,
+                        S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
+                        SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, NS: tl.constexpr,
+                        P_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """NS > 1 (flash-decoding): grid (rows, NS); partials (m, l, acc) fp32, merged by ``flash_combine``."""
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
+    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, S, N, H, D, K, SCALE, BK, BPS, P_BF16, IEEE)
+    offs_h = tl.arange(0, H)
+    base = row * NS + sp
+    tl.store(op_ptr + base * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], acc)
+    tl.store(mp_ptr + base * H + offs_h, m)
+    tl.store(lp_ptr + base * H + offs_h, l)
+
+
 # ----------------------------------------------------------------------------------------------- wrappers
 def check_shapes(q, idx, D, dv):
     H = q.shape[2]
@@ -233,6 +397,20 @@ def launch_args(cfg: AttnConfig, B, S, H, D, N, K, scale, precision, q_dtype):
     dc = cfg.DC if D % cfg.DC == 0 else 32
     return dict(S=S, N=N, H=H, D=D, K=K, SCALE=float(scale), BK=cfg.BK, DC=dc,
                 IEEE=int(q_dtype == jnp.float32))
+
+
+def flash_launch(cfg: AttnConfig, R, H, D, K, ka, p_bf16):
+    """(NS, grid, kernel constexprs) of a "flash" launch: ``_flash_kernel`` when NS == 1, else
+    ``_flash_split_kernel`` + ``flash_combine`` (shared by the wrapper and the interpreter script)."""
+    if D & (D - 1):
+        raise ValueError(f"the flash kernel needs a power-of-two D, got {D}")
+    ns, bps = flash_plan(cfg, R, K)
+    kw = {k: v for k, v in ka.items() if k != "DC"}
+    kw.update(BPS=bps, P_BF16=p_bf16)
+    if ns == 1:
+        return ns, (R,), kw
+    kw["NS"] = ns
+    return ns, (R, ns), kw
 
 
 def split_combine(mpart, accp, denp, sink, out_shape, out_dtype):
@@ -271,6 +449,18 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
             q, kv, idx, sink, kernel=_fused_kernel,
             out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
             grid=(R, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, P_BF16=p_bf16, **ka)
+    if cfg.kind == "flash":
+        ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16)
+        if ns == 1:
+            return jt.triton_call(
+                q, kv, idx, sink, kernel=_flash_kernel, out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
+                grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
+        op, mp, lp = jt.triton_call(
+            q, kv, idx, kernel=_flash_split_kernel,
+            out_shape=(jax.ShapeDtypeStruct((R, ns, H, D), jnp.float32), jax.ShapeDtypeStruct((R, ns, H), jnp.float32),
+                       jax.ShapeDtypeStruct((R, ns, H), jnp.float32)),
+            grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
+        return flash_combine(op, mp, lp, sink, (B, S, H, D), out_dtype)
     if cfg.kind != "split":
         raise ValueError(f"unknown kind {cfg.kind!r}")
     ch = split_chunk(cfg, R, D, K)
