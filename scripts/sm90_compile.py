@@ -303,9 +303,9 @@ def _moe_loop_elems(call, cfg):
     """Weight elements one main-loop iteration consumes (MXFP4 elements of W1+W3, or W2), when known."""
     kn = call["kernel"].__name__
     c = call["constexprs"]
-    if kn.startswith(("_moe_up_kernel_sw", "_moe_up_kernel_sk")) and cfg.mma != "fp8":
+    if kn.startswith(("_moe_up_kernel_sw", "_moe_up_kernel_sk", "_moe_up_kernel_ps")) and cfg.mma != "fp8":
         return 2 * c["BN"] * c["BK"]
-    if kn.startswith(("_moe_down_kernel_sw", "_moe_down_kernel_sk")) and cfg.mma != "fp8":
+    if kn.startswith(("_moe_down_kernel_sw", "_moe_down_kernel_sk", "_moe_down_kernel_ps")) and cfg.mma != "fp8":
         return c["BN"] * c["BK"]
     if kn.startswith("_moe_up_kernel") and "KSUB" in c:
         return 2 * c["BN"] * 32 * c.get("KSUB", 1)

@@ -238,6 +238,32 @@ def _sw_cases():
     ]
 
 
+def _ps_cases():
+    """mma "swap_ps" (2026-12-01): scales applied after per-32-group fp16 MMAs of the raw codes; split and unsplit,
+    one and several K groups per iteration, decode and prefill-sized tiles, the named configs fitted to the shape."""
+    MC = mt.MoeConfig
+    from dsflash.kernels.moe_plan import NAMED_CONFIGS as nc
+    return [
+        (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2, prefetch=False), {}),
+        (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=128, KS_UP=1, KS_DOWN=1, prefetch=False),
+         dict(T=40, k=3, E=3, seed=1)),
+        (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=32, prefetch=False), dict(T=1, k=2, E=8)),
+        (MC(kind="sk", mma="swap_ps", BM=64, BN_UP=64, BN_DOWN=128, BK=64, KS_UP=1, KS_DOWN=1, prefetch=False),
+         dict(T=40, k=3, E=3, seed=2)),
+        (mt.fit_config(nc["sw_ps"], 256, 128), dict(T=3, E=8, seed=3)),
+        (mt.fit_config(nc["sw_ps_bn128"], 256, 128), dict(T=6, E=4, seed=4)),
+        (mt.fit_config(nc["sw_ps_bn128_bk64"], 256, 128), dict(T=1, k=2, E=8, seed=5)),
+        (mt.fit_config(nc["sw_ps_bk64"], 256, 128), dict(T=40, k=3, E=3, seed=6)),
+    ]
+
+
+def _ps(j):
+    cfg, kw = _ps_cases()[j]
+    rel, same = check_launch(cfg, **kw)
+    assert rel < 1e-2, rel
+    assert same >= 0.999, same
+
+
 def _sw(j):
     cfg, kw = _sw_cases()[j]
     rel, same = check_launch(cfg, **kw)
@@ -264,4 +290,5 @@ if __name__ == "__main__":
     checks = {f"legacy-{j}": functools.partial(_legacy, j) for j in range(3)}
     checks.update({f"sk-{j}": functools.partial(_sk, j) for j in range(len(_sk_cases()))})
     checks.update({f"sw-{j}": functools.partial(_sw, j) for j in range(len(_sw_cases()))})
+    checks.update({f"ps-{j}": functools.partial(_ps, j) for j in range(len(_ps_cases()))})
     run_isolated(__file__, checks)

@@ -120,3 +120,30 @@ def test_fit_config_shrinks_blocks_to_small_models_and_keeps_v41_configs():
             assert moe_plan.split_ks(cfg, rows * 2, 8, 256, 64)[0] >= 1
     with pytest.raises(ValueError, match="divisible by 32"):
         moe_plan.fit_config(moe_plan.DECODE_CONFIG, 256, 48)
+
+
+def test_post_scale_configs_plan():
+    """The mma "swap_ps" decode variants (2026-12-01, not defaults): V4.1 split plans as the swapped kernels', and
+    the launcher's static plan sends h as FP8 codes + scales and refuses bf16 activations. The split numbers are
+    the ones the sm_90 compile stats in NOTES.md were taken at."""
+    names = ("sw_ps", "sw_ps_bk64", "sw_ps_bn128", "sw_ps_bn128_bk64")
+    for name in names:
+        c = moe_plan.NAMED_CONFIGS[name]
+        assert c.kind == "sk" and c.mma == "swap_ps" and not c.prefetch
+        assert moe_plan.pick_config(6, 96) is not c and moe_plan.pick_config(96, 96) is not c
+        ku, kd = moe_plan.split_ks(c, 6, 96, 5120, 2304)
+        assert 6 * (2304 // c.BN_UP) * ku >= c.min_programs and 6 * (5120 // c.BN_DOWN) * kd >= c.min_programs
+        assert moe_plan.split_ks(c, 96, 96, 5120, 2304) == (1, 1)
+    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps"], 6, 96, 5120, 2304) == (5, 3)
+    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bn128"], 6, 96, 5120, 2304) == (10, 6)
+    pytest.importorskip("triton")
+    from dsflash.kernels import moe_gemm_triton as mt
+    for name in names:
+        c = moe_plan.NAMED_CONFIGS[name]
+        assert mt.sk_plan(c, 96, 96, 5120, 2304)["hout"] == 0
+        with pytest.raises(NotImplementedError):
+            mt.sk_plan(c, 96, 96, 5120, 2304, act_fp8=False)
+    # the kinds before it are unchanged: swapped kernels send bf16 carriers, the fp8 split-K kernel codes + scales
+    assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304)["hout"] == 1
+    assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304, act_fp8=False)["hout"] == 2
+    assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sk_fp8"], 96, 96, 5120, 2304)["hout"] == 0

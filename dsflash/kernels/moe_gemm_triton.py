@@ -935,6 +935,172 @@ def _moe_down_kernel_sw(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         tl.store(o_ptr + (ks * S + slot[None, :]) * D + offs_n[:, None], acc, mask=rmask[None, :])
 
 
+# --------------------------- swapped operands, scales applied after the MMA (kind "sk", mma "swap_ps", 2026-12-01)
+# The weight path of "swap_eo" spends ~3.5 of its ~6.8 SASS instructions per weight element on float work: E4M3 ->
+# f16 unpack, f16 -> f32, the fp32 scale multiply and the bf16 pack. Here nothing is scaled before the MMA: per
+# 32-wide K group (one UE8M0 scale per weight row, one pow2 scale per activation row) the MMA multiplies the raw
+# codes -- weight nibbles as E4M3 bytes unpacked to fp16 (value * 2^-6, exact) and the activation's E4M3 codes as
+# fp16 (exact) -- into a fresh fp32 partial, and the partial is scaled once per accumulator element:
+# acc^T[n, m] += part[n, m] * (2^(s_w[n] - 121) * s_x[m]) (powers of two: the multiply is exact, one rounding in the
+# add, as when the MMA accumulates). Per weight element that leaves the nibble -> E4M3 bit ops and half an unpack;
+# per accumulator element an FMUL and an FFMA per group (BM = 16, BN = 64, 128 threads: 0.5 + 0.5 per element).
+# Needs FP8 activations (precision "reference"); h travels as FP8 codes + f32 pow2 scales (HOUT 0).
+@triton.jit
+def _dot_f16(a, b, DECODE: tl.constexpr):
+    if DECODE == 1:
+        return tl.dot(a, b)
+    # Triton's interpreter: fp16 products are exact in fp32, so an IEEE fp32 dot of the same values is the same math
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _fp8_to_f16(v, DECODE: tl.constexpr):
+    if DECODE == 1:
+        return v.to(tl.float16)
+    return v.to(tl.float32).to(tl.float16)     # exact either way (E4M3 values are fp16 values)
+
+
+@triton.jit
+def _ps_perm(t, R: tl.constexpr):
+    """[R, 16] bytes of one K group (byte b = 4c + 2h + q) -> column order h*8 + c*2 + q. The MMA sums over K, so any
+    order shared by both operands gives the same products; this one puts the 4 bytes a thread holds in the 16-bit
+    MMA's register fragment (columns 2c, 2c+1, 2c+8, 2c+9 of a 16-wide K step) next to each other in memory: one
+    32-bit word per row and thread instead of two 16-bit pieces reassembled byte by byte."""
+    return tl.reshape(tl.permute(tl.reshape(t, (R, 4, 2, 2)), (0, 2, 1, 3)), (R, 16))
+
+
+@triton.jit
+def _ps_weight_planes(w_base, offs_n, kg, KPACK: tl.constexpr, BN: tl.constexpr, DECODE: tl.constexpr):
+    """One 32-wide K group of an expert's packed rows: (low-nibble, high-nibble) fp16 planes [BN, 16] worth
+    E2M1 * 2^-6 (exact), columns in ``_ps_perm`` order."""
+    p = _ps_perm(tl.load(w_base + offs_n[:, None] * KPACK + kg // 2 + tl.arange(0, 16)[None, :]), BN)
+    if DECODE == 1:
+        lo, hi = _e2m1_planes_asm(p)
+    else:
+        lo, hi = _e2m1_planes_tl(p)
+    return (_fp8_to_f16(lo.to(tl.float8e4nv, bitcast=True), DECODE),
+            _fp8_to_f16(hi.to(tl.float8e4nv, bitcast=True), DECODE))
+
+
+@triton.jit
+def _ps_col(t, g: tl.constexpr, G: tl.constexpr):
+    """Column g of a [R, G] tile as a masked sum (exact: one nonzero term; sm_90 compile: a few selects and warp
+    shuffles per group, the tile's layout does not keep a row in one thread)."""
+    return tl.sum(tl.where(tl.arange(0, G)[None, :] == g, t, 0), axis=1)
+
+
+@triton.jit
+def _ps_group(acc, w_base, swf, offs_n, kg, x0, x1, sxf, KPACK: tl.constexpr, BN: tl.constexpr,
+              DECODE: tl.constexpr):
+    """acc^T [BN, BM] += (W_group [BN, 32] . x_group^T) * outer(weight scale swf [BN], activation scale sxf [BM])."""
+    wl, wh = _ps_weight_planes(w_base, offs_n, kg, KPACK, BN, DECODE)
+    part = _dot_f16(wl, tl.trans(x0), DECODE)
+    part += _dot_f16(wh, tl.trans(x1), DECODE)
+    return acc + part * (swf[:, None] * sxf[None, :])
+
+
+@triton.jit
+def _ps_wscales(s_base, offs_n, k0, KSC: tl.constexpr, G: tl.constexpr):
+    """UE8M0 scale bytes [BN, G] of the slab at k0 (G contiguous bytes a row) -> 2^(s - 127) * 2^6 as int32 bits
+    (the 2^6 undoes the E4M3 mapping's 2^-6); ``_ps_col`` picks a group, then a bitcast to fp32."""
+    s = tl.load(s_base + offs_n[:, None] * KSC + k0 // 32 + tl.arange(0, G)[None, :])
+    return (s.to(tl.int32) + 6) << 23
+
+
+@triton.jit
+def _ps_act(q_ptr, rows_q, kg, NCOLS: tl.constexpr, BM: tl.constexpr, DECODE: tl.constexpr):
+    """Activation codes of rows rows_q (FP8 [., NCOLS]) at K group kg as the two fp16 [BM, 16] operands matching
+    ``_ps_weight_planes`` (even / odd K elements of the bytes in ``_ps_perm`` order)."""
+    xa = _fp8_to_f16(tl.load(q_ptr + rows_q[:, None] * NCOLS + kg + tl.arange(0, 32)[None, :]), DECODE)
+    xa = tl.reshape(tl.permute(tl.reshape(xa, (BM, 4, 2, 2, 2)), (0, 2, 1, 3, 4)), (BM, 16, 2))
+    return tl.split(xa)
+
+
+@triton.jit
+def _moe_up_kernel_ps(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                      w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                      h_ptr, hs_ptr,
+                      S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
+    """``_moe_up_kernel_sw`` with the scales applied after the MMA, one 32-wide K group at a time (block comment
+    above); BK / 32 groups per loop iteration (unrolled), the slab's scales loaded once per iteration (G contiguous
+    bytes a row) and picked per group in registers. KS > 1: fp32 partials as the sw kernel; KS == 1: the epilogue
+    here (HOUT 0: FP8 codes + f32 scales)."""
+    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    ks = tl.program_id(2)
+    KPACK: tl.constexpr = D // 2
+    KSC: tl.constexpr = D // 32
+    KCH: tl.constexpr = D // KS
+    kbeg = ks * KCH
+    w1b, s1b = _expert_w(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _expert_w(w3_ptr, s3_ptr, e, I, D)
+    acc_g = tl.zeros((BN, BM), tl.float32)
+    acc_u = tl.zeros((BN, BM), tl.float32)
+    G: tl.constexpr = BK // 32
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        sg = _ps_wscales(s1b, offs_n, k0, KSC, G)
+        su = _ps_wscales(s3b, offs_n, k0, KSC, G)
+        sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, G)[None, :])
+        for g in tl.static_range(G):
+            kg = k0 + g * 32
+            x0, x1 = _ps_act(xq_ptr, tok, kg, D, BM, DECODE)
+            sxg = _ps_col(sx, g, G)
+            acc_g = _ps_group(acc_g, w1b, _ps_col(sg, g, G).to(tl.float32, bitcast=True), offs_n, kg, x0, x1, sxg,
+                              KPACK, BN, DECODE)
+            acc_u = _ps_group(acc_u, w3b, _ps_col(su, g, G).to(tl.float32, bitcast=True), offs_n, kg, x0, x1, sxg,
+                              KPACK, BN, DECODE)
+    if KS == 1:
+        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+        _store_h(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n,
+                 nb * BN, I, BM, BN, HOUT)
+    else:
+        base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + offs_n[:, None]
+        tl.store(base, acc_g, mask=rmask[None, :])
+        tl.store(base + I, acc_u, mask=rmask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel_ps(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                        w2_ptr, s2_ptr,
+                        o_ptr,
+                        S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                        DECODE: tl.constexpr):
+    """``_moe_down_kernel_sw`` with the scales applied after the MMA (as the up kernel); h as FP8 codes [S, I] + f32
+    pow2 scales [S, I/32] in sorted rows."""
+    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
+    ks = tl.program_id(2)
+    KPACK: tl.constexpr = I // 2
+    KSC: tl.constexpr = I // 32
+    KCH: tl.constexpr = I // KS
+    kbeg = ks * KCH
+    w2b, s2b = _expert_w(w2_ptr, s2_ptr, e, D, I)
+    acc = tl.zeros((BN, BM), tl.float32)
+    G: tl.constexpr = BK // 32
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        sw = _ps_wscales(s2b, offs_n, k0, KSC, G)
+        sh = tl.load(hs_ptr + rows_c[:, None] * KSC + k0 // 32 + tl.arange(0, G)[None, :])
+        for g in tl.static_range(G):
+            kg = k0 + g * 32
+            h0, h1 = _ps_act(h_ptr, rows_c, kg, I, BM, DECODE)
+            acc = _ps_group(acc, w2b, _ps_col(sw, g, G).to(tl.float32, bitcast=True), offs_n, kg, h0, h1,
+                            _ps_col(sh, g, G), KPACK, BN, DECODE)
+    if KS == 1:
+        _store_o(tl.trans(acc), o_ptr, slot_ptr, rows, rmask, offs_n, D)
+    else:
+        slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        tl.store(o_ptr + (ks * S + slot[None, :]) * D + offs_n[:, None], acc, mask=rmask[None, :])
+
+
 # ------------------------------------------------------------------------------------------ JAX side
 def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
     T, d = x.shape
@@ -1020,12 +1186,12 @@ def _block_dividing(n, cap):
 def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
     """Static launch plan of a kind-"sk" config: K splits, the MMA flavour and how h travels."""
     ks_up, ks_down = split_ks(cfg, S, E, d, I)
-    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4, "swap_bd": 5}[cfg.mma]
-    if not act_fp8 and not mma:
-        raise NotImplementedError("kind 'sk' with mma='fp8' needs FP8 activations (precision 'reference')")
+    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4, "swap_bd": 5, "swap_ps": 6}[cfg.mma]
+    if not act_fp8 and mma in (0, 6):
+        raise NotImplementedError(f"kind 'sk' with mma={cfg.mma!r} needs FP8 activations (precision 'reference')")
     if mma == 2 and cfg.BM != 1:
         raise ValueError("mma='gemv' needs BM=1 (one row per tile)")
-    hout = (1 if mma else 0) if act_fp8 else 2     # bf16 carrier of the round trip / FP8 codes + scales / bf16
+    hout = (0 if mma in (0, 6) else 1) if act_fp8 else 2   # FP8 codes + scales / bf16 carrier of the round trip / bf16
     return dict(ks_up=ks_up, ks_down=ks_down, mma=mma, hout=hout)
 
 
@@ -1036,7 +1202,10 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     dec = int(cfg.decode == "asm")
     hdt = jnp.float8_e4m3fn if hout == 0 else jnp.bfloat16
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
-    if mma >= 3:
+    if mma == 6:
+        kern_up, kern_down = _moe_up_kernel_ps, _moe_down_kernel_ps
+        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
+    elif mma >= 3:
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)
     else:

@@ -33,7 +33,9 @@ class MoeConfig:
                           # "swap": as "bf16" with the weights as the MMA's left operand (acc^T = W . x^T; Hopper
                           # wgmma reads it from registers); "swap_eo": "swap" without the nibble interleave (even
                           # and odd K elements as two planes, two MMAs per slab); "swap_bd": "swap_eo" with the
-                          # planes built as bf16 bits directly (inline PTX, bf16x2 scale multiplies, no fp32)
+                          # planes built as bf16 bits directly (inline PTX, bf16x2 scale multiplies, no fp32);
+                          # "swap_ps": swapped, raw codes in fp16 MMAs per 32-wide K group, scales applied to
+                          # the fp32 partials (FP8 activations only; h as FP8 codes + scales)
     prefetch: bool = True # mma "swap" / "swap_eo": next slab loaded into registers by hand (else Triton's pipeliner)
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
@@ -115,6 +117,14 @@ NAMED_CONFIGS = {
                                   warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
     "sw_prefill": MoeConfig(kind="sk", mma="swap", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3, KS_UP=1,
                             KS_DOWN=1, prefetch=False),
+    # decode, scales applied after the MMA per 32-wide K group (mma "swap_ps", 2026-12-01; FP8 activations only;
+    # interpreter-checked and compiled for sm_90 on the CPU host, not yet run on a GPU; NOTES.md)
+    "sw_ps": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_ps_bk64": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=64, stages=6, prefetch=False),
+    "sw_ps_bn128": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=4,
+                             prefetch=False),
+    "sw_ps_bn128_bk64": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=128, BN_DOWN=128, BK=64, stages=6,
+                                  prefetch=False),
 }
 
 

@@ -65,6 +65,11 @@ COMBOS = (
     + [(c, "sw_bd_np", "reference") for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
     + [(SMALL[2], "sw_bd_np", "bf16"), (REAL_ONE, "sw_bd_np_bk256", "reference"),
        (SMALL[3], "sw_bd_prefill_w8", "reference"), (REAL_PREFILL, "sw_bd_prefill_w8", "reference")]
+    # swapped operands, scales applied after per-32-group fp16 MMAs of the raw codes ("swap_ps", 2026-12-01;
+    # interpreter-checked (DECODE="tl") and compiled for sm_90 on a CPU host before their first GPU run)
+    + [(c, n, "reference") for n in ("sw_ps", "sw_ps_bk64", "sw_ps_bn128", "sw_ps_bn128_bk64")
+       for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
+    + [(SMALL[3], "sw_ps", "reference"), (SMALL[2], "sw_ps_bn128", "reference")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
@@ -78,6 +83,9 @@ def _cfg(name):
         return moe_plan.MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2, KS_DOWN=2)
     if name == "sw_eo_split":       # the decode default with forced splits at that small shape
         return moe_plan.MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2,
+                                  KS_DOWN=2, prefetch=False)
+    if name == "sw_ps_split":       # the post-scale kernels with forced splits at that small shape
+        return moe_plan.MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2,
                                   KS_DOWN=2, prefetch=False)
     return moe_plan.NAMED_CONFIGS[name]
 
@@ -117,7 +125,8 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
 
 @pytest.mark.parametrize("cfg_name", ["ds_decode_rt", "ds_prefill_rt", "ds_decode", "ds_prefill", "fp8mma_decode",
                                       "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split", "sk_gemv",
-                                      "sw_eo_np", "sw_eo_split", "sw_eo_prefill_w8"])
+                                      "sw_eo_np", "sw_eo_split", "sw_eo_prefill_w8", "sw_ps", "sw_ps_split",
+                                      "sw_ps_bn128"])
 def test_intermediates_fully_written_twice(cfg_name):
     """Two runs at one shape with different inputs: every FP8 code of h and every output row must match the
     reference each time, so nothing can be left over from the previous run (a stale or unwritten element).
@@ -150,7 +159,7 @@ def test_intermediates_fully_written_twice(cfg_name):
 
 
 @pytest.mark.parametrize("cfg_name", ["fp8mma_decode", "ds_decode_rt", "ds_prefill_rt", "sk_bf16", "sk_gemv",
-                                      "sw_eo_np", "sw_eo_prefill_w8"])
+                                      "sw_eo_np", "sw_eo_prefill_w8", "sw_ps"])
 def test_nonlocal_slots_contribute_nothing(cfg_name):
     """ep_moe marks slots of non-local experts with id E (weight 0): they must add nothing (their o rows are never
     written by the kernels), as in the reference."""
@@ -172,3 +181,13 @@ def test_backend_dispatch_uses_triton():
     assert _rel(a, b) < TOL
     with pytest.raises(NotImplementedError):
         moe_gemm.routed_moe(*args, limit=LIMIT, precision="fp32", backend="triton")
+
+
+@pytest.mark.parametrize("cfg_name", ["sw_ps", "sw_ps_bn128"])
+def test_post_scale_configs_need_fp8_activations(cfg_name):
+    """mma "swap_ps" multiplies the raw FP8 activation codes (fp16 MMA) and applies their scales afterwards; bf16
+    activations have no such codes, so precision "bf16" is refused rather than computed differently."""
+    mt = _triton()
+    args = moe_plan.random_moe_problem(jax.random.PRNGKey(7), 4, 6, 16, 512, 256)
+    with pytest.raises(NotImplementedError):
+        mt.routed_moe_triton(*args, limit=LIMIT, precision="bf16", config=_cfg(cfg_name))
