@@ -26,6 +26,12 @@ Kinds (``AttnConfig.kind``):
   den [rows, NS, H] and partial P.V [rows, NS, H, D] fp32. Combine in XLA: sum over chunks,
   + exp(sink - m), divide. More programs for few rows (B = 1: 1 row -> NS * D / DV programs) at the cost of
   NS * H * D * 4 bytes of partials per row (written once, read once).
+* "flash" (v3, 2026-12-01, not yet run on a GPU): grid (rows, NS); one pass with an online softmax: q [H, D] loaded
+  once, each block of BK entries gathered ONCE ([BK, D], empty slots not read) for both S = q kv^T and
+  O += bf16(P) kv, P rounded against the running max (so NOT bit-comparable with the reference: error band
+  ``flash_bound`` below, derived there), fp32 l, sink at the end. NS = 1: final output from the kernel
+  (``_flash_kernel``); NS > 1: fp32 partials (m, l, O) merged exactly by ``flash_combine``. NS per row count from
+  ``flash_plan``. Design, sm_90 compile numbers and predictions: dsflash/kernels/NOTES.md.
 """
 from __future__ import annotations
 
@@ -138,7 +144,7 @@ def flash_combine(op, mp, lp, sink, out_shape, out_dtype):
     M = jnp.max(mp, axis=1)                                                     # [R, H]
     w = jnp.exp(mp - M[:, None, :])                                             # [R, NS, H]
     den = jnp.sum(w * lp, axis=1) + jnp.exp(sink.astype(jnp.float32)[None, :] - M)
-    o = jnp.einsum("rsh,rshd->rhd", w, op, precision=jax.lax.Precision.HIGHEST) / den[..., None]
+    o = jnp.sum(w[..., None] * op, axis=1) / den[..., None]                     # one fp32 reduction fusion
     return o.reshape(out_shape).astype(out_dtype)
 
 
