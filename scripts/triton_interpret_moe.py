@@ -254,6 +254,13 @@ def _ps_cases():
         (mt.fit_config(nc["sw_ps_bn128"], 256, 128), dict(T=6, E=4, seed=4)),
         (mt.fit_config(nc["sw_ps_bn128_bk64"], 256, 128), dict(T=1, k=2, E=8, seed=5)),
         (mt.fit_config(nc["sw_ps_bk64"], 256, 128), dict(T=40, k=3, E=3, seed=6)),
+        # BM 8 (mma.sync on sm_90, natural K order: PERM 0)
+        (MC(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2, prefetch=False),
+         dict(T=1, k=2, E=8, seed=7)),
+        (MC(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=1, KS_DOWN=1, prefetch=False),
+         dict(T=40, k=3, E=3, seed=8)),
+        (mt.fit_config(nc["sw_ps_bm8_w2"], 256, 128), dict(T=5, seed=9)),
+        (mt.fit_config(nc["sw_eo_np_bm8"], 256, 128), dict(T=40, k=3, E=3, seed=10)),
     ]
 
 

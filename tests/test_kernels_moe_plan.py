@@ -126,7 +126,7 @@ def test_post_scale_configs_plan():
     """The mma "swap_ps" decode variants (2026-12-01, not defaults): V4.1 split plans as the swapped kernels', and
     the launcher's static plan sends h as FP8 codes + scales and refuses bf16 activations. The split numbers are
     the ones the sm_90 compile stats in NOTES.md were taken at."""
-    names = ("sw_ps", "sw_ps_bk64", "sw_ps_bn128", "sw_ps_bn128_bk64")
+    names = ("sw_ps", "sw_ps_bk64", "sw_ps_bn128", "sw_ps_bn128_bk64", "sw_ps_bm8", "sw_ps_bm8_w2")
     for name in names:
         c = moe_plan.NAMED_CONFIGS[name]
         assert c.kind == "sk" and c.mma == "swap_ps" and not c.prefetch
@@ -143,6 +143,8 @@ def test_post_scale_configs_plan():
         assert mt.sk_plan(c, 96, 96, 5120, 2304)["hout"] == 0
         with pytest.raises(NotImplementedError):
             mt.sk_plan(c, 96, 96, 5120, 2304, act_fp8=False)
+    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bm8"], 6, 96, 5120, 2304) == (5, 3)
+    assert moe_plan.num_tiles(96, 96, 8) == 108                  # 16 tokens: 12 more (spare) tiles than BM 16
     # the kinds before it are unchanged: swapped kernels send bf16 carriers, the fp8 split-K kernel codes + scales
     assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304)["hout"] == 1
     assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304, act_fp8=False)["hout"] == 2

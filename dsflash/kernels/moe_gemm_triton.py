@@ -961,19 +961,24 @@ def _fp8_to_f16(v, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _ps_perm(t, R: tl.constexpr):
-    """[R, 16] bytes of one K group (byte b = 4c + 2h + q) -> column order h*8 + c*2 + q. The MMA sums over K, so any
-    order shared by both operands gives the same products; this one puts the 4 bytes a thread holds in the 16-bit
-    MMA's register fragment (columns 2c, 2c+1, 2c+8, 2c+9 of a 16-wide K step) next to each other in memory: one
-    32-bit word per row and thread instead of two 16-bit pieces reassembled byte by byte."""
-    return tl.reshape(tl.permute(tl.reshape(t, (R, 4, 2, 2)), (0, 2, 1, 3)), (R, 16))
+def _ps_perm(t, R: tl.constexpr, PERM: tl.constexpr):
+    """PERM: [R, 16] bytes of one K group (byte b = 4c + 2h + q) -> column order h*8 + c*2 + q. The MMA sums over K,
+    so any order shared by both operands gives the same products; this one puts the 4 bytes a thread holds in the
+    wgmma's 16-bit register fragment (columns 2c, 2c+1, 2c+8, 2c+9 of a 16-wide K step) next to each other in memory:
+    one 32-bit word per row and thread instead of 2-byte pieces reassembled byte by byte (sm_90 up loop 746 -> 670 at
+    BM 16). With BM 8 Triton lowers the dot to mma.sync, whose operand layout it builds differently: there the
+    natural order is the cheap one (PERM 0: 458 SASS per iteration vs 595 permuted)."""
+    if PERM:
+        return tl.reshape(tl.permute(tl.reshape(t, (R, 4, 2, 2)), (0, 2, 1, 3)), (R, 16))
+    return t
 
 
 @triton.jit
-def _ps_weight_planes(w_base, offs_n, kg, KPACK: tl.constexpr, BN: tl.constexpr, DECODE: tl.constexpr):
+def _ps_weight_planes(w_base, offs_n, kg, KPACK: tl.constexpr, BN: tl.constexpr, DECODE: tl.constexpr,
+                      PERM: tl.constexpr):
     """One 32-wide K group of an expert's packed rows: (low-nibble, high-nibble) fp16 planes [BN, 16] worth
     E2M1 * 2^-6 (exact), columns in ``_ps_perm`` order."""
-    p = _ps_perm(tl.load(w_base + offs_n[:, None] * KPACK + kg // 2 + tl.arange(0, 16)[None, :]), BN)
+    p = _ps_perm(tl.load(w_base + offs_n[:, None] * KPACK + kg // 2 + tl.arange(0, 16)[None, :]), BN, PERM)
     if DECODE == 1:
         lo, hi = _e2m1_planes_asm(p)
     else:
@@ -984,9 +989,9 @@ def _ps_weight_planes(w_base, offs_n, kg, KPACK: tl.constexpr, BN: tl.constexpr,
 
 @triton.jit
 def _ps_group(acc, w_base, swf, offs_n, kg, x0, x1, sxf, KPACK: tl.constexpr, BN: tl.constexpr,
-              DECODE: tl.constexpr):
+              DECODE: tl.constexpr, PERM: tl.constexpr):
     """acc^T [BN, BM] += (W_group [BN, 32] . x_group^T) * outer(weight scale swf [BN], activation scale sxf [BM])."""
-    wl, wh = _ps_weight_planes(w_base, offs_n, kg, KPACK, BN, DECODE)
+    wl, wh = _ps_weight_planes(w_base, offs_n, kg, KPACK, BN, DECODE, PERM)
     part = _dot_f16(wl, tl.trans(x0), DECODE)
     part += _dot_f16(wh, tl.trans(x1), DECODE)
     return acc + part * (swf[:, None] * sxf[None, :])
@@ -1019,11 +1024,14 @@ def _ps_wscale(words, g: tl.constexpr):
 
 
 @triton.jit
-def _ps_act(q_ptr, rows_q, kg, NCOLS: tl.constexpr, BM: tl.constexpr, DECODE: tl.constexpr):
+def _ps_act(q_ptr, rows_q, kg, NCOLS: tl.constexpr, BM: tl.constexpr, DECODE: tl.constexpr, PERM: tl.constexpr):
     """Activation codes of rows rows_q (FP8 [., NCOLS]) at K group kg as the two fp16 [BM, 16] operands matching
     ``_ps_weight_planes`` (even / odd K elements of the bytes in ``_ps_perm`` order)."""
     xa = _fp8_to_f16(tl.load(q_ptr + rows_q[:, None] * NCOLS + kg + tl.arange(0, 32)[None, :]), DECODE)
-    xa = tl.reshape(tl.permute(tl.reshape(xa, (BM, 4, 2, 2, 2)), (0, 2, 1, 3, 4)), (BM, 16, 2))
+    if PERM:
+        xa = tl.reshape(tl.permute(tl.reshape(xa, (BM, 4, 2, 2, 2)), (0, 2, 1, 3, 4)), (BM, 16, 2))
+    else:
+        xa = tl.reshape(xa, (BM, 16, 2))
     return tl.split(xa)
 
 
@@ -1033,7 +1041,7 @@ def _moe_up_kernel_ps(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       h_ptr, hs_ptr,
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
+                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr, PERM: tl.constexpr = 1):
     """``_moe_up_kernel_sw`` with the scales applied after the MMA, one 32-wide K group at a time (block comment
     above); BK / 32 groups per loop iteration (unrolled), the slab's scales loaded once per iteration (G contiguous
     bytes a row) and picked per group in registers. KS > 1: fp32 partials as the sw kernel; KS == 1: the epilogue
@@ -1058,10 +1066,10 @@ def _moe_up_kernel_ps(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
         su = _ps_wscales(s3b, offs_n, k0, KSC, G)
         for g in tl.static_range(G):
             kg = k0 + g * 32
-            x0, x1 = _ps_act(xq_ptr, tok, kg, D, BM, DECODE)
+            x0, x1 = _ps_act(xq_ptr, tok, kg, D, BM, DECODE, PERM)
             sxg = tl.load(xs_ptr + tok * KSC + kg // 32)
-            acc_g = _ps_group(acc_g, w1b, _ps_wscale(sg, g), offs_n, kg, x0, x1, sxg, KPACK, BN, DECODE)
-            acc_u = _ps_group(acc_u, w3b, _ps_wscale(su, g), offs_n, kg, x0, x1, sxg, KPACK, BN, DECODE)
+            acc_g = _ps_group(acc_g, w1b, _ps_wscale(sg, g), offs_n, kg, x0, x1, sxg, KPACK, BN, DECODE, PERM)
+            acc_u = _ps_group(acc_u, w3b, _ps_wscale(su, g), offs_n, kg, x0, x1, sxg, KPACK, BN, DECODE, PERM)
     if KS == 1:
         rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
         _store_h(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n,
@@ -1078,7 +1086,7 @@ def _moe_down_kernel_ps(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         o_ptr,
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                        DECODE: tl.constexpr):
+                        DECODE: tl.constexpr, PERM: tl.constexpr = 1):
     """``_moe_down_kernel_sw`` with the scales applied after the MMA (as the up kernel); h as FP8 codes [S, I] + f32
     pow2 scales [S, I/32] in sorted rows."""
     e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
@@ -1098,9 +1106,9 @@ def _moe_down_kernel_ps(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         sw = _ps_wscales(s2b, offs_n, k0, KSC, G)
         for g in tl.static_range(G):
             kg = k0 + g * 32
-            h0, h1 = _ps_act(h_ptr, rows_c, kg, I, BM, DECODE)
+            h0, h1 = _ps_act(h_ptr, rows_c, kg, I, BM, DECODE, PERM)
             acc = _ps_group(acc, w2b, _ps_wscale(sw, g), offs_n, kg, h0, h1,
-                            tl.load(hs_ptr + rows_c * KSC + kg // 32), KPACK, BN, DECODE)
+                            tl.load(hs_ptr + rows_c * KSC + kg // 32), KPACK, BN, DECODE, PERM)
     if KS == 1:
         _store_o(tl.trans(acc), o_ptr, slot_ptr, rows, rmask, offs_n, D)
     else:
@@ -1211,7 +1219,7 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
     if mma == 6:
         kern_up, kern_down = _moe_up_kernel_ps, _moe_down_kernel_ps
-        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
+        common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec, PERM=int(cfg.BM >= 16))   # wgmma / mma.sync
     elif mma >= 3:
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)

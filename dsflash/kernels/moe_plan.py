@@ -125,6 +125,13 @@ NAMED_CONFIGS = {
                              prefetch=False),
     "sw_ps_bn128_bk64": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=128, BN_DOWN=128, BK=64, stages=6,
                                   prefetch=False),
+    # BM 8 token tiles: Triton lowers the N = 8 dot to warp-level mma.sync instead of wgmma (no warpgroup waits or
+    # fences per group, 50-70 registers); sw_eo_np_bm8 is the existing kernel with only that change
+    "sw_ps_bm8": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_ps_bm8_w2": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=32, BN_DOWN=32, BK=128, warps_up=2,
+                              warps_down=2, stages=4, prefetch=False),
+    "sw_eo_np_bm8": MoeConfig(kind="sk", mma="swap_eo", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                              prefetch=False),
 }
 
 

@@ -70,6 +70,11 @@ COMBOS = (
     + [(c, n, "reference") for n in ("sw_ps", "sw_ps_bk64", "sw_ps_bn128", "sw_ps_bn128_bk64")
        for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
     + [(SMALL[3], "sw_ps", "reference"), (SMALL[2], "sw_ps_bn128", "reference")]
+    # BM 8 token tiles (mma.sync instead of wgmma on sm_90): post-scale and the existing swap_eo kernel
+    + [(c, n, "reference") for n in ("sw_ps_bm8", "sw_ps_bm8_w2", "sw_eo_np_bm8")
+       for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
+    + [(SMALL[3], "sw_ps_bm8", "reference"), (SMALL[3], "sw_eo_np_bm8", "reference"),
+       (SMALL[2], "sw_eo_np_bm8", "bf16")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
@@ -126,7 +131,7 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
 @pytest.mark.parametrize("cfg_name", ["ds_decode_rt", "ds_prefill_rt", "ds_decode", "ds_prefill", "fp8mma_decode",
                                       "fp8mma_prefill", "sk_bf16", "sk_fp8", "sk_bf16_split", "sk_gemv",
                                       "sw_eo_np", "sw_eo_split", "sw_eo_prefill_w8", "sw_ps", "sw_ps_split",
-                                      "sw_ps_bn128"])
+                                      "sw_ps_bn128", "sw_ps_bm8", "sw_eo_np_bm8"])
 def test_intermediates_fully_written_twice(cfg_name):
     """Two runs at one shape with different inputs: every FP8 code of h and every output row must match the
     reference each time, so nothing can be left over from the previous run (a stale or unwritten element).
@@ -159,7 +164,7 @@ def test_intermediates_fully_written_twice(cfg_name):
 
 
 @pytest.mark.parametrize("cfg_name", ["fp8mma_decode", "ds_decode_rt", "ds_prefill_rt", "sk_bf16", "sk_gemv",
-                                      "sw_eo_np", "sw_eo_prefill_w8", "sw_ps"])
+                                      "sw_eo_np", "sw_eo_prefill_w8", "sw_ps", "sw_ps_bm8"])
 def test_nonlocal_slots_contribute_nothing(cfg_name):
     """ep_moe marks slots of non-local experts with id E (weight 0): they must add nothing (their o rows are never
     written by the kernels), as in the reference."""
@@ -183,7 +188,7 @@ def test_backend_dispatch_uses_triton():
         moe_gemm.routed_moe(*args, limit=LIMIT, precision="fp32", backend="triton")
 
 
-@pytest.mark.parametrize("cfg_name", ["sw_ps", "sw_ps_bn128"])
+@pytest.mark.parametrize("cfg_name", ["sw_ps", "sw_ps_bn128", "sw_ps_bm8"])
 def test_post_scale_configs_need_fp8_activations(cfg_name):
     """mma "swap_ps" multiplies the raw FP8 activation codes (fp16 MMA) and applies their scales afterwards; bf16
     activations have no such codes, so precision "bf16" is refused rather than computed differently."""
