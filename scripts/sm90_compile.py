@@ -109,8 +109,34 @@ class Report:
                        + (f", {self.loop_elems} weight elements per iteration -> {pe:.2f} thread instructions per "
                           f"weight element" if pe else ""))
             out.append("   main loop opcodes: " + _hist(lp.ops, top))
+            out.append("   main loop classes: " + ", ".join(f"{k} {v}" for k, v in pipe_mix(lp.ops).items()))
         out.append("   whole kernel opcodes: " + _hist(self.ops, top))
         return "\n".join(out)
+
+
+# Rough issue classes of sm_90 SASS opcodes (which unit an instruction occupies; a guide for reading counts, not a
+# throughput model): the FMA pipe also runs IMAD (incl. IMAD.MOV / IMAD.SHL, ptxas's moves and shifts) and the
+# packed half ops; F2FP / F2F / I2F conversions have their own, narrower path on recent GPUs.
+_CLASSES = {
+    "fma": ("FFMA", "FMUL", "FADD", "FMNMX", "IMAD", "HFMA2", "HMUL2", "HADD2", "HMNMX2", "DFMA", "IMUL", "IDP"),
+    "alu": ("LOP3", "SHF", "IADD3", "PRMT", "SEL", "FSEL", "ISETP", "FSETP", "LEA", "VIADD", "IABS", "MOV", "PLOP3",
+            "VIMNMX", "IMNMX", "SGXT", "LOP", "BMSK", "FLO", "POPC", "P2R", "R2P", "CS2R", "S2R", "S2UR", "BREV"),
+    "conv": ("F2FP", "F2F", "I2F", "F2I", "FRND", "I2FP", "F2IP"),
+    "mufu": ("MUFU",),
+    "mem": ("LDS", "STS", "LDG", "STG", "LDSM", "STSM", "LDGSTS", "LDL", "STL", "ATOM", "ATOMS", "RED", "LDC", "SHFL",
+            "LD", "ST", "UBLKCP", "UTMALDG", "SYNCS"),
+    "mma": ("HMMA", "HGMMA", "QGMMA", "IMMA", "IGMMA"),
+    "sync": ("BAR", "WARPGROUP", "MEMBAR", "FENCE", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "ERRBAR", "CCTL"),
+}
+_CLASS_OF = {op: c for c, ops in _CLASSES.items() for op in ops}
+
+
+def pipe_mix(ops: collections.Counter) -> dict:
+    """Opcode counts folded into the rough classes above (uniform-datapath U* ops as "uniform")."""
+    out = collections.Counter()
+    for op, n in ops.items():
+        out[_CLASS_OF.get(op, "uniform" if op.startswith("U") else "other")] += n
+    return dict(out.most_common())
 
 
 def _hist(c, top):
