@@ -38,6 +38,10 @@ How it works
   decode tile's token rows are its N); "swap_eo" keeps the even / odd K elements (low / high nibbles) as two planes
   instead of interleaving them, "swap_bd" builds their bf16 bits in inline PTX. The defaults since 2026-11-30
   (``sw_eo_np`` decode, ``sw_eo_prefill_w8`` prefill) are "swap_eo" with Triton's own load pipelining.
+* ``mma="swap_ps"`` (``_moe_*_kernel_ps``, 2026-12-01, named variants, not defaults): swapped operands with the
+  scales applied after the MMA -- per 32-wide K group an fp16 MMA of the raw codes (weight nibbles as E4M3 -> fp16,
+  the activations' E4M3 codes), then the fp32 partial times weight scale x activation scale (powers of two) into the
+  accumulator; FP8 activations only, h as FP8 codes + scales. BM 8 tiles make Triton use mma.sync instead of wgmma.
 Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert and activation format (defaults
 from the 2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 """
