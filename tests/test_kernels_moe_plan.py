@@ -144,6 +144,7 @@ def test_post_scale_configs_plan():
         with pytest.raises(NotImplementedError):
             mt.sk_plan(c, 96, 96, 5120, 2304, act_fp8=False)
     assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bm8"], 6, 96, 5120, 2304) == (5, 3)
+    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bm8_ks1"], 6, 96, 5120, 2304) == (1, 1)
     assert moe_plan.num_tiles(96, 96, 8) == 108                  # 16 tokens: 12 more (spare) tiles than BM 16
     # the kinds before it are unchanged: swapped kernels send bf16 carriers, the fp8 split-K kernel codes + scales
     assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304)["hout"] == 1

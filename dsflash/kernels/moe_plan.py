@@ -132,6 +132,9 @@ NAMED_CONFIGS = {
                               warps_down=2, stages=4, prefetch=False),
     "sw_eo_np_bm8": MoeConfig(kind="sk", mma="swap_eo", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
                               prefetch=False),
+    # (d) fewer launches at 1 token: no K split (2 launches instead of 4; 216 / 480 programs instead of 1080 / 1440)
+    "sw_ps_bm8_ks1": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, KS_UP=1,
+                               KS_DOWN=1, prefetch=False),
 }
 
 

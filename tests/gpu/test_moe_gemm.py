@@ -74,7 +74,8 @@ COMBOS = (
     + [(c, n, "reference") for n in ("sw_ps_bm8", "sw_ps_bm8_w2", "sw_eo_np_bm8")
        for c in (SMALL[0], SMALL[1], REAL_ONE, REAL_DECODE)]
     + [(SMALL[3], "sw_ps_bm8", "reference"), (SMALL[3], "sw_eo_np_bm8", "reference"),
-       (SMALL[2], "sw_eo_np_bm8", "bf16")]
+       (SMALL[2], "sw_eo_np_bm8", "bf16"), (SMALL[0], "sw_ps_bm8_ks1", "reference"),
+       (REAL_ONE, "sw_ps_bm8_ks1", "reference")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
