@@ -138,6 +138,7 @@ def test_pipeline_keeps_the_best_heldout_step_and_honours_the_time_budget(pipeli
     assert m["target_step_kept"] == (best if evals[best] < evals[0] else 4), evals
     assert m["steps_run"] == 4 and m["draft_steps_run"] == 1 and m["draft_data"] == "greedy"
     assert os.path.exists(tmp_path / "checkpoint" / "heldout_rows.npy")
+    assert os.path.getsize(tmp_path / "loss.png") > 0          # matplotlib is in the [test] extra
     assert np.isfinite(m["loaded_heldout_ppl"])
 
 
