@@ -207,22 +207,31 @@ def greedy_pool(params, cfg, rows: np.ndarray, start: int, batch_size: int, prec
     return np.concatenate(out) if out else rows[:0]
 
 
+def served_engine(model, max_num_seqs: int, max_model_len: int):
+    """The engine :func:`greedy_pool_served` decodes with (speculation off); build it once and pass it to every
+    pool of a run: each engine compiles its own prefill / decode programs (~9 s on 2 CPU cores for the mini
+    config)."""
+    from dsflash.llm import LLM
+    return LLM(model, speculative=False, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+
+
 def greedy_pool_served(model, rows: np.ndarray, start: int, max_num_seqs: int = 256, chunk: int = 1024,
-                       progress=None) -> np.ndarray:
+                       progress=None, llm=None) -> np.ndarray:
     """The serving engine's greedy continuation of ``rows[:, :start]`` (``model``: a loaded checkpoint or its
     folder), speculation off, at the engine's reference precision.
 
     These are exactly the chains a served draft is verified against, and the engine decodes with its KV cache
     (one row per token) where :func:`greedy_extend` recomputes the whole row per token: on one H200 the latter
-    at reference precision took ~13 s per 512 rows, too slow for the thousands of rows a draft needs."""
-    from dsflash.llm import LLM
+    at reference precision took ~13 s per 512 rows, too slow for the thousands of rows a draft needs.
+    ``llm``: an engine from :func:`served_engine` to reuse (``model`` and ``max_num_seqs`` are then its own)."""
     from dsflash.serve.types import SamplingParams
 
     rows = np.asarray(rows)
     S = rows.shape[1]
     if not 0 < start < S:
         raise ValueError(f"start must be in (0, {S}), got {start}")
-    llm = LLM(model, speculative=False, max_num_seqs=max_num_seqs, max_model_len=S)
+    if llm is None:
+        llm = served_engine(model, max_num_seqs, S)
     sp = SamplingParams(max_tokens=S - start, temperature=0.0, ignore_eos=True)
     out = rows.copy()
     for i in range(0, len(rows), chunk):
