@@ -844,6 +844,33 @@ def _sw_mma(acc, p, s, xb, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 
 
 @triton.jit
+def _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S: tl.constexpr, I: tl.constexpr,
+               LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, HOUT: tl.constexpr):
+    """End of a swapped up kernel (acc^T tiles [BN, BM]): KS == 1, SwiGLU and h stored here; else the fp32
+    partials [KS, S, 2, I] for ``_moe_up_epilogue_sk``."""
+    if KS == 1:
+        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+        _store_h(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n,
+                 nb * BN, I, BM, BN, HOUT)
+    else:
+        base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + offs_n[:, None]
+        tl.store(base, acc_g, mask=rmask[None, :])
+        tl.store(base + I, acc_u, mask=rmask[None, :])
+
+
+@triton.jit
+def _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S: tl.constexpr, D: tl.constexpr,
+                 KS: tl.constexpr):
+    """End of a swapped down kernel: KS == 1, the rows stored by slot; else fp32 partials [KS, S, D] for
+    ``_moe_down_reduce_sk``."""
+    if KS == 1:
+        _store_o(tl.trans(acc), o_ptr, slot_ptr, rows, rmask, offs_n, D)
+    else:
+        slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        tl.store(o_ptr + (ks * S + slot[None, :]) * D + offs_n[:, None], acc, mask=rmask[None, :])
+
+
+@triton.jit
 def _moe_up_kernel_sw(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
                       w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                       h_ptr, hs_ptr,
@@ -890,14 +917,7 @@ def _moe_up_kernel_sw(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
             sg = nsg
             pu = npu
             su = nsu
-    if KS == 1:
-        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-        _store_h(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n,
-                 nb * BN, I, BM, BN, HOUT)
-    else:
-        base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + offs_n[:, None]
-        tl.store(base, acc_g, mask=rmask[None, :])
-        tl.store(base + I, acc_u, mask=rmask[None, :])
+    _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
 
 
 @triton.jit
@@ -932,11 +952,7 @@ def _moe_down_kernel_sw(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         if PREFETCH:
             pw = npw
             sw = nsw
-    if KS == 1:
-        _store_o(tl.trans(acc), o_ptr, slot_ptr, rows, rmask, offs_n, D)
-    else:
-        slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        tl.store(o_ptr + (ks * S + slot[None, :]) * D + offs_n[:, None], acc, mask=rmask[None, :])
+    _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
 
 
 # --------------------------- swapped operands, scales applied after the MMA (kind "sk", mma "swap_ps", 2026-12-01)
@@ -1074,14 +1090,7 @@ def _moe_up_kernel_ps(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
             sxg = tl.load(xs_ptr + tok * KSC + kg // 32)
             acc_g = _ps_group(acc_g, w1b, _ps_wscale(sg, g), offs_n, kg, x0, x1, sxg, KPACK, BN, DECODE, PERM)
             acc_u = _ps_group(acc_u, w3b, _ps_wscale(su, g), offs_n, kg, x0, x1, sxg, KPACK, BN, DECODE, PERM)
-    if KS == 1:
-        rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
-        _store_h(_swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT), h_ptr, hs_ptr, rows, rmask, offs_n,
-                 nb * BN, I, BM, BN, HOUT)
-    else:
-        base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + offs_n[:, None]
-        tl.store(base, acc_g, mask=rmask[None, :])
-        tl.store(base + I, acc_u, mask=rmask[None, :])
+    _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
 
 
 @triton.jit
@@ -1113,11 +1122,7 @@ def _moe_down_kernel_ps(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
             h0, h1 = _ps_act(h_ptr, rows_c, kg, I, BM, DECODE, PERM)
             acc = _ps_group(acc, w2b, _ps_wscale(sw, g), offs_n, kg, h0, h1,
                             tl.load(hs_ptr + rows_c * KSC + kg // 32), KPACK, BN, DECODE, PERM)
-    if KS == 1:
-        _store_o(tl.trans(acc), o_ptr, slot_ptr, rows, rmask, offs_n, D)
-    else:
-        slot = tl.load(slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
-        tl.store(o_ptr + (ks * S + slot[None, :]) * D + offs_n[:, None], acc, mask=rmask[None, :])
+    _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
 
 
 # ------------------------------------------------------------------------------------------ JAX side
