@@ -297,13 +297,11 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
                 return loop.greedy_pool(frozen, cfg, r, lo + 1, b, precision, tick)
             ticks = len(rows) // gb + len(held) // batch_size
         else:                   # the served target's chains, decoded by the engine itself (a tick per 1,024 rows)
-            engines = {}        # one engine per row length (train and held-out rows share it): one compile
+            # one engine for both pools: each engine compiles its own prefill / decode programs
+            llm = loop.served_engine(source["model"], gb, max(rows.shape[1], held_src.shape[1]))
 
             def pool(r, b, tick):
-                if r.shape[1] not in engines:
-                    engines[r.shape[1]] = loop.served_engine(source["model"], gb, r.shape[1])
-                return loop.greedy_pool_served(source["model"], r, lo + 1, gb, progress=tick,
-                                               llm=engines[r.shape[1]])
+                return loop.greedy_pool_served(source["model"], r, lo + 1, gb, progress=tick, llm=llm)
             ticks = -(-len(rows) // 1024) + -(-len(held) // 1024)
         bar = _bar(ticks, "greedy chains", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
