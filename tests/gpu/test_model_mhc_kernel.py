@@ -61,3 +61,41 @@ def test_demo_model_logits_with_the_mhc_kernel(demo, monkeypatch):
     assert np.isfinite(got).all()
     assert response > 0, "the noise did not reach the model"
     assert rel < 2 * response, (rel, response)
+
+
+def test_tiny_model_fp32_logits_with_the_mhc_kernel(monkeypatch):
+    """At precision "fp32" there are no FP8 / bf16 round trips to flip, so the tiny random model (which cannot judge
+    the kernel at "reference", above) can: the kernel's logits must stay within twice the model's response to
+    coefficient noise of the kernel's measured size, as for the demo model."""
+    import dsflash
+    from dsflash.kernels import mhc_fused as mf, mhc_fused_triton
+    tiny = dsflash.load("tiny")
+    calls = [0]
+    kernel = mhc_fused_triton.mhc_fused_triton
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return kernel(*a, **k)
+    monkeypatch.setattr(mhc_fused_triton, "mhc_fused_triton", counting)
+    tokens = np.random.default_rng(8).integers(16, tiny.cfg.vocab_size, size=(3, 160)).astype(np.int32)
+    want = tiny.logits(tokens, backend="xla", precision="fp32")
+    monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, None),))
+    jax.clear_caches()
+    got = tiny.logits(tokens, backend="triton", precision="fp32")
+    assert calls[0] >= 1, "the mHC kernel was not reached"
+    monkeypatch.setattr(mf, "TRITON_TOKENS", ())
+    exact = mf.sinkhorn_coefficients
+
+    def noisy(*a, **k):
+        out = exact(*a, **k)
+        return tuple(t * (1 + NOISE * jax.random.normal(jax.random.PRNGKey(i), t.shape, jnp.float32))
+                     for i, t in enumerate(out))
+    monkeypatch.setattr(mf, "sinkhorn_coefficients", noisy)
+    jax.clear_caches()
+    jitter = tiny.logits(tokens, backend="xla", precision="fp32")
+    rel, response = _rel(got, want), _rel(jitter, want)
+    agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    print(f"tiny fp32: triton (mHC kernel) vs xla logits rel {rel:.2e}, argmax {agree:.4f}; response to "
+          f"{NOISE:g} coefficient noise {response:.2e}; mHC kernel traces {calls[0]}")
+    assert np.isfinite(got).all() and response > 0
+    assert rel < 2 * response, (rel, response)
