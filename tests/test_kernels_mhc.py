@@ -153,8 +153,10 @@ def test_plan_rejects_unsupported_shapes():
 
 
 def test_prefers_xla_table(monkeypatch):
-    # empty until an end-to-end check can judge the kernel inside the model (mhc_fused.py, above the table)
-    assert mf.TRITON_TOKENS == () and all(mf.prefers_xla(T) for T in TS)
+    # the kernel at every size since the demo-model check on the H200 (mhc_fused.py, above the table)
+    assert mf.TRITON_TOKENS == ((1, None),) and not any(mf.prefers_xla(T) for T in TS)
+    monkeypatch.setattr(mf, "TRITON_TOKENS", ())
+    assert all(mf.prefers_xla(T) for T in TS)
     monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, 64), (4096, None)))
     assert [mf.prefers_xla(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [False, False, True, True, False, False]
 

@@ -67,12 +67,12 @@ def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, 
 
 
 # Where ``backend="triton"`` really runs the Triton kernel: the query-row counts B*S (ranges, inclusive) at which a
-# GPU run measured the kernel faster than the jitted XLA reference. EMPTY on purpose: on one H200 (2026-11-30) v1
-# lost at every decode shape (0.39-0.73x) and the best v2 variant reached 0.67-1.00x (a tie at 128 rows;
-# benchmarks/BENCHMARKS.md, dsflash/kernels/NOTES.md). To flip after a GPU run of `python -m dsflash.bench kernels --ops attn`: add the winning
-# ranges here, e.g. ``TRITON_ROWS = ((32, None),)`` for "B*S >= 32" (None = no upper bound); the variant used at
-# each row count is ``sparse_attention_triton.PICK_TABLE``.
-TRITON_ROWS: tuple = ()
+# GPU run measured the kernel faster than the jitted XLA reference; the variant used at each row count is
+# ``sparse_attention_triton.PICK_TABLE``. One H200, 2026-12-01 (v3 "flash", benchmarks/results/
+# kernels_20261201_h200_run11_attn_v3.json): 128 rows 0.108 ms vs XLA 0.181 (1.68x), 32x6 = 192 rows 0.153 vs
+# 0.253 (1.65x); still slower at 1 row (0.054 vs 0.036) and 32 rows (0.074 vs 0.066), so those stay on XLA.
+# Between 33 and 127 rows nothing was measured: XLA kept there.
+TRITON_ROWS: tuple = ((128, None),)
 
 
 def prefers_xla(q) -> bool:

@@ -78,13 +78,12 @@ NAMED_CONFIGS = {
     "flash_bk32_ns2": AttnConfig(kind="flash", BK=32, NS=2, warps=8, stages=5),
 }
 # Shape -> variant used by ``sparse_sink_attention_triton(config=None)``: the first entry whose max_rows >= B*S.
-# From the first v2 H200 run (2026-11-30, commit 270df7c, NOTES.md): the fastest variant that ran at each measured
-# row count (1: split CH64 0.062 ms; 32: split CH128 0.107; 128 and 192: fused DV512 BK32 0.190 / 0.299). All still
-# slower than XLA there, hence sparse_attention.TRITON_ROWS stays empty. Edit after the next GPU run.
+# From the v3 H200 run (2026-12-01, NOTES.md "v3"): flash BK64 with 2 stages was fastest at 1 and 32 rows (0.054 /
+# 0.074 ms, still slower than XLA there, so sparse_attention.TRITON_ROWS starts at 128); at 128 and 192 rows the
+# BK64 flash variants were within 3 % of each other (0.105-0.108 / 0.153-0.156 ms), flash_bk64 taken.
 PICK_TABLE = (
-    (1, "split_ch64_dv128"),
-    (32, "split_ch128_dv128"),
-    (None, "fused_dv512_bk32"),
+    (32, "flash_bk64_s2"),
+    (None, "flash_bk64"),
 )
 SMS = 132                 # H200 SMs; "split" auto aims at >= 2 waves of programs
 

@@ -2,10 +2,12 @@
 config's random weights in the checkpoint's stored formats (FP8 dense, MXFP4 experts), prefill logits of fresh
 random prompts at the two served precisions.
 
-What runs on Triton there: the routed-expert MoE GEMM at every layer and the indexer scoring (``prefers_xla`` keeps
-only one-row scoring on XLA); sparse attention and mHC stay on XLA (``sparse_attention.TRITON_ROWS`` and
-``mhc_fused.TRITON_TOKENS`` are empty; ``dsflash/kernels/NOTES.md``). The test checks
-that the kernels were really reached (trace-time call counts), so a dispatch that silently fell back to XLA fails.
+Two kernel sets: "shipped" is what ``backend="triton"`` runs as released -- the routed-expert MoE GEMM at every
+layer, the indexer scoring (``prefers_xla`` keeps only one-row scoring on XLA), sparse attention at >= 128 query rows
+(``sparse_attention.TRITON_ROWS``; the prompts here are 3 x 160 rows) and mHC at every size
+(``mhc_fused.TRITON_TOKENS``); "moe_indexer" switches the last two back to XLA (the set measured before 2026-12-01).
+The test checks that the kernels were really reached (trace-time call counts), so a dispatch that silently fell
+back to XLA fails.
 
 Tolerance: the kernels compute the same function with the same roundings but a different fp32 accumulation order,
 so a rare FP8 / bf16 rounding of an intermediate lands on the other side and the difference propagates through the
@@ -34,8 +36,8 @@ def tiny():
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Trace-time calls of the Triton entry points (jit caches dropped first, so this test's traces count)."""
-    from dsflash.kernels import indexer_topk_triton, moe_gemm_triton
-    calls = {"moe": 0, "indexer": 0}
+    from dsflash.kernels import indexer_topk_triton, mhc_fused_triton, moe_gemm_triton, sparse_attention_triton
+    calls = {"moe": 0, "indexer": 0, "attention": 0, "mhc": 0}
 
     def counting(name, fn):
         def wrapped(*a, **k):
@@ -46,21 +48,30 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(moe_gemm_triton, "routed_moe_triton", counting("moe", moe_gemm_triton.routed_moe_triton))
     monkeypatch.setattr(indexer_topk_triton, "indexer_scores_triton",
                         counting("indexer", indexer_topk_triton.indexer_scores_triton))
+    monkeypatch.setattr(sparse_attention_triton, "sparse_sink_attention_triton",
+                        counting("attention", sparse_attention_triton.sparse_sink_attention_triton))
+    monkeypatch.setattr(mhc_fused_triton, "mhc_fused_triton", counting("mhc", mhc_fused_triton.mhc_fused_triton))
     jax.clear_caches()
     return calls
 
 
+@pytest.mark.parametrize("kernels", ["shipped", "moe_indexer"])
 @pytest.mark.parametrize("precision", ["reference", "bf16"])
-def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision):
+def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision, kernels, monkeypatch):
+    from dsflash.kernels import mhc_fused, sparse_attention
+    if kernels == "moe_indexer":
+        monkeypatch.setattr(sparse_attention, "TRITON_ROWS", ())
+        monkeypatch.setattr(mhc_fused, "TRITON_TOKENS", ())
     rng = np.random.default_rng(7)
     tokens = rng.integers(16, tiny.cfg.vocab_size, size=(3, 160)).astype(np.int32)
     got = tiny.logits(tokens, backend="triton", precision=precision)
-    assert min(kernel_calls.values()) >= 1, kernel_calls
+    reached = {k: v for k, v in kernel_calls.items() if kernels == "shipped" or k in ("moe", "indexer")}
+    assert min(reached.values()) >= 1, kernel_calls
     want = tiny.logits(tokens, backend="xla", precision=precision)
     assert got.shape == want.shape and np.isfinite(got).all()
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
-    print(f"tiny, {precision}: logits rel err {rel:.2e}, argmax agreement {agree:.4f}, kernel traces {kernel_calls}")
+    print(f"tiny, {precision}, {kernels}: logits rel err {rel:.2e}, argmax agreement {agree:.4f}, kernel traces {kernel_calls}")
     assert agree >= 0.97
     if precision == "reference":
         assert rel < 2e-2
@@ -68,6 +79,6 @@ def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision):
     ideal = tiny.logits(tokens, backend="xla", precision="fp32")
     err_triton = float(np.linalg.norm(got - ideal) / np.linalg.norm(ideal))
     err_xla = float(np.linalg.norm(want - ideal) / np.linalg.norm(ideal))
-    print(f"tiny, bf16 vs the fp32 model: triton {err_triton:.2e}, xla {err_xla:.2e}")
+    print(f"tiny, {kernels}, bf16 vs the fp32 model: triton {err_triton:.2e}, xla {err_xla:.2e}")
     assert err_triton < 1.25 * err_xla, (err_triton, err_xla)
     assert rel < 5e-2       # a plain sanity bound as well (2.5x the largest difference measured)
