@@ -51,9 +51,11 @@ def test_prepare_matches_reference_activation_round_trip():
 
 
 def test_pick_config_and_dispatch():
-    # 2026-11-30 runs 7-9: the swapped-operand kernels fastest at every measured size, both activation formats
-    for T in (1, 16, 256, 512):
-        assert moe_plan.pick_config(T * 6, 96) is moe_plan.NAMED_CONFIGS["sw_eo_np"]
+    # 2026-11-30 runs 7-9: the swapped-operand kernels fastest at every measured size, both activation formats;
+    # 2026-12-01 run 12: their BM 8 form faster up to 64 tokens (384 slots) with FP8 activations
+    for T in (1, 16, 64, 65, 256, 512):
+        want = "sw_eo_np_bm8" if T <= 64 else "sw_eo_np"
+        assert moe_plan.pick_config(T * 6, 96) is moe_plan.NAMED_CONFIGS[want], T
         assert moe_plan.pick_config(T * 6, 96, act_fp8=False) is moe_plan.NAMED_CONFIGS["sw_eo_np"]
     assert moe_plan.pick_config(4096 * 6, 96) is moe_plan.NAMED_CONFIGS["sw_eo_prefill_w8"]
     assert moe_plan.pick_config(4096 * 6, 96, act_fp8=False) is moe_plan.PREFILL_CONFIG

@@ -59,6 +59,12 @@ SK_FP8 = MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, st
 SW_EO_NP = MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False)
 SW_EO_PREFILL_W8 = MoeConfig(kind="sk", mma="swap_eo", BM=128, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
                              warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False)
+# Decode at <= 384 slots (64 tokens x top-6) since 2026-12-01 (H200 run 12, JSON kernels_20261201_h200_run12_moe_ps):
+# the same kernel with BM 8 token tiles (mma.sync instead of wgmma), 0.126 / 0.631 / 0.909 ms at 1 / 16 / 64 tokens
+# against sw_eo_np's 0.150 / 0.797 / 1.129 in the same run; at 256 tokens (1536 slots) sw_eo_np stays faster
+# (1.630 vs 2.014). Not timed with bf16 activations, so DECODE_BF16_CONFIG is unchanged.
+SW_EO_NP_BM8 = MoeConfig(kind="sk", mma="swap_eo", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False)
+DECODE_SMALL_CONFIG, DECODE_SMALL_MAX_ROWS = SW_EO_NP_BM8, 384
 DECODE_CONFIG = SW_EO_NP              # decode (rows <= 32 * experts), FP8 activations
 DECODE_BF16_CONFIG = SW_EO_NP         # decode, bf16 activations
 PREFILL_CONFIG = SW_EO_PREFILL_W8
@@ -130,8 +136,7 @@ NAMED_CONFIGS = {
     "sw_ps_bm8": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
     "sw_ps_bm8_w2": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=32, BN_DOWN=32, BK=128, warps_up=2,
                               warps_down=2, stages=4, prefetch=False),
-    "sw_eo_np_bm8": MoeConfig(kind="sk", mma="swap_eo", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
-                              prefetch=False),
+    "sw_eo_np_bm8": SW_EO_NP_BM8,
     # (d) fewer launches at 1 token: no K split (2 launches instead of 4; 216 / 480 programs instead of 1080 / 1440)
     "sw_ps_bm8_ks1": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, KS_UP=1,
                                KS_DOWN=1, prefetch=False),
@@ -172,7 +177,9 @@ def pick_config(rows: int, experts: int, act_fp8: bool = True) -> MoeConfig:
     activations (precision "reference") or bf16 ones (the measurements: comment above)."""
     if rows > 32 * experts:
         return PREFILL_CONFIG
-    return DECODE_CONFIG if act_fp8 else DECODE_BF16_CONFIG
+    if not act_fp8:
+        return DECODE_BF16_CONFIG
+    return DECODE_SMALL_CONFIG if rows <= DECODE_SMALL_MAX_ROWS else DECODE_CONFIG
 
 
 def _pow2_dividing(b: int, n: int, floor: int) -> int:

@@ -433,6 +433,14 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     (``pick_config(B*S)``); ``block_k`` / ``block_dv`` override BK / DV."""
     import jax_triton as jt  # lazy: GPU only
 
+    H = q.shape[2]
+    Hp = max(16, 1 << (H - 1).bit_length())
+    if Hp != H:     # small models (tiny / demo: 4 heads): zero query heads up to the MMA's smallest M, sliced off after
+        pad = ((0, 0), (0, 0), (0, Hp - H), (0, 0))
+        out = sparse_sink_attention_triton(jnp.pad(q, pad), kv, idx, jnp.pad(sink, (0, Hp - H)), scale,
+                                           out_dtype=out_dtype, precision=precision, config=config,
+                                           block_k=block_k, block_dv=block_dv)
+        return out[:, :, :H]
     B, S, H, D = q.shape
     N = kv.shape[1]
     K = idx.shape[2]

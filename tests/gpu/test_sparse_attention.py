@@ -91,6 +91,7 @@ FLASH_VARIANTS = ["flash_bk32", "flash_bk32_s7", "flash_bk32_s3", "flash_bk64", 
 FLASH_CASES = CASES + [
     (1, 1, 64, 512, 4096, 640),     # B=1 decode: auto splits the row (NS=20 at BK=32, 10 at BK=64)
     (32, 1, 64, 512, 4096, 640),    # B=32 decode: NS=4 (BPS 6 at BK=32, 3 at BK=64; ragged last split)
+    (3, 160, 4, 128, 200, 24),      # the tiny / demo models' prefill: 4 heads, zero-padded to 16 by the wrapper
 ]
 # compile time: the full sweep for the three kernels that differ in math / launch path (split auto at BK 32 and 64,
 # no split); the pipelining-only variants (stages) and the forced NS=2 at the V4.1 decode shapes, bf16
