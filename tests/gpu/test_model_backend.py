@@ -18,6 +18,13 @@ operand ones (H200, 2026-11-30), so a fixed bound there says little. Instead bot
 fp32 model (XLA): the Triton logits must be as close to it as XLA's own bf16 logits are (within 25 %; on CPU the
 XLA bf16 logits are 13.6 % from the fp32 ones), the two backends within 5e-2 of each other, and agreeing on the
 argmax as above.
+
+With the "shipped" set the fixed bounds cannot hold: sparse attention v3 rounds P to bf16 against a running max
+(a different, equally valid rounding; ``sparse_attention_triton.flash_bound``) and mHC's coefficients differ from
+XLA's by ~1e-6, and this random model amplifies even 1e-7 of coefficient noise to 1.7e-1 in the logits (CPU;
+H200 2026-12-01: shipped vs xla 1.44e-1 / argmax 0.825 at "reference"). So there both backends are judged against
+the fp32 model only: Triton within 25 % of XLA's error and within 5 points of its argmax agreement. The demo model
+(tests/gpu/test_model_mhc_kernel.py) is the better-conditioned check of the same set.
 """
 import numpy as np
 import pytest
@@ -72,13 +79,28 @@ def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision, 
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
     print(f"tiny, {precision}, {kernels}: logits rel err {rel:.2e}, argmax agreement {agree:.4f}, kernel traces {kernel_calls}")
+    ideal = tiny.logits(tokens, backend="xla", precision="fp32")
+    err_triton, err_xla = _rel(got, ideal), _rel(want, ideal)
+    top_triton, top_xla = _agree(got, ideal), _agree(want, ideal)
+    print(f"tiny, {precision}, {kernels}, vs the fp32 model: rel triton {err_triton:.2e}, xla {err_xla:.2e}; argmax "
+          f"agreement triton {top_triton:.4f}, xla {top_xla:.4f}")
+    if kernels == "shipped":
+        # the random tiny model turns ulp-sized differences into flipped FP8 / bf16 roundings and top-k choices
+        # (module docstring), so with attention and mHC on Triton it is judged against the fp32 model only
+        assert err_triton < 1.25 * err_xla, (err_triton, err_xla)
+        assert top_triton >= top_xla - 0.05, (top_triton, top_xla)
+        return
     assert agree >= 0.97
     if precision == "reference":
         assert rel < 2e-2
         return
-    ideal = tiny.logits(tokens, backend="xla", precision="fp32")
-    err_triton = float(np.linalg.norm(got - ideal) / np.linalg.norm(ideal))
-    err_xla = float(np.linalg.norm(want - ideal) / np.linalg.norm(ideal))
-    print(f"tiny, {kernels}, bf16 vs the fp32 model: triton {err_triton:.2e}, xla {err_xla:.2e}")
     assert err_triton < 1.25 * err_xla, (err_triton, err_xla)
     assert rel < 5e-2       # a plain sanity bound as well (2.5x the largest difference measured)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _agree(a, b):
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
