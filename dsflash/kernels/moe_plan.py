@@ -124,7 +124,7 @@ NAMED_CONFIGS = {
     "sw_prefill": MoeConfig(kind="sk", mma="swap", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3, KS_UP=1,
                             KS_DOWN=1, prefetch=False),
     # decode, scales applied after the MMA per 32-wide K group (mma "swap_ps", 2026-12-01; FP8 activations only;
-    # interpreter-checked and compiled for sm_90 on the CPU host, not yet run on a GPU; NOTES.md)
+    # pass tests/gpu on the H200 but were all slower than sw_eo_np_bm8 there, run 12; NOTES.md)
     "sw_ps": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
     "sw_ps_bk64": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=64, stages=6, prefetch=False),
     "sw_ps_bn128": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=4,

@@ -4,8 +4,8 @@ STATUS (2026-11-30): v1 (``fused_dv128``: one program per (query row, 128 output
 tests/gpu/test_sparse_attention.py on one H200 and was timed SLOWER than the jitted XLA reference at every decode
 shape (0.39-0.73x, dsflash/kernels/NOTES.md). v2 adds the variants below; they are checked against the reference
 in Triton's interpreter (``scripts/triton_interpret_sparse_attention.py``) and are timed per variant by
-``python -m dsflash.bench kernels --ops attn``. ``sparse_attention.prefers_xla`` keeps the model on XLA until a GPU
-measurement says a variant wins at a shape.
+``python -m dsflash.bench kernels --ops attn``. v3 ("flash", below; 2026-12-01) beat XLA on the H200 from 128 query
+rows (1.66-1.68x); ``sparse_attention.prefers_xla`` keeps smaller row counts on XLA, where no variant won.
 
 Numerics (exact two-pass, so P is rounded exactly as the reference rounds it): per query row and head,
 m = max(max_e s_e, -1e30) over ALL K selected entries first, then p = exp(s - m) (fp32), den = sum p (fp32),
@@ -26,7 +26,7 @@ Kinds (``AttnConfig.kind``):
   den [rows, NS, H] and partial P.V [rows, NS, H, D] fp32. Combine in XLA: sum over chunks,
   + exp(sink - m), divide. More programs for few rows (B = 1: 1 row -> NS * D / DV programs) at the cost of
   NS * H * D * 4 bytes of partials per row (written once, read once).
-* "flash" (v3, 2026-12-01, not yet run on a GPU): grid (rows, NS); one pass with an online softmax: q [H, D] loaded
+* "flash" (v3, 2026-12-01; passes tests/gpu on the H200, the model's kernel from 128 rows): grid (rows, NS); one pass with an online softmax: q [H, D] loaded
   once, each block of BK entries gathered ONCE ([BK, D], empty slots not read) for both S = q kv^T and
   O += bf16(P) kv, P rounded against the running max (so NOT bit-comparable with the reference: error band
   ``flash_bound`` below, derived there), fp32 l, sink at the end. NS = 1: final output from the kernel
@@ -66,7 +66,7 @@ NAMED_CONFIGS = {
     "split_ch64_dv128": AttnConfig(kind="split", BK=64, DV=128, CH=64, warps=4),
     "split_ch128_dv512": AttnConfig(kind="split", BK=64, DV=512, CH=128, warps=8, stages=1),
     "split_auto_dv256": AttnConfig(kind="split", BK=64, DV=256, CH=0, warps=8, stages=1),
-    # v3 (2026-12-01, not yet run on a GPU): one program per (query row, split), flash-style online softmax, all
+    # v3 (2026-12-01, timed on the H200 in run 11): one program per (query row, split), flash-style online softmax, all
     # H heads = the MMA's M, one gather of [BK, D] per block serves QK and P.V (K = V). Configs: see NOTES.md.
     "flash_bk32": AttnConfig(kind="flash", BK=32, NS=0, warps=8, stages=5),      # kv 2 blocks ahead (3 buffers)
     "flash_bk32_s7": AttnConfig(kind="flash", BK=32, NS=0, warps=8, stages=7),   # kv 3 blocks ahead (4 buffers)

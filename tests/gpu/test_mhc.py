@@ -10,11 +10,11 @@ attributed to the stage that made it. Band (documented in NOTES.md "Fused mHC"):
   streams; vs fp32 HIGHEST), partials over d splits summed in kernel B, 20 Sinkhorn steps: rel err < 1e-4.
 Split-d redesign (mhc_fused_triton docstring): T1 / T64 / T1000 / T4096 run the 1-token (BD 32, 160 splits),
 64-token (BD 64, 80 splits), BT-32 and large-T (BT 64, BD 32, 5 splits) plans; ``test_split_invariance`` checks
-that splitting d leaves X1 and h bit-identical. NOT yet run on a GPU.
+that splitting d leaves X1 and h bit-identical.
 First H200 run (2026-11-30, commit 199278b): all 5 post cases failed on h (T4096: rel 8.6e-4, 6.2 % of elements
 off) because the reference's expand einsum ran in TF32 (JAX's DEFAULT precision for fp32 on the GPU); a CPU
 simulation that rounds comb to TF32 gives 8.5e-4 / 6.1 %. The reference now pins HIGHEST; if the post cases
-still show ~6 % off, that explanation is wrong -- not yet re-run on a GPU."""
+still show ~6 % off, that explanation is wrong. Re-run with the split-d kernel (H200, 2026-11-30, run 10): passed."""
 import zlib
 
 import numpy as np
