@@ -144,7 +144,8 @@ def run_flash(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtyp
     k_scale = scale * (1.01 if mutate == "scale" else 1.0)
     k_sink = sink + (0.25 if mutate == "sink" else 0.0)
     k_idx = jnp.where(idx < 0, 0, idx) if mutate == "leak" else idx   # empty slots turned into row-0 reads
-    ns, bps = sat.flash_plan(cfg, B * S, K)
+    hs = sat.flash_heads(cfg, H)
+    ns, bps = sat.flash_plan(cfg, B * S, K, hs)
     gc.collect()
     gc.disable()
     try:
@@ -160,7 +161,7 @@ def run_flash(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtyp
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     rel32 = np.linalg.norm(out - ref32) / np.linalg.norm(ref32)
     empty = np.abs(out[B - 1, S - 1]).max() if B * S > 1 else 0.0
-    msg = (f"{label:>18} BK{cfg.BK} NS{ns} BPS{bps} | B{B} S{S} H{H} D{D} K{K} {precision} "
+    msg = (f"{label:>18} BK{cfg.BK} NS{ns} BPS{bps} HS{hs} | B{B} S{S} H{H} D{D} K{K} {precision} "
            f"{'mutant ' + mutate if mutate else ''}: rel err vs ref {rel:.2e}, vs fp32 ref {rel32:.2e}; "
            f"max |err| / band: vs ref {viol_ref.max():.3f}, vs fp32 {viol_32.max():.3f}; empty row max {empty:.1e}")
     ok = bool(np.all(np.isfinite(out)) and viol_ref.max() <= 1.0 and viol_32.max() <= 1.0 and empty == 0.0
@@ -229,6 +230,23 @@ def checks():
                                              dict(prod, B=1, S=2, seed=9, empty_prefix=192))  # split 0 empty
     out["prod.flash_bk32_ns1.fp32"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk32_ns1"], "flash_bk32_ns1",
                                              dict(prod, B=1, S=2, seed=10, precision="fp32", dtype=jnp.float32))
+    # head split (HS, 2026-12-01): grid (rows, NS, HS), H / HS heads per program; H = 64 at small D so that HS = 4
+    # really splits (H = 32: capped to 2 groups of 16, H = 16: no split); NS auto / forced 1 (final-output kernel,
+    # grid (rows, 1, HS)) / forced 2 (ragged); empty splits, a row with no valid entry, the fp32-P path
+    hcases = [dict(H=64), dict(H=64, precision="fp32", dtype=jnp.float32, seed=1),
+              dict(B=1, S=2, H=64, D=64, N=80, K=64, seed=5, empty_prefix=48),       # row 0: 3 empty blocks
+              dict(B=1, S=1, H=32, D=256, N=700, K=200, seed=3), dict()]
+    for label, cfg_fn in [("hs4_auto", lambda: small("flash_bk64_hs4", BK=16)),
+                          ("hs4_ns1", lambda: small("flash_bk64_hs4", BK=16, NS=1)),
+                          ("hs4_ns2", lambda: small("flash_bk32_hs4", BK=16, NS=2))]:
+        for j, c in enumerate(hcases):
+            out[f"flash.{label}.{j}"] = fcheck(cfg_fn, label, c)
+    out["prod.flash_bk64_hs4.B1"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64_hs4"], "flash_bk64_hs4",
+                                           dict(prod, B=1, S=1, seed=14))                  # auto: NS=10, 40 programs
+    out["prod.flash_bk32_hs4.B1S2"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk32_hs4"], "flash_bk32_hs4",
+                                             dict(prod, B=1, S=2, seed=15, empty_prefix=96))  # NS 10: split 0 empty
+    out["prod.flash_bk64_hs4_ns1.B2"] = fcheck(lambda: small("flash_bk64_hs4", NS=1), "flash_bk64_hs4_ns1",
+                                               dict(prod, B=2, S=1, seed=16, empty_prefix=200))  # row 1 all -1
     # not vacuous: a 1 % wrong scale, or a sink off by 0.25 where the sink carries real mass, must break the band
     out["mutant.scale"] = fcheck(lambda: small("flash_bk64", BK=16, NS=2), "flash_ns2",
                                  dict(seed=11, mutate="scale"), expect_ok=False)
@@ -236,6 +254,8 @@ def checks():
                                 dict(seed=12, sink_shift=6.0, mutate="sink"), expect_ok=False)
     out["mutant.leak"] = fcheck(lambda: small("flash_bk64", BK=16, NS=2), "flash_ns2",
                                 dict(seed=13, mutate="leak"), expect_ok=False)
+    out["mutant.scale.hs4"] = fcheck(lambda: small("flash_bk64_hs4", BK=16, NS=2), "hs4_ns2",
+                                     dict(H=64, seed=11, mutate="scale"), expect_ok=False)
     out["mutant.scale.prod"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64"], "flash_bk64",
                                       dict(prod, B=1, S=1, seed=6, mutate="scale"), expect_ok=False)
     # the real V4.1 head count / width at one row, K = 640 (window + compressed), with the production configs

@@ -108,3 +108,25 @@ def test_flash_plan():
     assert sat.flash_plan(sat.NAMED_CONFIGS["flash_bk32_ns2"], 192, 640) == (2, 10)
     assert sat.flash_plan(sat.NAMED_CONFIGS["flash_bk64_ns1"], 1, 640) == (1, 10)
     assert sat.flash_plan(cfg32, 1, 20) == (1, 1)               # K shorter than one block
+
+
+def test_flash_head_split_plan_and_grid():
+    """Head split (HS): 4 groups of 16 at H = 64, capped at H // 16 groups; the planner counts rows * NS * HS
+    programs; the launch grid gets the third axis (the final-output kernel too: (rows, 1, HS))."""
+    c64, c32 = sat.NAMED_CONFIGS["flash_bk64_hs4"], sat.NAMED_CONFIGS["flash_bk32_hs4"]
+    assert [sat.flash_heads(c64, h) for h in (16, 32, 64, 128)] == [1, 2, 4, 4]
+    assert sat.flash_heads(sat.NAMED_CONFIGS["flash_bk64"], 64) == 1
+    for cfg in (c64, c32):
+        nb = -(-640 // cfg.BK)
+        for rows in (1, 2, 8, 16, 32, 64, 128):
+            ns, bps = sat.flash_plan(cfg, rows, 640, 4)
+            assert 1 <= ns <= nb and ns * bps >= nb and (ns - 1) * bps < nb
+        assert sat.flash_plan(cfg, 1, 640, 4) == (nb, 1)                # one row: a block per program, 4 x nb programs
+        assert sat.flash_plan(cfg, 32, 640, 4) == (1, nb)               # 32 rows x 4 groups fill a wave: no combine
+    ka = dict(S=1, N=4096, H=64, D=512, K=640, SCALE=0.1, BK=64, DC=64, IEEE=0)
+    ns, grid, kw = sat.flash_launch(c64, 1, 64, 512, 640, ka, 1)
+    assert (ns, grid, kw["HG"], kw["NS"]) == (10, (1, 10, 4), 16, 10)
+    ns, grid, kw = sat.flash_launch(c64, 32, 64, 512, 640, ka, 1)
+    assert (ns, grid, kw["HG"], "NS" in kw) == (1, (32, 1, 4), 16, False)
+    ns, grid, kw = sat.flash_launch(sat.NAMED_CONFIGS["flash_bk64"], 1, 64, 512, 640, ka, 1)
+    assert (ns, grid, kw["HG"]) == (10, (1, 10), 64)                    # no head split: grid and plan as before

@@ -31,7 +31,9 @@ Kinds (``AttnConfig.kind``):
   O += bf16(P) kv, P rounded against the running max (so NOT bit-comparable with the reference: error band
   ``flash_bound`` below, derived there), fp32 l, sink at the end. NS = 1: final output from the kernel
   (``_flash_kernel``); NS > 1: fp32 partials (m, l, O) merged exactly by ``flash_combine``. NS per row count from
-  ``flash_plan``. Design, sm_90 compile numbers and predictions: dsflash/kernels/NOTES.md.
+  ``flash_plan``. Head split (``AttnConfig.HS``, for few rows): grid (rows, NS, HS), each program H / HS of the
+  heads (same math per head, same output / partial layout). Design, sm_90 compile numbers and predictions:
+  dsflash/kernels/NOTES.md.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class AttnConfig:
     DV: int = 512         # output channels per program (pass 2)
     CH: int = 0           # "split": entries per chunk (multiple of BK); 0 = pick from the row count (auto)
     NS: int = 0           # "flash" (v3): splits of the K entries per query row; 0 = pick from the row count (auto)
+    HS: int = 1           # "flash": head groups per query row (grid (rows, NS, HS), H / HS heads = the MMA's M each;
+                          # capped so that H / HS >= 16)
     warps: int = 8
     stages: int = 2
 
@@ -76,6 +80,11 @@ NAMED_CONFIGS = {
     "flash_bk32_ns1": AttnConfig(kind="flash", BK=32, NS=1, warps=8, stages=5),
     "flash_bk64_ns1": AttnConfig(kind="flash", BK=64, NS=1, warps=8, stages=3),
     "flash_bk32_ns2": AttnConfig(kind="flash", BK=32, NS=2, warps=8, stages=5),
+    # v3 head split (2026-12-01, for 1-32 rows; not yet timed): grid (rows, NS, 4), 16 heads per program (M = 16:
+    # mma.sync, not wgmma), so 4x the programs of flash_bk* at the same NS; each program gathers the same kv blocks
+    # (the other 3 head groups' reads of them hit L2). NOTES.md "v3 head split".
+    "flash_bk64_hs4": AttnConfig(kind="flash", BK=64, NS=0, HS=4, warps=4, stages=2),
+    "flash_bk32_hs4": AttnConfig(kind="flash", BK=32, NS=0, HS=4, warps=4, stages=3),
 }
 # Shape -> variant used by ``sparse_sink_attention_triton(config=None)``: the first entry whose max_rows >= B*S.
 # From the v3 H200 run (2026-12-01, NOTES.md "v3"): flash BK64 with 2 stages was fastest at 1 and 32 rows (0.054 /
@@ -111,14 +120,17 @@ def split_chunk(cfg: AttnConfig, rows: int, D: int, K: int) -> int:
 # of HBM bandwidth; its 8.4 MFLOP of QK + P.V take ~1.6 us at one SM's share of the measured 690 TFLOP/s and should
 # hide under the load): a program costs its blocks + 1 (q, 64 KB, loaded once) + 1 more when it writes fp32
 # partials (128 KB) instead of the final output; programs run one per SM (smem and registers, NOTES.md) in
-# ceil(programs / SMS) waves; splitting adds an XLA combine of ~2 blocks + the partials' read
+# ceil(programs / SMS) waves (programs = rows * NS * HS; a head group loads 1 / HS of q and writes 1 / HS of the
+# partials, its kv blocks are the same); splitting adds an XLA combine of ~2 blocks + the partials' read
 # (rows * NS * 128 KB at the whole GPU's bandwidth, 0.017 blocks each).
 FLASH_Q_COST, FLASH_PARTIAL_COST, FLASH_COMBINE_COST, FLASH_PARTIAL_READ = 1.0, 1.0, 2.0, 0.017
 
 
-def flash_plan(cfg: AttnConfig, rows: int, K: int):
+def flash_plan(cfg: AttnConfig, rows: int, K: int, hs: int = 0):
     """(NS splits per query row, BPS blocks of BK entries per split) of a "flash" config: cfg.NS if set (capped
-    at the block count), else the split with the least modelled time (above), ties to fewer splits."""
+    at the block count), else the split with the least modelled time (above), ties to fewer splits. ``hs``: head
+    groups per row as launched (``flash_heads``; 0 = cfg.HS)."""
+    hs = hs or cfg.HS
     nb = max(1, -(-K // cfg.BK))
     if cfg.NS:
         bps = -(-nb // min(cfg.NS, nb))
@@ -128,8 +140,8 @@ def flash_plan(cfg: AttnConfig, rows: int, K: int):
         ns = -(-nb // bps)
         if best is not None and ns == best[1]:
             continue
-        waves = -(-rows * ns // SMS)
-        cost = waves * (bps * cfg.BK / 64 + FLASH_Q_COST + (FLASH_PARTIAL_COST if ns > 1 else 0.0))
+        waves = -(-rows * ns * hs // SMS)
+        cost = waves * (bps * cfg.BK / 64 + (FLASH_Q_COST + (FLASH_PARTIAL_COST if ns > 1 else 0.0)) / hs)
         if ns > 1:
             cost += FLASH_COMBINE_COST + FLASH_PARTIAL_READ * rows * ns
         if best is None or cost < best[0] - 1e-9:
@@ -311,22 +323,22 @@ def _chunk_pv_kernel(q_ptr, kv_ptr, idx_ptr, mpart_ptr, accp_ptr, denp_ptr,
 
 # ----------------------------------------------------------------------------------------------- v3: "flash"
 @triton.jit
-def _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
+def _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, offs_h, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
                 D: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr,
-                P_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """Online softmax of query row ``row`` over its split ``sp`` (blocks [sp * BPS, sp * BPS + BPS) of BK entries):
-    (m [H] running max, >= -1e30; l [H] fp32 sum of exp(s - m); acc [H, D] fp32 sum of bf16(exp(s - m_j)) * kv
-    rescaled to m). q [H, D] is loaded once; each block gathers kv[idx] [BK, D] once for both products."""
-    offs_h = tl.arange(0, H)
+                HG: tl.constexpr, P_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax of query row ``row``, heads ``offs_h`` (HG of the H), over its split ``sp`` (blocks
+    [sp * BPS, sp * BPS + BPS) of BK entries): (m [HG] running max, >= -1e30; l [HG] fp32 sum of exp(s - m);
+    acc [HG, D] fp32 sum of bf16(exp(s - m_j)) * kv rescaled to m). q [HG, D] is loaded once; each block gathers
+    kv[idx] [BK, D] once for both products."""
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + row * (H * D) + offs_h[:, None] * D + offs_d[None, :])
     if IEEE:
         q = q.to(tl.float32)
     kv_base = kv_ptr + (row // S) * (N * D)
     i_base = idx_ptr + row * K
-    m = tl.full((H,), -1e30, tl.float32)          # = the reference's clamp: a row with no valid entry keeps -1e30
-    l = tl.zeros((H,), tl.float32)
-    acc = tl.zeros((H, D), tl.float32)
+    m = tl.full((HG,), -1e30, tl.float32)         # = the reference's clamp: a row with no valid entry keeps -1e30
+    l = tl.zeros((HG,), tl.float32)
+    acc = tl.zeros((HG, D), tl.float32)
     # static trip count (a tensor loop bound breaks Triton 3.6's interpreter): blocks past K in the last split of a
     # ragged split are all masked (nothing loaded, p = 0); they cost MMA time only, in a program no longer than
     # the others of its wave
@@ -359,14 +371,25 @@ def _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, S: tl.constexpr, N: tl.constexp
 
 
 @triton.jit
+def _flash_heads(HG: tl.constexpr, H: tl.constexpr):
+    """The heads of this program: all H (HG == H), else head group program_id(2) of HG heads."""
+    if HG == H:
+        offs = tl.arange(0, H)
+    else:
+        offs = tl.program_id(2) * HG + tl.arange(0, HG)
+    return offs
+
+
+@triton.jit
 def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr,
                   S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
-                  SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, P_BF16: tl.constexpr,
+                  SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, HG: tl.constexpr, P_BF16: tl.constexpr,
                   IEEE: tl.constexpr):
-    """NS = 1: grid (rows,), the whole row in one program, o = acc / (l + exp(sink - m)) stored directly."""
+    """NS = 1: grid (rows,) (or (rows, 1, H / HG)), the whole row (its HG heads) in one program,
+    o = acc / (l + exp(sink - m)) stored directly."""
     row = tl.program_id(0).to(tl.int64)
-    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, 0, S, N, H, D, K, SCALE, BK, BPS, P_BF16, IEEE)
-    offs_h = tl.arange(0, H)
+    offs_h = _flash_heads(HG, H)
+    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, 0, offs_h, S, N, H, D, K, SCALE, BK, BPS, HG, P_BF16, IEEE)
     den = l + tl.exp(tl.load(sink_ptr + offs_h) - m)      # inf for a row with no valid entry: 0 / inf = 0
     o = acc / den[:, None]
     tl.store(o_ptr + row * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], o.to(o_ptr.dtype.element_ty))
@@ -376,12 +399,14 @@ def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr,
 def _flash_split_kernel(q_ptr, kv_ptr, idx_ptr, op_ptr, mp_ptr, lp_ptr,
                         S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                         SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, NS: tl.constexpr,
-                        P_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """NS > 1 (flash-decoding): grid (rows, NS); partials (m, l, acc) fp32, merged by ``flash_combine``."""
+                        HG: tl.constexpr, P_BF16: tl.constexpr, IEEE: tl.constexpr):
+    """NS > 1 (flash-decoding): grid (rows, NS) (or (rows, NS, H / HG)); partials (m, l, acc) fp32 in the same
+    [rows, NS, H(, D)] layout for any head split, merged by ``flash_combine``."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
-    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, S, N, H, D, K, SCALE, BK, BPS, P_BF16, IEEE)
-    offs_h = tl.arange(0, H)
+    offs_h = _flash_heads(HG, H)
+    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, offs_h, S, N, H, D, K, SCALE, BK, BPS, HG, P_BF16,
+                            IEEE)
     base = row * NS + sp
     tl.store(op_ptr + base * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], acc)
     tl.store(mp_ptr + base * H + offs_h, m)
@@ -404,18 +429,24 @@ def launch_args(cfg: AttnConfig, B, S, H, D, N, K, scale, precision, q_dtype):
                 IEEE=int(q_dtype == jnp.float32))
 
 
+def flash_heads(cfg: AttnConfig, H: int) -> int:
+    """Head groups per query row as launched: cfg.HS capped so that each group keeps >= 16 heads (the MMA's M)."""
+    return max(1, min(cfg.HS, H // 16))
+
+
 def flash_launch(cfg: AttnConfig, R, H, D, K, ka, p_bf16):
     """(NS, grid, kernel constexprs) of a "flash" launch: ``_flash_kernel`` when NS == 1, else
-    ``_flash_split_kernel`` + ``flash_combine`` (shared by the wrapper and the interpreter script)."""
+    ``_flash_split_kernel`` + ``flash_combine`` (shared by the wrapper and the interpreter script). A head split
+    adds the grid's third axis; the outputs / partials keep their layout."""
     if D & (D - 1):
         raise ValueError(f"the flash kernel needs a power-of-two D, got {D}")
-    ns, bps = flash_plan(cfg, R, K)
+    hs = flash_heads(cfg, H)
+    ns, bps = flash_plan(cfg, R, K, hs)
     kw = {k: v for k, v in ka.items() if k != "DC"}
-    kw.update(BPS=bps, P_BF16=p_bf16)
-    if ns == 1:
-        return ns, (R,), kw
-    kw["NS"] = ns
-    return ns, (R, ns), kw
+    kw.update(BPS=bps, HG=H // hs, P_BF16=p_bf16)
+    if ns > 1:
+        kw["NS"] = ns
+    return ns, ((R, ns, hs) if hs > 1 else (R, ns) if ns > 1 else (R,)), kw
 
 
 def split_combine(mpart, accp, denp, sink, out_shape, out_dtype):

@@ -87,7 +87,8 @@ def test_backend_dispatch_bf16_output():
 # buffers, so any element (or split partial) the kernel leaves unwritten would come back NaN (best effort: it relies
 # on buffer reuse, as jax-triton's own zeroed_outputs test does).
 FLASH_VARIANTS = ["flash_bk32", "flash_bk32_s7", "flash_bk32_s3", "flash_bk64", "flash_bk64_s2", "flash_bk32_ns1",
-                  "flash_bk64_ns1", "flash_bk32_ns2"]
+                  "flash_bk64_ns1", "flash_bk32_ns2",
+                  "flash_bk64_hs4", "flash_bk32_hs4"]    # head split (2026-12-01): grid (rows, NS, 4), 16 heads each
 FLASH_CASES = CASES + [
     (1, 1, 64, 512, 4096, 640),     # B=1 decode: auto splits the row (NS=20 at BK=32, 10 at BK=64)
     (32, 1, 64, 512, 4096, 640),    # B=32 decode: NS=4 (BPS 6 at BK=32, 3 at BK=64; ragged last split)
@@ -95,7 +96,7 @@ FLASH_CASES = CASES + [
 ]
 # compile time: the full sweep for the three kernels that differ in math / launch path (split auto at BK 32 and 64,
 # no split); the pipelining-only variants (stages) and the forced NS=2 at the V4.1 decode shapes, bf16
-FLASH_FULL = ("flash_bk32", "flash_bk64", "flash_bk32_ns1")
+FLASH_FULL = ("flash_bk32", "flash_bk64", "flash_bk32_ns1", "flash_bk64_hs4")   # + the head split (mma.sync, HS capped)
 FLASH_PARAMS = [(v, c, p) for v in FLASH_VARIANTS for c in FLASH_CASES for p in ("reference", "fp32")
                 if v in FLASH_FULL or (c[3] == 512 and p == "reference")]
 
@@ -136,8 +137,10 @@ def test_flash_within_error_band(variant, case, precision):
     v_32 = float((np.abs(out - ref32) / sat.flash_bound(A, ref32, min(rounds, 1))).max())
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
     err32 = float(np.linalg.norm(out - ref32) / np.linalg.norm(ref32))
-    ns, bps = sat.flash_plan(sat.NAMED_CONFIGS[variant], case[0] * case[1], case[5])
-    print(f"{variant} NS{ns} BPS{bps} {case} {precision}: rel err {err:.2e} (vs fp32 ref {err32:.2e}), "
+    cfg = sat.NAMED_CONFIGS[variant]
+    hs = sat.flash_heads(cfg, max(16, case[2]))
+    ns, bps = sat.flash_plan(cfg, case[0] * case[1], case[5], hs)
+    print(f"{variant} NS{ns} BPS{bps} HS{hs} {case} {precision}: rel err {err:.2e} (vs fp32 ref {err32:.2e}), "
           f"max |err|/band {v_ref:.3f} (vs fp32 ref {v_32:.3f})")
     assert v_ref <= 1.0 and v_32 <= 1.0, (v_ref, v_32)
     assert err < 5e-3, err
