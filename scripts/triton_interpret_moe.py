@@ -262,6 +262,7 @@ def _ps_cases():
         (mt.fit_config(nc["sw_ps_bm8_w2"], 256, 128), dict(T=5, seed=9)),
         (mt.fit_config(nc["sw_eo_np_bm8"], 256, 128), dict(T=40, k=3, E=3, seed=10)),
         (mt.fit_config(nc["sw_ps_bm8_ks1"], 256, 128), dict(T=1, k=6, E=8, seed=12)),
+        (mt.fit_config(nc["sw_eo_np_bm32"], 256, 128), dict(T=40, k=3, E=3, seed=13)),    # BM 32: 40 slots/expert
     ]
 
 

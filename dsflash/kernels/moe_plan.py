@@ -137,6 +137,10 @@ NAMED_CONFIGS = {
     "sw_ps_bm8_w2": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=32, BN_DOWN=32, BK=128, warps_up=2,
                               warps_down=2, stages=4, prefetch=False),
     "sw_eo_np_bm8": SW_EO_NP_BM8,
+    # BM 32 for 128-256 tokens (8-16 slots per expert on average, so BM 16 often needs 2 tiles and decodes the
+    # expert's weights twice; BM 8 lost 24 % there for that reason, run 12). Not yet run on a GPU.
+    "sw_eo_np_bm32": MoeConfig(kind="sk", mma="swap_eo", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                               prefetch=False),
     # (d) fewer launches at 1 token: no K split (2 launches instead of 4; 216 / 480 programs instead of 1080 / 1440)
     "sw_ps_bm8_ks1": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, KS_UP=1,
                                KS_DOWN=1, prefetch=False),

@@ -76,6 +76,9 @@ COMBOS = (
     + [(SMALL[3], "sw_ps_bm8", "reference"), (SMALL[3], "sw_eo_np_bm8", "reference"),
        (SMALL[2], "sw_eo_np_bm8", "bf16"), (SMALL[0], "sw_ps_bm8_ks1", "reference"),
        (REAL_ONE, "sw_ps_bm8_ks1", "reference")]
+    # BM 32 for 128-256 tokens (2026-12-01, interpreter-checked ps-13 and compiled for sm_90 before its first GPU run)
+    + [(c, "sw_eo_np_bm32", "reference") for c in (SMALL[2], SMALL[3], REAL_DECODE, (256, 6, 96, 5120, 2304))]
+    + [(SMALL[2], "sw_eo_np_bm32", "bf16")]
     # FP8-MMA kernels (nibble -> E4M3 bytes, per-32 rescale); all of these also passed on 2026-11-30 run 1
     + [(SMALL[0], "fp8mma_decode", "reference"), (SMALL[3], "fp8mma_prefill", "reference"),
        (SMALL[1], "decode_tl", "reference"), (SMALL[2], "fp8mma_decode", "bf16"),
