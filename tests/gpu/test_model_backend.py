@@ -76,8 +76,7 @@ def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision, 
     assert min(reached.values()) >= 1, kernel_calls
     want = tiny.logits(tokens, backend="xla", precision=precision)
     assert got.shape == want.shape and np.isfinite(got).all()
-    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    agree = float(np.mean(got.argmax(-1) == want.argmax(-1)))
+    rel, agree = _rel(got, want), _agree(got, want)
     print(f"tiny, {precision}, {kernels}: logits rel err {rel:.2e}, argmax agreement {agree:.4f}, kernel traces {kernel_calls}")
     ideal = tiny.logits(tokens, backend="xla", precision="fp32")
     err_triton, err_xla = _rel(got, ideal), _rel(want, ideal)
