@@ -188,15 +188,35 @@ def profile_step(run_once, hlo_text: str, calls: int = 3, log_dir: str | None = 
         per_instr[key][1] += 1
         per_instr[key][2] = scope
     busy = sum(d for _, _, d, _ in kernels) / 1e3 / calls
+    gap = idle_gaps(kernels, calls)
     ops = {s: {"ms_per_step": v[0] / 1e3 / calls, "kernels_per_step": v[1] / calls}
            for s, v in sorted(per_op.items(), key=lambda kv: -kv[1][0])}
     top = [{"hlo_op": k, "scope": v[2], "ms_per_step": v[0] / 1e3 / calls, "launches_per_step": v[1] / calls}
            for k, v in sorted(per_instr.items(), key=lambda kv: -kv[1][0])[:40]]
     return {"ops": ops, "busy_ms": busy, "wall_ms": wall_ms, "idle_ms": max(0.0, wall_ms - busy),
-            "kernels_per_step": len(kernels) / calls, "top_instructions": top,
+            "kernels_per_step": len(kernels) / calls, "top_instructions": top, "gaps": gap,
             "unmatched_ms": {k: v / 1e3 / calls for k, v in unmatched.most_common(10)},
             "trace_arg_keys": dict(arg_keys.most_common(12)),
             "gpu_processes": sorted({n for n in pnames.values() if "GPU" in n or "/device:" in n})}
+
+
+def idle_gaps(kernels, calls: int, top: int = 12) -> dict:
+    """Where the GPU waits inside the traced calls: the time between one kernel's end and the next one's start
+    (all streams merged), summed, and the largest gaps with the kernels either side (launch gaps around custom
+    calls, host round trips). Gaps longer than 5 ms are taken as the pause between two calls and dropped."""
+    ev = sorted((ts, ts + dur, name, args.get("hlo_op", "")) for name, ts, dur, args in kernels)
+    gaps, end, prev = [], None, None
+    for ts, te, name, op in ev:
+        if end is not None and ts > end:
+            g = ts - end
+            if g < 5000:
+                gaps.append((g, prev, op or name))
+        if end is None or te > end:
+            end, prev = te, op or name
+    total = sum(g for g, _, _ in gaps) / 1e3 / calls
+    big = sorted(gaps, reverse=True)[:top]
+    return {"between_kernels_ms": total, "count_per_step": len(gaps) / calls,
+            "largest_us": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in big]}
 
 
 def format_ops(prof: dict, floors: dict | None = None) -> str:
@@ -212,4 +232,7 @@ def format_ops(prof: dict, floors: dict | None = None) -> str:
     lines.append(f"{'kernel-busy':<34}{prof['busy_ms']:>9.3f}")
     lines.append(f"{'wall (traced calls)':<34}{prof['wall_ms']:>9.3f}   idle {prof['idle_ms']:.3f} ms, "
                  f"{prof['kernels_per_step']:.0f} kernels/step")
+    if prof.get("gaps"):
+        g = prof["gaps"]
+        lines.append(f"{'gaps between kernels':<34}{g['between_kernels_ms']:>9.3f}   ({g['count_per_step']:.0f} per step)")
     return "\n".join(lines)
