@@ -152,8 +152,10 @@ def _ref_h(x, idx, weight, w1, s1, w3, s3, order, limit):
     fe = idx.reshape(-1)[order]
     xs = xa[order // k]
     hp = jax.lax.Precision.HIGHEST
-    g = jnp.minimum(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w1, s1)[fe], precision=hp), limit)
-    u = jnp.clip(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w3, s3)[fe], precision=hp), -limit, limit)
+    bf = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)    # noqa: E731  (GEMM outputs are bf16, SPEC §12)
+    g = jnp.minimum(bf(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w1, s1)[fe], precision=hp)), limit)
+    u = jnp.clip(bf(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w3, s3)[fe], precision=hp)),
+                 -limit, limit)
     h = (jax.nn.silu(g) * u * weight.reshape(-1)[order][:, None]).astype(jnp.bfloat16)
     return np.asarray(quant.fp8_roundtrip(h, 32).astype(jnp.float32))
 
