@@ -38,7 +38,11 @@ def ceilings(gb=4):
         return float(np.median(ts))
 
     s = t(jax.jit(lambda v: jnp.sum(v.astype(jnp.float32), axis=0)), x)
-    res["read_TBps_jax_sum"] = x.nbytes / s / 1e12
+    res["read_TBps_jax_colsum"] = x.nbytes / s / 1e12
+    x1 = x.reshape(-1)
+    s = t(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), x1)
+    res["read_TBps_jax_sum"] = x1.nbytes / s / 1e12
+    del x1
     s = t(jax.jit(lambda v: v + 1), x)
     res["copy_TBps_jax_rw"] = 2 * x.nbytes / s / 1e12
     del x
@@ -68,7 +72,10 @@ def main():
     ap.add_argument("--precision", default="reference")
     ap.add_argument("--decode", nargs="*", default=["32@4096"])
     ap.add_argument("--prefill", nargs="*", default=[])
-    ap.add_argument("--variants", default="new,old")
+    ap.add_argument("--variants", default="new")
+    ap.add_argument("--profile-no-cb", action="store_true",
+                    help="time with XLA's command buffers (default), then trace a second compile without them "
+                         "(every kernel carries its own HLO op, so the per-op table is exact)")
     ap.add_argument("--draft-rows", type=int, default=6)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--calls", type=int, default=3)
@@ -108,6 +115,17 @@ def main():
                     compiled = lowered.compile()
                     cs = time.perf_counter() - t1
                 stats, state, loads, finite = bench.time_step(compiled, bench.params, batch, state)
+                touched = [int((l > 0).sum()) for l in loads] if loads.size else []
+                cb_note = "command buffers on (XLA default)"
+                if a.profile_no_cb:
+                    try:
+                        compiled = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": ""})
+                        cb_note = "traced without command buffers"
+                    except Exception as e:  # noqa: BLE001
+                        cb_note = f"command buffers could not be turned off: {e!r}"[:200]
+                    stats_nocb, state, _, _ = bench.time_step(compiled, bench.params, batch, state)
+                else:
+                    stats_nocb = None
                 hlo = compiled.as_text()
                 if a.dump_hlo:
                     with open(os.path.join(a.out, f"hlo_{phase}_{n}_{C}_{var}.txt"), "w") as f:
@@ -120,13 +138,14 @@ def main():
 
                 prof = SP.profile_step(once, hlo, calls=a.calls)
                 rec = {"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var, "compile_s": cs,
-                       "step_ms": stats, "finite": finite, "profile": prof}
+                       "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "finite": finite,
+                       "experts_touched_per_layer": touched, "trace": cb_note, "profile": prof}
                 res["points"].append(rec)
-                print(f"\n== {phase} {n}x{S}@{C} variant={var}: step {stats['median']:.3f} ms (compile {cs:.0f} s, "
-                      f"finite {finite})", flush=True)
+                print(f"\n== {phase} {n}x{S}@{C} variant={var}: step {stats['median']:.3f} ms"
+                      + (f" ({stats_nocb['median']:.3f} without command buffers)" if stats_nocb else "")
+                      + f" (compile {cs:.0f} s, finite {finite}, experts touched {touched}; {cb_note})", flush=True)
                 print(SP.format_ops(prof), flush=True)
-                print("trace arg keys:", prof["trace_arg_keys"], "| unmatched:", prof["unmatched_ms"], flush=True)
-                print("top instr:", json.dumps(prof["top_instructions"][:12]), flush=True)
+                print("largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
                 summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], prof["busy_ms"],
                                 prof["kernels_per_step"]))
                 del state, box, compiled
