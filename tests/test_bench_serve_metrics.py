@@ -277,3 +277,22 @@ def test_records_without_chunk_counts_spread_output_tokens_evenly():
     # no per-chunk counts (older records): the server's total is spread evenly over the chunks
     r = rec_from_chunks(0.0, [1.0, 1.6, 2.2, 2.5], out=16)
     assert request_itls(r) == pytest.approx([0.6 / 4] * 4 + [0.6 / 4] * 4 + [0.3 / 4] * 4)
+
+
+def test_chunk_token_counts_from_the_stream():
+    from dsflash.bench.serve import chunk_token_counts_from_stream as counts
+    texts = [" a", " bb cc", " d", " e"]
+    # cumulative per-chunk usage (continuous_usage_stats): increases; 2 trailing tokens go to the last chunk
+    assert counts(texts, [1, 7, 13, 14], 16) == ([1, 6, 6, 3], "server")
+    # one chunk without usage: not the server's counts; the tokenizer's, scaled to the server total 8
+    class WordTok:
+        def encode(self, t):
+            return t.split()
+    # words 1, 2, 1, 1 of 5 -> 8 x = 1.6, 3.2, 1.6, 1.6: floors 1, 3, 1, 1, the 2 left to the largest
+    # remainders (.6, ties to the earlier chunks)
+    assert counts(texts, [1, None, 5, 6], 8, WordTok()) == ([2, 3, 2, 1], "tokenizer")
+    assert counts(texts, [None] * 4, None, WordTok()) == ([1, 2, 1, 1], "tokenizer")
+    # no tokenizer: one per chunk, the rest (10 - 4 = 6) by text length 2, 6, 2, 2 of 12 -> 1, 3, 1, 1
+    assert counts(texts, [None] * 4, 10) == ([2, 4, 2, 2], "text-length")
+    assert counts(texts, [None] * 4, 4) == ([1, 1, 1, 1], "text-length")
+    assert counts(texts, [None] * 4, None) == ([1, 1, 1, 1], "one-per-chunk")
