@@ -81,3 +81,28 @@ def test_per_chunk_usage_counts_every_token(server, tmp_path):
     # ITL per token: one sample per token after the first chunk, adding up to E2EL - TTFT
     assert m["itl_ms"]["count"] == 24 - r["chunk_tokens"][0]
     assert m["itl_ms"]["mean"] * m["itl_ms"]["count"] == pytest.approx(1e3 * (r["latency"] - r["ttft"]), rel=1e-6)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_server_continuous_usage_stats(server, path):
+    import httpx
+    model = httpx.get(server.base + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 14, "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "the of and to in"}]
+    else:
+        body["prompt"] = "the of and to in"
+    with httpx.stream("POST", server.base + path, json=body, timeout=300) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    with_choices = [e for e in events if e["choices"]]
+    done = [e["usage"]["completion_tokens"] for e in with_choices]
+    assert all(e["usage"] is not None and e["usage"]["prompt_tokens"] > 0 for e in with_choices)
+    assert done == sorted(done) and done[-1] == 14            # cumulative, ends at the total
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 14
+    # without the option: usage null on every chunk, as before
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", server.base + path, json=body, timeout=300) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(e["usage"] is None for e in events if e["choices"])
