@@ -27,8 +27,10 @@ class FakeServer:
     ``ttft`` seconds, then one every ``itl`` seconds; usage (with cached_tokens from a chained-hash
     prefix cache over words) in a final chunk. Every ``fail_every``-th request gets HTTP 500."""
 
-    def __init__(self, ttft: float, itl: float, fail_every: int = 0, api_key: str | None = None):
+    def __init__(self, ttft: float, itl: float, fail_every: int = 0, api_key: str | None = None,
+                 tokens_per_chunk: int = 1):
         self.ttft, self.itl, self.fail_every, self.api_key = ttft, itl, fail_every, api_key
+        self.k = tokens_per_chunk   # words ("tokens") per chunk, as speculative decoding streams them
         self.n = 0
         self.blocks: set[int] = set()
         self.bodies: list[dict] = []
@@ -73,22 +75,31 @@ class FakeServer:
             n_out = int(body["max_tokens"])
             obj = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(text, finish=None):
+            opts = body.get("stream_options") or {}
+            continuous = bool(opts.get("include_usage") and opts.get("continuous_usage_stats"))
+
+            def chunk(text, finish=None, done=0):
                 if chat:
                     choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
                 else:
                     choice = {"index": 0, "text": text, "finish_reason": finish}
-                return "data: " + json.dumps({"id": "x", "object": obj, "choices": [choice]}) + "\n\n"
+                c = {"id": "x", "object": obj, "choices": [choice]}
+                if continuous:   # cumulative usage on every chunk (vLLM's continuous_usage_stats)
+                    c["usage"] = {"prompt_tokens": len(words), "completion_tokens": done,
+                                  "total_tokens": len(words) + done}
+                return "data: " + json.dumps(c) + "\n\n"
 
             async def gen():
                 if chat:
                     yield "data: " + json.dumps({"id": "x", "object": obj, "choices": [
                         {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
                 await asyncio.sleep(self.ttft)
-                for i in range(n_out):
-                    if i:
+                for j, i in enumerate(range(0, n_out, self.k)):
+                    if j:
                         await asyncio.sleep(self.itl)
-                    yield chunk(f" w{i}", "length" if i == n_out - 1 else None)
+                    last = min(i + self.k, n_out)
+                    yield chunk("".join(f" w{t}" for t in range(i, last)), "length" if last == n_out else None,
+                                done=last)
                 usage = {"prompt_tokens": len(words), "completion_tokens": n_out,
                          "total_tokens": len(words) + n_out, "prompt_tokens_details": {"cached_tokens": cached}}
                 yield "data: " + json.dumps({"id": "x", "object": obj, "choices": [], "usage": usage}) + "\n\n"
@@ -160,7 +171,7 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
     rest = [b for b in fs.bodies if b not in probes]
     assert len(rest) == 2 * 4 + 1 + 2
     assert all(b["ignore_eos"] is True and b["stream"] is True and b["max_tokens"] == n_out
-               and b["stream_options"] == {"include_usage": True} for b in rest)
+               and b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True} for b in rest)
     for p in res["points"]:
         m = p["metrics"]
         c = p["concurrency"]
@@ -178,7 +189,8 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
             assert -15 < m[key[0]][key[1]] - itl * 1e3 < 30, key
         e2e = (ttft + (n_out - 1) * itl) * 1e3
         assert e2e <= m["e2el_ms"]["mean"] < e2e + 300
-        assert m["p90_interactivity"] == pytest.approx(1000.0 / m["itl_ms"]["p90"])
+        assert m["p90_interactivity"] == pytest.approx(1000.0 / m["tpot_ms"]["p90"])
+        assert m["chunk_tokens_source"] == {"server": 4} and m["tokens_per_chunk"]["mean"] == 1.0
         # closed loop: c lanes each ~one request at a time -> throughput ~ c / E2EL
         expect_rps = c / (e2e / 1e3)
         assert 0.4 * expect_rps < m["request_throughput"] <= 1.05 * expect_rps
@@ -188,6 +200,31 @@ def test_fixed_sweep_matches_server_delays(fake_server, tmp_path):
         assert m["cached_input_tokens"] is not None      # server reported cached_tokens
         assert p["prompt_tokens_vs_estimate"] == pytest.approx(1.0, abs=0.1)
         assert m["mean_input_tokens"] == pytest.approx(64, abs=2)
+
+
+@pytest.mark.parametrize("per_chunk_usage", [True, False])
+def test_multi_token_chunks_are_counted_per_token(fake_server, tmp_path, per_chunk_usage):
+    # speculative-decoding-like stream: 9 tokens in 3 chunks of 3, 0.06 s apart, first after 0.1 s
+    ttft, gap, k, n_out = 0.10, 0.06, 3, 9
+    fs, url = fake_server(ttft=ttft, itl=gap, tokens_per_chunk=k)
+    rc = bench_serve.main([
+        "--base-url", url, "--concurrency", "1", "--num-requests", "3", "--input-len", "16",
+        "--output-len", str(n_out), "--tokens-per-word", "1", "--out-dir", str(tmp_path), "--no-plot",
+        *([] if per_chunk_usage else ["--no-continuous-usage"])])
+    assert rc == 0
+    m = _load(tmp_path)["points"][0]["metrics"]
+    # per chunk counts from the server's cumulative usage, or (without) from the text of each chunk
+    assert m["chunk_tokens_source"] == {("server" if per_chunk_usage else "text-length"): 3}
+    assert m["tokens_per_chunk"]["mean"] == pytest.approx(3.0)
+    assert m["total_output_tokens"] == 3 * n_out
+    # by hand: TPOT = 2 gaps / (9 - 1) = 15 ms; ITL per token: the 6 tokens after the first chunk
+    # share the 2 gaps -> 20 ms each; per chunk (vLLM's ITL) it would be 60 ms
+    assert m["itl_ms"]["count"] == 3 * (n_out - k)
+    assert -3 < m["tpot_ms"]["mean"] - 1e3 * 2 * gap / (n_out - 1) < 10
+    assert -3 < m["itl_ms"]["median"] - 1e3 * gap / k < 10
+    assert -5 < m["icl_ms"]["median"] - 1e3 * gap < 30
+    assert m["p90_interactivity"] == pytest.approx(1000.0 / m["tpot_ms"]["p90"])
+    assert m["per_user_output_throughput"]["median"] > 50          # ~1/15 ms = 67 tok/s, not 1/60 ms
 
 
 def test_failures_mark_run_invalid(fake_server, tmp_path):

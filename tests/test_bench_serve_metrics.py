@@ -1,5 +1,6 @@
-"""Metric definitions of ``bench serve`` on synthetic timestamps; expected values are computed here
-from the definitions (vLLM's benchmark_serving), without numpy, independently of the implementation."""
+"""Metric definitions of ``bench serve`` on synthetic timelines; expected values are computed here by
+hand from the definitions (docs/benchmarks.md: TTFT, TPOT as vLLM; ITL and peak throughput per token,
+interactivity = 1/TPOT), without numpy, independently of the implementation."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,8 @@ import math
 import pytest
 
 from dsflash.bench.serve_metrics import (
-    RequestRecord, compute_metrics, format_summary, parse_slos, peak_rates, request_tpot)
+    RequestRecord, compute_metrics, distribute_tokens, format_summary, parse_slos, peak_rates, request_itls,
+    request_tpot)
 
 
 def pct(values, q):
@@ -19,15 +21,19 @@ def pct(values, q):
     return v[lo] + (v[hi] - v[lo]) * (rank - lo)
 
 
-def rec_from_chunks(start, chunk_times, *, prompt=100, out=None, cached=None, warmup=False, success=True, **kw):
-    """A record whose content chunks arrived at absolute times ``chunk_times``."""
+def rec_from_chunks(start, chunk_times, *, prompt=100, out=None, tokens=None, cached=None, warmup=False,
+                    success=True, **kw):
+    """A record whose content chunks arrived at absolute times ``chunk_times``, carrying ``tokens``
+    tokens each (default: one per chunk, or ``out`` spread evenly when given)."""
     r = RequestRecord(start_time=start, success=success, warmup=warmup, prompt_tokens=prompt,
                       cached_tokens=cached, **kw)
     if success:
         r.ttft = chunk_times[0] - start
-        r.itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+        r.chunk_gaps = [b - a for a, b in zip(chunk_times, chunk_times[1:])]
         r.latency = chunk_times[-1] - start
-        r.output_tokens = len(chunk_times) if out is None else out
+        if tokens is not None:
+            r.chunk_tokens = list(tokens)
+        r.output_tokens = (sum(tokens) if tokens is not None else len(chunk_times)) if out is None else out
         r.num_chunks = len(chunk_times)
         r.end_time = chunk_times[-1]
     else:
@@ -41,8 +47,8 @@ def records():
     return [
         # A: 4 chunks = 4 tokens
         rec_from_chunks(0.0, [0.30, 0.35, 0.45, 0.50], prompt=100, cached=60),
-        # B: 3 chunks carrying 5 tokens (e.g. speculative decoding: usage says 5)
-        rec_from_chunks(0.1, [0.60, 0.70, 0.90], prompt=200, out=5, cached=0),
+        # B: 3 chunks carrying 1, 2, 2 tokens (e.g. speculative decoding: usage says 5)
+        rec_from_chunks(0.1, [0.60, 0.70, 0.90], prompt=200, tokens=[1, 2, 2], cached=0),
         # C: a single token -> no TPOT sample, TPOT 0 for goodput
         rec_from_chunks(0.2, [0.40], prompt=50, cached=50),
         # D: 2 tokens, slow first token
@@ -57,11 +63,14 @@ def test_latency_definitions(records):
     a, b, c, d = records[:4]
     ttfts = [0.30, 0.50, 0.20, 2.00]
     e2els = [0.50, 0.80, 0.20, 2.10]
-    # ITL: every gap between chunks, pooled over requests (B's multi-token chunks count once each)
-    itls = [0.05, 0.10, 0.05, 0.10, 0.20, 0.10]
+    # ICL: every gap between chunks, pooled over requests (what vLLM calls ITL)
+    icls = [0.05, 0.10, 0.05, 0.10, 0.20, 0.10]
+    # ITL per token: B's chunks of 2 tokens after 0.10 and 0.20 s give 2 x 0.05 and 2 x 0.10
+    itls = [0.05, 0.10, 0.05, 0.05, 0.05, 0.10, 0.10, 0.10]
     # TPOT = (E2EL - TTFT) / (output_tokens - 1), only requests with > 1 token
     tpots = [(0.50 - 0.30) / 3, (0.80 - 0.50) / 4, (2.10 - 2.00) / 1]
-    for key, vals in (("ttft_ms", ttfts), ("e2el_ms", e2els), ("itl_ms", itls), ("tpot_ms", tpots)):
+    for key, vals in (("ttft_ms", ttfts), ("e2el_ms", e2els), ("itl_ms", itls), ("icl_ms", icls),
+                      ("tpot_ms", tpots)):
         s = m[key]
         assert s["count"] == len(vals), key
         assert s["mean"] == pytest.approx(1000 * sum(vals) / len(vals)), key
@@ -71,9 +80,12 @@ def test_latency_definitions(records):
         mean = sum(vals) / len(vals)
         assert s["std"] == pytest.approx(1000 * math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))), key
     assert request_tpot(c) is None and request_tpot(a) == pytest.approx(0.2 / 3)
-    # interactivity = 1 / ITL at the matching percentile (tokens/s/user)
-    assert m["p90_interactivity"] == pytest.approx(1 / pct(itls, 90))
-    assert m["interactivity"]["median"] == pytest.approx(1 / pct(itls, 50))
+    # interactivity = 1 / TPOT at the matching percentile (tokens/s/user); per-user = 1/TPOT per request
+    assert m["p90_interactivity"] == pytest.approx(1 / pct(tpots, 90))
+    assert m["interactivity"]["median"] == pytest.approx(1 / pct(tpots, 50))
+    per_user = [1 / t for t in tpots]
+    assert m["per_user_output_throughput"]["mean"] == pytest.approx(sum(per_user) / 3)
+    assert m["per_user_output_throughput"]["p10"] == pytest.approx(pct(per_user, 10))
     # E2E-normalised interactivity: median of output_tokens / E2EL
     assert m["e2e_interactivity_median"] == pytest.approx(pct([4 / 0.5, 5 / 0.8, 1 / 0.2, 2 / 2.1], 50))
 
@@ -183,3 +195,104 @@ def test_pareto_front_and_monotone_interpolation():
     assert max(vals) <= 1000 + 1e-9 and min(vals) >= 99 - 1e-9
     got = throughput_at_interactivity(pts, [15, 50])
     assert got["50"] is None and 80 < got["15"] < 100
+
+
+# ----------------------------------------------------------------------------------------------
+# per-token definitions on a speculative-decoding timeline (several tokens per chunk)
+# ----------------------------------------------------------------------------------------------
+def spec_record():
+    """Sent at t=0; chunks at 1.0 s (1 token), 1.6 s (6 tokens), 2.2 s (6 tokens), 2.5 s (3 tokens)."""
+    return rec_from_chunks(0.0, [1.0, 1.6, 2.2, 2.5], tokens=[1, 6, 6, 3], prompt=64)
+
+
+def test_six_token_chunks_per_token_itl_tpot_interactivity():
+    r = spec_record()
+    m = compute_metrics([r], duration_s=2.5, percentiles=[50, 90])
+    # by hand: N = 16 tokens; TTFT 1.0 s, E2EL 2.5 s
+    assert m["total_output_tokens"] == 16
+    assert m["ttft_ms"]["mean"] == pytest.approx(1000.0)
+    assert m["e2el_ms"]["mean"] == pytest.approx(2500.0)
+    # TPOT = (2.5 - 1.0) / (16 - 1) = 0.1 s; interactivity = 1 / TPOT = 10 tok/s/user
+    assert m["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert m["p90_interactivity"] == pytest.approx(10.0)
+    assert m["per_user_output_throughput"]["mean"] == pytest.approx(10.0)
+    # ITL per token: 6 tokens after 0.6 s -> 6 x 0.1 s; 6 after 0.6 s -> 6 x 0.1; 3 after 0.3 s -> 3 x 0.1
+    assert request_itls(r) == pytest.approx([0.1] * 15)
+    assert m["itl_ms"]["count"] == 15
+    assert m["itl_ms"]["p90"] == pytest.approx(100.0)
+    # per chunk (vLLM's "ITL"): 3 gaps of 0.6, 0.6, 0.3 s -> p90 by hand = 0.6 s, i.e. 1.7 "tok/s"
+    assert m["icl_ms"]["count"] == 3
+    assert m["icl_ms"]["p90"] == pytest.approx(1000 * pct([0.6, 0.6, 0.3], 90))
+    assert m["tokens_per_chunk"]["mean"] == pytest.approx(16 / 4)
+    assert m["first_chunk_tokens"]["mean"] == pytest.approx(1.0)
+
+
+def test_first_chunk_tokens_belong_to_ttft():
+    # the first chunk carries 4 tokens: they give no ITL sample; the later tokens share the decode time
+    r = rec_from_chunks(0.0, [0.5, 1.1, 1.4], tokens=[4, 6, 2])
+    # ITL: 6 x (0.6 / 6) and 2 x (0.3 / 2); the samples add up to E2EL - TTFT = 0.9 s
+    assert request_itls(r) == pytest.approx([0.1] * 6 + [0.15] * 2)
+    assert sum(request_itls(r)) == pytest.approx(1.4 - 0.5)
+    # TPOT keeps vLLM's denominator N - 1 = 11
+    assert request_tpot(r) == pytest.approx(0.9 / 11)
+
+
+def test_zero_token_chunk_passes_its_gap_on():
+    # a content chunk with no new tokens (text held back and released later): its gap goes to the next
+    r = rec_from_chunks(0.0, [0.2, 0.5, 0.6], tokens=[1, 0, 2])
+    assert request_itls(r) == pytest.approx([0.2, 0.2])       # (0.3 + 0.1) / 2 each
+
+
+def test_peak_throughput_counts_tokens_not_chunks():
+    # chunks at 0.4 s (1 token), 0.9 s (6), 1.3 s (6), 1.8 s (6), 2.1 s (5): buckets from the send at 0
+    r = rec_from_chunks(0.0, [0.4, 0.9, 1.3, 1.8, 2.1], tokens=[1, 6, 6, 6, 5])
+    # second 2 at another request (sent at 0.5): 1 token at 1.5 s, 6 at 1.95 s
+    r2 = rec_from_chunks(0.5, [1.5, 1.95], tokens=[1, 6])
+    peak, live = peak_rates([r, r2])
+    # bucket [0,1): 1 + 6 = 7; [1,2): 6 + 6 + 1 + 6 = 19; [2,3): 5  -> 19 (per chunk it would be 4)
+    assert peak == 19 and live == 2
+    m = compute_metrics([r, r2], duration_s=2.1)
+    assert m["peak_output_throughput"] == 19
+    assert m["output_throughput"] == pytest.approx((24 + 7) / 2.1)
+
+
+def test_goodput_itl_and_icl_slos_per_token():
+    # ITL per token 0.1 s everywhere, but the chunk gaps are 0.6 s
+    r = spec_record()
+    assert compute_metrics([r], 2.5, slos=parse_slos("itl=101"))["good_completed"] == 1
+    assert compute_metrics([r], 2.5, slos=parse_slos("itl=99"))["good_completed"] == 0
+    assert compute_metrics([r], 2.5, slos=parse_slos("icl=599"))["good_completed"] == 0
+    assert compute_metrics([r], 2.5, slos=parse_slos("icl=601"))["good_completed"] == 1
+
+
+def test_distribute_tokens_largest_remainder():
+    assert distribute_tokens(16, [1, 6, 6, 3]) == [1, 6, 6, 3]
+    assert distribute_tokens(10, [1, 1, 1]) == [4, 3, 3]           # 3.33 each: the first gets the rest
+    assert distribute_tokens(5, [0, 0]) == [3, 2]                  # no weights: even
+    assert sum(distribute_tokens(64, [3, 7, 11, 2, 9])) == 64
+    assert distribute_tokens(0, [1, 2]) == [0, 0] and distribute_tokens(3, []) == []
+
+
+def test_records_without_chunk_counts_spread_output_tokens_evenly():
+    # no per-chunk counts (older records): the server's total is spread evenly over the chunks
+    r = rec_from_chunks(0.0, [1.0, 1.6, 2.2, 2.5], out=16)
+    assert request_itls(r) == pytest.approx([0.6 / 4] * 4 + [0.6 / 4] * 4 + [0.3 / 4] * 4)
+
+
+def test_chunk_token_counts_from_the_stream():
+    from dsflash.bench.serve import chunk_token_counts_from_stream as counts
+    texts = [" a", " bb cc", " d", " e"]
+    # cumulative per-chunk usage (continuous_usage_stats): increases; 2 trailing tokens go to the last chunk
+    assert counts(texts, [1, 7, 13, 14], 16) == ([1, 6, 6, 3], "server")
+    # one chunk without usage: not the server's counts; the tokenizer's, scaled to the server total 8
+    class WordTok:
+        def encode(self, t):
+            return t.split()
+    # words 1, 2, 1, 1 of 5 -> 8 x = 1.6, 3.2, 1.6, 1.6: floors 1, 3, 1, 1, the 2 left to the largest
+    # remainders (.6, ties to the earlier chunks)
+    assert counts(texts, [1, None, 5, 6], 8, WordTok()) == ([2, 3, 2, 1], "tokenizer")
+    assert counts(texts, [None] * 4, None, WordTok()) == ([1, 2, 1, 1], "tokenizer")
+    # no tokenizer: one per chunk, the rest (10 - 4 = 6) by text length 2, 6, 2, 2 of 12 -> 1, 3, 1, 1
+    assert counts(texts, [None] * 4, 10) == ([2, 4, 2, 2], "text-length")
+    assert counts(texts, [None] * 4, 4) == ([1, 1, 1, 1], "text-length")
+    assert counts(texts, [None] * 4, None) == ([1, 1, 1, 1], "one-per-chunk")

@@ -289,3 +289,35 @@ def test_scale_multiplies_inputs_not_outputs():
     assert b.turns[0].user_tokens == 50 and a.turns[0].user_tokens == 100
     n = min(len(a.turns), len(b.turns))
     assert [t.output_tokens for t in a.turns[:n]] == [t.output_tokens for t in b.turns[:n]]
+
+
+def test_prompt_fitter_exact_counts_with_the_demo_tokenizer():
+    from pathlib import Path
+
+    import numpy as np
+
+    from dsflash.bench.workloads import FixedConfig, FixedWorkload, PromptFitter
+    tok_dir = Path(__file__).resolve().parents[1] / "dsflash" / "assets" / "demo"
+    if not (tok_dir / "tokenizer.json").is_file():
+        pytest.skip("no demo tokenizer in this checkout")
+    from dsflash.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(tok_dir)
+    f = PromptFitter(tok)
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 7, 64, 333):
+        text = f.fit(rng, n)
+        assert len(tok.encode(text)) == n
+        longer = f.fit(rng, n + 25, lead=text)        # a lead (shared prefix) is kept verbatim
+        assert longer.startswith(text + " ") and len(tok.encode(longer)) == n + 25
+    with pytest.raises(ValueError):
+        f.fit(rng, 3, lead=f.fit(rng, 10))
+    # the fixed workload: every prompt is input_len - overhead tokens of text, prefix shared
+    wl = FixedWorkload(FixedConfig(input_len=50, output_len=4, range_ratio=0.4, prefix_len=9), fitter=f,
+                       prompt_overhead=4)
+    assert wl.exact_lengths
+    for i in range(6):
+        spec = wl.request(0, i)
+        n_in = wl.lengths(0, i)[0]
+        assert spec.est_prompt_tokens == n_in
+        assert len(tok.encode(spec.messages[0]["content"])) == n_in - 4
+        assert spec.messages[0]["content"].startswith(wl.prefix_text + " ")

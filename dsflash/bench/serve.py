@@ -5,8 +5,10 @@ stream of single requests, for the AgentX-like workload one session tree whose s
 in-flight requests). Each lane warms up, all lanes meet at a barrier, and the profiling window runs
 from the barrier until the run stops (``--duration`` seconds or ``--num-requests`` measured
 requests, whichever first) and the measured requests in flight have drained. Requests stream over
-SSE (httpx); per chunk arrival times give TTFT / ITL / TPOT / E2EL exactly as vLLM's
-``benchmark_serving`` computes them (``serve_metrics``). A ``--sweep`` of concurrencies writes one
+SSE (httpx). Every number is per token (``serve_metrics``): the server's per-chunk usage
+(``stream_options.continuous_usage_stats``) says how many tokens each chunk carries, else the
+client's tokenizer counts them; with ``--tokenizer`` (default: the served dsflash model's) text
+prompts are built to the exact server token count. A ``--sweep`` of concurrencies writes one
 JSON file under ``benchmarks/results/`` and a PNG of output tokens/s/GPU against p90 interactivity.
 
 Only the URL given by ``--base-url`` (default loopback) is ever contacted; proxies from the
@@ -32,9 +34,10 @@ from pathlib import Path
 from typing import Optional
 
 from dsflash.bench.serve_metrics import (
-    DEFAULT_PERCENTILES, RequestRecord, compute_metrics, format_summary, parse_slos, throughput_at_interactivity)
+    DEFAULT_PERCENTILES, RequestRecord, compute_metrics, distribute_tokens, format_summary, parse_slos,
+    throughput_at_interactivity)
 from dsflash.bench.workloads import (
-    AgentXConfig, AgentXWorkload, FixedConfig, FixedWorkload, RequestSpec, StopLane, tokenish)
+    AgentXConfig, AgentXWorkload, FixedConfig, FixedWorkload, PromptFitter, RequestSpec, StopLane, tokenish)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLIENT_CPU_WARN = 0.7
@@ -50,13 +53,16 @@ class StreamingClient:
 
     def __init__(self, base_url: str, model: str, *, api_key: Optional[str] = None, endpoint: str = "chat",
                  temperature: float = 0.0, ignore_eos: bool = True, extra_body: Optional[dict] = None,
-                 request_timeout: float = 600.0, max_connections: int = 256, keep_text: bool = True):
+                 request_timeout: float = 600.0, max_connections: int = 256, keep_text: bool = True,
+                 continuous_usage: bool = True, tokenizer=None):
         import httpx  # lazily: the metric and workload modules need no HTTP stack
         self.base_url = base_url.rstrip("/")
         self.model, self.endpoint = model, endpoint
         self.temperature, self.ignore_eos = temperature, ignore_eos
         self.extra_body = dict(extra_body or {})
         self.keep_text = keep_text
+        self.continuous_usage = continuous_usage   # ask for cumulative usage on every chunk (vLLM's option)
+        self.tokenizer = tokenizer                 # counts chunk tokens when the server sends no per-chunk usage
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -70,8 +76,11 @@ class StreamingClient:
         await self.http.aclose()
 
     def payload(self, spec: RequestSpec) -> tuple[str, dict]:
+        opts = {"include_usage": True}
+        if self.continuous_usage:
+            opts["continuous_usage_stats"] = True
         body: dict = {"model": self.model, "max_tokens": spec.max_tokens, "stream": True,
-                      "stream_options": {"include_usage": True}, "temperature": self.temperature}
+                      "stream_options": opts, "temperature": self.temperature}
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.endpoint == "chat":
@@ -89,6 +98,7 @@ class StreamingClient:
                             warmup=spec.warmup, max_tokens=spec.max_tokens, prompt_tokens=spec.est_prompt_tokens,
                             est_prompt_tokens=spec.est_prompt_tokens)
         texts: list[str] = []
+        cums: list[Optional[int]] = []     # cumulative completion tokens reported with each content chunk
         st = time.perf_counter()
         rec.start_time = st
         last = None
@@ -122,10 +132,12 @@ class StreamingClient:
                         if last is None:
                             rec.ttft = now - st
                         else:
-                            rec.itl.append(now - last)
+                            rec.chunk_gaps.append(now - last)
                         last = now
                         rec.num_chunks += 1
                         texts.append(text)
+                        ct = usage.get("completion_tokens") if usage else None
+                        cums.append(int(ct) if isinstance(ct, (int, float)) else None)
         except asyncio.CancelledError:
             rec.error = "cancelled (drain timeout)"
             rec.end_time = time.perf_counter()
@@ -148,12 +160,51 @@ class StreamingClient:
             rec.error = "no tokens received"
             return rec
         rec.latency = last - st
+        total = rec.output_tokens if rec.output_tokens_from_server else None
+        rec.chunk_tokens, rec.chunk_tokens_source = chunk_token_counts_from_stream(
+            texts, cums, total, self.tokenizer)
         if not rec.output_tokens_from_server:
-            rec.output_tokens = rec.num_chunks
+            rec.output_tokens = sum(rec.chunk_tokens)
         if self.keep_text:
             rec.generated_text = "".join(texts)
         rec.success = True
         return rec
+
+
+def chunk_token_counts_from_stream(texts: list[str], cums: list[Optional[int]], total: Optional[int],
+                                   tokenizer=None) -> tuple[list[int], str]:
+    """Tokens carried by each content chunk, and where the counts came from:
+
+    * ``server``: every content chunk carried cumulative ``usage.completion_tokens``
+      (``stream_options.continuous_usage_stats``); a chunk's tokens are the increase since the
+      previous content chunk (tokens reported in content-free chunks go to the next content chunk,
+      any after the last one to the last);
+    * ``tokenizer``: the client's tokenizer counts each chunk's text, scaled to the server's total;
+    * ``text-length``: no tokenizer: one token per chunk, and the rest of the server's total spread
+      over the chunks by text length (exact when the total equals the number of chunks);
+    * ``one-per-chunk``: neither per-chunk nor total counts: one token per chunk (vLLM's count).
+    """
+    if not texts:
+        return [], ""
+    if all(c is not None for c in cums):
+        counts, prev = [], 0
+        for c in cums:
+            counts.append(max(c - prev, 0))
+            prev = max(prev, c)
+        if total is not None and total > prev:
+            counts[-1] += total - prev
+        return counts, "server"
+    if tokenizer is not None:
+        w = [len(tokenizer.encode(t)) for t in texts]
+        return (w if total is None else distribute_tokens(total, w)), "tokenizer"
+    if total is None:
+        return [1] * len(texts), "one-per-chunk"
+    k = len(texts)
+    if total < k:
+        return distribute_tokens(total, [len(t) for t in texts]), "text-length"
+    # every content chunk carries at least one token; the rest goes by text length
+    extra = distribute_tokens(total - k, [len(t) for t in texts])
+    return [1 + e for e in extra], "text-length"
 
 
 def _chunk_text(obj: dict) -> str:
@@ -359,7 +410,7 @@ _AGENTX_HELP = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dsflash.bench serve",
-        description="Closed-loop serving benchmark (TTFT/TPOT/ITL/E2EL as vLLM defines them) against an "
+        description="Closed-loop serving benchmark (TTFT/TPOT/ITL/E2EL per token, vLLM/AIPerf definitions) against an "
                     "OpenAI-compatible server. See docs/benchmarks.md.")
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
@@ -373,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not send ignore_eos (output lengths then depend on the model)")
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--no-continuous-usage", dest="continuous_usage", action="store_false",
+                   help="do not send stream_options.continuous_usage_stats (per-chunk token counts, as vLLM and "
+                        "dsflash support; strict OpenAI servers reject it); chunk tokens are then counted with "
+                        "--tokenizer or estimated")
 
     g = p.add_argument_group("load")
     g.add_argument("--concurrency", type=int, default=4, help="live lanes (session trees) (default %(default)s)")
@@ -399,6 +454,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-format", choices=("text", "token-ids"), default="text",
                    help="fixed: token-ids sends random ids (exact lengths; --endpoint completions)")
     g.add_argument("--vocab-size", type=int, default=1000, help="fixed + token-ids: ids drawn from [10, V)")
+    g.add_argument("--tokenizer", default="auto",
+                   help="client tokenizer (folder with tokenizer.json, or the file; 'none' for none). With it, "
+                        "--input-len prompts are built to the exact server token count (the server's overhead "
+                        "measured by two probes) and chunk tokens are counted when the server sends no per-chunk "
+                        "usage. Default 'auto': the served model's tokenizer when it ships with dsflash")
     g.add_argument("--tokens-per-word", type=float, default=None,
                    help="server tokens per prompt word; default: measured with two 1-token probe requests "
                         "before the run (so token lengths are the server's), 1.0 if the server reports no usage")
@@ -416,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("reporting")
     g.add_argument("--num-gpus", type=int, default=1, help="GPUs behind the URL (prefill + decode) for per-GPU rates")
     g.add_argument("--gpu-hour-usd", type=float, default=None, help="$/GPU-hour for cost per million tokens")
-    g.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=2000,tpot=50 (also e2el, itl)")
+    g.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=2000,tpot=50 (also e2el; itl = largest per-token ITL; icl = largest chunk gap)")
     g.add_argument("--percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES),
                    help="latency percentiles (p90 is always included)")
     g.add_argument("--at-interactivity", default="20,50",
@@ -442,13 +502,15 @@ def _agentx_config(args) -> AgentXConfig:
     return AgentXConfig(**kw)
 
 
-def make_workload(args, nonce: str, tokens_per_word: float = 1.0):
+def make_workload(args, nonce: str, tokens_per_word: float = 1.0, fitter: Optional[PromptFitter] = None,
+                  prompt_overhead: Optional[int] = None):
     if args.workload == "fixed":
         cfg = FixedConfig(input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
                           prefix_len=args.prefix_len, prompt_format=args.prompt_format, vocab_size=args.vocab_size,
                           warmup_requests=1 if args.warmup_requests is None else args.warmup_requests)
         return (FixedWorkload(cfg, seed=args.seed, nonce=nonce, endpoint=args.endpoint,
-                              tokens_per_word=tokens_per_word), dataclasses.asdict(cfg))
+                              tokens_per_word=tokens_per_word, fitter=fitter, prompt_overhead=prompt_overhead),
+                dataclasses.asdict(cfg))
     if args.endpoint != "chat":
         raise ValueError("the agentx workload needs --endpoint chat")
     cfg = _agentx_config(args)
@@ -456,6 +518,60 @@ def make_workload(args, nonce: str, tokens_per_word: float = 1.0):
 
 
 PROBE_WORDS = (32, 128)
+PROBE_TOKENS = (32, 128)
+
+
+def resolve_tokenizer(spec: Optional[str], model_id: str = ""):
+    """The client-side tokenizer: ``none`` -> None; a folder with ``tokenizer.json`` (or the file)
+    -> that; ``auto`` -> the tokenizer of the served model when it is a dsflash model shipped in
+    this checkout (``dsflash/assets/<model>``) or a local folder of that name, else None.
+    Returns (tokenizer or None, a note saying which)."""
+    spec = (spec or "auto").strip()
+    if spec.lower() == "none":
+        return None, "none (--tokenizer none)"
+    cands = [spec] if spec.lower() != "auto" else [
+        str(REPO_ROOT / "dsflash" / "assets" / model_id) if model_id and "/" not in model_id else "", model_id]
+    for c in cands:
+        if not c:
+            continue
+        f = Path(c) / "tokenizer.json" if Path(c).is_dir() else Path(c)
+        if f.is_file():
+            from dsflash.tokenizer import Tokenizer
+            try:
+                return Tokenizer.from_folder(str(f)), str(f)
+            except Exception as e:  # noqa: BLE001 - a broken file: say so, run without
+                if spec.lower() != "auto":
+                    raise ValueError(f"--tokenizer {spec}: {type(e).__name__}: {e}") from None
+                return None, f"none ({f}: {type(e).__name__}: {e})"
+    if spec.lower() != "auto":
+        raise ValueError(f"--tokenizer {spec}: no tokenizer.json there")
+    return None, f"none (no local tokenizer for model {model_id!r}; pass --tokenizer PATH)"
+
+
+async def calibrate_prompt_overhead(client: "StreamingClient", fitter: PromptFitter,
+                                    nonce: str) -> tuple[Optional[int], str]:
+    """The tokens the server adds around a prompt (BOS, chat template), from the usage of two
+    1-token probes whose texts are exactly 32 and 128 tokens under the client's tokenizer. Both
+    probes must give the same overhead (else the client's tokenizer is not the server's). Returns
+    (overhead, note), or (None, why not)."""
+    import numpy as np
+    got = []
+    for i, n in enumerate(PROBE_TOKENS):
+        text = fitter.fit(np.random.default_rng(2000 + i), n)
+        spec = RequestSpec(max_tokens=1, kind="probe", warmup=True,
+                           **({"messages": [{"role": "user", "content": text}]} if client.endpoint == "chat"
+                              else {"prompt": text}))
+        rec = await client.run(spec, request_id=f"probe-len-{i}")
+        if not rec.success:
+            return None, f"length probe failed ({rec.error})"
+        if not rec.prompt_tokens_from_server:
+            return None, "the server reports no usage.prompt_tokens"
+        got.append(rec.prompt_tokens - n)
+    if got[0] != got[1] or got[0] < 0:
+        return None, (f"the client's tokenizer does not count like the server (overheads {got} for "
+                      f"{list(PROBE_TOKENS)}-token probes)")
+    return got[0], (f"exact: the server adds {got[0]} tokens around a prompt (probes of "
+                    f"{list(PROBE_TOKENS)} tokens)")
 
 
 async def calibrate_tokens_per_word(client: "StreamingClient", nonce: str) -> tuple[float, str]:
@@ -521,7 +637,7 @@ def _summarise(reps: list[dict]) -> dict:
             out[name] = {"median": float(np.median(vals)), "min": float(min(vals)), "max": float(max(vals))}
     for k in _HEADLINE:
         put(k, [r["metrics"].get(k) for r in reps])
-    for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+    for k in ("ttft_ms", "tpot_ms", "itl_ms", "icl_ms", "e2el_ms"):
         put(k[:-3] + "_p90_ms", [r["metrics"][k]["p90"] for r in reps])
     out["valid"] = all(r["metrics"]["valid"] for r in reps)
     return out
@@ -544,19 +660,41 @@ async def run_benchmark(args) -> dict:
     model = args.model or await _discover_model(args.base_url, args.api_key, min(args.request_timeout, 30.0))
     base_nonce = args.nonce or uuid.uuid4().hex[:8]
     _, wl_config = make_workload(args, base_nonce)   # validates the workload flags before any load
+    tokenizer, tok_note = resolve_tokenizer(args.tokenizer, model)
+    fitter = PromptFitter(tokenizer) if tokenizer is not None else None
+    overhead, len_note = None, "estimated (no client tokenizer)" if fitter is None else ""
+
+    def probe_client():
+        return StreamingClient(args.base_url, model, api_key=args.api_key, endpoint=args.endpoint,
+                               temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
+                               request_timeout=args.request_timeout, continuous_usage=args.continuous_usage)
+    if args.prompt_format == "token-ids":
+        len_note = "exact (token-id prompts)"
+    elif fitter is not None and args.workload == "fixed":
+        probe = probe_client()
+        try:
+            overhead, len_note = await calibrate_prompt_overhead(probe, fitter, base_nonce)
+        finally:
+            await probe.aclose()
+        if overhead is None:
+            len_note = "estimated: " + len_note
+        print(f"bench serve: prompt lengths {len_note}")
+    elif fitter is not None:
+        len_note = "estimated (agentx: chat overhead per message estimated)"
     tpw, tpw_note = args.tokens_per_word, "given by --tokens-per-word"
     if args.prompt_format == "token-ids":
         tpw, tpw_note = 1.0, "not used (token-id prompts have exact lengths)"
+    elif overhead is not None:
+        tpw, tpw_note = 1.0, "not used (prompts built with the tokenizer to exact lengths)"
     if tpw is None and args.prompt_format == "text":
-        probe = StreamingClient(args.base_url, model, api_key=args.api_key, endpoint=args.endpoint,
-                                temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
-                                request_timeout=args.request_timeout)
+        probe = probe_client()
         try:
             tpw, tpw_note = await calibrate_tokens_per_word(probe, base_nonce)
         finally:
             await probe.aclose()
         print(f"bench serve: {tpw_note}")
     tpw = tpw or 1.0
+    exact = args.prompt_format == "token-ids" or overhead is not None
     fanout = args.agentx_max_fanout if args.workload == "agentx" else 0
     label = args.label or args.workload
     result: dict = {
@@ -572,6 +710,8 @@ async def run_benchmark(args) -> dict:
             "temperature": args.temperature, "ignore_eos": args.ignore_eos, "extra_body": extra,
             "num_gpus": args.num_gpus, "gpu_hour_usd": args.gpu_hour_usd, "slos_ms": {k: v * 1e3 for k, v in slos.items()},
             "percentiles": percentiles, "tokens_per_word": tpw, "tokens_per_word_note": tpw_note,
+            "tokenizer": tok_note, "prompt_lengths": len_note, "prompt_overhead_tokens": overhead,
+            "continuous_usage_stats": args.continuous_usage,
         },
         "points": [],
     }
@@ -581,7 +721,7 @@ async def run_benchmark(args) -> dict:
         reps = []
         for rep in range(args.repeats):
             nonce = f"{base_nonce}c{conc}r{rep}"        # fresh cache-busting markers per point
-            workload, _ = make_workload(args, nonce, tpw)
+            workload, _ = make_workload(args, nonce, tpw, fitter=fitter, prompt_overhead=overhead)
             budget = args.num_requests
             if budget is None and args.duration is None:
                 budget = 10 * conc
@@ -589,7 +729,8 @@ async def run_benchmark(args) -> dict:
                                      temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
                                      request_timeout=args.request_timeout,
                                      max_connections=max(64, conc * (1 + fanout) + 8),
-                                     keep_text=(args.workload == "agentx"))
+                                     keep_text=(args.workload == "agentx"), continuous_usage=args.continuous_usage,
+                                     tokenizer=tokenizer)
             try:
                 run = PointRun(workload, client, conc, budget=budget, duration=args.duration,
                                warmup_timeout=args.warmup_timeout, drain_timeout=args.drain_timeout,
@@ -617,6 +758,9 @@ async def run_benchmark(args) -> dict:
                 "output_len_mismatch": sum(1 for r in measured if r.success and args.ignore_eos
                                            and r.output_tokens != r.max_tokens),
                 "prompt_tokens_vs_estimate": _ratio([r for r in measured if r.success and r.prompt_tokens_from_server]),
+                # exact lengths: requests whose server-counted prompt differs from the length built
+                "prompt_len_mismatch": (sum(1 for r in measured if r.success and r.prompt_tokens_from_server
+                                            and r.prompt_tokens != r.est_prompt_tokens) if exact else None),
             }
             if args.save_requests:
                 entry["requests"] = [dict(r.to_json(), start_time=r.start_time - out["window_start"],

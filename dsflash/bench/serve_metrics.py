@@ -1,22 +1,33 @@
-"""Serving metrics for ``bench serve``, defined exactly as vLLM's ``benchmark_serving`` defines them.
+"""Serving metrics for ``bench serve``, every one counted in *tokens*, not in streamed chunks.
 
 Pure functions of per-request records (no I/O), so every definition can be tested on synthetic
-timestamps. Per successful request (times in seconds, relative to the moment the request was sent):
+timelines. A record holds the arrival time of every *content chunk* (a streamed chunk that carries
+generated text) and how many tokens each chunk carried (``chunk_tokens``: from the server's
+per-chunk usage when it sends one, else from the client's tokenizer or an estimate, reconciled to
+the final ``usage.completion_tokens``; see ``docs/benchmarks.md``). With speculative decoding one
+chunk carries several tokens, so per-chunk and per-token numbers differ. Per successful request
+(seconds, from the moment the request was sent; N = output tokens, n_k = tokens of chunk k):
 
-* **TTFT** – send → first streamed chunk that carries generated text.
-* **ITL** – every gap between consecutive content chunks, *pooled* over all requests (a chunk that
-  carries several tokens, e.g. under speculative decoding, is still one gap).
+* **TTFT** – send → first content chunk (as vLLM and AIPerf).
 * **E2EL** – send → last content chunk.
-* **TPOT** – ``(E2EL - TTFT) / (output_tokens - 1)``; requests with <= 1 output token are left out of
-  the TPOT statistics and count as TPOT 0 for goodput (as vLLM does).
+* **TPOT** – ``(E2EL - TTFT) / (N - 1)`` (vLLM's TPOT; AIPerf calls the same number its
+  per-request "inter token latency"); requests with N <= 1 have none (TPOT 0 for goodput, as vLLM).
+* **ITL** (per token) – a chunk k >= 1 that arrives ``g_k`` after the previous token-carrying chunk
+  and carries ``n_k`` tokens contributes ``n_k`` samples of ``g_k / n_k``; samples are pooled over
+  all requests. The tokens of the first chunk belong to TTFT and give no sample. A request's ITL
+  samples add up to ``E2EL - TTFT``.
+* **ICL** (inter-chunk latency) – every gap between consecutive content chunks, pooled; this is what
+  vLLM's ``benchmark_serving`` reports as "ITL" (one sample per chunk whatever it carries).
+* **interactivity** (tokens/s/user) – per request ``1 / TPOT``; "p-th percentile interactivity"
+  is ``1 / (p-th percentile TPOT)``, so p90 interactivity is the slow tail (90 % of requests are at
+  least this fast), as AgentX reads it off AIPerf's per-request ITL.
 
 Aggregates over a profiling window of ``duration_s`` seconds: request throughput, input / output /
 total tokens per second (and per GPU), input split into cached and uncached tokens when the server
-reports ``usage.prompt_tokens_details.cached_tokens``, p-th percentile interactivity = 1 / p-th
-percentile ITL (tokens/s/user), goodput (requests/s meeting *all* stated SLOs), cost per million
-tokens at a $/GPU-hour, peak output tokens/s and peak concurrency in 1-s buckets, failure rate
-(the run is invalid above ``MAX_FAILED_FRACTION``, or above ``MAX_CONTEXT_OVERFLOW_FRACTION``
-context-overflow errors).
+reports ``usage.prompt_tokens_details.cached_tokens``, goodput (requests/s meeting *all* stated
+SLOs), cost per million tokens at a $/GPU-hour, peak output tokens/s (tokens, not chunks, in 1-s
+buckets) and peak concurrency, failure rate (the run is invalid above ``MAX_FAILED_FRACTION``, or
+above ``MAX_CONTEXT_OVERFLOW_FRACTION`` context-overflow errors).
 """
 from __future__ import annotations
 
@@ -29,7 +40,7 @@ import numpy as np
 MAX_FAILED_FRACTION = 0.10            # InferenceX rejects runs with > 10 % failed requests
 MAX_CONTEXT_OVERFLOW_FRACTION = 0.01  # AgentX: > 1 % context-overflow errors invalidates a run
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
-SLO_METRICS = ("ttft", "tpot", "e2el", "itl")
+SLO_METRICS = ("ttft", "tpot", "e2el", "itl", "icl")
 
 
 @dataclass
@@ -45,13 +56,15 @@ class RequestRecord:
     end_time: float = 0.0                 # when the response ended (success or not)
     success: bool = False
     ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
+    chunk_gaps: list[float] = field(default_factory=list)    # gaps between consecutive content chunks
+    chunk_tokens: list[int] = field(default_factory=list)    # tokens carried by each content chunk
+    chunk_tokens_source: str = ""         # server | tokenizer | text-length | one-per-chunk
     latency: float = 0.0                  # E2EL: send -> last content chunk
     prompt_tokens: int = 0                # server usage if reported, else the client's estimate
     prompt_tokens_from_server: bool = False
     est_prompt_tokens: int = 0            # the client's estimate (diagnostic)
     cached_tokens: Optional[int] = None   # usage.prompt_tokens_details.cached_tokens, if reported
-    output_tokens: int = 0                # server usage if reported, else the number of content chunks
+    output_tokens: int = 0                # server usage if reported, else sum(chunk_tokens)
     output_tokens_from_server: bool = False
     max_tokens: int = 0                   # what was asked for (== output_tokens under ignore_eos)
     num_chunks: int = 0
@@ -110,31 +123,82 @@ def _stats(values: Sequence[float], percentiles: Iterable[float], scale: float =
     return out
 
 
+def _tally(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in items:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
 def _pkey(p: float) -> str:
     return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
 
 
 def request_tpot(r: RequestRecord) -> Optional[float]:
-    """vLLM's TPOT of one request; None when it produced <= 1 token."""
+    """TPOT of one request, ``(E2EL - TTFT) / (N - 1)`` (vLLM); None when it produced <= 1 token."""
     if r.output_tokens > 1:
         return (r.latency - r.ttft) / (r.output_tokens - 1)
     return None
 
 
-def token_timestamps(r: RequestRecord) -> list[float]:
-    """Absolute arrival times of the content chunks of a request (start + TTFT + cumulative ITL)."""
+def distribute_tokens(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` split into ``len(weights)`` non-negative integers proportional to ``weights``
+    (largest remainder, ties to the earlier item); all-zero weights split evenly."""
+    k = len(weights)
+    if k == 0:
+        return []
+    total = max(int(total), 0)
+    w = [max(float(x), 0.0) for x in weights]
+    if not sum(w) > 0:
+        w = [1.0] * k
+    tw = sum(w)
+    exact = [total * x / tw for x in w]
+    out = [int(math.floor(e)) for e in exact]
+    order = sorted(range(k), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in order[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def chunk_token_counts(r: RequestRecord) -> list[int]:
+    """Tokens carried by each content chunk of ``r``: ``r.chunk_tokens`` when it has one entry per
+    chunk, else ``r.output_tokens`` spread evenly over the chunks."""
+    n = len(r.chunk_gaps) + 1
+    if len(r.chunk_tokens) == n:
+        return [int(x) for x in r.chunk_tokens]
+    return distribute_tokens(r.output_tokens if r.output_tokens > 0 else n, [1.0] * n)
+
+
+def chunk_times(r: RequestRecord) -> list[float]:
+    """Absolute arrival times of the content chunks of a request (start + TTFT + cumulative gaps)."""
     t = r.start_time + r.ttft
     times = [t]
-    for gap in r.itl:
+    for gap in r.chunk_gaps:
         t += gap
         times.append(t)
     return times
 
 
+def request_itls(r: RequestRecord) -> list[float]:
+    """Per-token inter-token latencies of one request: a chunk that arrives ``g`` after the previous
+    token-carrying chunk with ``n`` tokens gives ``n`` samples of ``g / n`` (a chunk with no tokens
+    passes its gap on to the next one); the first chunk's tokens belong to TTFT and give none."""
+    counts = chunk_token_counts(r)
+    out: list[float] = []
+    pending = 0.0
+    for gap, n in zip(r.chunk_gaps, counts[1:]):
+        pending += gap
+        if n > 0:
+            out.extend([pending / n] * n)
+            pending = 0.0
+    return out
+
+
 def peak_rates(records: Sequence[RequestRecord]) -> tuple[float, int]:
-    """vLLM's peak output tokens/s (content chunks counted in 1-second buckets from the first
-    request's send time; one chunk counts as one token, as in vLLM) and peak concurrent requests
-    (exact sweep over the half-open intervals [send, last token), as in current vLLM)."""
+    """Peak output tokens/s (the tokens each content chunk carries, counted at its arrival in
+    1-second buckets from the first request's send time; vLLM's buckets, but vLLM counts one per
+    chunk) and peak concurrent requests (exact sweep over the half-open intervals [send, last
+    token), as in current vLLM)."""
     ok = [r for r in records if r.success]
     if not ok:
         return 0.0, 0
@@ -143,10 +207,10 @@ def peak_rates(records: Sequence[RequestRecord]) -> tuple[float, int]:
     n = int(math.ceil(t1 - t0)) + 1
     tokens = np.zeros(n)
     for r in ok:
-        for t in token_timestamps(r):
+        for t, k in zip(chunk_times(r), chunk_token_counts(r)):
             b = int(t - t0)
             if 0 <= b < n:
-                tokens[b] += 1
+                tokens[b] += k
     events = sorted([(r.start_time, 1) for r in ok] + [(r.start_time + r.latency, -1) for r in ok])
     live = peak = 0
     for _, delta in events:          # at equal times the departure (-1) sorts first
@@ -180,8 +244,12 @@ def compute_metrics(
 
     ttfts = [r.ttft for r in ok]
     e2els = [r.latency for r in ok]
-    itls = [gap for r in ok for gap in r.itl]
+    req_itls = {id(r): request_itls(r) for r in ok}
+    itls = [x for r in ok for x in req_itls[id(r)]]
+    icls = [gap for r in ok for gap in r.chunk_gaps]
     tpots = [t for t in (request_tpot(r) for r in ok) if t is not None]
+    per_user = [1.0 / t for t in tpots if t > 0]
+    counts = [chunk_token_counts(r) for r in ok]
 
     input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
@@ -196,7 +264,8 @@ def compute_metrics(
                 "ttft": r.ttft,
                 "tpot": request_tpot(r) or 0.0,
                 "e2el": r.latency,
-                "itl": max(r.itl) if r.itl else 0.0,
+                "itl": max(req_itls[id(r)], default=0.0),
+                "icl": max(r.chunk_gaps, default=0.0),
             }
             if all(per_req[k] <= v for k, v in slos.items()):
                 good += 1
@@ -234,7 +303,12 @@ def compute_metrics(
         "ttft_ms": _stats(ttfts, percentiles),
         "tpot_ms": _stats(tpots, percentiles),
         "itl_ms": _stats(itls, percentiles),
+        "icl_ms": _stats(icls, percentiles),
         "e2el_ms": _stats(e2els, percentiles),
+        "per_user_output_throughput": _stats(per_user, sorted(set(percentiles) | {10.0}), scale=1.0),
+        "tokens_per_chunk": _stats([k for c in counts for k in c], percentiles, scale=1.0),
+        "first_chunk_tokens": _stats([c[0] for c in counts], percentiles, scale=1.0),
+        "chunk_tokens_source": _tally(r.chunk_tokens_source or "one-per-chunk" for r in ok),
     }
     # cached / uncached input (only when every successful request reported cached_tokens)
     if cached is not None and len(reported) == len(ok):
@@ -249,10 +323,10 @@ def compute_metrics(
         m["cached_input_throughput"] = None
         m["uncached_input_throughput"] = None
         m["prefix_hit_rate"] = None
-    # interactivity (tokens/s/user) = 1 / ITL at the matching percentile
-    itl_s = m["itl_ms"]
+    # interactivity (tokens/s/user) = 1 / TPOT at the matching percentile (p90: the slow tail)
+    tpot_s = m["tpot_ms"]
     m["interactivity"] = {
-        k: (1000.0 / itl_s[k] if itl_s[k] > 0 else None)
+        k: (1000.0 / tpot_s[k] if tpot_s[k] > 0 else None)
         for k in ["mean", "median"] + [_pkey(p) for p in percentiles]
     }
     m["p90_interactivity"] = m["interactivity"]["p90"]
@@ -318,11 +392,19 @@ def format_summary(m: dict, title: str = "Serving benchmark result") -> str:
     row("Peak output token throughput (tok/s):", m["peak_output_throughput"])
     row("Peak concurrent requests:", m["peak_concurrent_requests"])
     row("p90 interactivity (tok/s/user):", m["p90_interactivity"])
+    pu = m.get("per_user_output_throughput") or {}
+    if pu.get("count"):
+        row("Mean per-user output tok/s (1/TPOT):", pu["mean"])
+    tc = m.get("tokens_per_chunk") or {}
+    if tc.get("count"):
+        src = ", ".join(f"{k} {v}" for k, v in (m.get("chunk_tokens_source") or {}).items())
+        row("Mean tokens per chunk:", f"{tc['mean']:.2f} (counts: {src})")
     if m.get("usd_per_million_output_tokens") is not None:
         row("USD per million output tokens:", m["usd_per_million_output_tokens"])
         row("USD per million total tokens:", m["usd_per_million_total_tokens"])
     for key, label in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
-                       ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+                       ("itl_ms", "Inter-token Latency (per token)"), ("icl_ms", "Inter-chunk Latency"),
+                       ("e2el_ms", "End-to-end Latency")):
         lines.append(f"{{s:{{c}}^{w}}}".format(s=label, c="-"))
         s = m[key]
         row(f"Mean {key[:-3].upper()} (ms):", s["mean"])

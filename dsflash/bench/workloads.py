@@ -73,6 +73,62 @@ def words_for(n_tokens: int, tokens_per_word: float = 1.0) -> int:
 CHAT_MESSAGE_OVERHEAD = 4
 
 
+class PromptFitter:
+    """Token-ish text of an exact token count under a given tokenizer (anything with
+    ``encode(text) -> list[int]``, e.g. :class:`dsflash.tokenizer.Tokenizer`).
+
+    Random words are drawn until the text is about ``n`` tokens long; then the full text is encoded
+    and words are dropped from or added to the end (words that are one token each) until it is
+    exactly ``n``. Only the full encoding decides, so merges across word boundaries cannot make the
+    count wrong; :meth:`fit` raises ``ValueError`` when ``n`` cannot be reached (no one-token word
+    in the vocabulary)."""
+
+    def __init__(self, tokenizer, words: tuple[str, ...] = WORDS):
+        self.tok = tokenizer
+        self.words = tuple(words)
+        self._cost: dict[str, int] = {}
+        self.one_token_words = tuple(w for w in self.words if self.cost(w) == 1)
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text)) if text else 0
+
+    def cost(self, word: str) -> int:
+        """Tokens of ``" " + word`` (a word inside a text)."""
+        c = self._cost.get(word)
+        if c is None:
+            c = self._cost[word] = len(self.tok.encode(" " + word))
+        return c
+
+    def fit(self, rng: np.random.Generator, n: int, lead: str = "") -> str:
+        """``lead`` (kept verbatim; may be empty) followed by random words, exactly ``n`` tokens in
+        all. ``n`` must be at least the tokens of ``lead`` (+ 1 when ``lead`` is empty)."""
+        n = int(n)
+        words = lead.split(" ") if lead else []
+        keep = len(words)
+        base = self.count(lead)
+        if n < base + (0 if lead else 1):
+            raise ValueError(f"cannot fit {n} tokens after a lead of {base}")
+        est = base
+        while est < n:
+            w = self.words[int(rng.integers(0, len(self.words)))]
+            if est + self.cost(w) > n and self.one_token_words:
+                w = self.one_token_words[int(rng.integers(0, len(self.one_token_words)))]
+            words.append(w)
+            est += self.cost(w)
+        for _ in range(4 * n + 16):
+            c = self.count(" ".join(words))
+            if c == n:
+                return " ".join(words)
+            if c > n and len(words) > keep:
+                words.pop()
+            elif c < n and self.one_token_words:
+                words.extend(self.one_token_words[int(rng.integers(0, len(self.one_token_words)))]
+                             for _ in range(n - c))
+            else:
+                break
+        raise ValueError(f"could not build a text of exactly {n} tokens with this tokenizer")
+
+
 @dataclass
 class RequestSpec:
     """One request a workload wants sent. ``messages`` for chat, ``prompt`` for completions."""
@@ -165,7 +221,11 @@ class FixedWorkload:
     name = "fixed"
 
     def __init__(self, cfg: FixedConfig, seed: int = 0, nonce: str = "0", endpoint: str = "chat",
-                 tokens_per_word: float = 1.0):
+                 tokens_per_word: float = 1.0, fitter: Optional[PromptFitter] = None,
+                 prompt_overhead: Optional[int] = None):
+        """``fitter`` + ``prompt_overhead`` (the tokens the server adds around a prompt: BOS, the chat
+        template) give text prompts of exactly ``input_len`` server tokens; without them the length
+        is ``tokens_per_word`` x words, an estimate."""
         cfg.validate()
         if cfg.prompt_format == "token-ids" and endpoint != "completions":
             raise ValueError("token-id prompts need the completions endpoint")
@@ -173,14 +233,24 @@ class FixedWorkload:
             raise ValueError("tokens_per_word must be > 0")
         self.cfg, self.seed, self.nonce, self.endpoint = cfg, seed, nonce, endpoint
         self.tpw = tokens_per_word
+        self.fitter = fitter if cfg.prompt_format == "text" and prompt_overhead is not None else None
+        self.overhead = int(prompt_overhead or 0)
         self._n = _nonce_int(nonce)
         r = _rng(seed, 7, self._n)
         if cfg.prompt_format == "token-ids":
             self.prefix_ids = [int(x) for x in r.integers(10, cfg.vocab_size, size=cfg.prefix_len)]
             self.prefix_text = ""
+        elif self.fitter is not None:
+            self.prefix_ids = []
+            self.prefix_text = self.fitter.fit(r, cfg.prefix_len) if cfg.prefix_len > 0 else ""
         else:
             self.prefix_ids = []
             self.prefix_text = tokenish(r, words_for(cfg.prefix_len, self.tpw))
+
+    @property
+    def exact_lengths(self) -> bool:
+        """True when every prompt is built to the server's exact token count."""
+        return self.cfg.prompt_format == "token-ids" or self.fitter is not None
 
     def lengths(self, lane: int, index: int) -> tuple[int, int]:
         c = self.cfg
@@ -201,6 +271,14 @@ class FixedWorkload:
             ids = self.prefix_ids + [int(x) for x in r.integers(10, c.vocab_size, size=body_len)]
             return RequestSpec(max_tokens=n_out, prompt=ids, est_prompt_tokens=len(ids), lane=lane,
                                session_id=sid, turn=index, warmup=warmup)
+        if self.fitter is not None:
+            # the whole prompt, as the server counts it (template/BOS included), is exactly n_in
+            text = self.fitter.fit(r, max(n_in - self.overhead, self.fitter.count(self.prefix_text) + 1),
+                                   lead=self.prefix_text)
+            est = self.fitter.count(text) + self.overhead
+            return RequestSpec(max_tokens=n_out, prompt=text if self.endpoint != "chat" else None,
+                               messages=[{"role": "user", "content": text}] if self.endpoint == "chat" else None,
+                               est_prompt_tokens=est, lane=lane, session_id=sid, turn=index, warmup=warmup)
         text = (self.prefix_text + " " if self.prefix_text else "") + tokenish(r, words_for(body_len, self.tpw))
         est = estimate_tokens(text, self.tpw)
         if self.endpoint == "chat":

@@ -504,6 +504,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         sent_text = [0] * len(streams)
         sent_lp = [0] * len(streams)
@@ -530,8 +531,8 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
             chunk = {"id": base, "object": "text_completion", "created": created, "model": st.model,
                      "choices": [{"index": idx, "text": delta, "logprobs": lp,
                                   "finish_reason": c.finish_reason if out.finished else None}]}
-            if include_usage:
-                chunk["usage"] = None
+            if include_usage:  # continuous_usage_stats: cumulative counts of this choice (as vLLM)
+                chunk["usage"] = _usage(len(prompts[idx // n]), len(c.token_ids)) if continuous else None
             yield _sse(chunk)
 
         gen = _sse_stream(st, streams, step, head=echo(), what="completion", obj="text_completion", base=base,
@@ -607,13 +608,15 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
         streamers = [chat_io.ChatStreamer(thinking, parse_tools) for _ in streams]
+        done = [0] * len(streams)    # completion tokens of each choice so far (continuous_usage_stats)
 
         def chunk(idx, delta, finish=None, logprobs=None):
             c = {"id": base, "object": "chat.completion.chunk", "created": created, "model": st.model,
                  "choices": [{"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-            if include_usage:
-                c["usage"] = None
+            if include_usage:  # continuous_usage_stats: cumulative counts of this choice (as vLLM)
+                c["usage"] = _usage(prompt_tokens, done[idx]) if continuous else None
             return _sse(c)
 
         sent_text = [0] * len(streams)
@@ -621,6 +624,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
 
         def step(idx, out):
             c = out.outputs[0]
+            done[idx] = len(c.token_ids)
             text_delta = c.text[sent_text[idx]:]
             sent_text[idx] = len(c.text)
             lp = chat_logprobs(out, sent_lp[idx])
