@@ -64,6 +64,7 @@ import warnings
 import numpy as np
 
 from dsflash.bench.kernels import _commit
+from dsflash.kernels.dispatch import BACKENDS, describe, kernel_summary, resolve_backend
 
 # cheaper CPU codegen for tests (--fast-compile); never used for reported GPU numbers
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -754,7 +755,8 @@ def build_parser():
     ap.add_argument("--preset", default="tiny", help="model preset (tiny, bench, bench-4l-48e, bench-4l-96e, ...) or a config.json path")
     ap.add_argument("--mesh", default=None, help="mesh spec (dep=N, dep=4,tp=2); default: one device, no mesh")
     ap.add_argument("--precision", default="reference", choices=("reference", "bf16", "fp32"))
-    ap.add_argument("--backend", default="xla", choices=("xla", "triton"))
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="kernel backend (auto: Triton on a GPU with jax-triton, XLA otherwise; dsflash.kernels.dispatch)")
     ap.add_argument("--prefill", nargs="*", default=None, help="N@C points (new tokens @ cached tokens)")
     ap.add_argument("--decode", nargs="*", default=None, help="B@C points (sequences per DP rank @ context)")
     ap.add_argument("--draft-rows", type=int, default=None, help="rows per sequence in decode (default 1 + DSpark block)")
@@ -846,7 +848,9 @@ def main(argv=None):
         device=dev.device_kind, platform=dev.platform, num_devices=len(jax.devices()),
         mesh=mesh_spec(bench.mesh) if bench.mesh is not None else "single", dp_ranks=bench.n_dp,
         ep_ranks=bench.n_ep, preset=args.preset, config_hash=cfg.hash(), precision=args.precision,
-        backend=args.backend, page_size=args.page_size, draft_rows=args.draft_rows,
+        backend=args.backend, backend_resolved=resolve_backend(args.backend),
+        kernels=kernel_summary(cfg, args.backend, precision=args.precision, expert_shards=bench.n_ep),
+        page_size=args.page_size, draft_rows=args.draft_rows,
         ep=dict(collective=args.ep_collective, decode_mode=args.ep_decode_mode,
                 capacity_factor=args.capacity_factor) if bench.mesh is not None else None,
         versions={"python": platform.python_version(), "jax": jax.__version__},
@@ -882,6 +886,7 @@ def main(argv=None):
 
     log(f"bench forward: preset {args.preset} ({cfg.hash()}), mesh {result['mesh']} (DP {bench.n_dp}, EP "
         f"{bench.n_ep}), {args.precision}/{args.backend}, {dev.device_kind}")
+    log("  " + describe(cfg, args.backend, precision=args.precision, expert_shards=bench.n_ep))
     for phase, pts in (("prefill", pre), ("decode", dec)):
         for n, C in pts:
             try:
