@@ -342,8 +342,8 @@ def bench_sparse_attn(args, ceilings, log, rows, save=lambda: None):
                      flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
         row = dict(B=B, S=S, H=H, D=D, K=K, N=N, unique_rows_per_seq=uniq, bytes_min=bytes_min, flops=flops,
                    roofline_s=t_roof)
-        # "triton" = the kernel with the shape's PICK_TABLE config (what the dispatch runs once TRITON_ROWS allows
-        # it); each named variant (--attn-variants) is timed and error-checked into row["variants"].
+        # "triton" = the kernel with the shape's PICK_TABLE config (what the dispatch runs where its crossover table
+        # allows it); each named variant (--attn-variants) is timed and error-checked into row["variants"].
         from dsflash.kernels import sparse_attention_triton as sat
         names = [None] + [v for v in args.attn_variants.split(",") if v]
         row["picked_variant"] = next(n for m, n in sat.PICK_TABLE if m is None or B * S <= m)
@@ -429,7 +429,7 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
         flops = 2.0 * B * S * Hi * T * Di
         row = dict(B=B, S=S, T=T, Hi=Hi, Di=Di, topk=K, bytes_min=bytes_min, flops=flops,
                    roofline_s=_roof(bytes_min, flops, ceilings))
-        # the kernel path itself (indexer_topk(backend="triton") keeps tiny shapes on XLA: prefers_xla)
+        # the kernel path itself (indexer_topk(backend="triton") keeps tiny shapes on XLA: kernels/dispatch.py)
         ops = {"triton": lambda q_, w_, k_, v_, m_: ik.select(it.indexer_scores_triton(q_, w_, k_, v_, m_), v_,
                                                               topk=K)[0],
                "triton_scores_only": lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_)}
