@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsflash import compile_options
 from dsflash.config import PRESETS, ModelConfig, preset
 from dsflash.model import dspark
 from dsflash.model.forward import forward_jit
@@ -38,8 +39,8 @@ def _token_map(cfg: ModelConfig, tokenizer):
                      f"tokenizer's compressed vocabulary (SPEC §9.2) has {n} ids")
 
 
-_update_context_jit = jax.jit(dspark.update_context, static_argnums=(1, 7))
-_propose_jit = jax.jit(dspark.propose, static_argnums=(1, 6))
+_update_context_jit = compile_options.jit(dspark.update_context, static_argnums=(1, 7))
+_propose_jit = compile_options.jit(dspark.propose, static_argnums=(1, 6))
 
 
 class Model:

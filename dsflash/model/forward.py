@@ -5,11 +5,11 @@ docs/model-contract.md for the batch/state contract.
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 
+from dsflash import compile_options
 from dsflash.config import ModelConfig
 from dsflash.model import engram, mhc
 from dsflash.model.attention import Ctx, csa_attention, ring_write_mask, scatter_ring
@@ -180,6 +180,6 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
     return out, state
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5), donate_argnums=(3,))
+@compile_options.jit(static_argnums=(1, 4, 5), donate_argnums=(3,))
 def forward_jit(params, cfg, batch, state, opts, routed_fn=None):
     return forward(params, cfg, batch, state, opts, routed_fn)
