@@ -757,6 +757,8 @@ def build_parser():
     ap.add_argument("--precision", default="reference", choices=("reference", "bf16", "fp32"))
     ap.add_argument("--backend", default="auto", choices=BACKENDS,
                     help="kernel backend (auto: Triton on a GPU with jax-triton, XLA otherwise; dsflash.kernels.dispatch)")
+    ap.add_argument("--raise-errors", action="store_true",
+                    help="stop at the first failing point with its traceback (default: record it and go on)")
     ap.add_argument("--prefill", nargs="*", default=None, help="N@C points (new tokens @ cached tokens)")
     ap.add_argument("--decode", nargs="*", default=None, help="B@C points (sequences per DP rank @ context)")
     ap.add_argument("--draft-rows", type=int, default=None, help="rows per sequence in decode (default 1 + DSpark block)")
@@ -893,7 +895,7 @@ def main(argv=None):
                 result["points"].append(bench.point(phase, n, C, log))
             except Exception as e:  # noqa: BLE001 - one bad point (e.g. OOM) must not lose the others
                 log(f"  {phase} {n}@{C}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                if os.environ.get("DSFLASH_BENCH_RAISE"):
+                if args.raise_errors:
                     raise
                 result.setdefault("failed", []).append({"phase": phase, "n": n, "C": C,
                                                         "error": f"{type(e).__name__}: {str(e)[:1000]}"})
