@@ -285,3 +285,15 @@ def test_contract_doc_states_the_tables():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "model-contract.md")).read()
     quoted = dict(re.findall(r'\| `"(\w+)"`: [^,|]+, `(\(\(.*?\),\))`', doc))
     assert quoted == {k: repr(g.triton) for k, g in dispatch.GATES.items()}
+
+
+def test_bench_kernels_records_the_dispatch(gpu):
+    from dsflash.bench import kernels as bk
+    r = dict(moe_gemm=[dict(slots=6)], sparse_attention=[dict(B=1, S=127), dict(B=32, S=4)],
+             indexer=[dict(B=1, S=1, T=8192), dict(B=64, S=1, T=16384)], mhc=[dict(T=1)])
+    bk.mark_dispatch(r, "auto")
+    assert r["backend"] == "auto" and r["backend_resolved"] == "triton"
+    assert [x["dispatch"] for s in ("moe_gemm", "sparse_attention", "indexer", "mhc") for x in r[s]] == \
+        ["triton", "xla", "triton", "xla", "triton", "triton"]
+    bk.mark_dispatch(r, "xla")
+    assert {x["dispatch"] for s in bk.DISPATCH_SIZES for x in r[s]} == {"xla"}

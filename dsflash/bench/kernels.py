@@ -34,6 +34,8 @@ import traceback
 
 import numpy as np
 
+from dsflash.kernels.dispatch import BACKENDS, resolve_backend, use_triton
+
 
 def _commit():
     c = os.environ.get("DSFLASH_COMMIT")
@@ -528,6 +530,22 @@ def table(rows, ceilings):
     return "\n".join(lines)
 
 
+# the size each section's row means to kernels/dispatch.py (use_triton's ``size``)
+DISPATCH_SIZES = {"moe_gemm": ("moe", lambda r: r["slots"]),
+                  "sparse_attention": ("sparse_attention", lambda r: r["B"] * r["S"]),
+                  "indexer": ("indexer", lambda r: r["B"] * r["S"] * r["T"]),
+                  "mhc": ("mhc", lambda r: r["T"])}
+
+
+def mark_dispatch(result, backend):
+    """Record per row what the dispatch runs at that shape under ``backend`` ("triton" | "xla"), so one JSON holds
+    the timings and the crossover tables' decision side by side (precision "reference", as timed)."""
+    result["backend"], result["backend_resolved"] = backend, resolve_backend(backend)
+    for sec, (kernel, size) in DISPATCH_SIZES.items():
+        for r in result.get(sec, []):
+            r["dispatch"] = "triton" if use_triton(kernel, backend, size(r), precision="reference") else "xla"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsflash.bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,16,64,256,4096,16384", help="tokens per rank, comma-separated")
@@ -554,6 +572,9 @@ def main(argv=None):
                     "flash_bk32,flash_bk32_s7,flash_bk32_s3,flash_bk64,flash_bk64_s2,flash_bk32_ns1,flash_bk64_ns1,"
                     "flash_bk32_ns2",
                     help="sparse_attention_triton.NAMED_CONFIGS timed per shape (a column each)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="the model's backend setting: each row records what kernels/dispatch.py runs at its shape "
+                         "under it (\"dispatch\"); the kernels and the XLA reference are timed either way")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated")
     ap.add_argument("--indexer-shapes", default="1x1x8192,64x1x16384,256x1x8192,32x1x65536,128x6x16384,"
@@ -619,6 +640,7 @@ def main(argv=None):
         bench_indexer(args, ceilings, log, result["indexer"], save)
     if "mhc" in ops:
         bench_mhc(args, ceilings, log, result["mhc"], save)
+    mark_dispatch(result, args.backend)
     save()
     print(f"\nwrote {path}")
     print("per-config ms (best marked *):")
