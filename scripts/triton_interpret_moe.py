@@ -242,7 +242,8 @@ def _ps_cases():
     """mma "swap_ps" (2026-12-01): scales applied after per-32-group fp16 MMAs of the raw codes; split and unsplit,
     one and several K groups per iteration, decode and prefill-sized tiles, the named configs fitted to the shape."""
     MC = mt.MoeConfig
-    from dsflash.kernels.moe_plan import NAMED_CONFIGS as nc
+    from dsflash.kernels.moe_plan import named_configs
+    nc = named_configs()
     return [
         (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2, prefetch=False), {}),
         (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=128, KS_UP=1, KS_DOWN=1, prefetch=False),

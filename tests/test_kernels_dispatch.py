@@ -5,6 +5,7 @@ tables at their boundary sizes (the gates the front-ends had before), every fron
 A GPU is pretended by patching ``dispatch.on_gpu``; the Triton modules are replaced by fakes that record the call
 and return the reference's result (so the path taken is visible and the numbers stay the reference's)."""
 import inspect
+import os
 import sys
 import types
 
@@ -297,3 +298,27 @@ def test_bench_kernels_records_the_dispatch(gpu):
         ["triton", "xla", "triton", "xla", "triton", "triton"]
     bk.mark_dispatch(r, "xla")
     assert {x["dispatch"] for s in bk.DISPATCH_SIZES for x in r[s]} == {"xla"}
+
+
+def test_moe_defaults_and_experimental_configs():
+    """moe_plan.NAMED_CONFIGS holds exactly what pick_config can return; the variants they were judged against are
+    in kernels/experimental (found by named_config), and the default path never imports that package."""
+    import subprocess
+    picked = {id(moe_plan.pick_config(r, e, f)) for r in (1, 6, 96, 384, 385, 1536, 3072, 3073, 10 ** 5)
+              for e in (8, 96) for f in (True, False)}
+    assert picked == {id(c) for c in moe_plan.NAMED_CONFIGS.values()}
+    from dsflash.kernels.experimental import moe_configs
+    assert not set(moe_configs.CONFIGS) & set(moe_plan.NAMED_CONFIGS) and len(moe_plan.named_configs()) == 44
+    assert moe_plan.named_config("sk_fp8") is moe_configs.CONFIGS["sk_fp8"]
+    assert moe_plan.named_config("sw_eo_np") is moe_plan.SW_EO_NP
+    with pytest.raises(ValueError, match="unknown MoE config"):
+        moe_plan.named_config("sw_eo_np_bm4")
+    code = ("import sys, dsflash, dsflash.model.forward, dsflash.model.api\n"
+            "from dsflash.kernels import dispatch, moe_plan\n"
+            "from dsflash.config import preset\n"
+            "dispatch.kernel_summary(preset('v41_flash'), 'auto')\n"
+            "print(any(m.startswith('dsflash.kernels.experimental') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+                             [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] + sys.path)))
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]

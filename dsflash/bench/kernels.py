@@ -236,7 +236,7 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
         names = [n for n in (args.decode_configs if S <= 32 * E else args.prefill_configs).split(",") if n]
         for name in names:
             try:
-                row["configs"][name], _ = time_jax_loop(tri(moe_plan.NAMED_CONFIGS[name]), varying, fixed,
+                row["configs"][name], _ = time_jax_loop(tri(moe_plan.named_config(name)), varying, fixed,
                                                         reps=args.reps)
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = None
@@ -246,7 +246,7 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
         if ok:
             best = min(ok, key=ok.get)
             row["triton_best_config"], row["triton_s"] = best, ok[best]
-            bcfg = moe_plan.NAMED_CONFIGS[best]
+            bcfg = moe_plan.named_config(best)
             # the two kernel launches alone, on prepared inputs (no routing sort / activation quantisation)
             try:
                 keys = ("xq", "xs", "tok", "rw", "order", "tile_e", "tile_s", "tile_end")
@@ -558,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--decode-configs",
                     default="fp8mma_decode,ds_decode_rt,sk_bf16,sk_bf16_bk256,sk_bf16_w8,slab_bf16,sk_fp8,sk_gemv,"
                     "sk_gemv_bk256",
-                    help="named configs (moe_plan.NAMED_CONFIGS) timed when slots <= 32 * experts")
+                    help="named configs (moe_plan.named_config) timed when slots <= 32 * experts")
     ap.add_argument("--prefill-configs", default="ds_prefill_rt,ds_prefill_bn128",
                     help="named configs timed above that")
     ap.add_argument("--bf16-tokens", default="64,4096", help="sizes where the bf16-activation variant is timed")
