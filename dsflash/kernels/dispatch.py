@@ -30,7 +30,10 @@ Why "auto" reaches the kernels unresolved (``RunOptions.backend`` keeps "auto"; 
 time): building a ``RunOptions`` must not start JAX's backends (defaults are built at import time, and a multi-host
 launch must call ``jax.distributed.initialize`` first), and step 3 needs to know that "triton" was not asked for
 explicitly. The resolution is cached per process, so an "auto" program is the very program its concrete backend
-traces (on CPU: bit-identical to "xla"; tests/test_kernels_dispatch.py).
+traces (on CPU: bit-identical to "xla"; tests/test_kernels_dispatch.py). The cost: ``RunOptions(backend="auto")``
+and ``RunOptions(backend="xla")`` are different static arguments, so a process using both compiles the same program
+twice (the persistent cache, keyed by the HLO, then hits). Callers that branch on the backend themselves (e.g. "XLA
+on one CPU device: dequantise the weights once") should branch on ``resolve_backend(backend)``, not the raw string.
 
 Layering: this module imports nothing of dsflash but ``dsflash.kernels.moe_plan`` (pure JAX, for the summary) and
 imports jax lazily (argument parsers import ``BACKENDS`` before JAX_PLATFORMS is settled); never the Triton modules.
