@@ -16,7 +16,9 @@ per-program setting gives different bits, so the option is honoured per program 
 Process fallback (``protect_process_default``, called once by ``import dsflash``): appends
 ``--xla_allow_excess_precision=false`` to ``XLA_FLAGS`` unless the user chose that flag. It stays, documented here,
 because programs are still compiled outside this module: the engine's runner (``serve/engine/runner.py``), the
-training loop (``train/loop.py``), the benches and any user's own ``jax.jit(dsflash.model.forward)``. Dropping it
+training loop (``train/loop.py``), ``bench kernels`` / ``eplb`` / ``engine`` and any user's own
+``jax.jit(dsflash.model.forward)``. Through here already: ``forward_jit``, the ``Model``'s DSpark jits and
+``bench forward``'s step programs. Dropping it
 before they use ``jit`` / ``options`` would silently change their numerics on the GPU. To remove it: route those
 jits through here, then delete the call in ``dsflash/__init__.py`` (tests/test_compile_options.py keeps holding).
 """

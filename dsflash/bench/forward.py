@@ -63,6 +63,7 @@ import warnings
 
 import numpy as np
 
+from dsflash import compile_options
 from dsflash.bench.kernels import _commit
 from dsflash.kernels.dispatch import BACKENDS, describe, kernel_summary, resolve_backend
 
@@ -199,7 +200,8 @@ class ForwardBench:
         self.host_table_bytes = sum(w.nbytes + sc.nbytes for w, sc in tables.values())
         self.init_s = time.perf_counter() - t0          # draw + place, one tensor at a time
         self.balance_ranks = self.n_ep if self.n_ep > 1 else args.balance_ranks
-        self.compile_opts = FAST_COMPILE if args.fast_compile else None
+        # the numerics option per program (dsflash.compile_options), plus --fast-compile's
+        self.compile_opts = compile_options.options(FAST_COMPILE if args.fast_compile else None)
         self._lag_rate = None
         self._compiled = {}
         self._last_compile_s = 0.0
