@@ -152,8 +152,10 @@ def _ref_h(x, idx, weight, w1, s1, w3, s3, order, limit):
     fe = idx.reshape(-1)[order]
     xs = xa[order // k]
     hp = jax.lax.Precision.HIGHEST
-    g = jnp.minimum(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w1, s1)[fe], precision=hp), limit)
-    u = jnp.clip(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w3, s3)[fe], precision=hp), -limit, limit)
+    bf = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)    # noqa: E731  (GEMM outputs are bf16, SPEC §12)
+    g = jnp.minimum(bf(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w1, s1)[fe], precision=hp)), limit)
+    u = jnp.clip(bf(jnp.einsum("sd,sid->si", xs, quant.dequant_mxfp4_weight(w3, s3)[fe], precision=hp)),
+                 -limit, limit)
     h = (jax.nn.silu(g) * u * weight.reshape(-1)[order][:, None]).astype(jnp.bfloat16)
     return np.asarray(quant.fp8_roundtrip(h, 32).astype(jnp.float32))
 
@@ -186,6 +188,52 @@ def check_launch(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0
     print(f"{cfg.kind}/{cfg.mma if cfg.kind == 'sk' else cfg.decode} BK={cfg.BK} KSUB={cfg.KSUB} {plan} "
           f"T={T} k={k} E={E} d={d} I={I} {precision}: rel err {rel:.3e}, h equal {same:.5f}")
     return rel, same
+
+
+def check_crafted(cfg, precision="reference", T=6, E=4, D=128, seed=1):
+    """Issue 18's element-level problem (tests/test_kernels_moe_swiglu_rounding.py: exact GEMM sums that are mostly not
+    bf16 values, SiLU(g) == g, W2 the identity) through the real launcher: every output element must equal numpy's
+    with x W1^T and x W3^T rounded to bf16 before the SwiGLU. Returns the number of differing elements."""
+    import dataclasses
+    import importlib.util
+    sys.modules["jax_triton"] = _JtShim
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "test_kernels_moe_swiglu_rounding.py")
+    spec = importlib.util.spec_from_file_location("_moe_swiglu_crafted", path)
+    cm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cm)
+    cfg = dataclasses.replace(cfg, decode="tl")
+    x, idx, weight, W1, W3, W2 = cm._problem(seed, T=T, E=E, D=D)
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), jnp.asarray(weight), *cm._mx(W1), *cm._mx(W3),
+            *cm._mx(W2))
+    xj, idxj, wj, w1, s1, w3, s3, w2, s2 = args
+    want = cm._expected(x, idx, weight, W1, W3, precision)
+    act_fp8 = precision == "reference"
+    k = idx.shape[1]
+    mt._check_shapes(xj, idxj, w1, s1, w3, s3, w2, s2, cfg)
+    p = {kk: np.array(v) for kk, v in mt.prepare(xj, idxj, wj, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}
+    u8 = mt._as_u8
+    o, _, _ = mt._launch(p, u8(w1), s1, u8(w3), s3, u8(w2), s2, T=T, k=k, d=D, I=D, E=E, limit=cm.LIMIT,
+                         act_fp8=act_fp8, cfg=cfg)
+    out = np.asarray(o).astype(np.float32).reshape(T, k, D).sum(1)
+    bad = int(np.sum(out != want))
+    print(f"crafted {cfg.kind}/{cfg.mma} BM={cfg.BM} T={T} E={E} D=I={D} {precision}: {bad} of {out.size} elements "
+          f"differ from numpy")
+    return bad
+
+
+def _crafted_cases():
+    """The default families pick_config returns (fitted to D = I = 128), both precisions where they exist."""
+    from dsflash.kernels.moe_plan import named_configs
+    nc = named_configs()
+    f = lambda name: mt.fit_config(nc[name], 128, 128)      # noqa: E731
+    return [(f("sw_eo_np_bm8"), dict()), (f("sw_eo_np"), dict()), (f("sw_eo_prefill_w8"), dict(T=40)),
+            (f("sw_eo_np"), dict(precision="bf16")), (f("sw_eo_prefill_w8"), dict(T=40, precision="bf16")),
+            (f("sw_ps_bm8"), dict()), (f("sk_gemv"), dict(T=1))]
+
+
+def _crafted(j):
+    cfg, kw = _crafted_cases()[j]
+    assert check_crafted(cfg, **kw) == 0
 
 
 def _sk_cases():
@@ -301,4 +349,5 @@ if __name__ == "__main__":
     checks.update({f"sk-{j}": functools.partial(_sk, j) for j in range(len(_sk_cases()))})
     checks.update({f"sw-{j}": functools.partial(_sw, j) for j in range(len(_sw_cases()))})
     checks.update({f"ps-{j}": functools.partial(_ps, j) for j in range(len(_ps_cases()))})
+    checks.update({f"crafted-{j}": functools.partial(_crafted, j) for j in range(len(_crafted_cases()))})
     run_isolated(__file__, checks)

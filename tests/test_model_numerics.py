@@ -44,6 +44,82 @@ def test_nvfp4_and_mxfp4_roundtrips_match_numpy():
     np.testing.assert_array_equal(np.asarray(quant.mxfp4_roundtrip(jnp.asarray(x))), ref.reshape(3, 64))
 
 
+
+# ------------------------------------------------------------------ NVFP4 quotients exactly as IEEE fp32 division
+def _np_nvfp4(x):
+    """Independent NVFP4 quantiser: numpy float32 division (IEEE, correctly rounded) and ml_dtypes conversions."""
+    g = x.reshape(*x.shape[:-1], -1, 16).astype(np.float32)
+    a = np.maximum(np.abs(g).max(-1, keepdims=True), np.float32(6 * 2.0 ** -9))
+    s8 = (a / np.float32(6)).astype(ml_dtypes.float8_e4m3fn)
+    with np.errstate(invalid="ignore"):
+        q = np.clip(g / s8.astype(np.float32), -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    return q.reshape(x.shape), s8[..., 0]
+
+
+def _nudged(v, ks):
+    """float32 values v moved by k ulps (bit steps) for every k in ks."""
+    bits = np.asarray(v, np.float32).view(np.int32)
+    return np.concatenate([(bits + k).view(np.float32) for k in ks])
+
+
+def test_nvfp4_e2m1_tie_with_non_pow2_scale_under_jit():
+    """The issue-18 case: amax 2.8125 gives the E4M3 scale 0.46875 (not a power of two) and 1.171875 / 0.46875 is
+    exactly 2.5, an E2M1 tie that must go to the even code (2.0). XLA rewrote ``g / s`` as ``g * (1/s)``
+    (2.5000002 -> 3.0). Checked as the model runs it: jitted, and through the main-KV cache encoder."""
+    from dsflash.model import state as st
+    x = np.zeros((2, 32), np.float32)
+    x[:, 0], x[:, 1], x[:, 17] = 2.8125, 1.171875, -1.171875
+    x[:, 16] = -2.8125
+    want_q, want_s = _np_nvfp4(x)
+    assert want_s.astype(np.float32)[0, 0] == 0.46875 and want_q[0, 1] == 2.0 and want_q[0, 17] == -2.0
+    for f in (jax.jit(quant.nvfp4_quant), quant.nvfp4_quant):
+        q, s8 = f(jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(q), want_q)
+        np.testing.assert_array_equal(np.asarray(s8).view(np.uint8), want_s.view(np.uint8))
+    c = jax.jit(lambda v: st.encode_main_kv(v, "reference"))(jnp.asarray(x))
+    got = np.asarray(jax.jit(st.decode_main_kv, static_argnums=1)(c, jnp.float32))
+    np.testing.assert_array_equal(got, (want_q.reshape(2, 2, 16) * want_s.astype(np.float32)[..., None]).reshape(2, 32))
+
+
+def test_nvfp4_quotient_next_to_every_e2m1_midpoint_every_scale():
+    """For every E4M3 scale s (codes 1..126, forced by a group amax of 6 s), values m s and m s +- 1..3 ulps for
+    every E2M1 midpoint m, both signs: the jitted quantiser's codes equal numpy's IEEE-division ones."""
+    scales = np.arange(1, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    rows = []
+    for s in scales:
+        v = _nudged(mids * s, range(-3, 4))               # 49 values, all < 6 s
+        v = np.concatenate([v, -v, np.zeros(((-2 * v.size) % 15), np.float32)]).reshape(-1, 15)
+        rows.append(np.concatenate([np.full((v.shape[0], 1), 6 * s, np.float32), v], axis=1))
+    x = np.concatenate(rows)
+    assert np.all(np.abs(x[:, 1:]) < 6 * x[:, :1])
+    want_q, want_s = _np_nvfp4(x)
+    assert np.array_equal(want_s.astype(np.float32)[:, 0], x[:, 0] / 6)      # the intended scale in every group
+    q, s8 = jax.jit(quant.nvfp4_quant)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(s8).view(np.uint8), want_s.view(np.uint8))
+    bad = np.asarray(q) != want_q
+    assert not bad.any(), (x[:, 1:][bad[:, 1:]][:8], np.asarray(q)[bad][:8], want_q[bad][:8])
+
+
+def test_nvfp4_scale_next_to_every_e4m3_midpoint():
+    """The scale ``e4m3(max(amax, 6*2^-9) / 6)`` (SPEC §16b.7: a division): amax = 6 t and 6 t +- 1..6 ulps for every
+    E4M3 midpoint t (XLA's ``amax * f32(1/6)`` rounds 15 of these the wrong way), plus log-uniform random amax
+    values; jitted, against numpy's IEEE division."""
+    vals = np.arange(0, 127, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mids = np.append((vals[:-1] + vals[1:]) / 2, 464.0)
+    a = _nudged((6 * mids).astype(np.float32), range(-6, 7))
+    a = np.concatenate([a, np.exp(np.random.default_rng(3).uniform(np.log(1e-3), np.log(2700.0), 4000))])
+    a = a.astype(np.float32)
+    x = np.zeros((a.size, 16), np.float32)
+    x[:, 3] = a
+    x[::2, 3] *= -1
+    want_q, want_s = _np_nvfp4(x)
+    q, s8 = jax.jit(quant.nvfp4_quant)(jnp.asarray(x))
+    got = np.asarray(s8).view(np.uint8)
+    bad = got != want_s.view(np.uint8)
+    assert not bad.any(), (a[bad[:, 0]][:8], got[bad][:8], want_s.view(np.uint8)[bad][:8])
+    np.testing.assert_array_equal(np.asarray(q), want_q)
+
 def test_nibble_pack_low_first():
     codes = jnp.array([[1, 2, 15, 0]], jnp.uint8)
     packed = np.asarray(quant.pack_nibbles(codes))

@@ -7,9 +7,11 @@
   -> [T, d] float32: the sum over the k routed experts (each expert's output rounded to the compute dtype).
 
 Numerics (SPEC §8, §12): in "reference" precision the activations entering each expert GEMM take the FP8
-E4M3 round trip per 32; ``g = min(x W1^T, limit)``, ``u = clip(x W3^T, -limit, limit)`` in fp32,
+E4M3 round trip per 32; x W1^T and x W3^T accumulate in fp32 and are rounded to bf16 (the output dtype of an
+FP8/FP4 linear), then ``g = min(x W1^T, limit)``, ``u = clip(x W3^T, -limit, limit)`` in fp32,
 ``h = silu(g) * u * weight`` (routing weight applied before W2), h rounded to bf16 (and FP8 round trip),
-``out = h W2^T`` accumulated in fp32 then rounded to bf16.
+``out = h W2^T`` accumulated in fp32 then rounded to bf16. "bf16": the same roundings without the FP8 round trips;
+"fp32": no rounding anywhere.
 """
 from __future__ import annotations
 
@@ -88,8 +90,10 @@ def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, preci
     W1 = quant.dequant_mxfp4_weight(w1, s1, cdt)
     W3 = quant.dequant_mxfp4_weight(w3, s3, cdt)
     W2 = quant.dequant_mxfp4_weight(w2, s2, cdt)
-    g = grouped_dot(xs, jnp.swapaxes(W1, 1, 2), group_sizes)
-    u = grouped_dot(xs, jnp.swapaxes(W3, 1, 2), group_sizes)
+    # an FP4 linear accumulates in fp32 and outputs the compute dtype (SPEC §12; the official Expert runs
+    # ``self.w1(x).float()``): x W1^T and x W3^T are rounded to bf16 before the clamp and SiLU (a no-op in "fp32")
+    g = grouped_dot(xs, jnp.swapaxes(W1, 1, 2), group_sizes).astype(cdt).astype(jnp.float32)
+    u = grouped_dot(xs, jnp.swapaxes(W3, 1, 2), group_sizes).astype(cdt).astype(jnp.float32)
     g = jnp.minimum(g, limit)
     u = jnp.clip(u, -limit, limit)
     h = jax.nn.silu(g) * u * weight.reshape(-1)[order][:, None].astype(jnp.float32)

@@ -13,8 +13,9 @@ How it works
   exactly onto an E4M3 byte worth value * 2^-6 (sign to bit 7, the 3 magnitude bits to bits 2-4;
   subnormal 0.5 included), so the weights go to the FP8 tensor cores without any float math; each
   32-wide K block's partial product is scaled by act_scale * weight_scale * 2^6 (all powers of two,
-  exact) and accumulated in fp32. Epilogue: clamp, SiLU, routing weight before W2, bf16 rounding,
-  FP8 E4M3 per-32 quantisation of h (codes + pow2 scales) -- the reference's round trip, fused.
+  exact) and accumulated in fp32. Epilogue: bf16 rounding of both GEMM results, clamp, SiLU, routing weight
+  before W2, bf16 rounding, FP8 E4M3 per-32 quantisation of h (codes + pow2 scales) -- the reference's round
+  trip, fused.
 * Kernel 2 ``_moe_down_kernel``: h (sorted rows, FP8) times MXFP4 W2 the same way, bf16 rounding,
   rows stored back at their unsorted slot; the k slots of a token are summed in fp32 by XLA.
 * ``precision="bf16"`` (clearly a variant, not the released numerics): no FP8 activation round trips;
@@ -227,9 +228,11 @@ def _fp8_roundtrip_store_bf16(h, q_ptr, rows, rmask, offs_n, NCOLS: tl.constexpr
 
 @triton.jit
 def _swiglu_h(acc_g, acc_u, rw, LIMIT: tl.constexpr):
-    """The reference's rounding points up to h: clamp, SiLU, routing weight (before W2), bf16 rounding."""
-    g = tl.minimum(acc_g, LIMIT)
-    u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT)
+    """The reference's rounding points up to h: the fp32 GEMM results x W1^T, x W3^T rounded to bf16 (an FP4
+    linear's output dtype, SPEC §12), clamp, SiLU, routing weight (before W2), bf16 rounding. Every up kernel
+    family (and the split-K epilogue, after its fixed-order sum) ends here."""
+    g = tl.minimum(_round_bf16(acc_g), LIMIT)
+    u = tl.minimum(tl.maximum(_round_bf16(acc_u), -LIMIT), LIMIT)
     return _round_bf16(g / (1.0 + tl.exp(-g)) * u * rw[:, None])
 
 

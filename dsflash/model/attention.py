@@ -235,11 +235,19 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
                 cand_filter=(cfg.candidate_block_size, cfg.candidate_topk_blocks) if is_cand else None,
                 backend=ctx.backend)
             shared = dict(shared, topk=topk, **({"cand": cand} if is_cand else {}))
-        comp_all = gather_pool(state["main_kv"][str(src)], addr_all, st.decode_main_kv, dt)
         base = kv_buf[0].shape[1]
-        kv_buf.append(comp_all)
         sel = shared["topk"]
-        idx_parts.append(jnp.where(sel >= 0, sel + base, -1))
+        Bq, Sq, K = sel.shape
+        if Sq * K < n_entries:
+            # decode-sized calls: decode only the entries the rows selected (row s's K picks laid at s*K), so the
+            # gathered bytes stay S*K per sequence at any context instead of the whole page table's entries
+            picked = pool_addresses(ctx.page_table, jnp.maximum(sel, 0).reshape(Bq, Sq * K), per_page)
+            kv_buf.append(gather_pool(state["main_kv"][str(src)], picked, st.decode_main_kv, dt))
+            local = base + jnp.arange(Sq * K, dtype=jnp.int32).reshape(1, Sq, K)
+            idx_parts.append(jnp.where(sel >= 0, local, -1))
+        else:
+            kv_buf.append(gather_pool(state["main_kv"][str(src)], addr_all, st.decode_main_kv, dt))
+            idx_parts.append(jnp.where(sel >= 0, sel + base, -1))
 
     kvs = jnp.concatenate(kv_buf, axis=1)
     idx = jnp.concatenate(idx_parts, axis=-1)

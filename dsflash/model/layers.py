@@ -24,8 +24,19 @@ def act_dtype(precision: str):
     return jnp.float32 if precision == "fp32" else jnp.bfloat16
 
 
+def tensor_cores() -> bool:
+    """Whether bf16-exact operands go to the bf16 tensor cores as they are (a GPU) instead of being widened to
+    fp32 first (the CPU path, bit-stable with every earlier run). Either way every product is exact and the sum is
+    fp32: the values that differ are fp32 accumulation-order ulps, as between any two GEMM libraries. On a GPU the
+    widened form ran as an fp32 SGEMM over a materialised fp32 copy of each weight (issue 19: most of a decode
+    step's dense-linear and head time)."""
+    return jax.default_backend() == "gpu"
+
+
 def _dot(x, w_t, precision):
     """x [..., K] @ w_t [K, N] with fp32 accumulation, result fp32."""
+    if x.dtype == jnp.bfloat16 and w_t.dtype == jnp.bfloat16 and tensor_cores():
+        return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32)
     return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
@@ -34,9 +45,12 @@ def linear_fp8(x, params, name, precision, act_quant=True):
     dt = act_dtype(precision)
     scale = params.get(f"{name}.scale")          # absent: float master weights (training)
     if precision == "reference":
-        w = quant.dequant_fp8_weight(params[f"{name}.weight"], scale, jnp.float32)
-        xa = quant.fp8_roundtrip(x.astype(jnp.bfloat16), 32).astype(jnp.float32) if act_quant \
-            else x.astype(jnp.bfloat16).astype(jnp.float32)
+        # dequantised weights (E4M3 x 2^k) and round-tripped activations are exact in bf16: keep them bf16 where
+        # the tensor cores take them (the same products), widen to fp32 elsewhere
+        wdt = jnp.bfloat16 if tensor_cores() and scale is not None else jnp.float32
+        w = quant.dequant_fp8_weight(params[f"{name}.weight"], scale, wdt)
+        xa = quant.fp8_roundtrip(x.astype(jnp.bfloat16), 32).astype(wdt) if act_quant \
+            else x.astype(jnp.bfloat16).astype(wdt)
     else:
         w = quant.dequant_fp8_weight(params[f"{name}.weight"], scale, dt)
         xa = x.astype(dt)
@@ -51,7 +65,10 @@ def linear_bf16(x, w, precision, out_dtype=None):
 
 
 def linear_f32(x, w):
-    """Linears the reference runs in fp32 (gate, compressor ratio 2, LM head, confidence head)."""
+    """Linears the reference runs in fp32 (gate, compressor ratio 2, LM head, confidence head). With bf16
+    activations and bf16 weights the fp32 products are exact, so the tensor cores may take them as they are."""
+    if x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and tensor_cores():
+        return _dot(x, w.T, "fp32")
     return _dot(x.astype(jnp.float32), w.astype(jnp.float32).T, "fp32")
 
 

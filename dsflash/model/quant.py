@@ -100,13 +100,53 @@ def mxfp4_roundtrip(x, block: int = 32):
 
 
 # ---------------------------------------------------------------- FP4 main KV (E2M1 + E4M3 per 16)
+# Both divisions of the NVFP4-style quantiser (``amax / 6`` and ``x / s``, SPEC §12 / §16b.7) are written without a
+# division. XLA's algebraic simplifier turns ``a / broadcast(b)`` into ``a * broadcast(1 / b)`` and ``a / 6`` into
+# ``a * f32(1/6)`` (seen on CPU in every jitted and eager call; an optimization_barrier on ``b`` does not stop it,
+# one on the broadcast divisor did on CPU but depends on where each backend expands the barriers). With the E4M3
+# scale not a power of two the product can land one ulp off the IEEE quotient and round to the other side of an
+# E2M1 / E4M3 tie (1.171875 / 0.46875 = 2.5 exactly, came out 2.5000002 -> 3 instead of 2).
+#
+# What is computed instead is exactly ``rne(fl32(a / b))`` for the target format: compare ``a`` with ``b`` times every
+# midpoint of the target grid. Those products are exact in fp32 (an E2M1 midpoint has <= 3 significant bits, an
+# E4M3 scale <= 4; an E4M3 midpoint <= 5 bits, 6 has 2), and rounding the fp32 quotient equals rounding the real
+# quotient here: where a/b is not a midpoint t, |a - b t| >= ulp(b t) / 2 puts a/b more than half an fp32 ulp away
+# from t (t has far fewer bits than fp32), so the fp32 rounding cannot move the quotient onto or across t. Ties
+# (a == b t) go to the even code, as RNE does. Checked against numpy's IEEE float32 division next to every
+# midpoint (tests/test_model_numerics.py).
+_E2M1_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)     # between codes c and c + 1
+_E2M1_TIE_UP = np.array([False, True, False, True, False, True, False])        # code c + 1 even
+_E4M3_VALS = np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)   # codes 0..127 (127 = NaN)
+_E4M3_MIDS = np.append((_E4M3_VALS[:126] + _E4M3_VALS[1:127]) / 2, 464.0)      # 464: 448 vs overflow (NaN)
+_E4M3_TIE_UP = (np.arange(1, 128) % 2) == 0
+
+
+def _e2m1_of_quotient(g, s):
+    """``e2m1(clip(g / s, -6, 6))`` (RNE, fp32 IEEE quotient) for s > 0 (E4M3 values as fp32, broadcastable)."""
+    a = jnp.abs(g)[..., None]
+    t = s[..., None] * jnp.asarray(_E2M1_MIDS)                                  # exact
+    code = jnp.sum(jnp.where(jnp.asarray(_E2M1_TIE_UP), a >= t, a > t), axis=-1)
+    mag = jnp.asarray(E2M1_VALUES[:8])[code]
+    return jnp.where(jnp.isnan(g), g, jnp.copysign(mag, g))
+
+
+def _e4m3_of_div6(a):
+    """``(a / 6).astype(float8_e4m3fn)`` (RNE, fp32 IEEE quotient; NaN above the E4M3 range, as the conversion)."""
+    t = jnp.asarray((6.0 * _E4M3_MIDS).astype(np.float32))                     # exact: 6 * mid has <= 7 bits
+    a1 = a[..., None]
+    code = jnp.sum(jnp.where(jnp.asarray(_E4M3_TIE_UP), a1 >= t, a1 > t), axis=-1)
+    code = jnp.where(jnp.isnan(a), 127, code).astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn)
+
+
 def nvfp4_quant(x, block: int = 16):
-    """-> (E2M1 values float32 [..., D], E4M3 scales as float8_e4m3fn [..., D/block])."""
+    """-> (E2M1 values float32 [..., D], E4M3 scales as float8_e4m3fn [..., D/block]).
+    ``s = e4m3(max(amax, 6*2^-9) / 6)``, ``q = e2m1(clip(x / s, -6, 6))``, both quotients exactly as IEEE fp32
+    division rounds them (block comment above)."""
     g = _grouped(x.astype(jnp.float32), block)
     amax = jnp.max(jnp.abs(g), axis=-1, keepdims=True)
-    s8 = (jnp.maximum(amax, FP4_MAX * 2.0 ** -9) / FP4_MAX).astype(jnp.float8_e4m3fn)
-    s = s8.astype(jnp.float32)
-    q = e2m1_round(jnp.clip(g / s, -FP4_MAX, FP4_MAX))
+    s8 = _e4m3_of_div6(jnp.maximum(amax, FP4_MAX * 2.0 ** -9))
+    q = _e2m1_of_quotient(g, s8.astype(jnp.float32))
     return q.reshape(x.shape), s8[..., 0]
 
 

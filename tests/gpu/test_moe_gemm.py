@@ -126,8 +126,9 @@ def _reference_h_codes(x, idx, weight, w1, s1, w3, s3, order):
     W1 = quant.dequant_mxfp4_weight(w1, s1)[fe]
     W3 = quant.dequant_mxfp4_weight(w3, s3)[fe]
     hp = jax.lax.Precision.HIGHEST
-    g = jnp.minimum(jnp.einsum("sd,sid->si", xs, W1, precision=hp), LIMIT)
-    u = jnp.clip(jnp.einsum("sd,sid->si", xs, W3, precision=hp), -LIMIT, LIMIT)
+    bf = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)    # noqa: E731  (GEMM outputs are bf16, SPEC §12)
+    g = jnp.minimum(bf(jnp.einsum("sd,sid->si", xs, W1, precision=hp)), LIMIT)
+    u = jnp.clip(bf(jnp.einsum("sd,sid->si", xs, W3, precision=hp)), -LIMIT, LIMIT)
     h = jax.nn.silu(g) * u * weight.reshape(-1)[order][:, None]
     return quant.fp8_quant(h.astype(jnp.bfloat16), 32)
 
@@ -200,3 +201,48 @@ def test_post_scale_configs_need_fp8_activations(cfg_name):
     args = moe_plan.random_moe_problem(jax.random.PRNGKey(7), 4, 6, 16, 512, 256)
     with pytest.raises(NotImplementedError):
         mt.routed_moe_triton(*args, limit=LIMIT, precision="bf16", config=_cfg(cfg_name))
+
+
+def _crafted():
+    """tests/test_kernels_moe_swiglu_rounding.py (the CPU element-level check of issue 18), loaded by path."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "test_kernels_moe_swiglu_rounding.py")
+    spec = importlib.util.spec_from_file_location("_moe_swiglu_crafted", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# (T, E, config name or None = pick_config's default, precision): the default families pick_config returns
+# (sw_eo_np_bm8 <= 384 slots, sw_eo_np <= 32 E slots, sw_eo_prefill_w8 above; bf16: sw_eo_np) and one of each
+# other family the tests above cover
+CRAFTED = ([(8, 4, None, "reference"), (200, 16, None, "reference"), (100, 4, None, "reference"),
+            (8, 4, None, "bf16"), (100, 4, None, "bf16")]
+           + [(8, 4, n, "reference") for n in ("sw_eo_np_bm8", "sw_eo_np", "sw_ps", "sw_ps_bm8", "sk_bf16", "sk_gemv",
+                                                "ds_decode", "ds_decode_rt", "sw_bd_np")]
+           + [(100, 4, n, "reference") for n in ("sw_eo_prefill_w8", "sw_bd_prefill_w8", "ds_prefill_rt")]
+           + [(8, 4, "sw_eo_np", "bf16"), (100, 4, "sw_eo_prefill_w8", "bf16")])
+
+
+@pytest.mark.parametrize("T,E,cfg_name,precision", CRAFTED)
+def test_crafted_swiglu_rounding_elementwise(T, E, cfg_name, precision):
+    """Issue 18 on the kernels: inputs whose GEMM sums are exact and mostly not bf16 values, SiLU(g) == g, W2 the
+    identity (see the CPU test's docstring); every output element must equal numpy's with x W1^T and x W3^T
+    rounded to bf16 before the SwiGLU (and the XLA reference's, bit for bit). FP8-MMA kernels are left out: Hopper
+    accumulates FP8 products inside one MMA with reduced precision, so their sums need not be exact."""
+    mt = _triton()
+    cm = _crafted()
+    D = 512
+    x, idx, weight, W1, W3, W2 = cm._problem(1, T=T, E=E, D=D)
+    dt = jnp.bfloat16
+    args = (jnp.asarray(x, dt), jnp.asarray(idx), jnp.asarray(weight), *cm._mx(W1), *cm._mx(W3), *cm._mx(W2))
+    cfg = None if cfg_name is None else _cfg(cfg_name)
+    out = np.asarray(jax.jit(lambda *a: mt.routed_moe_triton(*a, limit=cm.LIMIT, precision=precision,
+                                                             config=cfg))(*args))
+    want = cm._expected(x, idx, weight, W1, W3, precision)
+    ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=cm.LIMIT, precision=precision))
+    np.testing.assert_array_equal(ref, want)
+    bad = out != want
+    assert not bad.any(), (f"{cfg_name}: {bad.sum()} of {bad.size} differ", out[bad][:6], want[bad][:6])
