@@ -5,20 +5,11 @@ The short face:
     load(path_or_preset, ...)    a Model for notebooks: logits(), forward(), propose()
     LLM, SamplingParams          offline engine API: LLM(...).generate(prompts, SamplingParams(...))
 """
-import os as _os
+# Numerics are protected per compiled program (dsflash.compile_options.jit); this process-wide XLA_FLAGS fallback
+# stays until every program dsflash compiles goes through there (why, and how to remove it: that module).
+from dsflash import compile_options as _compile_options
 
-
-def _faithful_xla_flags():
-    """XLA may keep values in higher precision than the program says ("excess precision") and then drops
-    the FP8/FP4 quantise-dequantise round trips that define the released numerics (measured on the H200:
-    a jitted MoE differed from op-by-op by ~5%). Turn that off unless the user chose otherwise. XLA reads
-    XLA_FLAGS when its backend starts, so this only takes effect if dsflash is imported first."""
-    flags = _os.environ.get("XLA_FLAGS", "")
-    if "xla_allow_excess_precision" not in flags:
-        _os.environ["XLA_FLAGS"] = (flags + " --xla_allow_excess_precision=false").strip()
-
-
-_faithful_xla_flags()
+_compile_options.protect_process_default()
 
 from dsflash.config import ModelConfig, preset  # noqa: E402
 from dsflash.serve.types import RequestOutput, SamplingParams  # noqa: E402

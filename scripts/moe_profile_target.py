@@ -16,7 +16,7 @@ from dsflash.kernels import moe_gemm_triton as mt, moe_plan
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="sk_fp8", choices=sorted(moe_plan.NAMED_CONFIGS))
+    ap.add_argument("--config", default="sk_fp8", choices=sorted(moe_plan.named_configs()))
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--experts", type=int, default=96)
     ap.add_argument("--topk", type=int, default=6)
@@ -25,7 +25,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args(argv)
     args = moe_plan.random_moe_problem(jax.random.PRNGKey(0), a.tokens, a.topk, a.experts, a.d, a.inter)
-    f = jax.jit(lambda *x: mt.routed_moe_triton(*x, limit=10.0, config=moe_plan.NAMED_CONFIGS[a.config]))
+    f = jax.jit(lambda *x: mt.routed_moe_triton(*x, limit=10.0, config=moe_plan.named_config(a.config)))
     jax.block_until_ready(f(*args))                 # compile + first launch
     ts = []
     for _ in range(a.reps):

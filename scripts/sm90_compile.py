@@ -8,7 +8,7 @@ the hottest loop (the innermost backward branch holding MMA instructions, or the
 count per weight element when the caller says how many weight elements one loop iteration consumes.
 
 Usage:
-  # a named MoE config (dsflash.kernels.moe_plan.NAMED_CONFIGS) at a token count, exactly as the launcher
+  # a named MoE config (dsflash.kernels.moe_plan.named_config) at a token count, exactly as the launcher
   # (moe_gemm_triton._launch) would compile it at V4.1's shapes (d 5120, I 2304, 96 local experts, top-6):
   python scripts/sm90_compile.py moe sw_eo_np --tokens 1,16 [--precision reference|bf16] [--sass DIR] [--top 25]
   # any @triton.jit kernel: module:function, pointer args as NAME=*dtype (u8, fp32, bf16, fp8e4nv, i32, ...),
@@ -300,7 +300,7 @@ def moe_launches(name_or_cfg, T, *, d=5120, I=2304, E=96, k=6, precision="refere
     import jax
     import jax.numpy as jnp
     from dsflash.kernels import moe_gemm_triton as mt, moe_plan
-    cfg = moe_plan.NAMED_CONFIGS[name_or_cfg] if isinstance(name_or_cfg, str) else name_or_cfg
+    cfg = moe_plan.named_config(name_or_cfg) if isinstance(name_or_cfg, str) else name_or_cfg
     act_fp8 = precision == "reference"
     rec = _Recorder()
     old = sys.modules.get("jax_triton")
@@ -370,7 +370,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="mode", required=True)
     m = sub.add_parser("moe", help="a named moe_plan config at token counts, as the launcher compiles it")
-    m.add_argument("configs", help="comma-separated names from moe_plan.NAMED_CONFIGS")
+    m.add_argument("configs", help="comma-separated names (moe_plan.named_configs())")
     m.add_argument("--tokens", default="1,16")
     m.add_argument("--precision", default="reference", choices=("reference", "bf16"))
     g = sub.add_parser("kernel", help="any @triton.jit kernel: module:function")

@@ -223,7 +223,8 @@ def check_crafted(cfg, precision="reference", T=6, E=4, D=128, seed=1):
 
 def _crafted_cases():
     """The default families pick_config returns (fitted to D = I = 128), both precisions where they exist."""
-    from dsflash.kernels.moe_plan import NAMED_CONFIGS as nc
+    from dsflash.kernels.moe_plan import named_configs
+    nc = named_configs()
     f = lambda name: mt.fit_config(nc[name], 128, 128)      # noqa: E731
     return [(f("sw_eo_np_bm8"), dict()), (f("sw_eo_np"), dict()), (f("sw_eo_prefill_w8"), dict(T=40)),
             (f("sw_eo_np"), dict(precision="bf16")), (f("sw_eo_prefill_w8"), dict(T=40, precision="bf16")),
@@ -289,7 +290,8 @@ def _ps_cases():
     """mma "swap_ps" (2026-12-01): scales applied after per-32-group fp16 MMAs of the raw codes; split and unsplit,
     one and several K groups per iteration, decode and prefill-sized tiles, the named configs fitted to the shape."""
     MC = mt.MoeConfig
-    from dsflash.kernels.moe_plan import NAMED_CONFIGS as nc
+    from dsflash.kernels.moe_plan import named_configs
+    nc = named_configs()
     return [
         (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=64, KS_UP=4, KS_DOWN=2, prefetch=False), {}),
         (MC(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=128, KS_UP=1, KS_DOWN=1, prefetch=False),

@@ -93,10 +93,15 @@ def test_bad_shapes(bad):
         ik.indexer_topk(q, w, k, visible, valid, topk=4, cand=cand)
 
 
-def test_tiny_decode_prefers_xla():
-    """backend="triton" keeps <= 8192 row-entries (1 decode row x 8K) on XLA: the kernel lost there on the H200."""
-    q, w, k, visible, valid = _inputs(B=1, S=1, T=ik.XLA_MAX_ROW_ENTRIES)
-    assert ik.prefers_xla(q, k)
-    q2, _, k2, _, _ = _inputs(B=2, S=1, T=ik.XLA_MAX_ROW_ENTRIES)
-    assert not ik.prefers_xla(q2, k2)
-    assert not ik.prefers_xla(*_inputs(B=64, S=1, T=16384)[::2][:2])
+def test_tiny_decode_stays_on_xla():
+    """The indexer's crossover (kernels/dispatch.py GATES["indexer"]) keeps <= 8192 row-entries (1 decode row x 8K)
+    on XLA: the kernel lost there on the H200."""
+    from dsflash.kernels import dispatch
+
+    def triton_at(q, k):
+        return dispatch.GATES["indexer"].covers(q.shape[0] * q.shape[1] * k.shape[1])
+    q, w, k, visible, valid = _inputs(B=1, S=1, T=dispatch.INDEXER_XLA_MAX_ROW_ENTRIES)
+    assert not triton_at(q, k)
+    q2, _, k2, _, _ = _inputs(B=2, S=1, T=dispatch.INDEXER_XLA_MAX_ROW_ENTRIES)
+    assert triton_at(q2, k2)
+    assert triton_at(*_inputs(B=64, S=1, T=16384)[::2][:2])

@@ -58,9 +58,10 @@ def test_bad_backend_and_shapes():
             mf.mhc_fused(*args, **kw)
 
 
-def test_model_routes_mhc_through_the_fused_ops_by_the_table(monkeypatch):
-    """forward.py runs mHC as pre_mix / post_mix with the run's backend where ``TRITON_TOKENS`` says the kernel was
-    measured faster, else with "xla"; on CPU both give the XLA pieces' numbers (the kernel runs only on a GPU)."""
+def test_model_routes_mhc_through_the_fused_ops(monkeypatch):
+    """forward.py runs mHC as pre_mix / post_mix through ``mhc_fused`` with the run's own backend (the crossover
+    table is applied inside, by kernels/dispatch.py: tests/test_kernels_dispatch.py); on CPU "triton" gives the XLA
+    pieces' numbers (the kernel runs only on a GPU)."""
     import jax
 
     import dsflash
@@ -68,20 +69,18 @@ def test_model_routes_mhc_through_the_fused_ops_by_the_table(monkeypatch):
     seen = []
     real = mf.mhc_fused
 
-    def spy(*a, backend="xla", **k):
+    def spy(*a, backend="auto", **k):
         seen.append(backend)
         return real(*a, backend=backend, **k)
     monkeypatch.setattr(mf, "mhc_fused", spy)
     tokens = np.arange(16, 48, dtype=np.int32)[None]
     want = m.logits(tokens, backend="xla")
     assert seen and set(seen) == {"xla"}
-    for table, expect in ((((1, None),), {"triton"}), ((), {"xla"}), (((64, None),), {"xla"})):
-        monkeypatch.setattr(mf, "TRITON_TOKENS", table)
-        jax.clear_caches()
-        seen.clear()
-        got = m.logits(tokens, backend="triton")
-        assert seen and set(seen) == expect, (table, set(seen))
-        np.testing.assert_array_equal(got, want)
+    jax.clear_caches()
+    seen.clear()
+    got = m.logits(tokens, backend="triton")
+    assert seen and set(seen) == {"triton"}
+    np.testing.assert_array_equal(got, want)
 
 
 def test_collapse_and_expand_pin_fp32_products():
@@ -152,13 +151,14 @@ def test_plan_rejects_unsupported_shapes():
             mf.check_plan(dict(good, **bad), 4, 256)
 
 
-def test_prefers_xla_table(monkeypatch):
-    # the kernel at every size since the demo-model check on the H200 (mhc_fused.py, above the table)
-    assert mf.TRITON_TOKENS == ((1, None),) and not any(mf.prefers_xla(T) for T in TS)
-    monkeypatch.setattr(mf, "TRITON_TOKENS", ())
-    assert all(mf.prefers_xla(T) for T in TS)
-    monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, 64), (4096, None)))
-    assert [mf.prefers_xla(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [False, False, True, True, False, False]
+def test_crossover_table():
+    # the kernel at every size since the demo-model check on the H200 (kernels/dispatch.py, GATES["mhc"])
+    from dsflash.kernels import dispatch
+    gate = dispatch.GATES["mhc"]
+    assert gate.triton == ((1, None),) and all(gate.covers(T) for T in TS)
+    assert not any(gate.replace(triton=()).covers(T) for T in TS)
+    two = gate.replace(triton=((1, 64), (4096, None)))
+    assert [two.covers(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [True, True, False, False, True, True]
 
 
 @pytest.mark.parametrize("dot,terms", [(2, 2), (2, 3), (3, 2), (1, 1)])

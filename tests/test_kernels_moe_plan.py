@@ -55,9 +55,9 @@ def test_pick_config_and_dispatch():
     # 2026-12-01 run 12: their BM 8 form faster up to 64 tokens (384 slots) with FP8 activations
     for T in (1, 16, 64, 65, 256, 512):
         want = "sw_eo_np_bm8" if T <= 64 else "sw_eo_np"
-        assert moe_plan.pick_config(T * 6, 96) is moe_plan.NAMED_CONFIGS[want], T
-        assert moe_plan.pick_config(T * 6, 96, act_fp8=False) is moe_plan.NAMED_CONFIGS["sw_eo_np"]
-    assert moe_plan.pick_config(4096 * 6, 96) is moe_plan.NAMED_CONFIGS["sw_eo_prefill_w8"]
+        assert moe_plan.pick_config(T * 6, 96) is moe_plan.named_config(want), T
+        assert moe_plan.pick_config(T * 6, 96, act_fp8=False) is moe_plan.named_config("sw_eo_np")
+    assert moe_plan.pick_config(4096 * 6, 96) is moe_plan.named_config("sw_eo_prefill_w8")
     assert moe_plan.pick_config(4096 * 6, 96, act_fp8=False) is moe_plan.PREFILL_CONFIG
     assert moe_plan.pick_config(16384 * 6, 96) is moe_plan.PREFILL_CONFIG
     with pytest.raises(ValueError):
@@ -67,13 +67,13 @@ def test_pick_config_and_dispatch():
 def test_split_k_plan():
     """Split-K decode configs: auto KS fills >= min_programs where it can, divides K into whole units, keeps
     >= 2 units per split; explicit KS is checked. V4.1 numbers (d=5120, I=2304, 96 experts, top-6)."""
-    cfg = moe_plan.NAMED_CONFIGS["sk_bf16"]
+    cfg = moe_plan.named_config("sk_bf16")
     assert moe_plan.split_ks(cfg, 6, 96, 5120, 2304) == (5, 6)        # 1 token: 6 tiles x 36 x 5, 6 x 40 x 6
     assert moe_plan.split_ks(cfg, 96, 96, 5120, 2304) == (1, 1)       # 16 tokens: enough tiles already
-    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sk_gemv"], 6, 96, 5120, 2304) == (5, 3)   # BM=1: 6 tiles
-    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["slab_bf16"], 6, 96, 5120, 2304) == (1, 1)
+    assert moe_plan.split_ks(moe_plan.named_config("sk_gemv"), 6, 96, 5120, 2304) == (5, 3)   # BM=1: 6 tiles
+    assert moe_plan.split_ks(moe_plan.named_config("slab_bf16"), 6, 96, 5120, 2304) == (1, 1)
     for name in ("sk_bf16", "sk_bf16_bk256", "sk_bf16_w8", "sk_fp8", "sk_gemv", "sk_gemv_bk256"):
-        c = moe_plan.NAMED_CONFIGS[name]
+        c = moe_plan.named_config(name)
         unit = 32 * c.KSUB if c.mma == "fp8" else c.BK
         ku, kd = moe_plan.split_ks(c, 6, 96, 5120, 2304)
         assert (5120 // unit) % ku == 0 and (2304 // unit) % kd == 0
@@ -112,7 +112,7 @@ def test_onehot_schedule_equals_sort(T, k, E, BM, skew):
 
 
 def test_fit_config_shrinks_blocks_to_small_models_and_keeps_v41_configs():
-    for cfg in moe_plan.NAMED_CONFIGS.values():          # tuned at V4.1's sizes: untouched there
+    for cfg in moe_plan.named_configs().values():          # tuned at V4.1's sizes: untouched there
         assert moe_plan.fit_config(cfg, 5120, 2304) == cfg
     for rows, act_fp8 in ((8, True), (8, False), (4096, True)):  # the tiny preset: d = 256, I = 64
         cfg = moe_plan.fit_config(moe_plan.pick_config(rows, 8, act_fp8), 256, 64)
@@ -130,25 +130,25 @@ def test_post_scale_configs_plan():
     the ones the sm_90 compile stats in NOTES.md were taken at."""
     names = ("sw_ps", "sw_ps_bk64", "sw_ps_bn128", "sw_ps_bn128_bk64", "sw_ps_bm8", "sw_ps_bm8_w2")
     for name in names:
-        c = moe_plan.NAMED_CONFIGS[name]
+        c = moe_plan.named_config(name)
         assert c.kind == "sk" and c.mma == "swap_ps" and not c.prefetch
         assert moe_plan.pick_config(6, 96) is not c and moe_plan.pick_config(96, 96) is not c
         ku, kd = moe_plan.split_ks(c, 6, 96, 5120, 2304)
         assert 6 * (2304 // c.BN_UP) * ku >= c.min_programs and 6 * (5120 // c.BN_DOWN) * kd >= c.min_programs
         assert moe_plan.split_ks(c, 96, 96, 5120, 2304) == (1, 1)
-    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps"], 6, 96, 5120, 2304) == (5, 3)
-    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bn128"], 6, 96, 5120, 2304) == (10, 6)
+    assert moe_plan.split_ks(moe_plan.named_config("sw_ps"), 6, 96, 5120, 2304) == (5, 3)
+    assert moe_plan.split_ks(moe_plan.named_config("sw_ps_bn128"), 6, 96, 5120, 2304) == (10, 6)
     pytest.importorskip("triton")
     from dsflash.kernels import moe_gemm_triton as mt
     for name in names:
-        c = moe_plan.NAMED_CONFIGS[name]
+        c = moe_plan.named_config(name)
         assert mt.sk_plan(c, 96, 96, 5120, 2304)["hout"] == 0
         with pytest.raises(NotImplementedError):
             mt.sk_plan(c, 96, 96, 5120, 2304, act_fp8=False)
-    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bm8"], 6, 96, 5120, 2304) == (5, 3)
-    assert moe_plan.split_ks(moe_plan.NAMED_CONFIGS["sw_ps_bm8_ks1"], 6, 96, 5120, 2304) == (1, 1)
+    assert moe_plan.split_ks(moe_plan.named_config("sw_ps_bm8"), 6, 96, 5120, 2304) == (5, 3)
+    assert moe_plan.split_ks(moe_plan.named_config("sw_ps_bm8_ks1"), 6, 96, 5120, 2304) == (1, 1)
     assert moe_plan.num_tiles(96, 96, 8) == 108                  # 16 tokens: 12 more (spare) tiles than BM 16
     # the kinds before it are unchanged: swapped kernels send bf16 carriers, the fp8 split-K kernel codes + scales
-    assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304)["hout"] == 1
-    assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sw_eo_np"], 96, 96, 5120, 2304, act_fp8=False)["hout"] == 2
-    assert mt.sk_plan(moe_plan.NAMED_CONFIGS["sk_fp8"], 96, 96, 5120, 2304)["hout"] == 0
+    assert mt.sk_plan(moe_plan.named_config("sw_eo_np"), 96, 96, 5120, 2304)["hout"] == 1
+    assert mt.sk_plan(moe_plan.named_config("sw_eo_np"), 96, 96, 5120, 2304, act_fp8=False)["hout"] == 2
+    assert mt.sk_plan(moe_plan.named_config("sk_fp8"), 96, 96, 5120, 2304)["hout"] == 0

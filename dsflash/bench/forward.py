@@ -63,7 +63,9 @@ import warnings
 
 import numpy as np
 
+from dsflash import compile_options
 from dsflash.bench.kernels import _commit
+from dsflash.kernels.dispatch import BACKENDS, describe, kernel_summary, resolve_backend
 
 # cheaper CPU codegen for tests (--fast-compile); never used for reported GPU numbers
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -198,7 +200,8 @@ class ForwardBench:
         self.host_table_bytes = sum(w.nbytes + sc.nbytes for w, sc in tables.values())
         self.init_s = time.perf_counter() - t0          # draw + place, one tensor at a time
         self.balance_ranks = self.n_ep if self.n_ep > 1 else args.balance_ranks
-        self.compile_opts = FAST_COMPILE if args.fast_compile else None
+        # the numerics option per program (dsflash.compile_options), plus --fast-compile's
+        self.compile_opts = compile_options.options(FAST_COMPILE if args.fast_compile else None)
         self._lag_rate = None
         self._compiled = {}
         self._last_compile_s = 0.0
@@ -754,7 +757,10 @@ def build_parser():
     ap.add_argument("--preset", default="tiny", help="model preset (tiny, bench, bench-4l-48e, bench-4l-96e, ...) or a config.json path")
     ap.add_argument("--mesh", default=None, help="mesh spec (dep=N, dep=4,tp=2); default: one device, no mesh")
     ap.add_argument("--precision", default="reference", choices=("reference", "bf16", "fp32"))
-    ap.add_argument("--backend", default="xla", choices=("xla", "triton"))
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="kernel backend (auto: Triton on a GPU with jax-triton, XLA otherwise; dsflash.kernels.dispatch)")
+    ap.add_argument("--raise-errors", action="store_true",
+                    help="stop at the first failing point with its traceback (default: record it and go on)")
     ap.add_argument("--prefill", nargs="*", default=None, help="N@C points (new tokens @ cached tokens)")
     ap.add_argument("--decode", nargs="*", default=None, help="B@C points (sequences per DP rank @ context)")
     ap.add_argument("--draft-rows", type=int, default=None, help="rows per sequence in decode (default 1 + DSpark block)")
@@ -846,7 +852,9 @@ def main(argv=None):
         device=dev.device_kind, platform=dev.platform, num_devices=len(jax.devices()),
         mesh=mesh_spec(bench.mesh) if bench.mesh is not None else "single", dp_ranks=bench.n_dp,
         ep_ranks=bench.n_ep, preset=args.preset, config_hash=cfg.hash(), precision=args.precision,
-        backend=args.backend, page_size=args.page_size, draft_rows=args.draft_rows,
+        backend=args.backend, backend_resolved=resolve_backend(args.backend),
+        kernels=kernel_summary(cfg, args.backend, precision=args.precision, expert_shards=bench.n_ep),
+        page_size=args.page_size, draft_rows=args.draft_rows,
         ep=dict(collective=args.ep_collective, decode_mode=args.ep_decode_mode,
                 capacity_factor=args.capacity_factor) if bench.mesh is not None else None,
         versions={"python": platform.python_version(), "jax": jax.__version__},
@@ -882,13 +890,14 @@ def main(argv=None):
 
     log(f"bench forward: preset {args.preset} ({cfg.hash()}), mesh {result['mesh']} (DP {bench.n_dp}, EP "
         f"{bench.n_ep}), {args.precision}/{args.backend}, {dev.device_kind}")
+    log("  " + describe(cfg, args.backend, precision=args.precision, expert_shards=bench.n_ep))
     for phase, pts in (("prefill", pre), ("decode", dec)):
         for n, C in pts:
             try:
                 result["points"].append(bench.point(phase, n, C, log))
             except Exception as e:  # noqa: BLE001 - one bad point (e.g. OOM) must not lose the others
                 log(f"  {phase} {n}@{C}: FAILED {type(e).__name__}: {str(e)[:300]}")
-                if os.environ.get("DSFLASH_BENCH_RAISE"):
+                if args.raise_errors:
                     raise
                 result.setdefault("failed", []).append({"phase": phase, "n": n, "C": C,
                                                         "error": f"{type(e).__name__}: {str(e)[:1000]}"})

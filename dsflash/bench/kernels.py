@@ -34,6 +34,8 @@ import traceback
 
 import numpy as np
 
+from dsflash.kernels.dispatch import BACKENDS, resolve_backend, use_triton
+
 
 def _commit():
     c = os.environ.get("DSFLASH_COMMIT")
@@ -234,7 +236,7 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
         names = [n for n in (args.decode_configs if S <= 32 * E else args.prefill_configs).split(",") if n]
         for name in names:
             try:
-                row["configs"][name], _ = time_jax_loop(tri(moe_plan.NAMED_CONFIGS[name]), varying, fixed,
+                row["configs"][name], _ = time_jax_loop(tri(moe_plan.named_config(name)), varying, fixed,
                                                         reps=args.reps)
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = None
@@ -244,7 +246,7 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
         if ok:
             best = min(ok, key=ok.get)
             row["triton_best_config"], row["triton_s"] = best, ok[best]
-            bcfg = moe_plan.NAMED_CONFIGS[best]
+            bcfg = moe_plan.named_config(best)
             # the two kernel launches alone, on prepared inputs (no routing sort / activation quantisation)
             try:
                 keys = ("xq", "xs", "tok", "rw", "order", "tile_e", "tile_s", "tile_end")
@@ -342,8 +344,8 @@ def bench_sparse_attn(args, ceilings, log, rows, save=lambda: None):
                      flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
         row = dict(B=B, S=S, H=H, D=D, K=K, N=N, unique_rows_per_seq=uniq, bytes_min=bytes_min, flops=flops,
                    roofline_s=t_roof)
-        # "triton" = the kernel with the shape's PICK_TABLE config (what the dispatch runs once TRITON_ROWS allows
-        # it); each named variant (--attn-variants) is timed and error-checked into row["variants"].
+        # "triton" = the kernel with the shape's PICK_TABLE config (what the dispatch runs where its crossover table
+        # allows it); each named variant (--attn-variants) is timed and error-checked into row["variants"].
         from dsflash.kernels import sparse_attention_triton as sat
         names = [None] + [v for v in args.attn_variants.split(",") if v]
         row["picked_variant"] = next(n for m, n in sat.PICK_TABLE if m is None or B * S <= m)
@@ -429,7 +431,7 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
         flops = 2.0 * B * S * Hi * T * Di
         row = dict(B=B, S=S, T=T, Hi=Hi, Di=Di, topk=K, bytes_min=bytes_min, flops=flops,
                    roofline_s=_roof(bytes_min, flops, ceilings))
-        # the kernel path itself (indexer_topk(backend="triton") keeps tiny shapes on XLA: prefers_xla)
+        # the kernel path itself (indexer_topk(backend="triton") keeps tiny shapes on XLA: kernels/dispatch.py)
         ops = {"triton": lambda q_, w_, k_, v_, m_: ik.select(it.indexer_scores_triton(q_, w_, k_, v_, m_), v_,
                                                               topk=K)[0],
                "triton_scores_only": lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_)}
@@ -528,6 +530,22 @@ def table(rows, ceilings):
     return "\n".join(lines)
 
 
+# the size each section's row means to kernels/dispatch.py (use_triton's ``size``)
+DISPATCH_SIZES = {"moe_gemm": ("moe", lambda r: r["slots"]),
+                  "sparse_attention": ("sparse_attention", lambda r: r["B"] * r["S"]),
+                  "indexer": ("indexer", lambda r: r["B"] * r["S"] * r["T"]),
+                  "mhc": ("mhc", lambda r: r["T"])}
+
+
+def mark_dispatch(result, backend):
+    """Record per row what the dispatch runs at that shape under ``backend`` ("triton" | "xla"), so one JSON holds
+    the timings and the crossover tables' decision side by side (precision "reference", as timed)."""
+    result["backend"], result["backend_resolved"] = backend, resolve_backend(backend)
+    for sec, (kernel, size) in DISPATCH_SIZES.items():
+        for r in result.get(sec, []):
+            r["dispatch"] = "triton" if use_triton(kernel, backend, size(r), precision="reference") else "xla"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dsflash.bench kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,16,64,256,4096,16384", help="tokens per rank, comma-separated")
@@ -540,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--decode-configs",
                     default="fp8mma_decode,ds_decode_rt,sk_bf16,sk_bf16_bk256,sk_bf16_w8,slab_bf16,sk_fp8,sk_gemv,"
                     "sk_gemv_bk256",
-                    help="named configs (moe_plan.NAMED_CONFIGS) timed when slots <= 32 * experts")
+                    help="named configs (moe_plan.named_config) timed when slots <= 32 * experts")
     ap.add_argument("--prefill-configs", default="ds_prefill_rt,ds_prefill_bn128",
                     help="named configs timed above that")
     ap.add_argument("--bf16-tokens", default="64,4096", help="sizes where the bf16-activation variant is timed")
@@ -554,6 +572,9 @@ def main(argv=None):
                     "flash_bk32,flash_bk32_s7,flash_bk32_s3,flash_bk64,flash_bk64_s2,flash_bk32_ns1,flash_bk64_ns1,"
                     "flash_bk32_ns2",
                     help="sparse_attention_triton.NAMED_CONFIGS timed per shape (a column each)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS,
+                    help="the model's backend setting: each row records what kernels/dispatch.py runs at its shape "
+                         "under it (\"dispatch\"); the kernels and the XLA reference are timed either way")
     ap.add_argument("--skip-moe", action="store_true")
     ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated")
     ap.add_argument("--indexer-shapes", default="1x1x8192,64x1x16384,256x1x8192,32x1x65536,128x6x16384,"
@@ -619,6 +640,7 @@ def main(argv=None):
         bench_indexer(args, ceilings, log, result["indexer"], save)
     if "mhc" in ops:
         bench_mhc(args, ceilings, log, result["mhc"], save)
+    mark_dispatch(result, args.backend)
     save()
     print(f"\nwrote {path}")
     print("per-config ms (best marked *):")

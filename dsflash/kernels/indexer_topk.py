@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsflash.kernels import dispatch
+
 
 def _check(q, w, k, visible, valid, cand):
     if q.ndim != 4:
@@ -92,28 +94,12 @@ def indexer_topk_reference(q, w, k, visible, valid, *, topk, cand=None, cand_fil
                   cand_filter=cand_filter)
 
 
-def use_triton(backend):
-    """``backend="triton"`` runs the kernel on a GPU only; CPU (and any non-GPU platform) uses the reference."""
-    if backend not in ("xla", "triton"):
-        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
-    return backend == "triton" and jax.default_backend() == "gpu"
-
-
-# Below this many (query row x entry) scores the Triton scorer loses to the XLA reference: H200, 2026-11-30
-# (commit 199278b, scores + top-512): 1 row x 8192 entries 0.095 ms Triton vs 0.078 ms XLA (0.82x; launch-bound,
-# the scores alone take 0.047 ms), while 64 x 16384 is 1.18x, 32 x 65536 1.22x, 128 x 6 x 16384 1.11x. The
-# crossover between 8K and 1M row-entries is unmeasured; this threshold only covers the measured losing point.
-XLA_MAX_ROW_ENTRIES = 8192
-
-
-def prefers_xla(q, k):
-    """True when ``backend="triton"`` should still score in XLA (one decode row over <= 8K entries)."""
+def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, backend="auto", force=False):
+    """Scores by the reference or the Triton scorer, as ``dispatch.use_triton("indexer", ...)`` decides at B*S*T
+    row-entries (the kernel on a GPU above 8K: one decode row over <= 8K entries stays on XLA; ``force``: at any
+    size, for tests and the bench); the selection stage is shared."""
     B, S = q.shape[:2]
-    return B * S * k.shape[1] <= XLA_MAX_ROW_ENTRIES
-
-
-def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, backend="xla"):
-    if not use_triton(backend) or prefers_xla(q, k):
+    if not dispatch.use_triton("indexer", backend, B * S * k.shape[1], force=force):
         return indexer_topk_reference(q, w, k, visible, valid, topk=topk, cand=cand, cand_filter=cand_filter)
     from dsflash.kernels import indexer_topk_triton  # lazy: needs a CUDA GPU and jax-triton
     score = indexer_topk_triton.indexer_scores_triton(q, w, k, visible, valid, cand)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsflash.kernels import dispatch
+
 
 # fp32 products for the collapse / expand contractions. Without it JAX's DEFAULT precision runs an fp32 einsum in
 # TF32 on recent GPUs (comb rounded to 10 mantissa bits, ~2^-11 relative): on the H200 (2026-11-30) the expand
@@ -162,34 +164,12 @@ def check_plan(p, n, d):
                          f"d % (DS*BD) == 0")
 
 
-# Where the MODEL runs the kernel (forward.py routes mHC through ``mhc.pre_mix`` / ``post_mix`` with backend
-# "triton" where ``prefers_xla(tokens)`` is False): token-count ranges (inclusive; None = no upper bound).
-# The split-d kernel beat XLA at every measured size on the H200 (2026-11-30, commit 4ae4c64: 0.099 / 0.079 / 0.085 /
-# 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens against 0.318 / 0.395 / 0.423 / 0.305 / 1.207 /
-# 4.316, 2.1-5.0x) and passes tests/gpu/test_mhc.py. The tiny random model cannot judge it end to end at
-# "reference" (one fp32 ulp of coefficient noise moves its logits by 1.7e-1 on CPU: FP8 / bf16 round trips turn ulp
-# differences into flipped roundings), so the switch was decided by tests/gpu/test_model_mhc_kernel.py on the
-# trained demo model (H200, 2026-12-01: kernel vs XLA logits 3.1e-2 against 3.9e-2 for 4e-6 coefficient noise).
-TRITON_TOKENS: tuple = ((1, None),)
-
-
-def prefers_xla(T: int) -> bool:
-    """True when the model should keep mHC on XLA at T tokens (not measured faster with the kernel)."""
-    return not any(lo <= T and (hi is None or T <= hi) for lo, hi in TRITON_TOKENS)
-
-
-def use_triton(backend):
-    """``backend="triton"`` runs the kernel on a GPU only; CPU (and any non-GPU platform) uses the reference."""
-    if backend not in ("xla", "triton"):
-        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
-    return backend == "triton" and jax.default_backend() == "gpu"
-
-
-def mhc_fused(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, iters, out_dtype, backend="xla"):
-    """``backend="triton"`` runs the kernel on a GPU at every size (tests, bench; ``TRITON_TOKENS`` does not gate
-    this entry point, it is for the model's routing through ``dsflash.model.mhc.pre_mix`` / ``post_mix``)."""
+def mhc_fused(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, iters, out_dtype, backend="auto",
+              force=False):
+    """The reference or the Triton kernel, as ``dispatch.use_triton("mhc", ...)`` decides at T tokens (the kernel
+    on a GPU at every size today; ``force``: at any size whatever the table says, for tests and the bench)."""
     kw = dict(eps=eps, rms_eps=rms_eps, iters=iters, out_dtype=out_dtype)
-    if not use_triton(backend):
+    if not dispatch.use_triton("mhc", backend, X.shape[0], force=force):
         return mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)
     from dsflash.kernels import mhc_fused_triton  # lazy: needs a CUDA GPU and jax-triton
     return mhc_fused_triton.mhc_fused_triton(X, a, fn, base, scale, expand_args, **kw)

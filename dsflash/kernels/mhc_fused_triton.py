@@ -7,7 +7,8 @@ tests/gpu/test_mhc.py (X1 / h within the one-ulp band, 0 elements off at V4.1 sh
 0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x; still 1-33 % of the roofline). The first design (one program
 per 16 tokens walking all of d) was slower than XLA everywhere (0.97 vs 0.32 ms at 1 token); its sm_90 compile
 spills (255 registers, 2.4 KB with expand). The model runs it through ``mhc.pre_mix`` / ``post_mix`` at every size
-since 2026-12-01 (``mhc_fused.TRITON_TOKENS``; the end-to-end check that decided it is in the note above that table).
+since 2026-12-01 (``GATES["mhc"]`` in kernels/dispatch.py; the end-to-end check that decided it is in the note
+beside that table).
 
 Design (blocking from ``mhc_fused.kernel_plan``):
 * ``pack_fn`` (XLA, once a call): fn [NC, n*d] fp32 -> [parts, d/BD, n*BD, NCP], zero-padded to NCP columns, so

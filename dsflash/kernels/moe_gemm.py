@@ -1,6 +1,6 @@
 """Routed-expert grouped GEMM (SwiGLU) over MXFP4 expert weights.
 
-``routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision, backend)``
+``routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision, backend)`` (backend: see ``dispatch``)
   x [T, d] bf16 (or f32 in "fp32" precision); idx [T, k] int32 expert ids; weight [T, k] f32 routing weights
   w1/w3 [E, I, d/2] int8 (E2M1 nibble pairs, low nibble first), s1/s3 [E, I, d/32] uint8 UE8M0
   w2 [E, d, I/2] int8, s2 [E, d, I/32] uint8
@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsflash.kernels import dispatch
 from dsflash.model import quant
 
 
@@ -104,16 +105,13 @@ def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, preci
     return jnp.zeros((T, d), jnp.float32).at[tok].add(o)
 
 
-def routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="xla", layer=None):
-    """Dispatch by backend. ``layer`` (the block name) is accepted for hook compatibility and unused here.
-    ``backend="triton"`` runs the kernel on a GPU only; on any other platform the reference, as for the other
-    kernels (before, a CPU run failed inside jit for want of jax-triton)."""
-    if backend not in ("xla", "triton"):
-        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
-    if backend == "xla" or jax.default_backend() != "gpu":
+def routed_moe(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference", backend="auto", layer=None):
+    """The reference or the Triton kernel, as ``dispatch.use_triton("moe", ...)`` decides (the kernel on a GPU at
+    every size; "auto" keeps precision "fp32", which the kernel lacks, on the reference). ``layer`` (the block
+    name) is accepted for hook compatibility and unused here."""
+    dispatch.check_backend(backend)         # before touching the arrays: a bad setting fails the same way always
+    if not dispatch.use_triton("moe", backend, idx.shape[0] * idx.shape[1], precision=precision):
         return routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, limit=limit, precision=precision)
-    if backend == "triton":
-        from dsflash.kernels import moe_gemm_triton  # lazy: needs a CUDA GPU and jax-triton
-        return moe_gemm_triton.routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, limit=limit,
-                                                 precision=precision)
-    raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
+    from dsflash.kernels import moe_gemm_triton  # lazy: needs a CUDA GPU and jax-triton
+    return moe_gemm_triton.routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, limit=limit,
+                                             precision=precision)

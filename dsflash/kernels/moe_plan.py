@@ -42,15 +42,6 @@ class MoeConfig:
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)
 
 
-FP8MMA_DECODE = MoeConfig()
-FP8MMA_PREFILL = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)
-DS_DECODE = MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=256, warps_up=4, warps_down=4, stages=3)
-DS_PREFILL = MoeConfig(kind="ds", BM=128, BN_UP=64, BN_DOWN=128, BK=128, warps_up=8, warps_down=8, stages=3)
-DS_DECODE_RT = MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=4, act="bf16rt")
-DS_PREFILL_RT = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3,
-                          act="bf16rt")
-DS_PREFILL_BN128 = MoeConfig(kind="ds", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8, warps_down=8, stages=3)
-SK_FP8 = MoeConfig(kind="sk", mma="fp8", BM=16, BN_UP=64, BN_DOWN=64, KSUB=4, stages=4)
 # Defaults (2026-11-30, H200 runs 7-9, whole op in ms; JSON benchmarks/results/kernels_20261130_h200_run{7,8,9}*):
 # swapped operands with even/odd nibble planes and Triton's own load pipelining beat every earlier kernel.
 # Decode sw_eo_np: 0.146 / 0.805 / 1.147 / 1.630 ms at 1 / 16 / 64 / 256 tokens (run 9), against sk_fp8 (the
@@ -68,83 +59,30 @@ DECODE_SMALL_CONFIG, DECODE_SMALL_MAX_ROWS = SW_EO_NP_BM8, 384
 DECODE_CONFIG = SW_EO_NP              # decode (rows <= 32 * experts), FP8 activations
 DECODE_BF16_CONFIG = SW_EO_NP         # decode, bf16 activations
 PREFILL_CONFIG = SW_EO_PREFILL_W8
+# The defaults by name (what pick_config returns); the variants they were judged against live in
+# kernels/experimental/moe_configs.py (README.md there names the benchmark JSON of each): ``named_config(name)``
+# finds either.
 NAMED_CONFIGS = {
-    "fp8mma_decode": FP8MMA_DECODE,
-    "fp8mma_prefill": FP8MMA_PREFILL,
-    "ds_decode": DS_DECODE,
-    "ds_decode_bk128": MoeConfig(kind="ds", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=4),
-    "ds_decode_bn32": MoeConfig(kind="ds", BM=16, BN_UP=32, BN_DOWN=64, BK=256, stages=3),
-    "ds_prefill": DS_PREFILL,
-    "ds_prefill_bm64": MoeConfig(kind="ds", BM=64, BN_UP=64, BN_DOWN=128, BK=128, warps_up=4, warps_down=4,
-                                 stages=3),
-    "ds_prefill_bn128": DS_PREFILL_BN128,
-    "ds_decode_rt": DS_DECODE_RT,
-    "ds_prefill_rt": DS_PREFILL_RT,
-    # split-K decode variants (2026-11-30; H200 run 6: all pass tests/gpu, sk_fp8 the fastest; NOTES.md)
-    "sk_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3),
-    "sk_bf16_bk256": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3),
-    "sk_bf16_w8": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
-                            warps_down=8, stages=3),
-    "slab_bf16": MoeConfig(kind="sk", mma="bf16", BM=16, BN_UP=64, BN_DOWN=128, BK=128, stages=3, KS_UP=1,
-                           KS_DOWN=1),
-    "sk_fp8": SK_FP8,
-    "sk_gemv": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
-    "sk_gemv_bk256": MoeConfig(kind="sk", mma="gemv", BM=1, BN_UP=32, BN_DOWN=32, BK=256, stages=3),
-    # swapped operands (weights as the MMA's left operand; 2026-11-30, all pass tests/gpu; timings in NOTES.md):
-    # decode with split K ...
-    "sw_bf16": MoeConfig(kind="sk", mma="swap", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
-    "sw_eo": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3),
-    "sw_eo_bn128": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=3),
     "sw_eo_np": SW_EO_NP,
-    "sw_eo_np_bk256": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3,
-                                prefetch=False),
-    "sw_eo_np_s6": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=6,
-                             prefetch=False),
-    "sw_eo_np_bn128": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=4,
-                                prefetch=False),
-    "sw_eo_np_w8": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
-                             warps_down=8, stages=4, prefetch=False),
-    "sw_eo_np_bk64": MoeConfig(kind="sk", mma="swap_eo", BM=16, BN_UP=64, BN_DOWN=64, BK=64, stages=6,
-                               prefetch=False),
-    "sw_bd_np": MoeConfig(kind="sk", mma="swap_bd", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
-    "sw_bd_np_bk256": MoeConfig(kind="sk", mma="swap_bd", BM=16, BN_UP=64, BN_DOWN=64, BK=256, stages=3,
-                                prefetch=False),
-    # ... and prefill (no split, token tiles of 64-128 as the MMA's N)
-    "sw_eo_prefill": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3,
-                               KS_UP=1, KS_DOWN=1, prefetch=False),
-    "sw_eo_prefill_bm128": MoeConfig(kind="sk", mma="swap_eo", BM=128, BN_UP=128, BN_DOWN=128, BK=64, warps_up=8,
-                                     warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
-    "sw_eo_prefill_bk128": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=128, BN_DOWN=128, BK=128, stages=3,
-                                     KS_UP=1, KS_DOWN=1, prefetch=False),
-    "sw_eo_prefill_w8": SW_EO_PREFILL_W8,
-    "sw_eo_prefill_bn256": MoeConfig(kind="sk", mma="swap_eo", BM=64, BN_UP=256, BN_DOWN=256, BK=64, warps_up=8,
-                                     warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
-    "sw_bd_prefill_w8": MoeConfig(kind="sk", mma="swap_bd", BM=128, BN_UP=128, BN_DOWN=128, BK=128, warps_up=8,
-                                  warps_down=8, stages=3, KS_UP=1, KS_DOWN=1, prefetch=False),
-    "sw_prefill": MoeConfig(kind="sk", mma="swap", BM=64, BN_UP=128, BN_DOWN=128, BK=64, stages=3, KS_UP=1,
-                            KS_DOWN=1, prefetch=False),
-    # decode, scales applied after the MMA per 32-wide K group (mma "swap_ps", 2026-12-01; FP8 activations only;
-    # pass tests/gpu on the H200 but were all slower than sw_eo_np_bm8 there, run 12; NOTES.md)
-    "sw_ps": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
-    "sw_ps_bk64": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=64, BK=64, stages=6, prefetch=False),
-    "sw_ps_bn128": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=128, BN_DOWN=128, BK=128, stages=4,
-                             prefetch=False),
-    "sw_ps_bn128_bk64": MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=128, BN_DOWN=128, BK=64, stages=6,
-                                  prefetch=False),
-    # BM 8 token tiles: Triton lowers the N = 8 dot to warp-level mma.sync instead of wgmma (no warpgroup waits or
-    # fences per group, 50-70 registers); sw_eo_np_bm8 is the existing kernel with only that change
-    "sw_ps_bm8": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
-    "sw_ps_bm8_w2": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=32, BN_DOWN=32, BK=128, warps_up=2,
-                              warps_down=2, stages=4, prefetch=False),
     "sw_eo_np_bm8": SW_EO_NP_BM8,
-    # BM 32 for 128-256 tokens (8-16 slots per expert on average, so BM 16 often needs 2 tiles and decodes the
-    # expert's weights twice; BM 8 lost 24 % there for that reason, run 12). Not yet run on a GPU.
-    "sw_eo_np_bm32": MoeConfig(kind="sk", mma="swap_eo", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
-                               prefetch=False),
-    # (d) fewer launches at 1 token: no K split (2 launches instead of 4; 216 / 480 programs instead of 1080 / 1440)
-    "sw_ps_bm8_ks1": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, KS_UP=1,
-                               KS_DOWN=1, prefetch=False),
+    "sw_eo_prefill_w8": SW_EO_PREFILL_W8,
 }
+
+
+def named_configs() -> dict:
+    """Every named config: the defaults, then the experimental variants."""
+    from dsflash.kernels.experimental.moe_configs import CONFIGS
+    return {**NAMED_CONFIGS, **CONFIGS}
+
+
+def named_config(name: str) -> MoeConfig:
+    """A config by name (default or experimental); ValueError naming the known ones otherwise."""
+    if name in NAMED_CONFIGS:
+        return NAMED_CONFIGS[name]
+    every = named_configs()
+    if name not in every:
+        raise ValueError(f"unknown MoE config {name!r}; known: {', '.join(sorted(every))}")
+    return every[name]
 
 
 def _ks_unit(cfg: MoeConfig) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsflash.kernels import dispatch
+
 NEG_CLAMP = -1e30
 
 
@@ -66,29 +68,13 @@ def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, 
     return out.swapaxes(0, 1).reshape(B, S, H, D)
 
 
-# Where ``backend="triton"`` really runs the Triton kernel: the query-row counts B*S (ranges, inclusive) at which a
-# GPU run measured the kernel faster than the jitted XLA reference; the variant used at each row count is
-# ``sparse_attention_triton.PICK_TABLE``. One H200, 2026-12-01 (v3 "flash", benchmarks/results/
-# kernels_20261201_h200_run11_attn_v3.json): 128 rows 0.108 ms vs XLA 0.181 (1.68x), 32x6 = 192 rows 0.153 vs
-# 0.253 (1.65x); still slower at 1 row (0.054 vs 0.036) and 32 rows (0.074 vs 0.066), so those stay on XLA.
-# Between 33 and 127 rows nothing was measured: XLA kept there.
-TRITON_ROWS: tuple = ((128, None),)
-
-
-def prefers_xla(q) -> bool:
-    """True when ``backend="triton"`` should still run the XLA reference at this shape (not measured faster)."""
-    rows = q.shape[0] * q.shape[1]
-    return not any(lo <= rows and (hi is None or rows <= hi) for lo, hi in TRITON_ROWS)
-
-
-def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", backend="xla",
+def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", backend="auto",
                           force=False):
-    """``backend="triton"`` runs the kernel only on a GPU and only where ``prefers_xla`` is False (or ``force``:
-    tests and the bench); otherwise the XLA reference. The kernel itself: ``sparse_attention_triton.
-    sparse_sink_attention_triton`` (always runs it)."""
-    if backend not in ("xla", "triton"):
-        raise ValueError(f"backend must be 'xla' or 'triton', got {backend!r}")
-    if backend == "xla" or jax.default_backend() != "gpu" or (not force and prefers_xla(q)):
+    """The reference or the Triton kernel, as ``dispatch.use_triton("sparse_attention", ...)`` decides at B*S query
+    rows (the kernel on a GPU from 128 rows; ``force``: at any size, for tests and the bench). The kernel itself:
+    ``sparse_attention_triton.sparse_sink_attention_triton`` (always runs it)."""
+    if not dispatch.use_triton("sparse_attention", backend, q.shape[0] * q.shape[1], precision=precision,
+                               force=force):
         return sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision)
     from dsflash.kernels import sparse_attention_triton  # lazy: needs a CUDA GPU and jax-triton
     return sparse_attention_triton.sparse_sink_attention_triton(q, kv, idx, sink, scale, out_dtype=out_dtype,

@@ -5,7 +5,8 @@ tests/gpu/test_sparse_attention.py on one H200 and was timed SLOWER than the jit
 shape (0.39-0.73x, dsflash/kernels/NOTES.md). v2 adds the variants below; they are checked against the reference
 in Triton's interpreter (``scripts/triton_interpret_sparse_attention.py``) and are timed per variant by
 ``python -m dsflash.bench kernels --ops attn``. v3 ("flash", below; 2026-12-01) beat XLA on the H200 from 128 query
-rows (1.66-1.68x); ``sparse_attention.prefers_xla`` keeps smaller row counts on XLA, where no variant won.
+rows (1.66-1.68x); the crossover in kernels/dispatch.py (``GATES["sparse_attention"]``) keeps smaller row counts on
+XLA, where no variant won.
 
 Numerics (exact two-pass, so P is rounded exactly as the reference rounds it): per query row and head,
 m = max(max_e s_e, -1e30) over ALL K selected entries first, then p = exp(s - m) (fp32), den = sum p (fp32),
@@ -88,7 +89,7 @@ NAMED_CONFIGS = {
 }
 # Shape -> variant used by ``sparse_sink_attention_triton(config=None)``: the first entry whose max_rows >= B*S.
 # From the v3 H200 run (2026-12-01, NOTES.md "v3"): flash BK64 with 2 stages was fastest at 1 and 32 rows (0.054 /
-# 0.074 ms, still slower than XLA there, so sparse_attention.TRITON_ROWS starts at 128); at 128 and 192 rows the
+# 0.074 ms, still slower than XLA there, so dispatch.GATES["sparse_attention"] starts at 128); at 128 and 192 rows the
 # BK64 flash variants were within 3 % of each other (0.105-0.108 / 0.153-0.156 ms), flash_bk64 taken.
 PICK_TABLE = (
     (32, "flash_bk64_s2"),
@@ -460,7 +461,7 @@ def split_combine(mpart, accp, denp, sink, out_shape, out_dtype):
 def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference",
                                  config=None, block_k=None, block_dv=None):
     """Always runs the kernel (no XLA fallback): tests, the bench and ``sparse_attention.sparse_sink_attention``
-    (which decides with ``prefers_xla``) call this. ``config``: an AttnConfig, a NAMED_CONFIGS key, or None
+    (which decides through ``dispatch.use_triton``) call this. ``config``: an AttnConfig, a NAMED_CONFIGS key, or None
     (``pick_config(B*S)``); ``block_k`` / ``block_dv`` override BK / DV."""
     import jax_triton as jt  # lazy: GPU only
 

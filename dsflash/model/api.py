@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsflash import compile_options
 from dsflash.config import PRESETS, ModelConfig, preset
 from dsflash.model import dspark
 from dsflash.model.forward import forward_jit
@@ -38,8 +39,8 @@ def _token_map(cfg: ModelConfig, tokenizer):
                      f"tokenizer's compressed vocabulary (SPEC §9.2) has {n} ids")
 
 
-_update_context_jit = jax.jit(dspark.update_context, static_argnums=(1, 7))
-_propose_jit = jax.jit(dspark.propose, static_argnums=(1, 6))
+_update_context_jit = compile_options.jit(dspark.update_context, static_argnums=(1, 7))
+_propose_jit = compile_options.jit(dspark.propose, static_argnums=(1, 6))
 
 
 class Model:
@@ -149,7 +150,7 @@ SHIPPED = {"demo": os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def load(model: str | os.PathLike = "demo", *, seed: int = 0, precision: str = "reference",
-         bounded_replay: str | None = None, replay_tail: int | None = None, backend: str = "xla",
+         bounded_replay: str | None = None, replay_tail: int | None = None, backend: str = "auto",
          page_size: int = 64, mesh=None, strategy: str = "dep", progress: bool = True,
          engram_tables: str = "device", **cfg_overrides) -> Model:
     """A shipped model (``"demo"``: the trained demo model, the default), a preset name (deterministic
@@ -160,6 +161,8 @@ def load(model: str | os.PathLike = "demo", *, seed: int = 0, precision: str = "
     ``mesh`` (a spec such as ``"dep=8"`` or a Mesh) places params, state and batches with the ``strategy``
     rule table of ``dsflash.sharding`` and runs the routed experts expert-parallel; rows are padded to a
     multiple of the DP size.
+    ``backend`` ("auto": Triton kernels on a GPU with jax-triton, XLA otherwise; "xla"; "triton") becomes
+    ``Model.opts.backend``; which kernel runs where is ``dsflash.kernels.dispatch``'s decision.
     ``cfg_overrides`` replace config fields of a preset (e.g. ``num_hidden_layers=4``)."""
     if engram_tables not in ("device", "host"):
         raise ValueError(f"engram_tables must be 'device' or 'host', got {engram_tables!r}")

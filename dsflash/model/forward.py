@@ -5,14 +5,12 @@ docs/model-contract.md for the batch/state contract.
 """
 from __future__ import annotations
 
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
+from dsflash import compile_options
 from dsflash.config import ModelConfig
-from dsflash.kernels import mhc_fused
 from dsflash.model import engram, mhc
 from dsflash.model.attention import Ctx, csa_attention, ring_write_mask, scatter_ring
 from dsflash.model.layers import act_dtype, linear_f32, rms_norm
@@ -58,15 +56,14 @@ def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, rou
     pre = f"{name}"
     # mHC at the two sublayer boundaries as fused ops: pre_mix = coefficients(X) + collapse(X, p); post_mix =
     # expand, then coefficients + collapse of the result. The XLA backend computes exactly the separate pieces;
-    # backend "triton" runs the fused kernel where mhc_fused.TRITON_TOKENS says it was measured faster.
-    mb = "xla" if mhc_fused.prefers_xla(math.prod(X.shape[:-2])) else backend
+    # the fused Triton kernel runs where kernels/dispatch.py says (its "mhc" crossover table).
     hx, (a_pre, a_post, a_comb) = mhc.pre_mix(X, p, params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"],
-                                              params[f"{pre}.hc_attn_scale"], cfg, precision, mb)
+                                              params[f"{pre}.hc_attn_scale"], cfg, precision, backend)
     x = rms_norm(hx, params[f"{pre}.attn_norm.weight"], cfg.rms_norm_eps, precision)
     y = attn_fn(x)
     X1, hf, (f_pre, f_post, f_comb) = mhc.post_mix(y, X, a_post, a_comb, a_pre, params[f"{pre}.hc_ffn_fn"],
                                                    params[f"{pre}.hc_ffn_base"], params[f"{pre}.hc_ffn_scale"], cfg,
-                                                   precision, mb)
+                                                   precision, backend)
     h = rms_norm(hf, params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
     z, load = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn, valid=valid)
     return mhc.expand(z, X1, f_post, f_comb, precision), f_pre, load
@@ -104,10 +101,11 @@ def engram_history(params, cfg, batch, state):
     return jnp.concatenate([prev, cids], axis=1), cids
 
 
-def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOptions = RunOptions(),
+def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOptions | None = None,
             routed_fn=None):
-    """Pure forward; jit with ``cfg``/``opts`` static. ``routed_fn`` optionally replaces the routed-expert
-    GEMM (expert-parallel sharding hook; called with ``layer=`` the block name)."""
+    """Pure forward; jit with ``cfg``/``opts`` static (None: ``RunOptions()``). ``routed_fn`` optionally replaces
+    the routed-expert GEMM (expert-parallel sharding hook; called with ``layer=`` the block name)."""
+    opts = RunOptions() if opts is None else opts
     prec = opts.precision
     L = cfg.num_hidden_layers
     ctx = make_ctx(batch, opts, batch.enc_floor)
@@ -182,6 +180,6 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
     return out, state
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5), donate_argnums=(3,))
+@compile_options.jit(static_argnums=(1, 4, 5), donate_argnums=(3,))
 def forward_jit(params, cfg, batch, state, opts, routed_fn=None):
     return forward(params, cfg, batch, state, opts, routed_fn)

@@ -36,13 +36,13 @@ def _fused(X, a, fn, base, scale, cfg, precision, backend, ex):
     return unflat(Xo), unflat(h), (unflat(pre), unflat(post), unflat(comb))
 
 
-def pre_mix(X, a, fn, base, scale, cfg: ModelConfig, precision, backend="xla"):
+def pre_mix(X, a, fn, base, scale, cfg: ModelConfig, precision, backend="auto"):
     """coefficients(X) and collapse(X, a) in one pass: (h [..., d], (pre, post, comb))."""
     _, h, coef = _fused(X, a, fn, base, scale, cfg, precision, backend, None)
     return h, coef
 
 
-def post_mix(y, X, post, comb, a, fn, base, scale, cfg: ModelConfig, precision, backend="xla"):
+def post_mix(y, X, post, comb, a, fn, base, scale, cfg: ModelConfig, precision, backend="auto"):
     """X1 = expand(y, X, post, comb), then coefficients(X1) and collapse(X1, a) in the same pass:
     (X1, h [..., d], (pre, post, comb) of X1)."""
     return _fused(X, a, fn, base, scale, cfg, precision, backend, (y, post, comb))

@@ -36,7 +36,7 @@ def expert_load(idx, valid, n_experts):
     return jnp.zeros((n_experts,), jnp.float32).at[idx].add(w)
 
 
-def moe(x, params, prefix, cfg: ModelConfig, precision, backend="xla", draft=False, routed_fn=None, valid=None):
+def moe(x, params, prefix, cfg: ModelConfig, precision, backend="auto", draft=False, routed_fn=None, valid=None):
     """x [..., d] -> (y [..., d], load [E] f32 tokens routed to each expert among ``valid`` rows; with an
     EPLB hook (``routed_fn.returns_load``) the hook's per-physical-expert load [P] instead).
 

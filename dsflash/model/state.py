@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
+from dsflash.kernels import dispatch
 from dsflash.model import quant
 
 PRECISIONS = ("reference", "bf16", "fp32")
@@ -215,7 +216,9 @@ class RunOptions:
     replay_tail     tail length for bounded replay (window + draft block by default)
     logits          "last" ([B, V] at each row's last valid token) | "all" ([B, S, V]) | "none"
     taps            return DSpark taps ``main_hidden`` [B, S, T*d] for every row position
-    backend         kernel backend "xla" (pure-JAX references) | "triton" (GPU kernels)
+    backend         kernel backend "auto" (default: Triton on a GPU with jax-triton, XLA otherwise) | "xla"
+                    (pure-JAX references) | "triton" (GPU kernels); kept as given, decided per kernel by
+                    ``dsflash.kernels.dispatch`` at trace time (``resolved_backend``: what "auto" means here)
     page_size       tokens per global-KV page (the CacheGeometry the state was built with)
     expert_load     return ``out["expert_load"]`` [L, E]: tokens routed to each expert per layer (EPLB input)
     """
@@ -224,7 +227,7 @@ class RunOptions:
     replay_tail: int = 0
     logits: str = "last"
     taps: bool = False
-    backend: str = "xla"
+    backend: str = "auto"
     page_size: int = 64
     expert_load: bool = False
 
@@ -241,8 +244,12 @@ class RunOptions:
             raise ValueError("RunOptions.logits must be 'last', 'all' or 'none'")
         if self.bounded_replay and self.logits == "all":
             raise ValueError("RunOptions.logits='all' is not available with bounded replay (SPEC §6.2.4)")
-        if self.backend not in ("xla", "triton"):
-            raise ValueError("RunOptions.backend must be 'xla' or 'triton'")
+        dispatch.check_backend(self.backend, "RunOptions.backend")     # no JAX backend start-up here
+
+    @property
+    def resolved_backend(self) -> str:
+        """"xla" | "triton": what ``backend`` means in this process (``dispatch.resolve_backend``)."""
+        return dispatch.resolve_backend(self.backend, "RunOptions.backend")
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)

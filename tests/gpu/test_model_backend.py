@@ -3,9 +3,9 @@ config's random weights in the checkpoint's stored formats (FP8 dense, MXFP4 exp
 random prompts at the two served precisions.
 
 Two kernel sets: "shipped" is what ``backend="triton"`` runs as released -- the routed-expert MoE GEMM at every
-layer, the indexer scoring (``prefers_xla`` keeps only one-row scoring on XLA), sparse attention at >= 128 query rows
-(``sparse_attention.TRITON_ROWS``; the prompts here are 3 x 160 rows) and mHC at every size
-(``mhc_fused.TRITON_TOKENS``); "moe_indexer" switches the last two back to XLA (the set measured before 2026-12-01).
+layer, the indexer scoring (only one-row scoring over <= 8K entries stays on XLA), sparse attention at >= 128 query
+rows (the prompts here are 3 x 160 rows) and mHC at every size -- the crossover tables of kernels/dispatch.py
+(``dispatch.GATES``); "moe_indexer" switches the last two back to XLA (the set measured before 2026-12-01).
 The test checks that the kernels were really reached (trace-time call counts), so a dispatch that silently fell
 back to XLA fails.
 
@@ -65,10 +65,10 @@ def kernel_calls(monkeypatch):
 @pytest.mark.parametrize("kernels", ["shipped", "moe_indexer"])
 @pytest.mark.parametrize("precision", ["reference", "bf16"])
 def test_tiny_model_logits_match_the_xla_backend(tiny, kernel_calls, precision, kernels, monkeypatch):
-    from dsflash.kernels import mhc_fused, sparse_attention
+    from dsflash.kernels import dispatch
     if kernels == "moe_indexer":
-        monkeypatch.setattr(sparse_attention, "TRITON_ROWS", ())
-        monkeypatch.setattr(mhc_fused, "TRITON_TOKENS", ())
+        for k in ("sparse_attention", "mhc"):
+            monkeypatch.setitem(dispatch.GATES, k, dispatch.GATES[k].replace(triton=()))
     rng = np.random.default_rng(7)
     tokens = rng.integers(16, tiny.cfg.vocab_size, size=(3, 160)).astype(np.int32)
     got = tiny.logits(tokens, backend="triton", precision=precision)

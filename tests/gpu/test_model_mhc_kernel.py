@@ -1,6 +1,6 @@
 """The fused mHC kernel inside the model (issue 6), judged by the model's own sensitivity: the check that decided
-``mhc_fused.TRITON_TOKENS`` (first passed on the H200 on 2026-12-01: demo logits 3.1e-2 from XLA's against a noise
-response of 3.9e-2), and the shipped kernel set on the demo model against the fp32 model.
+``dispatch.GATES["mhc"]`` (kernels/dispatch.py; first passed on the H200 on 2026-12-01: demo logits 3.1e-2 from
+XLA's against a noise response of 3.9e-2), and the shipped kernel set on the demo model against the fp32 model.
 
 Why not the tiny-model test (``test_model_backend.py``): with the mHC kernel switched on there, the triton and xla
 logits differed by 1.3e-1 (argmax 0.87) on the H200, and on CPU one fp32 ulp of noise in the XLA coefficients alone
@@ -31,8 +31,11 @@ def demo():
 
 
 def test_demo_model_logits_with_the_mhc_kernel(demo, monkeypatch):
-    from dsflash.kernels import mhc_fused as mf, mhc_fused_triton, sparse_attention
-    monkeypatch.setattr(sparse_attention, "TRITON_ROWS", ())    # mHC is judged here, attention below
+    from dsflash.kernels import dispatch, mhc_fused as mf, mhc_fused_triton
+
+    def gate(kernel, triton):
+        monkeypatch.setitem(dispatch.GATES, kernel, dispatch.GATES[kernel].replace(triton=triton))
+    gate("sparse_attention", ())    # mHC is judged here, attention below
     calls = [0]
     kernel = mhc_fused_triton.mhc_fused_triton
 
@@ -42,11 +45,11 @@ def test_demo_model_logits_with_the_mhc_kernel(demo, monkeypatch):
     monkeypatch.setattr(mhc_fused_triton, "mhc_fused_triton", counting)
     tokens = np.random.default_rng(7).integers(16, demo.cfg.vocab_size, size=(3, 160)).astype(np.int32)
     want = demo.logits(tokens, backend="xla")
-    monkeypatch.setattr(mf, "TRITON_TOKENS", ((1, None),))
+    gate("mhc", ((1, None),))
     jax.clear_caches()
     got = demo.logits(tokens, backend="triton")
     assert calls[0] >= 1, "the mHC kernel was not reached"
-    monkeypatch.setattr(mf, "TRITON_TOKENS", ())
+    gate("mhc", ())
     exact = mf.sinkhorn_coefficients
 
     def noisy(*a, **k):          # the XLA coefficients times (1 + NOISE * N(0, 1))

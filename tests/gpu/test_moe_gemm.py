@@ -96,7 +96,7 @@ def _cfg(name):
     if name == "sw_ps_split":       # the post-scale kernels with forced splits at that small shape
         return moe_plan.MoeConfig(kind="sk", mma="swap_ps", BM=16, BN_UP=64, BN_DOWN=128, BK=128, KS_UP=2,
                                   KS_DOWN=2, prefetch=False)
-    return moe_plan.NAMED_CONFIGS[name]
+    return moe_plan.named_config(name)
 
 
 @pytest.mark.parametrize("case,cfg_name,precision", COMBOS,

@@ -1,0 +1,189 @@
+"""The one kernel dispatch seam: which implementation each hot op runs, the pure-JAX reference (``"xla"``) or its
+Triton kernel (``"triton"``). Every kernel front-end (``moe_gemm.routed_moe``, ``sparse_attention.
+sparse_sink_attention``, ``indexer_topk.indexer_topk``, ``mhc_fused.mhc_fused``) decides here and nowhere else.
+
+Stable API (the engine and the server call these; keep the names and signatures):
+
+  BACKENDS                       ("auto", "xla", "triton"): the values a ``backend`` setting may take
+  resolve_backend(backend)       -> "xla" | "triton". "auto" is "triton" iff JAX's default backend is a GPU and
+                                 ``import jax_triton`` succeeds (decided once per process, cached), else "xla".
+                                 Anything else: ValueError naming ``backend``.
+  use_triton(kernel, backend, size, *, precision=None, force=False) -> bool
+                                 whether ``kernel`` (a key of GATES) runs its Triton kernel at ``size``
+  kernel_summary(cfg, backend, **sizes) -> {kernel: {"decode": impl, "prefill": impl}}
+                                 what each kernel runs at decode / prefill sizes of ``cfg`` (startup log);
+                                 ``impl`` is "xla" or "triton" (the MoE's adds its config: "triton:sw_eo_np_bm8")
+  describe(cfg, backend, **sizes) -> str   the same as one log line
+
+The rule ``use_triton`` applies, in order:
+  1. the backend: "xla" -> no; "triton" -> yes; "auto" -> ``resolve_backend("auto")``.
+  2. the platform: off a GPU every kernel runs its reference, whatever was asked (so "triton" is safe anywhere).
+  3. precision: a kernel that does not implement the run's precision (the MoE GEMM has no "fp32") runs the
+     reference under "auto"; under an explicit "triton" the kernel is called and raises its own clear error.
+  4. the measured crossover: ``GATES[kernel].triton`` lists the size ranges where a GPU run measured the kernel
+     faster than the jitted XLA reference; elsewhere the reference runs. ``force=True`` (tests, the kernel bench)
+     skips this step only.
+Each table is one line of data below, changed only with a measurement behind it (the JSON under
+``benchmarks/results/`` named in ``evidence``; docs/model-contract.md has the table in prose).
+
+Why "auto" reaches the kernels unresolved (``RunOptions.backend`` keeps "auto"; this module resolves it at trace
+time): building a ``RunOptions`` must not start JAX's backends (defaults are built at import time, and a multi-host
+launch must call ``jax.distributed.initialize`` first), and step 3 needs to know that "triton" was not asked for
+explicitly. The resolution is cached per process, so an "auto" program is the very program its concrete backend
+traces (on CPU: bit-identical to "xla"; tests/test_kernels_dispatch.py). The cost: ``RunOptions(backend="auto")``
+and ``RunOptions(backend="xla")`` are different static arguments, so a process using both compiles the same program
+twice (the persistent cache, keyed by the HLO, then hits). Callers that branch on the backend themselves (e.g. "XLA
+on one CPU device: dequantise the weights once") should branch on ``resolve_backend(backend)``, not the raw string.
+
+Layering: this module imports nothing of dsflash but ``dsflash.kernels.moe_plan`` (pure JAX, for the summary) and
+imports jax lazily (argument parsers import ``BACKENDS`` before JAX_PLATFORMS is settled); never the Triton modules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+BACKENDS = ("auto", "xla", "triton")
+KERNELS = ("moe", "sparse_attention", "indexer", "mhc")
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossover:
+    """Where one kernel's Triton implementation runs on a GPU.
+
+    size        what ``use_triton``'s ``size`` counts for this kernel
+    triton      inclusive (lo, hi) ranges of ``size`` measured faster than XLA (hi None: no upper bound)
+    precisions  the run precisions the kernel implements (None: all)
+    evidence    the measurement behind ``triton``"""
+    size: str
+    triton: tuple
+    precisions: tuple | None = None
+    evidence: str = ""
+
+    def replace(self, **kw) -> "Crossover":
+        return dataclasses.replace(self, **kw)
+
+    def covers(self, size: int) -> bool:
+        return any(lo <= size and (hi is None or size <= hi) for lo, hi in self.triton)
+
+
+# The indexer's rule as measured: at or below this many (query row x index entry) scores the Triton scorer loses
+# (H200, commit 199278b: 1 row x 8192 entries 0.095 ms vs XLA 0.078, launch-bound; 64 x 16384 1.18x, 32 x 65536
+# 1.22x, 128 x 6 x 16384 1.11x). The crossover between 8K and 1M row-entries is unmeasured; only the losing point is.
+INDEXER_XLA_MAX_ROW_ENTRIES = 8192
+
+GATES = {
+    # always, where the precision is implemented; the variant per size is moe_plan.pick_config (BM 8 decode tiles
+    # up to 384 slots, BM 16 up to 32 slots per expert, the prefill kernel above)
+    "moe": Crossover(
+        "token slots (T * top-k)", ((1, None),), ("reference", "bf16"),
+        "faster than XLA at every measured size: kernels_20261130_h200_run{7,8,9}*.json, "
+        "kernels_20261201_h200_run12_moe_ps.json, kernels_20261201_h200_run13_moe_default.json"),
+    # v3 "flash" kernel: 128 rows 0.108 ms vs XLA 0.181 (1.68x), 192 rows 0.153 vs 0.253 (1.65x); slower at 1 row
+    # (0.054 vs 0.036) and 32 rows (0.074 vs 0.066); 33-127 rows not measured (one run at 64 rows in run 15 won,
+    # ~15 % run-to-run spread: not enough to move the line)
+    "sparse_attention": Crossover(
+        "query rows (B * S)", ((128, None),), None,
+        "kernels_20261201_h200_run11_attn_v3.json (run 15: kernels_20261201_h200_run15_attn_hs4.json)"),
+    "indexer": Crossover(
+        "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
+        "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),
+    # split-d kernel: 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens
+    # against XLA 0.318 / 0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x). The tiny random model cannot judge it end
+    # to end at "reference" (one fp32 ulp of coefficient noise moves its logits by 1.7e-1), so the switch was decided
+    # on the trained demo model by tests/gpu/test_model_mhc_kernel.py (H200, 2026-12-01: kernel vs XLA logits 3.1e-2
+    # against 3.9e-2 for 4e-6 coefficient noise)
+    "mhc": Crossover(
+        "tokens (T)", ((1, None),), None,
+        "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
+}
+
+
+def check_backend(backend, what: str = "backend") -> str:
+    """``backend`` if it is one of BACKENDS, else ValueError naming ``what``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{what} must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def on_gpu() -> bool:
+    """The platform check (a function so tests can pretend)."""
+    import jax
+    return jax.default_backend() == "gpu"
+
+
+def jax_triton_importable() -> bool:
+    try:
+        import jax_triton  # noqa: F401
+    except Exception:      # ImportError, or a broken CUDA/triton install: either way no kernels
+        return False
+    return True
+
+
+@functools.cache
+def _auto_backend() -> str:
+    return "triton" if on_gpu() and jax_triton_importable() else "xla"
+
+
+def resolve_backend(backend, what: str = "backend") -> str:
+    """"xla" | "triton" for a ``backend`` setting ("auto": Triton on a GPU with jax-triton, XLA otherwise)."""
+    if check_backend(backend, what) == "auto":
+        return _auto_backend()
+    return backend
+
+
+def use_triton(kernel: str, backend, size: int, *, precision: str | None = None, force: bool = False) -> bool:
+    """True when ``kernel`` should run its Triton implementation at ``size`` (the rule: module docstring)."""
+    if kernel not in GATES:
+        raise ValueError(f"kernel must be one of {tuple(GATES)}, got {kernel!r}")
+    if resolve_backend(backend) != "triton" or not on_gpu():
+        return False
+    gate = GATES[kernel]
+    if precision is not None and gate.precisions is not None and precision not in gate.precisions:
+        return backend == "triton"          # explicit: the kernel raises its own error
+    return force or gate.covers(size)
+
+
+# ------------------------------------------------------------------------------------------ startup summary
+
+def _moe_config_name(rows: int, experts: int, precision: str) -> str:
+    from dsflash.kernels import moe_plan
+    cfg = moe_plan.pick_config(rows, experts, act_fp8=precision == "reference")
+    return next((n for n, c in moe_plan.NAMED_CONFIGS.items() if c is cfg), "unnamed")
+
+
+def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_tokens: int = 2048,
+                   context: int = 8192, precision: str = "reference", expert_shards: int = 1) -> dict:
+    """What each kernel runs at one decode step and one prefill chunk of ``cfg`` (a ModelConfig).
+
+    decode_tokens   query rows of a decode step (default: one sequence's verification, 1 + DSpark block)
+    prefill_tokens  query rows of a prefill chunk
+    context         tokens the page table covers (the indexer scores every compressed entry of it)
+    precision       the run precision (the MoE kernel has no "fp32")
+    expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
+    -> {"moe" | "sparse_attention" | "indexer" | "mhc": {"decode": impl, "prefill": impl}}"""
+    if decode_tokens is None:
+        decode_tokens = 1 + (cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0)
+    ratios = [cfg.compress_ratios[i] for i in cfg.index_source_layer_ids if i < cfg.num_hidden_layers]
+    entries = context // min([r for r in ratios if r] or [1])
+    experts = max(1, cfg.n_routed_experts // expert_shards)
+    out = {}
+    for phase, t in (("decode", decode_tokens), ("prefill", prefill_tokens)):
+        sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t}
+        for kernel, size in sizes.items():
+            impl = "triton" if use_triton(kernel, backend, size, precision=precision) else "xla"
+            supported = GATES[kernel].precisions is None or precision in GATES[kernel].precisions
+            if impl == "triton" and not supported:
+                impl += f":no-{precision}(raises)"
+            elif kernel == "moe" and impl == "triton":
+                impl += ":" + _moe_config_name(size, experts, precision)
+            out.setdefault(kernel, {})[phase] = impl
+    return out
+
+
+def describe(cfg, backend, **sizes) -> str:
+    """kernel_summary as one line: ``kernels (backend auto -> triton): moe decode=triton:... prefill=...; ...``."""
+    import jax
+    s = kernel_summary(cfg, backend, **sizes)
+    body = "; ".join(f"{k} decode={v['decode']} prefill={v['prefill']}" for k, v in s.items())
+    return f"kernels (backend {backend} -> {resolve_backend(backend)}, platform {jax.default_backend()}): {body}"

@@ -1,0 +1,64 @@
+"""dsflash.compile_options: the numerics-protecting XLA option per compiled program, equivalent on CPU to the
+process-wide XLA_FLAGS fallback that ``import dsflash`` still sets (the module docstring says why it stays)."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsflash import compile_options as co
+
+
+def test_options_merge():
+    assert co.options() == {"xla_allow_excess_precision": False}
+    assert co.options({"xla_backend_optimization_level": 0}) == {"xla_allow_excess_precision": False,
+                                                                 "xla_backend_optimization_level": 0}
+    assert co.options({co.FLAG: True}) == {co.FLAG: True}          # an explicit choice wins
+
+
+def test_process_fallback_keeps_a_users_choice(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    co.protect_process_default()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2 --xla_allow_excess_precision=false"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_allow_excess_precision=true")
+    co.protect_process_default()
+    assert os.environ["XLA_FLAGS"] == "--xla_allow_excess_precision=true"
+
+
+def test_jit_forms():
+    f = co.jit(lambda x: x * 2)
+    g = co.jit(static_argnums=(1,))(lambda x, k: x * k)
+    h = co.jit(lambda x: x + 1, compiler_options={"xla_backend_optimization_level": 0})
+    assert int(f(jnp.int32(3))) == 6 and int(g(jnp.int32(3), 4)) == 12 and int(h(jnp.int32(1))) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_forward_inputs():
+    import dsflash
+    from dsflash.model.state import make_batch
+    m = dsflash.load("tiny", progress=False)
+    sess = m.init_state(1, 32)
+    tokens = jnp.asarray(np.arange(16, 48, dtype=np.int32)[None])
+    batch = make_batch(tokens, start=np.zeros(1, np.int32), lengths=np.full(1, 32, np.int32),
+                       pages_per_seq=sess["pages_per_seq"])
+    return m, batch, sess["state"], m.opts.replace(page_size=sess["page_size"], logits="all")
+
+
+def test_per_program_option_equals_the_process_flag_on_cpu(tiny_forward_inputs):
+    """The tiny forward (whose CPU logits do depend on the setting) under the process flag alone (set by ``import
+    dsflash``, which the test process did first; plain ``jax.jit``), under the per-program option (``Model.logits``:
+    ``forward_jit`` is compiled through ``compile_options.jit``), and with excess precision allowed for this program
+    only: the first two are bit-identical, the third differs (the option is honoured per program)."""
+    from dsflash.model.forward import forward
+    assert "--xla_allow_excess_precision=false" in os.environ["XLA_FLAGS"]
+    m, batch, state, opts = tiny_forward_inputs
+
+    def logits(jitted):
+        out, _ = jitted(m.params, m.cfg, batch, state, opts)
+        return np.asarray(out["logits"])
+    by_flag = logits(jax.jit(forward, static_argnums=(1, 4)))
+    by_option = m.logits(np.asarray(batch.tokens))
+    allowed = logits(jax.jit(forward, static_argnums=(1, 4), compiler_options={co.FLAG: True}))
+    np.testing.assert_array_equal(by_option, by_flag)
+    assert not np.array_equal(allowed, by_flag)
