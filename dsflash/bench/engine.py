@@ -39,6 +39,8 @@ def parse(argv):
     p.add_argument("--prefill-buckets", default="4x32", help="comma list of ROWSxTOKENS prefill buckets")
     p.add_argument("--decode-steps", type=int, default=4, help="decode iterations per device call")
     p.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"])
+    p.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],
+                   help="kernels: 'auto' = Triton on a CUDA GPU when jax-triton imports, else XLA")
     p.add_argument("--modes", default="spec,plain", help="comma list of spec, plain")
     p.add_argument("--async-scheduling", action="store_true",
                    help="dispatch step N+1 before processing step N (on a dispatch thread)")
@@ -128,7 +130,7 @@ def run_mode(model, args, speculative: bool) -> dict:
     t0 = time.perf_counter()
     eng = LLMEngine(model, speculative=speculative, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                    precision=args.precision, decode_steps=args.decode_steps, async_scheduling=args.async_scheduling,
+                    precision=args.precision, backend=args.backend, decode_steps=args.decode_steps, async_scheduling=args.async_scheduling,
                     seed=args.seed, enable_prefix_caching=False,
                     prefill_buckets=[tuple(int(v) for v in b.split("x")) for b in args.prefill_buckets.split(",")])
     startup = time.perf_counter() - t0
@@ -174,6 +176,7 @@ def run_mode(model, args, speculative: bool) -> dict:
         "acceptance_rate_per_pos": [a / drafts for a in per_pos] if drafts else [],
         "compiles_after_warmup": eng.compiles_after_warmup,
         "kv_bytes_per_token": eng.memory["global_kv_bytes_per_token"],
+        "kernels": eng.kernels_line, "run_options": eng.run_options,
         **({"iteration_breakdown": breakdown} if breakdown else {}),
     }
 
@@ -188,21 +191,23 @@ def main(argv=None) -> int:
         from dsflash.serve.engine.testing import ToyBackend
         m = None
     else:
-        m = load_model(args.model)
+        from dsflash.serve.engine.config import resolve_backend
+        m = load_model(args.model, precision=args.precision, backend=resolve_backend(args.backend))
     print(f"model {args.model}: loaded in {time.perf_counter() - t:.1f}s; {args.num_prompts} prompts x "
           f"{args.prompt_len} tokens, max_tokens {args.max_tokens}, temperature {args.temperature}, "
-          f"max_num_seqs {args.max_num_seqs}, decode_steps {args.decode_steps}, precision {args.precision}")
+          f"max_num_seqs {args.max_num_seqs}, decode_steps {args.decode_steps}, precision {args.precision}, backend {args.backend}")
     results = []
     for mode in [x.strip() for x in args.modes.split(",") if x.strip()]:
         if mode not in ("spec", "plain"):
             raise SystemExit(f"--modes: unknown mode {mode!r}")
-        be = ToyBackend() if m is None else ModelBackend(m, precision=args.precision)
+        be = ToyBackend() if m is None else ModelBackend(m)      # the model's own precision / backend
         r = run_mode(be, args, mode == "spec")
         results.append(r)
         line = (f"[{mode:5s}] {r['tokens_per_s']:8.1f} tok/s  ({r['generated_tokens']} tokens in {r['elapsed_s']:.2f}s, "
                 f"{r['steps']} steps, {r['step_time_ms']:.1f} ms/step, host {r['host_overhead_per_step_ms']:.2f} "
                 f"ms/step, warm-up {r['warmup_s']:.0f}s, compiles after warm-up {r['compiles_after_warmup']})")
         print(line)
+        print(f"        {r['kernels']}")
         if r["speculative"]:
             pp = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_pos"])
             print(f"        drafts {r['drafts']}, draft tokens {r['draft_tokens']}, accepted {r['accepted_tokens']}, "

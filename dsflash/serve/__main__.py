@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     g.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
                    help="DSpark speculative decoding (draft 5, verify 6)")
-    g.add_argument("--precision", default="reference", choices=["reference", "bf16"],
+    g.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"],
                    help="numerics: 'reference' = the official FP8/FP4 round trips, 'bf16' = plain bf16")
+    g.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],
+                   help="kernels of the compiled programs: 'auto' = Triton on a CUDA GPU when jax-triton "
+                        "imports, else XLA; 'xla' = the pure-JAX references; 'triton' = the GPU kernels")
     g.add_argument("--seed", type=int, default=0, help="engine seed (weights of presets, unseeded sampling)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
@@ -68,16 +71,12 @@ def make_engine_factory(args):
         return factory
 
     def factory():
-        from dsflash.serve.engine import LLMEngine
-        kw = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, speculative=args.speculative,
-                  num_pages=args.num_pages, page_size=args.page_size,
-                  max_num_batched_tokens=args.max_num_batched_tokens, precision=args.precision, seed=args.seed)
-        if args.mesh:
-            kw["mesh"] = args.mesh
+        from dsflash.serve.engine import EngineConfig, LLMEngine
+        config = EngineConfig.from_namespace(args, mesh=args.mesh or None)   # every option named like a field
         if getattr(args, "role", "both") != "both":
             from dsflash.serve.pd.engine import PDEngine
-            return PDEngine(args.model, pd_role=args.role, pd_ttl=args.kv_ttl, **kw)
-        return LLMEngine(args.model, **kw)
+            return PDEngine(args.model, config, pd_role=args.role, pd_ttl=args.kv_ttl)
+        return LLMEngine(args.model, config)
     return factory
 
 
@@ -124,8 +123,8 @@ def main(argv=None) -> int:
     from dsflash.serve.http.app import build_app
 
     print(f"dsflash.serve: loading model {args.model!r} (max_model_len={args.max_model_len}, "
-          f"speculative={args.speculative}, precision={args.precision}, mesh={args.mesh or 'single device'}) ...",
-          flush=True)
+          f"speculative={args.speculative}, precision={args.precision}, backend={args.backend}, "
+          f"mesh={args.mesh or 'single device'}) ...", flush=True)
     t0 = time.time()
     role = getattr(args, "role", "both")
     if role != "both" and args.model == "dummy":
@@ -140,6 +139,9 @@ def main(argv=None) -> int:
         print(f"error: the engine failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     served = args.served_model_name or engine.model_name or args.model
+    kernels = getattr(engine.engine, "kernels_line", None)
+    if kernels:                    # which kernels the compiled programs use (the request for --backend)
+        print(f"dsflash.serve: {kernels}", flush=True)
     app = build_app(engine, served, api_key=args.api_key)
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd

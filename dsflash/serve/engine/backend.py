@@ -34,15 +34,20 @@ def load_model(name_or_path, **load_opts):
 class ModelBackend:
     supports_row_keys = True
 
-    def __init__(self, model, *, precision: str = "reference", bounded_replay=None, backend: str = "xla",
+    def __init__(self, model, *, precision: str | None = None, bounded_replay="model", backend: str | None = None,
                  dequantize: bool | None = None):
+        """``precision`` / ``backend`` default to the model's own ``RunOptions`` (``model.opts``), never to a
+        second default of their own; so does ``bounded_replay`` unless given (None = exact; the engine passes
+        what ``EngineConfig.run_options`` resolved). ``backend`` "auto" is resolved here (``config.resolve_backend``)."""
+        from dsflash.serve.engine.config import resolve_backend
         self.model = model
         self.cfg = model.cfg
         self.params = model.params
         self.tokenizer = getattr(model, "tokenizer", None)
-        self.precision = precision
-        self.bounded_replay = bounded_replay
-        self.backend = backend
+        mo = getattr(model, "opts", None)
+        self.precision = precision or getattr(mo, "precision", None) or "reference"
+        self.bounded_replay = getattr(mo, "bounded_replay", None) if bounded_replay == "model" else bounded_replay
+        self.backend = resolve_backend(backend or getattr(mo, "backend", None) or "auto")
         cfg = self.cfg
         self.block = cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0
         self.vocab_size = cfg.vocab_size
@@ -64,7 +69,7 @@ class ModelBackend:
         # XLA on one CPU device: dequantise the FP8 / MXFP4 weights once instead of in every call (bit-identical
         # outputs; dsflash.model.params.dequantized_weights). None = that case; True / False force it.
         if dequantize is None:
-            dequantize = backend == "xla" and self.mesh is None and jax.default_backend() == "cpu"
+            dequantize = self.backend == "xla" and self.mesh is None and jax.default_backend() == "cpu"
         self.dequantized = False
         if dequantize:
             from dsflash.model.params import dequantized_weights
@@ -74,6 +79,11 @@ class ModelBackend:
         # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params;
         # (L, P) of the per-physical load every forward then returns, None = EPLB off
         self.eplb_shape = None
+
+    def run_options(self) -> dict:
+        """What the compiled programs run with (the engine's startup log line and metrics)."""
+        return {"precision": self.precision, "backend": self.backend, "bounded_replay": self.bounded_replay,
+                "dequantized_weights": self.dequantized}
 
     def bind_geometry(self, geo):
         self.page_size = geo.page_size

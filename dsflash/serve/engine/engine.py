@@ -15,6 +15,7 @@ range of the global batch (ranks without work contribute dummy rows). D == 1 is 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import random
@@ -26,10 +27,13 @@ import numpy as np
 
 from dsflash.model.state import CacheGeometry
 from dsflash.serve.engine import runner as R
+from dsflash.serve.engine.config import EngineConfig, kernels_summary
 from dsflash.serve.engine.kv_cache import PagePool, PagePoolGroup, SlotPool, SlotPoolGroup
 from dsflash.serve.engine.metrics import EngineMetrics
 from dsflash.serve.engine.scheduler import DECODE, FINISHED, PREFILL, WAITING, SchedulerMixin, Sequence
 from dsflash.serve.types import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+
+log = logging.getLogger("dsflash.serve.engine")
 
 
 def enable_compilation_cache():
@@ -45,47 +49,70 @@ def enable_compilation_cache():
         pass
 
 
+def make_backend(model, c: EngineConfig):
+    """The engine's view of ``model`` (``backend.py``), with the run options ``c`` resolves against the
+    model's own. A prebuilt backend cannot change its options: an explicit, different setting is an error."""
+    from dsflash.model.api import Model
+    from dsflash.serve.engine.backend import ModelBackend, load_model
+    if not isinstance(model, (str, Model)) and all(hasattr(model, a) for a in ("propose", "init_state",
+                                                                                "forward")):
+        have = model.run_options() if hasattr(model, "run_options") else {}
+        want = c.run_options(None) if have else {}
+        for name in ("precision", "backend", "bounded_replay"):
+            if have and getattr(c, name) is not None and want[name] != have[name]:
+                raise ValueError(f"EngineConfig.{name}: {getattr(c, name)!r}, but the engine backend passed in "
+                                 f"was built with {have[name]!r}; pass the Model (or set it on ModelBackend)")
+        return model
+    if isinstance(model, str):
+        ro = c.run_options(None)
+        load_opts = dict(c.load_options or {})
+        if c.mesh is not None:
+            load_opts["mesh"] = c.mesh
+        load_opts.setdefault("precision", ro["precision"])
+        load_opts.setdefault("backend", ro["backend"])
+        model = load_model(model, **load_opts)
+    elif c.mesh is not None or c.load_options:
+        raise ValueError("EngineConfig.mesh / load_options: apply to model names; the Model passed in is loaded")
+    ro = c.run_options(model.opts)
+    return ModelBackend(model, precision=ro["precision"], backend=ro["backend"], bounded_replay=ro["bounded_replay"])
+
+
 class LLMEngine(SchedulerMixin):
-    def __init__(self, model="demo", *, max_num_seqs=16, max_model_len=512, speculative=True, num_pages=None,
-                 page_size=64, max_num_batched_tokens=256, precision="reference", seed=0, **opts):
+    def __init__(self, model="demo", config: EngineConfig | None = None, **options):
+        """``model``: a name for ``dsflash.load``, a loaded ``Model`` (its run options are carried) or an engine
+        backend (``ModelBackend``, ``ToyBackend``). Settings: an ``EngineConfig`` and/or its fields as
+        keywords (keywords win)."""
         t0 = time.perf_counter()
-        if opts.pop("compilation_cache", True):
+        if config is not None:
+            options = {**{f: getattr(config, f) for f in config.__dataclass_fields__}, **options}
+        self.config = c = EngineConfig.from_kwargs(**options)
+        if c.compilation_cache:
             enable_compilation_cache()
         R.install_compile_listener()
-        self.backend = self._make_backend(model, precision, opts)
-        be = self.backend
+        self.backend = be = make_backend(model, c)
+        self.run_options = be.run_options() if hasattr(be, "run_options") else {}
         self.tokenizer = getattr(be, "tokenizer", None)
-        self.model_name = opts.pop("model_name", None) or (model if isinstance(model, str) else be.name)
-        if max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
-        if max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
+        self.model_name = c.model_name or (model if isinstance(model, str) else be.name)
+        max_num_seqs, max_model_len, page_size = c.max_num_seqs, c.max_model_len, c.page_size
+        max_num_batched_tokens, num_pages = c.max_num_batched_tokens, c.num_pages
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.speculative = bool(speculative) and be.block > 0
+        self.speculative = bool(c.speculative) and be.block > 0
         self.k = be.block if self.speculative else 0
         self.K1 = self.k + 1
-        self.decode_steps = int(opts.pop("decode_steps", 4))
-        self.max_logprobs = int(opts.pop("max_logprobs", 20))
-        self.max_stop_ids = int(opts.pop("max_stop_ids", 16))
-        self.prefix_caching = bool(opts.pop("enable_prefix_caching", True))
-        self.prefix_replay = opts.pop("prefix_replay", "bounded")
-        if self.prefix_replay not in ("bounded", "exact") and not (
-                isinstance(self.prefix_replay, int) and self.prefix_replay >= 1):
-            raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window), 'exact' or a token count")
-        # measured on one H200 (tiny model, docs/engine.md): the host work per step is ~0.5 ms, and the
-        # dispatch thread's hand-offs cost more than the overlap gains, so synchronous is the default
-        self.async_scheduling = bool(opts.pop("async_scheduling", False))
-        self.draft_sampling = bool(opts.pop("draft_sampling", getattr(be, "supports_row_keys", True)))
-        buckets = opts.pop("prefill_buckets", None)
-        dp = self._dp_size(be, opts.pop("data_parallel_size", None))
-        eplb_opts = dict(eplb=opts.pop("eplb", False), window=opts.pop("eplb_window", 1000),
-                         interval=opts.pop("eplb_interval", 3000), redundant=opts.pop("eplb_redundant_experts", 0))
-        if opts:
-            raise ValueError(f"unknown engine options: {', '.join(sorted(opts))}")
+        self.decode_steps = c.decode_steps
+        self.max_logprobs = c.max_logprobs
+        self.max_stop_ids = c.max_stop_ids
+        self.prefix_caching = bool(c.enable_prefix_caching)
+        self.prefix_replay = c.prefix_replay
+        self.async_scheduling = bool(c.async_scheduling)
+        self.draft_sampling = bool(getattr(be, "supports_row_keys", True) if c.draft_sampling is None
+                                   else c.draft_sampling)
+        buckets = c.prefill_buckets
+        dp = self._dp_size(be, c.data_parallel_size)
+        eplb_opts = dict(eplb=c.eplb, window=c.eplb_window, interval=c.eplb_interval,
+                         redundant=c.eplb_redundant_experts)
         self.dp = dp
         if max_num_seqs % dp:
             raise ValueError(f"max_num_seqs: {max_num_seqs} slots do not divide over the {dp} DP ranks")
@@ -123,7 +150,6 @@ class LLMEngine(SchedulerMixin):
             self._pt_fill[:] = np.repeat(np.arange(dp, dtype=np.int32) * (num_pages // dp), max_num_seqs // dp)
             run_buckets = [(rb * dp, tb) for rb, tb in buckets]     # rank r's rows at [r*rb, (r+1)*rb)
         from dsflash.serve.engine import eplb as E
-        E.check_options(**eplb_opts)
         # EPLB (docs/engine.md "EPLB"): physical expert arrays + tables in the params, before compiling
         self.eplb = E.EngineEplb(be, window=eplb_opts["window"], interval=eplb_opts["interval"],
                                  redundant=eplb_opts["redundant"]) if eplb_opts["eplb"] else None
@@ -132,7 +158,7 @@ class LLMEngine(SchedulerMixin):
                                max_logprobs=self.max_logprobs, max_stop_ids=self.max_stop_ids)
         self.metrics = EngineMetrics(block=self.k, dp_size=dp)
         self.metrics.kv_pages_total = num_pages
-        self._rng = random.Random(seed)
+        self._rng = random.Random(c.seed)
         self._order = itertools.count()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -152,26 +178,10 @@ class LLMEngine(SchedulerMixin):
         self.runner.warmup()
         self.warmup_time = time.perf_counter() - t1
         self.startup_time = time.perf_counter() - t0
+        log.info("engine %s: programs compiled in %.1fs; %s", self.model_name, self.warmup_time, self.kernels_line)
         self._compiles_in_steps = 0
 
     # ------------------------------------------------------------------ construction helpers
-    @staticmethod
-    def _make_backend(model, precision, opts):
-        from dsflash.serve.engine.backend import ModelBackend, load_model
-        from dsflash.model.api import Model
-        if not isinstance(model, (str, Model)) and all(hasattr(model, a) for a in ("propose", "init_state",
-                                                                                    "forward")):
-            return model                                          # already an engine backend
-        bounded = opts.pop("bounded_replay", None)
-        kernel_backend = opts.pop("backend", "xla")
-        load_opts = dict(opts.pop("load_options", {}) or {})
-        if opts.get("mesh") is not None:
-            load_opts["mesh"] = opts.pop("mesh")
-        opts.pop("mesh", None)
-        if isinstance(model, str):
-            model = load_model(model, **load_opts)
-        return ModelBackend(model, precision=precision, bounded_replay=bounded, backend=kernel_backend)
-
     @staticmethod
     def _dp_size(be, requested):
         """DP ranks: the backend's mesh DP size (dp x dep axes), or ``data_parallel_size`` (which must then
@@ -184,6 +194,15 @@ class LLMEngine(SchedulerMixin):
         if mesh_dp > 1 and requested != mesh_dp:
             raise ValueError(f"data_parallel_size: {requested} but the mesh has DP size {mesh_dp}")
         return requested
+
+    @property
+    def kernels_line(self) -> str:
+        """Which kernels the compiled programs use (logged at start-up; the server prints it)."""
+        ro = self.run_options
+        if not ro:
+            return f"backend: {type(self.backend).__name__} (no kernel backend)"
+        return (f"{kernels_summary(ro['backend'])}; precision={ro['precision']}, "
+                f"bounded_replay={ro['bounded_replay'] or 'exact'}")
 
     @property
     def compiles_after_warmup(self) -> int:

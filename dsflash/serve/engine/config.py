@@ -1,0 +1,170 @@
+"""``EngineConfig``: every engine setting, typed and validated once, built from keyword arguments or CLI
+arguments by field name (``LLMEngine(model, max_num_seqs=8)``, ``EngineConfig.from_namespace(args)``).
+
+The model's run options (``precision``, kernel ``backend``, ``bounded_replay``) are *carried*, not
+re-defaulted: left unset they come from the loaded ``Model`` (``dsflash.load(..., backend="triton")`` runs
+Triton in the engine too); set, they are honoured and the override is logged (``run_options``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+log = logging.getLogger("dsflash.serve.engine")
+
+BACKENDS = ("auto", "xla", "triton")
+PRECISIONS = ("reference", "bf16", "fp32")
+BOUNDED_REPLAY = ("exact", "report", "layer20_full")   # "exact" = off (RunOptions' None)
+
+
+def resolve_backend(name: str) -> str:
+    """Kernel backend name -> the one the compiled programs use ("xla" | "triton").
+
+    "auto" is Triton on a CUDA device when jax-triton imports, XLA otherwise. The one seam for this choice in
+    the engine: it defers to ``dsflash.kernels.dispatch.resolve_backend`` when that exists."""
+    try:
+        from dsflash.kernels.dispatch import resolve_backend as _dispatch_resolve
+    except ImportError:
+        _dispatch_resolve = None
+    if _dispatch_resolve is not None:
+        return _dispatch_resolve(name)
+    if name != "auto":
+        return name
+    import jax
+    if jax.default_backend() != "gpu":
+        return "xla"
+    try:
+        import jax_triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means no Triton kernels
+        return "xla"
+    return "triton"
+
+
+def kernels_summary(backend: str) -> str:
+    """One line naming what the compiled programs run (per kernel when ``dsflash.kernels.dispatch`` says)."""
+    try:
+        from dsflash.kernels.dispatch import summary as _summary
+    except ImportError:
+        return f"backend={backend} (every kernel: {'Triton' if backend == 'triton' else 'pure-JAX XLA reference'})"
+    return f"backend={backend}: {_summary(backend)}"
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. ``None`` means "decided from the model" where the field says so."""
+    # batch and memory geometry
+    max_num_seqs: int = 16
+    max_model_len: int = 512
+    max_num_batched_tokens: int = 256
+    num_pages: Optional[int] = None            # None: every slot can hold max_model_len
+    page_size: int = 64
+    prefill_buckets: Optional[list] = None     # [(rows, tokens), ...]; None: one bucket
+    decode_steps: int = 4                      # on-device decode iterations per call
+    max_logprobs: int = 20
+    max_stop_ids: int = 16
+    # decoding
+    speculative: bool = True                   # DSpark draft-and-verify when the model has a draft
+    draft_sampling: Optional[bool] = None      # sampled drafts at temperature > 0; None: when the backend can
+    seed: int = 0                              # unseeded requests draw their seeds from this
+    # the model's run options: None = the loaded model's own ("reference" / "auto" / exact for a name)
+    precision: Optional[str] = None
+    backend: Optional[str] = None              # "auto" | "xla" | "triton"
+    bounded_replay: Optional[str] = None       # "exact" | "report" | "layer20_full"
+    # prefix cache
+    enable_prefix_caching: bool = True
+    prefix_replay: Any = "bounded"             # "bounded" (one window, SPEC §6.1) | "exact" | a token count
+    # scheduling
+    async_scheduling: bool = False             # measured slower on one H200 (docs/engine.md)
+    data_parallel_size: Optional[int] = None   # None: the mesh's DP size
+    # EPLB (docs/engine.md "EPLB")
+    eplb: bool = False
+    eplb_window: int = 1000
+    eplb_interval: int = 3000
+    eplb_redundant_experts: int = 0
+    # loading
+    mesh: Any = None                           # a spec such as "dep=2" or a Mesh (model names only)
+    load_options: Optional[dict] = None        # more dsflash.load keywords (model names only)
+    model_name: Optional[str] = None
+    compilation_cache: bool = True             # persistent XLA cache under ~/.cache/dsflash/jax
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_kwargs(cls, **kw) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise ValueError(f"unknown engine options: {', '.join(unknown)}")
+        return cls(**kw)
+
+    @classmethod
+    def from_namespace(cls, args, **overrides) -> "EngineConfig":
+        """From parsed CLI arguments: every attribute named like a field (``--max-num-seqs`` ->
+        ``max_num_seqs``); other attributes are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in vars(args).items() if k in names}
+        kw.update(overrides)
+        return cls(**kw)
+
+    def replace(self, **kw) -> "EngineConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ------------------------------------------------------------------ validation (once, naming the field)
+    def validate(self) -> None:
+        def bad(name, msg):
+            raise ValueError(f"EngineConfig.{name}: {msg}")
+
+        def integer(v):
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        for name, lo in (("max_num_seqs", 1), ("max_model_len", 2), ("max_num_batched_tokens", 1),
+                         ("page_size", 1), ("decode_steps", 1), ("max_logprobs", 0), ("max_stop_ids", 1)):
+            v = getattr(self, name)
+            if not integer(v) or v < lo:
+                bad(name, f"must be an integer >= {lo}, got {v!r}")
+        if self.num_pages is not None and (not integer(self.num_pages) or self.num_pages < 1):
+            bad("num_pages", f"must be a positive integer or None, got {self.num_pages!r}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            bad("precision", f"must be one of {', '.join(PRECISIONS)} (or None: the model's), got {self.precision!r}")
+        if self.backend is not None and self.backend not in BACKENDS:
+            bad("backend", f"must be one of {', '.join(BACKENDS)} (or None: the model's), got {self.backend!r}")
+        if self.bounded_replay is not None and self.bounded_replay not in BOUNDED_REPLAY:
+            bad("bounded_replay", f"must be one of {', '.join(BOUNDED_REPLAY)} (or None: the model's), "
+                                  f"got {self.bounded_replay!r}")
+        pr = self.prefix_replay
+        if pr not in ("bounded", "exact") and not (integer(pr) and pr >= 1):
+            raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window), 'exact' or a token count")
+        if self.data_parallel_size is not None and (not integer(self.data_parallel_size)
+                                                    or self.data_parallel_size < 1):
+            raise ValueError(f"data_parallel_size: must be a positive integer, got {self.data_parallel_size!r}")
+        from dsflash.serve.engine.eplb import check_options
+        check_options(self.eplb, self.eplb_window, self.eplb_interval, self.eplb_redundant_experts)
+
+    # ------------------------------------------------------------------ the model's run options
+    def run_options(self, model_opts=None) -> dict:
+        """``precision`` / ``backend`` (resolved: "xla" | "triton") / ``bounded_replay`` (None = exact) the
+        engine's programs run with. Unset fields take the model's ``RunOptions`` (``model_opts``); a set field
+        that differs from the model's is honoured and logged, never silently dropped."""
+        have = {"precision": getattr(model_opts, "precision", None) or "reference",
+                "backend": getattr(model_opts, "backend", None) or "auto",
+                "bounded_replay": getattr(model_opts, "bounded_replay", None) or "exact"}
+        out = {}
+        for name, model_value in have.items():
+            mine = getattr(self, name)
+            if mine is None or mine == model_value:
+                out[name] = model_value
+                continue
+            if model_opts is not None and not (name == "backend" and mine == "auto"):
+                log.warning("engine %s=%r overrides the loaded model's %s=%r", name, mine, name, model_value)
+            # "auto" asked of the engine with a model that chose a backend: the model's choice stands
+            out[name] = model_value if (name == "backend" and mine == "auto" and model_opts is not None) else mine
+        out["backend"] = resolve_backend(out["backend"])
+        if out["bounded_replay"] == "exact":
+            out["bounded_replay"] = None
+        return out

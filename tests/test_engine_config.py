@@ -1,0 +1,88 @@
+"""``EngineConfig``: validated once (a bad value names the field), built from keywords or CLI arguments by field
+name, and carrying the loaded model's run options (precision, kernel backend, bounded replay) into the engine's
+programs instead of re-defaulting them."""
+import argparse
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dsflash
+from dsflash.serve.engine import EngineConfig, LLMEngine
+from dsflash.serve.engine.config import resolve_backend
+from dsflash.serve.engine.engine import make_backend
+from dsflash.serve.engine.testing import ToyBackend
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(max_num_seqs=2, max_model_len=64, page_size=16, max_num_batched_tokens=32, decode_steps=2,
+             compilation_cache=False)
+
+
+def test_bad_values_name_the_field():
+    for kw, field in ((dict(backend="cuda"), "backend"), (dict(precision="fp8"), "precision"),
+                      (dict(bounded_replay="yes"), "bounded_replay"), (dict(max_num_seqs=0), "max_num_seqs"),
+                      (dict(page_size=1.5), "page_size"), (dict(num_pages=-1), "num_pages")):
+        with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+            EngineConfig(**kw)
+    with pytest.raises(ValueError, match="unknown engine options: bogus"):
+        EngineConfig.from_kwargs(bogus=1)
+    with pytest.raises(ValueError, match="backend"):
+        LLMEngine(ToyBackend(), backend="cuda", **SMALL)
+
+
+def test_from_namespace_takes_fields_by_name():
+    args = argparse.Namespace(max_num_seqs=3, backend="xla", host="0.0.0.0", port=1, model="demo")
+    c = EngineConfig.from_namespace(args, seed=7)
+    assert (c.max_num_seqs, c.backend, c.seed) == (3, "xla", 7)
+
+
+def test_auto_resolves_to_xla_on_cpu():
+    assert resolve_backend("auto") == "xla"
+    assert resolve_backend("triton") == "triton" and resolve_backend("xla") == "xla"
+
+
+def test_loaded_model_run_options_are_carried():
+    m = dsflash.load("tiny", backend="triton", precision="bf16", bounded_replay="report", progress=False)
+    be = make_backend(m, EngineConfig())            # no compile: the backend the engine would run
+    assert (be.backend, be.precision, be.bounded_replay) == ("triton", "bf16", "report")
+    o = be._opts()
+    assert (o.backend, o.precision, o.bounded_replay) == ("triton", "bf16", "report")
+    # "auto" asked of the engine leaves a loaded model's chosen backend alone
+    assert make_backend(m, EngineConfig(backend="auto")).backend == "triton"
+
+
+def test_explicit_override_is_honoured_and_logged(caplog):
+    m = dsflash.load("tiny", backend="triton", progress=False)
+    with caplog.at_level(logging.WARNING, logger="dsflash.serve.engine"):
+        be = make_backend(m, EngineConfig(backend="xla", precision="fp32"))
+    assert (be.backend, be.precision) == ("xla", "fp32")
+    assert "overrides the loaded model's backend='triton'" in caplog.text
+    # a prebuilt backend cannot change: a different explicit setting is an error, not a silent no-op
+    from dsflash.serve.engine.backend import ModelBackend
+    with pytest.raises(ValueError, match="EngineConfig.precision"):
+        make_backend(ModelBackend(m), EngineConfig(precision="bf16"))
+
+
+def test_llm_keeps_the_models_backend_in_the_runner_options():
+    m = dsflash.load("tiny", backend="xla", precision="fp32", progress=False)
+    llm = dsflash.LLM(m, **SMALL)
+    eng = llm.engine
+    assert eng.runner.backend is eng.backend
+    assert eng.backend._opts().backend == "xla" and eng.backend._opts().precision == "fp32"
+    assert eng.run_options["backend"] == "xla" and eng.run_options["precision"] == "fp32"
+    assert "backend=xla" in eng.kernels_line and "precision=fp32" in eng.kernels_line
+
+
+def test_serve_help_lists_backend():
+    out = subprocess.run([sys.executable, "-m", "dsflash.serve", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert out.returncode == 0
+    assert "--backend" in out.stdout and "auto" in out.stdout
+
+
+def test_bench_engine_parses_backend():
+    from dsflash.bench import engine as bench_engine
+    assert bench_engine.parse(["--backend", "xla"]).backend == "xla"
+    assert bench_engine.parse([]).backend == "auto"
