@@ -44,13 +44,13 @@ def resolve_backend(name: str) -> str:
     return "triton"
 
 
-def kernels_summary(backend: str) -> str:
-    """One line naming what the compiled programs run (per kernel when ``dsflash.kernels.dispatch`` says)."""
-    try:
-        from dsflash.kernels.dispatch import summary as _summary
-    except ImportError:
-        return f"backend={backend} (every kernel: {'Triton' if backend == 'triton' else 'pure-JAX XLA reference'})"
-    return f"backend={backend}: {_summary(backend)}"
+def kernels_summary(backend: str, cfg=None, **sizes) -> str:
+    """One line naming what the compiled programs run: per kernel (``dsflash.kernels.dispatch.describe``) when
+    the model config is known, else the backend alone."""
+    if cfg is None:
+        return f"backend={backend} -> {resolve_backend(backend)}"
+    from dsflash.kernels.dispatch import describe
+    return describe(cfg, backend, **sizes)
 
 
 @dataclass

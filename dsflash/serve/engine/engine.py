@@ -201,7 +201,10 @@ class LLMEngine(SchedulerMixin):
         ro = self.run_options
         if not ro:
             return f"backend: {type(self.backend).__name__} (no kernel backend)"
-        return (f"{kernels_summary(ro['backend'])}; precision={ro['precision']}, "
+        cfg = getattr(self.backend, "cfg", None)
+        sizes = {"decode_tokens": self.max_num_seqs * self.K1, "context": self.max_model_len,
+                 "prefill_tokens": self.max_num_batched_tokens, "precision": ro["precision"]} if cfg is not None else {}
+        return (f"{kernels_summary(ro['backend'], cfg, **sizes)}; precision={ro['precision']}, "
                 f"bounded_replay={ro['bounded_replay'] or 'exact'}")
 
     @property
