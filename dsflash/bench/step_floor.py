@@ -174,7 +174,7 @@ def _block_parts(op, cfg: ModelConfig, T: int, a: int, f8: str, n_experts: int, 
     op("kv_proj").add(weight_bytes=fp8_bytes(Dh, d) + Dh * 2, act_bytes=T * (d + Dh) * a, **{f8: 2 * T * Dh * d})
     # wo_a: bf16 operands without the activation round trip (bf16 rate); wo_b: an FP8 linear
     op("o_proj").add(weight_bytes=fp8_bytes(G * ol, H * Dh // G) + fp8_bytes(d, G * ol),
-                     act_bytes=T * (H * Dh + d) * a, flops_bf16=2 * T * ol * H * Dh, **{f8: 2 * T * d * G * ol})
+                     act_bytes=T * (H * Dh + d) * a).add(flops_bf16=2 * T * ol * H * Dh).add(**{f8: 2 * T * d * G * ol})
     op("gate").add(weight_bytes=E * d * 2 + E * 4, act_bytes=T * d * a + T * topk * 8, flops_bf16=2 * T * E * d)
     op("shared_expert").add(weight_bytes=2 * fp8_bytes(I, d) + fp8_bytes(d, I), act_bytes=2 * T * d * a,
                             **{f8: 6 * T * I * d})
@@ -258,7 +258,7 @@ def step_costs(cfg: ModelConfig, rows: int, S: int, context, precision: str = "r
             vis_entries = sum((c + S) // r for c in ctxs)
             op("indexer_q").add(weight_bytes=fp8_bytes(Hi * Di, ql) + Hi * d * 2,
                                 act_bytes=T * (ql + d + Hi * Di + Hi) * a,
-                                flops_bf16=2 * T * Hi * d, **{f8: 2 * T * Hi * Di * ql})
+                                flops_bf16=2 * T * Hi * d).add(**{f8: 2 * T * Hi * Di * ql})
             op("indexer_topk").add(cache_bytes=vis_entries * irow, act_bytes=T * (Hi * Di + Hi) * a + T * K * 4,
                                    flops_bf16=2 * Hi * Di * vis_rows)
     # the last collapse + norm + head, on the rows whose logits are returned
