@@ -407,6 +407,8 @@ def format_table(rows: list[dict], prof: dict | None, floor: dict, step_ms: floa
         lines.append(f"{r['op'][:30]:<30}{f(r['ms']):>9}{f(None if r['share'] is None else 100 * r['share'], 1):>7}"
                      f"{f(r['kernels'], 0):>6}{f(r['floor_ms'], 4):>10}{f(r['pct_of_floor'], 1):>8}"
                      f"{(r['bound'] or '-'):>9}{f(r['MB'], 2):>10}{f(r['GFLOP'], 3):>9}")
+    lines.append("%floor = floor ms / ms (100 % = at the op's own floor); ops with no floor are glue (gathers, "
+                 "concatenations) a fused consumer would not run")
     t = floor["total"]
     if prof:
         lines.append(f"{'kernel-busy':<30}{prof['busy_ms']:>9.3f}   wall (traced) {prof['wall_ms']:.3f} ms, idle "
@@ -415,5 +417,5 @@ def format_table(rows: list[dict], prof: dict | None, floor: dict, step_ms: floa
         lines.append(f"whole step: {t['bytes'] / 1e6:.2f} MB -> {t['bytes_ms']:.4f} ms at the read bandwidth; "
                      f"{t['flops'] / 1e9:.3f} GFLOP -> {t['flops_ms']:.4f} ms at the GEMM rates; floor "
                      f"{t['floor_ms']:.4f} ms (sum of op floors {t['sum_op_floors_ms']:.4f} ms)"
-                     + (f"; step {step_ms:.3f} ms = {100 * t['floor_ms'] / step_ms:.1f} % of floor" if step_ms else ""))
+                     + (f"; step {step_ms:.3f} ms (floor / step = {100 * t['floor_ms'] / step_ms:.1f} %)" if step_ms else ""))
     return "\n".join(lines)
