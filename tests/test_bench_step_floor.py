@@ -205,3 +205,17 @@ def test_ceilings_on_cpu():
     assert r["read_Bps"] == c["read_TBps_jax"] * 1e12 and r["read_from"] == "read_TBps_jax"
     assert C.measure(read_bytes=1 << 20, gemm_n=128) == c                  # measured once per process
     assert "ceilings (cpu)" in C.format_ceilings(c)
+
+
+def test_engine_floor_at_a_live_engines_shapes():
+    """``bench engine``'s field: an engine's slots, context and ring slack; None for the toy backend."""
+    from types import SimpleNamespace
+    cfg = preset("tiny")
+    be = SimpleNamespace(cfg=cfg, precision="reference")
+    eng = SimpleNamespace(backend=be, max_num_seqs=4, dp=2, speculative=True, geo=SimpleNamespace(ring_slack=16))
+    ce = C.fixed(1.0, 10.0, 20.0)
+    f = F.engine_floor(eng, 100.5, True, ce)
+    want = F.engine_iteration_floor(cfg, 2, 100, True, ceilings=ce)
+    assert f["total"] == want["total"] and f["context"] == 100 and f["rows_per_sequence"] == 1 + cfg.dspark_block_size
+    assert F.engine_floor(eng, 100, False, ce)["rows_per_sequence"] == 1
+    assert F.engine_floor(SimpleNamespace(backend=SimpleNamespace(cfg=object())), 10, True, ce) is None

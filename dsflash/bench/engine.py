@@ -123,6 +123,7 @@ def iteration_breakdown(eng, repeats: int) -> dict:
 def run_mode(model, args, speculative: bool) -> dict:
     import numpy as np
 
+    from dsflash.bench import step_floor
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.types import SamplingParams
     t0 = time.perf_counter()
@@ -174,6 +175,8 @@ def run_mode(model, args, speculative: bool) -> dict:
         "acceptance_rate_per_pos": [a / drafts for a in per_pos] if drafts else [],
         "compiles_after_warmup": eng.compiles_after_warmup,
         "kv_bytes_per_token": eng.memory["global_kv_bytes_per_token"],
+        # the whole-step floor of one decode iteration (target rows + draft + sampling), bench/step_floor.py
+        "iteration_floor": step_floor.engine_floor(eng, args.prompt_len + args.max_tokens / 2, speculative),
         **({"iteration_breakdown": breakdown} if breakdown else {}),
     }
 

@@ -419,3 +419,24 @@ def format_table(rows: list[dict], prof: dict | None, floor: dict, step_ms: floa
                      f"{t['floor_ms']:.4f} ms (sum of op floors {t['sum_op_floors_ms']:.4f} ms)"
                      + (f"; step {step_ms:.3f} ms (floor / step = {100 * t['floor_ms'] / step_ms:.1f} %)" if step_ms else ""))
     return "\n".join(lines)
+
+
+def engine_floor(eng, context: float, speculative: bool, ceilings: dict | None = None) -> dict | None:
+    """``engine_iteration_floor`` at a live ``LLMEngine``'s shapes (``bench engine``): every slot busy (rows =
+    ``max_num_seqs`` per DP rank), at ``context`` cached tokens (the run's mean), under ``ceilings`` (None: measured
+    now, once per process). Routing is unknown there: uniform routing's expected hit experts. None for a backend
+    without a ModelConfig (the toy backend)."""
+    cfg = getattr(eng.backend, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        return None
+    if ceilings is None:
+        from dsflash.bench.ceilings import measure
+        ceilings = measure()
+    rows = eng.max_num_seqs // max(1, getattr(eng, "dp", 1))
+    f = engine_iteration_floor(cfg, rows, int(context), speculative and eng.speculative,
+                               getattr(eng.backend, "precision", "reference"), ceilings=ceilings,
+                               ring_slack=eng.geo.ring_slack)
+    f["context"] = int(context)
+    f["note"] = ("one decode iteration with every slot busy; CPU engines may run dequantised bf16 weights, which "
+                 "this counts in their stored formats")
+    return f
