@@ -219,3 +219,13 @@ def test_engine_floor_at_a_live_engines_shapes():
     assert f["total"] == want["total"] and f["context"] == 100 and f["rows_per_sequence"] == 1 + cfg.dspark_block_size
     assert F.engine_floor(eng, 100, False, ce)["rows_per_sequence"] == 1
     assert F.engine_floor(SimpleNamespace(backend=SimpleNamespace(cfg=object())), 10, True, ce) is None
+
+
+def test_profile_keeps_one_devices_kernels():
+    """A mesh step's trace has every GPU's kernels; the per-op table (and its per-device floors) takes GPU 0's."""
+    from dsflash.bench.step_profile import gpu_kernels
+    meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+            for p, n in ((1, "/device:GPU:1"), (2, "/device:GPU:0"), (3, "/host:CPU"))]
+    ev = meta + [{"ph": "X", "pid": p, "ts": 0, "dur": 5, "name": f"k{p}"} for p in (1, 2, 3)]
+    assert [k[0] for k in gpu_kernels(ev)[0]] == ["k2"]
+    assert sorted(k[0] for k in gpu_kernels(ev, one_device=False)[0]) == ["k1", "k2"]

@@ -26,6 +26,14 @@ the state is donated and the returned state fed back, so every call rewrites the
   and ``balancedness`` of each: per-layer expert loads recorded by routing this step's tokens,
   balancedness = Σ_layers mean rank load / Σ_layers max rank load for the mesh's EP placement
   (experts contiguous per EP rank; on a single device ``--balance-ranks`` hypothetical ranks);
+* ``roofline``: the whole-step floor on one device (``bench.step_floor``: the bytes the step must move -- weights it
+  uses, routed experts hit, the window + selected compressed entries + index keys it reads, never the embedding
+  table -- over the streaming-read bandwidth, flops over the bf16 / FP8 GEMM rates, all measured at the start of the
+  run by ``bench.ceilings``), per op and in total; ``draft_floor`` for the DSpark half;
+* ``profile`` (``--profile``): the per-op table, kernel time per model op from a jax.profiler trace of the same
+  compiled step next to each op's floor (GPU; on CPU the floors alone);
+* logits (``--logits``, default auto): every row at decode ([B, S, V], what the engine's verification reads), the
+  last row at prefill;
 * ``breakdown`` (``--breakdown``, default on): attention = full − (attention replaced by zeros: no
   projections, indexer, KV/ring writes), moe = full − (the whole MoE block replaced by zeros: gate, shared
   and routed experts), routed = full − (routed experts replaced by zeros: routing top-k, EP dispatch /
@@ -759,7 +767,7 @@ def table(result) -> str:
             f"{_fmt((r.get('uniform_ms') or {}).get('median')):>8} {_fmt(bal.get('real')):>8} "
             f"{_fmt(bal.get('uniform')):>8} {_fmt(b.get('attention')):>7} {_fmt(b.get('moe')):>7} "
             f"{_fmt(b.get('routed')):>7} {_fmt(b.get('other')):>7}"
-            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if r.get('roofline') else None, 1):>6}"
+            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if (r.get('roofline') or {}).get('frac_of_roofline') else None, 1):>6}"
             f" {_fmt((r.get('zipf_ms') or {}).get('median')):>8} {_fmt(bal.get('zipf')):>8}"
             f" {_fmt(((r.get('eplb') or {}).get('step_ms') or {}).get('median')):>8}"
             f" {_fmt((r.get('eplb') or {}).get('balancedness_after_predicted')):>9}")
