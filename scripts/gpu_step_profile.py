@@ -23,7 +23,7 @@ def ceilings(gb=None):
     """Measured ceilings (moved to dsflash.bench.ceilings: 1-D streaming read, device copy, bf16 / FP8 GEMMs, torch
     peers)."""
     from dsflash.bench.ceilings import measure
-    return measure(read_bytes=(gb << 30) if gb else None)      # None: 4 GiB on a GPU, small elsewhere
+    return measure(read_bytes=int(gb * 1e9) if gb else None)      # None: 4 GB on a GPU, small elsewhere
 
 
 def main():

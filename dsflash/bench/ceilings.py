@@ -3,7 +3,7 @@
 Measured in the same run as the numbers they bound, on large buffers (GB-sized on a GPU, small on CPU, where
 the numbers only exercise the code):
 
-* **streaming read**: ``jnp.sum`` of a 1-D bf16 buffer (4 GiB on GPU) in fp32, bytes read / time. A 1-D full
+* **streaming read**: ``jnp.sum`` of a 1-D bf16 buffer (4 GB on GPU) in fp32, bytes read / time. A 1-D full
   reduction: the earlier column reduction over ``[n/8192, 8192]`` read at 3.48 TB/s on the H200 (2026-12-01)
   where a full sum reads at ~4.5 TB/s;
 * **device copy**: an elementwise ``v * 1.5`` over the same buffer, read + write counted;
@@ -44,7 +44,7 @@ _CACHE: dict = {}
 
 def measure(read_bytes: int | None = None, gemm_n: int | None = None, torch_peers: bool = True,
             device=None, cache: bool = True) -> dict:
-    """The ceilings dict (rates in TB/s and TFLOP/s, plus the sizes used). Defaults: 4 GiB / 8192 on a GPU,
+    """The ceilings dict (rates in TB/s and TFLOP/s, plus the sizes used). Defaults: 4 GB / 8192 on a GPU,
     8 MiB / 256 elsewhere. Measured once per process and arguments (``cache``): a second bench in the same
     process (tests) reuses the numbers."""
     import jax
@@ -62,7 +62,8 @@ def _measure(read_bytes, gemm_n, torch_peers, dev) -> dict:
     import jax.numpy as jnp
 
     gpu = dev.platform == "gpu"
-    read_bytes = read_bytes or ((4 << 30) if gpu else (8 << 20))
+    # 4 GB (decimal): 2e9 bf16 elements, under 2^31 so no int32 element index overflows anywhere
+    read_bytes = read_bytes or (4_000_000_000 if gpu else (8 << 20))
     gemm_n = gemm_n or (8192 if gpu else 256)
     reps, inner = (7, 4) if gpu else (3, 1)
     res = {"platform": dev.platform, "device": dev.device_kind, "read_buffer_bytes": int(read_bytes),

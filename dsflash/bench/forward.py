@@ -836,7 +836,10 @@ def plot_ops(result, path):
     pts = [p for p in result["points"] if p.get("roofline", {}).get("ops")]
     if not pts:
         return None
-    tabs = [(p, (p.get("profile") or {}).get("op_table") or op_table(None, p["roofline"])) for p in pts]
+    def floors(p):
+        extra = {"draft": (p["draft_ms"]["median"], p["draft_floor"]["total"])} if p.get("draft_floor") else None
+        return op_table(None, p["roofline"], extra)
+    tabs = [(p, (p.get("profile") or {}).get("op_table") or floors(p)) for p in pts]
     fig, axes = plt.subplots(1, len(tabs), figsize=(6.5 * len(tabs), 0.28 * max(len(t) for _, t in tabs) + 2),
                              squeeze=False)
     for ax, (p, tab) in zip(axes[0], tabs):
@@ -853,7 +856,8 @@ def plot_ops(result, path):
         ax.set_xscale("log")
         ax.set_xlabel("ms per step")
         roof = p["roofline"]
-        ax.set_title(f"{p['phase']} {p.get('B', p.get('N'))}x{p['S']}@{p['C']}: step {p['step_ms']['median']:.3f} ms, "
+        pt = f"decode {p['B']}x{p['S']}@{p['C']}" if p["phase"] == "decode" else f"prefill {p['N']}@{p['C']}"
+        ax.set_title(f"{pt}: step {p['step_ms']['median']:.3f} ms, "
                      f"floor {roof.get('roofline_ms', float('nan')):.3f} ms", fontsize=8)
         ax.grid(True, alpha=0.3, axis="x")
         ax.legend(fontsize=7)
@@ -964,7 +968,7 @@ def main(argv=None):
 
     from dsflash.bench import ceilings as ceil
     t1 = time.perf_counter()
-    measured = ceil.measure()           # before the weights are placed: the 4 GiB buffer fits on any device
+    measured = ceil.measure()           # before the weights are placed: the 4 GB buffer fits on any device
     log(ceil.format_ceilings(measured) + f" ({time.perf_counter() - t1:.1f} s)")
     bench = ForwardBench(args)
     bench.ceilings = measured
