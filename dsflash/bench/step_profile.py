@@ -203,17 +203,4 @@ def profile_step(run_once, hlo_text: str, calls: int = 3, log_dir: str | None = 
             "gpu_processes": sorted({n for n in pnames.values() if "GPU" in n or "/device:" in n})}
 
 
-def format_ops(prof: dict, floors: dict | None = None) -> str:
-    """A short table: op, ms per step, share of the busy time, kernels per step[, own floor ms]."""
-    floors = floors or {}
-    lines = [f"{'op':<34}{'ms':>9}{'share':>8}{'kern':>7}" + (f"{'floor ms':>10}" if floors else "")]
-    busy = max(prof["busy_ms"], 1e-9)
-    for s, v in prof["ops"].items():
-        f = floors.get(s)
-        lines.append(f"{s[:34]:<34}{v['ms_per_step']:>9.3f}{v['ms_per_step'] / busy:>8.1%}"
-                     f"{v['kernels_per_step']:>7.0f}" + (f"{f:>10.3f}" if f is not None else ("" if not floors else
-                                                                                                f"{'':>10}")))
-    lines.append(f"{'kernel-busy':<34}{prof['busy_ms']:>9.3f}")
-    lines.append(f"{'wall (traced calls)':<34}{prof['wall_ms']:>9.3f}   idle {prof['idle_ms']:.3f} ms, "
-                 f"{prof['kernels_per_step']:.0f} kernels/step")
-    return "\n".join(lines)
+# the printed per-op table with floors: dsflash.bench.step_floor.op_table / format_table
