@@ -1,5 +1,6 @@
 """Whole-step per-op profile on the GPU machine (issue 19): ceilings, then per point and variant the step time, the
-kernel-busy time and the per-op table. One call, a short table last. From the repo root:
+kernel-busy time and the per-op table with each op's own floor (dsflash.bench.step_floor under the ceilings measured
+in this run). One call, a short table last; everything in $OUT/step_profile.json. From the repo root:
 
   python3 scripts/gpu_step_profile.py --preset bench-4l-96e --backend triton \
       --decode 32@4096 1@4096 --prefill 4096@0 --variants new,old --out $OUT
@@ -15,54 +16,14 @@ import os
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.getcwd())
 
 
-def ceilings(gb=4):
-    import jax
-    import jax.numpy as jnp
-    res = {}
-    n = (gb << 30) // 2
-    x = jax.random.normal(jax.random.PRNGKey(0), (n // 8192, 8192), jnp.bfloat16)
-    jax.block_until_ready(x)
-
-    def t(f, *a, reps=10):
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append(time.perf_counter() - t0)
-        return float(np.median(ts))
-
-    s = t(jax.jit(lambda v: jnp.sum(v.astype(jnp.float32), axis=0)), x)
-    res["read_TBps_jax_colsum"] = x.nbytes / s / 1e12
-    x1 = x.reshape(-1)
-    s = t(jax.jit(lambda v: jnp.sum(v, dtype=jnp.float32)), x1)
-    res["read_TBps_jax_sum"] = x1.nbytes / s / 1e12
-    del x1
-    s = t(jax.jit(lambda v: v + 1), x)
-    res["copy_TBps_jax_rw"] = 2 * x.nbytes / s / 1e12
-    del x
-    m = 8192
-    a = jax.random.normal(jax.random.PRNGKey(1), (m, m), jnp.bfloat16)
-    b = jax.random.normal(jax.random.PRNGKey(2), (m, m), jnp.bfloat16)
-    s = t(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a, b)
-    res["bf16_TFLOPs_jax"] = 2 * m ** 3 / s / 1e12
-    try:
-        a8, b8 = a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn)
-        s = t(jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a8, b8)
-        res["fp8_TFLOPs_jax"] = 2 * m ** 3 / s / 1e12
-    except Exception as e:  # noqa: BLE001
-        res["fp8_jax_error"] = repr(e)[:200]
-    try:
-        from dsflash.bench.kernels import measure_ceilings
-        res.update({f"torch_{k}": v for k, v in measure_ceilings().items()})
-    except Exception as e:  # noqa: BLE001
-        res["torch_error"] = repr(e)[:200]
-    return res
+def ceilings(gb=None):
+    """Measured ceilings (moved to dsflash.bench.ceilings: 1-D streaming read, device copy, bf16 / FP8 GEMMs, torch
+    peers)."""
+    from dsflash.bench.ceilings import measure
+    return measure(read_bytes=int(gb * 1e9) if gb else None)      # None: 4 GB on a GPU, small elsewhere
 
 
 def main():
@@ -86,7 +47,9 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     import jax
 
+    from dsflash.bench import step_floor as SF
     from dsflash.bench import step_profile as SP
+    from dsflash.bench.ceilings import format_ceilings
     from dsflash.bench.forward import ForwardBench, build_parser, parse_points
     from dsflash.model import layers
 
@@ -94,10 +57,12 @@ def main():
     if not a.no_ceilings:
         res["ceilings"] = ceilings()
         print("ceilings", json.dumps(res["ceilings"]), flush=True)
+        print(format_ceilings(res["ceilings"]), flush=True)
     fargs = build_parser().parse_args(["--preset", a.preset, "--backend", a.backend, "--precision", a.precision,
                                        "--reps", str(a.reps), "--warmup", "2", "--draft-rows", str(a.draft_rows)])
     t0 = time.perf_counter()
     bench = ForwardBench(fargs)
+    bench.ceilings = res.get("ceilings")
     print(f"params placed in {time.perf_counter() - t0:.1f} s", flush=True)
     pts = [("decode", n, c) for n, c in parse_points(a.decode)] + [("prefill", n, c) for n, c in parse_points(a.prefill)]
     summary = []
@@ -137,28 +102,39 @@ def main():
                     jax.block_until_ready((lg, box["state"]))
 
                 prof = SP.profile_step(once, hlo, calls=a.calls)
+                floor = SF.step_floor(bench.cfg, rows, S, C, a.precision, loads if loads.size else None,
+                                      ceilings=bench.ceilings, logits=bench.logits_for(phase),
+                                      ring_slack=bench.geometry(1, S, C)[0].ring_slack)
+                extra = None
+                if phase == "decode" and bench.cfg.n_stages:
+                    extra = {"draft": (None, SF.draft_floor(bench.cfg, rows, S, C, a.precision,
+                                                            ceilings=bench.ceilings)["total"])}
+                tab = SF.op_table(prof, floor, extra)
                 rec = {"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var, "compile_s": cs,
                        "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "finite": finite,
-                       "experts_touched_per_layer": touched, "trace": cb_note, "profile": prof}
+                       "logits": bench.logits_for(phase), "experts_touched_per_layer": touched, "trace": cb_note,
+                       "profile": prof, "floor": floor, "op_table": tab}
                 res["points"].append(rec)
                 print(f"\n== {phase} {n}x{S}@{C} variant={var}: step {stats['median']:.3f} ms"
                       + (f" ({stats_nocb['median']:.3f} without command buffers)" if stats_nocb else "")
-                      + f" (compile {cs:.0f} s, finite {finite}, experts touched {touched}; {cb_note})", flush=True)
-                print(SP.format_ops(prof), flush=True)
+                      + f" (compile {cs:.0f} s, finite {finite}, logits {rec['logits']}, experts touched {touched}; "
+                      f"{cb_note})", flush=True)
+                print(SF.format_table(tab, prof, floor, stats["median"]), flush=True)
                 print("largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
                 summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], prof["busy_ms"],
-                                prof["kernels_per_step"]))
+                                prof["kernels_per_step"], floor["total"].get("floor_ms")))
                 del state, box, compiled
             except Exception as e:  # noqa: BLE001
                 import traceback
                 traceback.print_exc()
-                summary.append((f"{phase} {n}x{S}@{C}", var, float("nan"), float("nan"), 0))
+                summary.append((f"{phase} {n}x{S}@{C}", var, float("nan"), float("nan"), 0, None))
             with open(os.path.join(a.out, "step_profile.json"), "w") as f:
                 json.dump(res, f, indent=1, default=str)
     layers.tensor_cores = real_tc
-    print("\npoint                 variant   step ms   busy ms   kernels")
-    for p, v, ms, busy, k in summary:
-        print(f"{p:<22}{v:<8}{ms:>9.3f}{busy:>10.3f}{k:>10.0f}")
+    print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
+    for p, v, ms, busy, k, fl in summary:
+        pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"
+        print(f"{p:<22}{v:<8}{ms:>9.3f}{busy:>10.3f}{k:>10.0f}{(fl if fl else float('nan')):>10.4f}{pct}")
 
 
 if __name__ == "__main__":

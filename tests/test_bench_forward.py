@@ -76,8 +76,55 @@ def test_bench_forward_end_to_end(tmp_path):
         bal = pt["balancedness"]
         assert bal["ranks"] == 8 and 0 < bal["real"] <= 1      # one device: 8 hypothetical EP ranks
         assert bal["routed_tokens"] == pt["tokens"]                    # every valid token routed once per layer
+        roof = pt["roofline"]                                           # the whole-step floor (step_floor)
+        assert roof["bytes"] == sum(o["bytes"] for o in roof["ops"].values()) and roof["roofline_ms"] > 0
+        assert roof["roofline_ms"] == max(roof["bytes_ms"], roof["flops_ms"]) <= roof["sum_op_floors_ms"]
+        assert roof["ops"]["embed"]["weight_bytes"] == 0 and roof["notes"]["S"] == pt["S"]
+        assert 0 < roof["frac_of_roofline"] and roof["old_definition"]["bytes"] > roof["weight_bytes"]
+    # logits: every row at decode (the engine's verification), the last row at prefill
+    assert (d["logits"], p["logits"]) == ("all", "last") and d["roofline"]["notes"]["logits"] == "all"
+    assert d["roofline"]["ops"]["head"]["flops_bf16"] == 2 * d["rows"] * d["S"] * cfg.vocab_size * cfg.hidden_size
+    assert d["draft_floor"]["total"]["floor_ms"] > 0 and d["spec_step_floor_ms"] > d["roofline"]["roofline_ms"]
+    c = r["ceilings"]
+    assert c["platform"] == "cpu" and c["read_TBps_jax"] > 0 and c["bf16_TFLOPs_jax"] > 0
     try:
         import matplotlib  # noqa: F401
         assert any(f.endswith(".png") for f in files) and r["png"].endswith(".png")
+        assert r["ops_png"].endswith("_ops.png") and r["ops_png"] in files
     except ImportError:
         pass
+
+
+def test_profile_prints_the_per_op_table_with_floors(capsys):
+    """``--profile`` on CPU: no GPU kernels in the trace, so a note and the per-op floors alone (every op of
+    step_profile's scopes that has a floor, the draft as its own program); the table is in the JSON too."""
+    from dsflash.bench import step_profile
+    rc = bench_main(["forward", "--preset", "tiny", "--fast-compile", "--decode", "1@64", "--profile", "--no-save",
+                     "--no-uniform", "--no-breakdown", "--reps", "1", "--warmup", "0"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "ceilings (cpu): read" in out
+    header = next(line for line in out.splitlines() if line.startswith("op ") and "floor ms" in line)
+    assert header.split() == ["op", "ms", "share", "kern", "floor", "ms", "%floor", "bound", "MB", "GFLOP"]
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[out.splitlines().index(header) + 1:]
+            if line.split() and line.split()[0] in step_profile.SCOPE_NAMES + ("draft",)}
+    for op in ("q_proj", "kv_proj", "o_proj", "compressor", "index_keys", "indexer_q", "indexer_topk", "kv_write",
+               "ring_write", "sparse_attention", "mhc", "norm", "gate", "shared_expert", "routed_experts", "head",
+               "embed", "engram"):
+        assert op in rows, op
+        assert float(rows[op][4]) > 0 and rows[op][1] == "-", rows[op]      # a floor; no measured time on CPU
+    assert float(rows["draft"][1]) > 0 and float(rows["draft"][4]) > 0      # the draft: timed, with its floor
+    assert "no GPU kernels in the trace (cpu)" in out and "whole step:" in out
+
+
+def test_profile_scopes_land_in_the_compiled_hlo(tmp_path):
+    """The scoped program's HLO metadata names the model ops (what the GPU profile maps kernels through)."""
+    _, cfgp = tiny4(tmp_path)
+    from dsflash.bench import step_profile
+    args = FB.build_parser().parse_args(["--preset", cfgp, "--fast-compile", "--reps", "1", "--warmup", "0"])
+    b = FB.ForwardBench(args)
+    batch, state = b.make_inputs(2, [40])
+    b.run_variant("full", "decode", batch, state, scoped=True)
+    meta = step_profile.hlo_metadata(b._compiled[b._last_key].as_text())
+    scopes = {step_profile.scope_of(m.get("op_name", "")) for m in meta.values()}
+    assert {"q_proj", "sparse_attention", "routed_experts", "mhc", "head", "indexer_topk"} <= scopes

@@ -61,16 +61,23 @@ def test_mesh_with_engram_tables_in_host_memory(tmp_path):
     experts = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs if ".ffn.experts." in s.name)
     mem = pt["memory_per_device_bytes"]
     assert mem["params"] == total - experts // 2 and mem["state"] > 0
-    # roofline bytes: the target's dense weights + the touched share of its rank's experts + the state
+    # the whole-step floor of one device: its rank's rows, the dense weights, its EP rank's hit experts
     roof = pt["roofline"]
     tgt_dense = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs
                     if ".ffn.experts." not in s.name and not s.name.startswith("mtp."))
     tgt_experts = sum(s.numel * np.dtype(s.dtype).itemsize for s in specs
                       if ".ffn.experts." in s.name and not s.name.startswith("mtp."))
-    assert roof["dense_bytes"] == tgt_dense and roof["state_bytes"] == mem["state"]
-    assert 0 < roof["expert_bytes_touched"] <= tgt_experts // 2
-    assert roof["bytes"] == roof["dense_bytes"] + roof["expert_bytes_touched"] + roof["state_bytes"]
-    assert roof["copy_bw_Bps"] > 0 and abs(roof["frac_of_roofline"] - roof["roofline_ms"] / pt["step_ms"]["median"]) < 1e-9
+    assert roof["notes"]["ep_ranks"] == 2 and roof["notes"]["rows"] == 2
+    assert 0 < roof["ops"]["routed_experts"]["weight_bytes"] <= tgt_experts // 2
+    assert roof["ops"]["embed"]["weight_bytes"] == 0                  # never the embedding table
+    assert roof["bytes"] == sum(o["bytes"] for o in roof["ops"].values()) == roof["total"]["bytes"]
+    assert roof["rates"]["read_Bps"] > 0
+    assert abs(roof["frac_of_roofline"] - roof["roofline_ms"] / pt["step_ms"]["median"]) < 1e-9
+    # the earlier accounting, kept for comparisons: all dense weights incl. the embedding + touched experts + state
+    old = roof["old_definition"]
+    assert old["dense_bytes_incl_embedding"] == tgt_dense and old["state_bytes"] == mem["state"]
+    assert 0 < old["expert_bytes_touched"] <= tgt_experts // 2
+    assert old["bytes"] == old["dense_bytes_incl_embedding"] + old["expert_bytes_touched"] + old["state_bytes"]
 
 
 def test_random_router_skew_follows_the_ranking():

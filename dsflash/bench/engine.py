@@ -125,6 +125,7 @@ def iteration_breakdown(eng, repeats: int) -> dict:
 def run_mode(model, args, speculative: bool) -> dict:
     import numpy as np
 
+    from dsflash.bench import step_floor
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.types import SamplingParams
     t0 = time.perf_counter()
@@ -177,6 +178,8 @@ def run_mode(model, args, speculative: bool) -> dict:
         "compiles_after_warmup": eng.compiles_after_warmup,
         "kv_bytes_per_token": eng.memory["global_kv_bytes_per_token"],
         "kernels": eng.kernels_line, "run_options": eng.run_options,
+        # the whole-step floor of one decode iteration (target rows + draft + sampling), bench/step_floor.py
+        "iteration_floor": step_floor.engine_floor(eng, args.prompt_len + args.max_tokens / 2, speculative),
         **({"iteration_breakdown": breakdown} if breakdown else {}),
     }
 

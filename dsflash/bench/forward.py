@@ -26,6 +26,14 @@ the state is donated and the returned state fed back, so every call rewrites the
   and ``balancedness`` of each: per-layer expert loads recorded by routing this step's tokens,
   balancedness = Σ_layers mean rank load / Σ_layers max rank load for the mesh's EP placement
   (experts contiguous per EP rank; on a single device ``--balance-ranks`` hypothetical ranks);
+* ``roofline``: the whole-step floor on one device (``bench.step_floor``: the bytes the step must move -- weights it
+  uses, routed experts hit, the window + selected compressed entries + index keys it reads, never the embedding
+  table -- over the streaming-read bandwidth, flops over the bf16 / FP8 GEMM rates, all measured at the start of the
+  run by ``bench.ceilings``), per op and in total; ``draft_floor`` for the DSpark half;
+* ``profile`` (``--profile``): the per-op table, kernel time per model op from a jax.profiler trace of the same
+  compiled step next to each op's floor (GPU; on CPU the floors alone);
+* logits (``--logits``, default auto): every row at decode ([B, S, V], what the engine's verification reads), the
+  last row at prefill;
 * ``breakdown`` (``--breakdown``, default on): attention = full − (attention replaced by zeros: no
   projections, indexer, KV/ring writes), moe = full − (the whole MoE block replaced by zeros: gate, shared
   and routed experts), routed = full − (routed experts replaced by zeros: routing top-k, EP dispatch /
@@ -203,6 +211,7 @@ class ForwardBench:
         # the numerics option per program (dsflash.compile_options), plus --fast-compile's
         self.compile_opts = compile_options.options(FAST_COMPILE if args.fast_compile else None)
         self._lag_rate = None
+        self.ceilings = None            # dsflash.bench.ceilings.measure() of this run (set by main)
         self._compiled = {}
         self._last_compile_s = 0.0
 
@@ -269,7 +278,7 @@ class ForwardBench:
 
         cfg = self.cfg
         opts = RunOptions(precision=self.args.precision, backend=self.args.backend, page_size=self.page,
-                          logits="last")
+                          logits=self.logits_for(phase))
         E = cfg.n_routed_experts
 
         def step(params, batch, state):
@@ -321,16 +330,27 @@ class ForwardBench:
         finite = bool(np.isfinite(np.asarray(jax.device_get(logits), np.float32)).all())
         return _stats(ts), state, np.asarray(jax.device_get(loads)), finite
 
-    def run_variant(self, variant, phase, batch, state, lag_iters=0, params=None):
+    def logits_for(self, phase):
+        """``--logits``; auto: every row at decode (the engine's verification reads [B, S, V]), the last row at
+        prefill (as the engine's prefill)."""
+        lg = getattr(self.args, "logits", "auto")
+        return lg if lg != "auto" else ("all" if phase == "decode" else "last")
+
+    def run_variant(self, variant, phase, batch, state, lag_iters=0, params=None, scoped=False):
         """Compile (or reuse: same variant and input shapes/shardings give the same program) and time;
-        ``params``: other weights of the same shapes per variant (the EPLB variants' physical experts)."""
+        ``params``: other weights of the same shapes per variant (the EPLB variants' physical experts);
+        ``scoped``: trace and compile under ``step_profile.scoped_model()`` (named op scopes in the HLO metadata,
+        for ``--profile``; the same program otherwise). The executable stays in ``self._compiled[key]``."""
         import jax
         params = self.params if params is None else params
-        key = str((variant, phase, lag_iters, jax.tree.map(lambda a: (a.shape, str(a.dtype), str(a.sharding)),
-                                                             (batch, state))))
+        key = str((variant, phase, lag_iters, scoped, jax.tree.map(
+            lambda a: (a.shape, str(a.dtype), str(a.sharding)), (batch, state))))
+        self._last_key = key
         hit = key in self._compiled
         if not hit:
-            self._compiled[key] = self.compile(self.step_fn(variant, phase, lag_iters), params, batch, state)[0]
+            from dsflash.bench import step_profile
+            with step_profile.scoped_model() if scoped else contextlib.nullcontext():
+                self._compiled[key] = self.compile(self.step_fn(variant, phase, lag_iters), params, batch, state)[0]
             cs = self._last_compile_s
         stats, state, loads, finite = self.time_step(self._compiled[key], params, batch, state)
         stats["compile_s"] = 0.0 if hit else round(cs, 3)
@@ -472,24 +492,34 @@ class ForwardBench:
             rec["peak_in_use"] = max(peaks)
         return rec
 
-    def copy_bandwidth(self) -> float:
-        """Bytes/s of one device reading and writing a large buffer, measured once per run."""
-        if getattr(self, "_copy_bw", None) is None:
-            import jax
-            from dsflash.bench.kernels import jax_copy_bandwidth
-            self._copy_bw = jax_copy_bandwidth((1 << 30) if jax.devices()[0].platform == "gpu" else (32 << 20))
-        return self._copy_bw
+    def roofline(self, phase, rows, S, C, loads, mem, step_ms) -> dict:
+        """The whole-step floor of this step on one device (``step_floor``: bytes the step really moves -- weights
+        it uses, routed experts that were hit, the KV the sparse attention reads, never the embedding table --
+        over the read bandwidth measured in this run, flops at the measured GEMM rates), per op and in total.
+        ``old_definition``: the bytes of the earlier roofline (all dense weights incl. the embedding table + the
+        touched experts + the whole state), for comparing with older results."""
+        from dsflash.bench import step_floor
+        f = step_floor.step_floor(self.cfg, rows, S, C, self.args.precision, loads if loads.size else None,
+                                  ceilings=self.ceilings, logits=self.logits_for(phase), ep_ranks=self.n_ep,
+                                  ring_slack=self.geometry(1, S, C)[0].ring_slack)
+        t = f["total"]
+        out = {"definition": "step_floor: bytes / measured read bandwidth vs flops / measured GEMM rates",
+               "bytes": t["bytes"], "weight_bytes": t["weight_bytes"], "cache_bytes": t["cache_bytes"],
+               "act_bytes": t["act_bytes"], "flops": t["flops"], "flops_fp8": t["flops_fp8"],
+               "flops_bf16": t["flops_bf16"], "rates": f["rates"], "notes": f["notes"], "ops": f["ops"], "total": t}
+        if t.get("floor_ms") is not None:
+            out.update(bytes_ms=t["bytes_ms"], flops_ms=t["flops_ms"], roofline_ms=t["floor_ms"],
+                       sum_op_floors_ms=t["sum_op_floors_ms"], frac_of_roofline=t["floor_ms"] / step_ms)
+        out["old_definition"] = self._old_roofline_bytes(loads, mem)
+        return out
 
-    def roofline(self, loads, mem, step_ms) -> dict:
-        """HBM roofline of this step on the fullest device: bytes = its dense target weights + the routed-expert
-        weights of the experts its rank's tokens touched (from this step's loads) + its whole state (the dummy
-        KV / index / ring bytes of these contexts: an upper bound of what attention reads, so the ratio errs
-        high), over the copy bandwidth measured in this run."""
+    def _old_roofline_bytes(self, loads, mem) -> dict:
+        """The earlier accounting (kept only to compare with older results; it overstates the bytes)."""
         if getattr(self, "_weight_bytes", None) is None:     # the placed weights do not change: count once
             per = {}
             for k, a in self.params.items():
                 if k.startswith("mtp."):
-                    continue                              # the draft is not part of the target step
+                    continue
                 kind = "experts" if ".ffn.experts." in k else "dense"
                 for sh in a.addressable_shards:
                     d = per.setdefault(sh.device.id, {"experts": 0, "dense": 0})
@@ -500,14 +530,43 @@ class ForwardBench:
         if loads.size:
             L, E = loads.shape
             R = self.n_ep
-            per_rank = (loads > 0).reshape(L, R, E // R).sum(axis=(0, 2)) / (L * E // R)
-            touched = float(per_rank.max())
-        nbytes = dense + experts * touched + mem["state"]
-        bw = self.copy_bandwidth()
-        ms = nbytes / bw * 1e3
-        return {"bytes": int(nbytes), "dense_bytes": int(dense), "expert_bytes_touched": int(experts * touched),
-                "state_bytes": int(mem["state"]), "copy_bw_Bps": bw, "roofline_ms": ms,
-                "frac_of_roofline": ms / step_ms}
+            touched = float(((loads > 0).reshape(L, R, E // R).sum(axis=(0, 2)) / (L * E // R)).max())
+        return {"bytes": int(dense + experts * touched + mem["state"]), "dense_bytes_incl_embedding": int(dense),
+                "expert_bytes_touched": int(experts * touched), "state_bytes": int(mem["state"]),
+                "note": "all dense weights incl. the embedding table + touched experts + the whole state; was "
+                        "divided by a v*2 copy bandwidth on 1 GiB (both overstated the fraction of roofline)"}
+
+    def profile(self, phase, batch, state, floor, log, extra=None, step_ms=None):
+        """``--profile``: the per-op table of the compiled (scoped) full step: kernel time per op from a
+        jax.profiler trace (``step_profile``), next to each op's floor. On a platform without GPU kernels the
+        profile is empty: a note, and the floors alone."""
+        import jax
+
+        from dsflash.bench import step_floor, step_profile
+        compiled = self._compiled[self._last_key]
+        box = {"state": state}
+
+        def once():
+            lg, box["state"], _ = compiled(self.params, batch, box["state"])
+            jax.block_until_ready((lg, box["state"]))
+
+        out = {}
+        try:
+            prof = step_profile.profile_step(once, compiled.as_text(), calls=self.args.profile_calls)
+        except Exception as e:  # noqa: BLE001 - a failed trace must not lose the point
+            prof = None
+            out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if prof is not None and not prof["ops"]:
+            out["note"] = (f"no GPU kernels in the trace ({jax.devices()[0].platform}): per-op times need a GPU; "
+                           "the floors are shown alone")
+            prof = None
+        out["profile"] = prof
+        out["op_table"] = step_floor.op_table(prof, floor, extra)
+        log(step_floor.format_table(out["op_table"], prof, floor, step_ms))
+        for k in ("note", "error"):
+            if k in out:
+                log(f"    profile {k}: {out[k]}")
+        return out, box["state"]
 
     def run_eplb(self, phase, batch, state, logical_loads, variant):
         """EPLB on: DeepSeek's policy on this step's logical loads ``[L, E]`` with ``--eplb R`` redundant slots,
@@ -534,6 +593,14 @@ class ForwardBench:
                 "balancedness_after_predicted": round(balancedness(
                     physical_load(logical_loads, phy2log, logcnt), self.n_ep), 4)}, state
 
+    def draft_floor(self, rows, S, C) -> dict:
+        """The DSpark half's floor (``step_floor.draft_floor``; the draft's expert loads are not recorded: uniform
+        routing's expected hit experts)."""
+        from dsflash.bench import step_floor
+        return step_floor.draft_floor(self.cfg, rows, S, C, self.args.precision, ceilings=self.ceilings,
+                                      ep_ranks=self.n_ep if self.strategy is not None and
+                                      self.strategy.draft_expert_parallel else 1)
+
     def balancedness(self, loads):
         from dsflash.sharding.eplb import balancedness
         R = self.balance_ranks
@@ -555,10 +622,14 @@ class ForwardBench:
         else:
             rec.update(N=n)
         batch, state = self.make_inputs(S, [C] * rows)
-        stats, state, loads, finite = self.run_variant("full", phase, batch, state)
+        profile = getattr(args, "profile", False)
+        stats, state, loads, finite = self.run_variant("full", phase, batch, state, scoped=profile)
+        full_key = self._last_key
+        rec["logits"] = self.logits_for(phase)
         rec["memory_per_device_bytes"] = self.memory(state)
         rec["step_ms"] = stats
-        rec["roofline"] = self.roofline(loads, rec["memory_per_device_bytes"], stats["median"])
+        rec["roofline"] = self.roofline(phase, per_rank, S, C, loads, rec["memory_per_device_bytes"],
+                                        stats["median"])
         rec["finite_logits"] = finite
         rec["tok_per_s"] = rows * S / (stats["median"] * 1e-3)
         rec["tok_per_s_per_rank"] = rec["tok_per_s"] / self.n_dp
@@ -583,6 +654,13 @@ class ForwardBench:
             rec["draft_ms"], state = self.run_draft(batch, state)
             rec["spec_step_ms"] = stats["median"] + rec["draft_ms"]["median"]
             log(f"    draft (update_context + propose {self.cfg.dspark_block_size}): {rec['draft_ms']['median']:.3f} ms")
+            rec["draft_floor"] = self.draft_floor(per_rank, S, C)
+            if rec["draft_floor"]["total"].get("floor_ms") is not None:
+                rec["spec_step_floor_ms"] = rec["roofline"].get("roofline_ms", 0) + rec["draft_floor"]["total"]["floor_ms"]
+        if profile:
+            self._last_key = full_key
+            extra = {"draft": (rec["draft_ms"]["median"], rec["draft_floor"]["total"])} if "draft_floor" in rec else None
+            rec["profile"], state = self.profile(phase, batch, state, rec["roofline"], log, extra, stats["median"])
         if args.breakdown:
             v = {}
             for var in ("no_attn", "no_moe", "no_routed", "no_both"):
@@ -692,7 +770,7 @@ def table(result) -> str:
             f"{_fmt((r.get('uniform_ms') or {}).get('median')):>8} {_fmt(bal.get('real')):>8} "
             f"{_fmt(bal.get('uniform')):>8} {_fmt(b.get('attention')):>7} {_fmt(b.get('moe')):>7} "
             f"{_fmt(b.get('routed')):>7} {_fmt(b.get('other')):>7}"
-            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if r.get('roofline') else None, 1):>6}"
+            f" {_fmt(100 * r['roofline']['frac_of_roofline'] if (r.get('roofline') or {}).get('frac_of_roofline') else None, 1):>6}"
             f" {_fmt((r.get('zipf_ms') or {}).get('median')):>8} {_fmt(bal.get('zipf')):>8}"
             f" {_fmt(((r.get('eplb') or {}).get('step_ms') or {}).get('median')):>8}"
             f" {_fmt((r.get('eplb') or {}).get('balancedness_after_predicted')):>9}")
@@ -751,6 +829,49 @@ def plot(result, path):
     return path
 
 
+def plot_ops(result, path):
+    """Per point, a horizontal bar per op: measured time (--profile) next to its own floor (log scale)."""
+    from dsflash.bench.plots import _pyplot
+    from dsflash.bench.step_floor import op_table
+    plt = _pyplot()
+    if plt is None:
+        return None
+    pts = [p for p in result["points"] if p.get("roofline", {}).get("ops")]
+    if not pts:
+        return None
+    def floors(p):
+        extra = {"draft": (p["draft_ms"]["median"], p["draft_floor"]["total"])} if p.get("draft_floor") else None
+        return op_table(None, p["roofline"], extra)
+    tabs = [(p, (p.get("profile") or {}).get("op_table") or floors(p)) for p in pts]
+    fig, axes = plt.subplots(1, len(tabs), figsize=(6.5 * len(tabs), 0.28 * max(len(t) for _, t in tabs) + 2),
+                             squeeze=False)
+    for ax, (p, tab) in zip(axes[0], tabs):
+        tab = [r for r in tab if r["ms"] or r["floor_ms"]]
+        y = np.arange(len(tab))
+        ms = np.array([r["ms"] or 0.0 for r in tab])
+        fl = np.array([r["floor_ms"] or 0.0 for r in tab])
+        if ms.any():
+            ax.barh(y + 0.2, ms, height=0.4, label="measured (kernel time)")
+        ax.barh(y - 0.2, fl, height=0.4, label="floor")
+        ax.set_yticks(y)
+        ax.set_yticklabels([r["op"][:28] for r in tab], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlabel("ms per step")
+        roof = p["roofline"]
+        pt = f"decode {p['B']}x{p['S']}@{p['C']}" if p["phase"] == "decode" else f"prefill {p['N']}@{p['C']}"
+        ax.set_title(f"{pt}: step {p['step_ms']['median']:.3f} ms, "
+                     f"floor {roof.get('roofline_ms', float('nan')):.3f} ms", fontsize=8)
+        ax.grid(True, alpha=0.3, axis="x")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"bench forward per-op floors · {result['preset']} · {result['precision']}/{result['backend']} · "
+                 f"{result['device']} · {result['commit'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------------------ main
 def build_parser():
     ap = argparse.ArgumentParser(prog="python -m dsflash.bench forward", description=__doc__.split("\n")[0])
@@ -791,6 +912,13 @@ def build_parser():
     ap.add_argument("--init", default="numpy", choices=("numpy", "device"),
                     help="random weights: numpy (init_params's values, drawn per tensor on the host) or device "
                          "(jax.random on the devices, other values, same formats: for the full-size model)")
+    ap.add_argument("--logits", default="auto", choices=("auto", "last", "all"),
+                    help="logits the step returns; auto (default): every row at decode points ([B, S, V], what the "
+                         "engine's verification step reads), the last row at prefill points (as the engine's prefill)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per point, after the timed run: the per-op table (kernel time per model op from a "
+                         "jax.profiler trace, next to each op's floor); GPU only (on CPU: the floors alone)")
+    ap.add_argument("--profile-calls", type=int, default=3, help="traced calls per --profile point")
     ap.add_argument("--fast-compile", action="store_true", help="low XLA optimisation (CPU tests only)")
     ap.add_argument("--out", default=None, help="directory for JSON/PNG (default benchmarks/results)")
     ap.add_argument("--tag", default="", help="suffix of the output file name")
@@ -844,7 +972,12 @@ def main(argv=None):
     def log(s):
         print(s, flush=True)
 
+    from dsflash.bench import ceilings as ceil
+    t1 = time.perf_counter()
+    measured = ceil.measure()           # before the weights are placed: the 4 GB buffer fits on any device
+    log(ceil.format_ceilings(measured) + f" ({time.perf_counter() - t1:.1f} s)")
     bench = ForwardBench(args)
+    bench.ceilings = measured
     kind = dev.device_kind.replace(" ", "_").lower()
     short = "h200" if "h200" in kind else ("cpu" if dev.platform == "cpu" else kind)
     result = dict(
@@ -871,7 +1004,13 @@ def main(argv=None):
                       "routed experts -> zeros" if args.breakdown else None,
             mirror="decode: rank r at C*(1-F+2F r/(N-1)) as-is vs every rank given rank r's work" if args.mirror else None,
             lag="rank r spins r*lag seconds on device before its step (token ids depend on it)" if args.lag else None,
+            roofline="whole-step floor (dsflash.bench.step_floor): bytes the step must move (weights it uses, "
+                     "routed experts hit, window + selected compressed entries + index keys, activations; never the "
+                     "embedding table) / measured streaming read; flops / measured bf16 or FP8 GEMM rate; ceilings "
+                     "measured in this run on large buffers (dsflash.bench.ceilings)",
+            logits=f"{args.logits} (auto: all rows at decode as the engine's verification, last row at prefill)",
             fast_compile=bool(args.fast_compile)),
+        ceilings=measured,
         setup_s=dict(init_and_place_params=round(bench.init_s, 2)),
         engram_tables=dict(where=getattr(args, "engram_tables", "device"), host_bytes=bench.host_table_bytes),
         weights_init=getattr(args, "init", "numpy"),
@@ -915,6 +1054,14 @@ def main(argv=None):
                 result["png"] = os.path.basename(png)
                 save()
                 print(f"wrote {png}")
+            if any(p.get("profile") or p.get("roofline", {}).get("ops") for p in result["points"]):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("default")
+                    png = plot_ops(result, os.path.join(out_dir, stem + "_ops.png"))
+                if png:
+                    result["ops_png"] = os.path.basename(png)
+                    save()
+                    print(f"wrote {png}")
     return 0 if result["points"] and not result.get("failed") else 1
 
 

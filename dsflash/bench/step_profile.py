@@ -140,11 +140,15 @@ def _load_trace(log_dir):
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def gpu_kernels(events):
-    """Complete events on GPU streams: [(name, ts_us, dur_us, args)]."""
+def gpu_kernels(events, one_device=True):
+    """Complete events on GPU streams: [(name, ts_us, dur_us, args)]. ``one_device``: only the first GPU's (a mesh
+    step's devices run the same program; the per-op table and its floors are one device's)."""
     pnames = {e.get("pid"): e.get("args", {}).get("name", "") for e in events
               if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu_pids = {p for p, n in pnames.items() if "GPU" in n or "/device:" in n and "CPU" not in n}
+    if one_device and len(gpu_pids) > 1:
+        first = next((p for p in gpu_pids if re.search(r"GPU:0\b", pnames[p])), None)
+        gpu_pids = {first if first is not None else min(gpu_pids, key=lambda p: pnames[p])}
     out = []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e:
@@ -236,3 +240,4 @@ def format_ops(prof: dict, floors: dict | None = None) -> str:
         g = prof["gaps"]
         lines.append(f"{'gaps between kernels':<34}{g['between_kernels_ms']:>9.3f}   ({g['count_per_step']:.0f} per step)")
     return "\n".join(lines)
+# the printed per-op table with floors: dsflash.bench.step_floor.op_table / format_table
