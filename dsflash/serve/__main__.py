@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and uvicorn")
-    from dsflash.serve.pd.server import add_cli_arguments
+    from dsflash.serve.pd.cli import add_cli_arguments
     add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
     return p
 
