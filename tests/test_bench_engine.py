@@ -17,6 +17,9 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
     for r in res:
         assert r["generated_tokens"] == 3 * 12
         assert r["decode_iters"] > 0 and r["ms_per_decode_iter"] > 0
+        # decode-only steps: a subset of the run's steps and iterations, each with its own time
+        d = r["decode_phase"]
+        assert 0 < d["steps"] < r["steps"] and 0 < d["iters"] <= r["decode_iters"] and d["ms_per_iter"] > 0
         assert r["compiles_after_warmup"] == 0
     # the toy draft often agrees with the toy target: fewer iterations than tokens per sequence
     assert spec["mean_acceptance_length"] > 1.2 and spec["decode_iters"] < plain["decode_iters"]

@@ -143,18 +143,33 @@ def run_mode(model, args, speculative: bool) -> dict:
         prompts = [[int(t) for t in rng.integers(4, V, size=args.prompt_len)] for _ in range(args.num_prompts)]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=args.seed)
 
+    decode_phase = {"steps": 0, "iters": 0, "s": 0.0}
+
     def one_pass(tag):
         for i, p in enumerate(prompts):
             eng.add_request(f"{tag}{i}", p, sp)
         t = time.perf_counter()
         n_tok = 0
+        before = eng.metrics_snapshot()
         while eng.has_unfinished_requests():
-            for o in eng.step():
+            ts = time.perf_counter()
+            outs = eng.step()
+            te = time.perf_counter()
+            for o in outs:
                 if o.finished:
                     n_tok += len(o.outputs[0].token_ids)
+            after = eng.metrics_snapshot()
+            # a decode-only step (no prefill call in it): its wall time is the engine's decode iteration cost
+            if after["num_prefill_calls"] == before["num_prefill_calls"] and \
+                    after["num_decode_iters"] > before["num_decode_iters"]:
+                decode_phase["steps"] += 1
+                decode_phase["iters"] += after["num_decode_iters"] - before["num_decode_iters"]
+                decode_phase["s"] += te - ts
+            before = after
         return n_tok, time.perf_counter() - t
 
     one_pass("warm")                           # first-touch effects outside the timed pass
+    decode_phase.update(steps=0, iters=0, s=0.0)
     m0 = eng.metrics_snapshot()
     n_tok, dt = one_pass("run")
     m = eng.metrics_snapshot()
@@ -171,6 +186,10 @@ def run_mode(model, args, speculative: bool) -> dict:
         "steps": steps, "host_overhead_per_step_ms": 1e3 * statistics.mean(host) if host else 0.0,
         "step_time_ms": 1e3 * dt / steps if steps else 0.0,
         "decode_iters": iters, "ms_per_decode_iter": 1e3 * dt / iters if iters else 0.0,
+        # the same over decode-only steps (no prefill in the step): what one decode iteration costs the engine
+        "decode_phase": {"steps": decode_phase["steps"], "iters": decode_phase["iters"],
+                         "ms_per_iter": 1e3 * decode_phase["s"] / decode_phase["iters"] if decode_phase["iters"]
+                         else None},
         "drafts": drafts, "draft_tokens": drafts * eng.k, "accepted_tokens": acc,
         "acceptance_rate": acc / (drafts * eng.k) if drafts else 0.0,
         "mean_acceptance_length": 1 + acc / drafts if drafts else 0.0,
@@ -210,6 +229,10 @@ def main(argv=None) -> int:
                 f"{r['steps']} steps, {r['step_time_ms']:.1f} ms/step, host {r['host_overhead_per_step_ms']:.2f} "
                 f"ms/step, warm-up {r['warmup_s']:.0f}s, compiles after warm-up {r['compiles_after_warmup']})")
         print(line)
+        dp = r["decode_phase"]
+        if dp["ms_per_iter"] is not None:
+            print(f"        decode phase: {dp['ms_per_iter']:.2f} ms per decode iteration over {dp['steps']} decode-only "
+                  f"steps ({dp['iters']} iterations)")
         print(f"        {r['kernels']}")
         if r["speculative"]:
             pp = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_pos"])
