@@ -252,4 +252,4 @@ def fp8_linear_triton(x, w, scale, *, precision="reference", act_quant=True, con
         x2 = quant.fp8_roundtrip(x2, 32)
     y = _launch(jt, x2, _as_u8(w), _as_u8(scale), cfg=cfg, act_rt_kernel=rt and cfg.act_rt == "kernel",
                 out_f32=out_f32, decode=decode)
-    return y.reshape(*lead, N)
+    return y if len(lead) == 1 else y.reshape(*lead, N)
