@@ -89,6 +89,22 @@ def check(M, K=256, N=96, *, precision="reference", config="decode", seed=0, exa
     return ok == expect_ok
 
 
+def check_nan(M=6, K=256, N=96, seed=12, config="decode"):
+    """A NaN in x (row 2): the fp32 result's NaN pattern must be the reference's (the clamp of the in-kernel round
+    trip propagates NaN, as jnp.clip does). NaN weights (E4M3 byte 0x7F) cannot be checked here: Triton 3.6's
+    interpreter converts 0x7F to 480 (checked 2026-12-01), the GPU's cvt gives NaN; tests/gpu/test_fp8_linear.py
+    checks them."""
+    sys.modules["jax_triton"] = _JtShim
+    x, w, s = problem(M, K, N, seed)
+    x = x.at[2, 7].set(jnp.nan)
+    ref = np.asarray(fp8_linear.fp8_linear_reference(x, w, s, precision="reference")).astype(np.float32)
+    y = np.asarray(ft.fp8_linear_triton(x, w, s, precision="reference", config=config, out_f32=True, decode=0))
+    ok = bool(np.array_equal(np.isnan(y), np.isnan(ref))) and int(np.isnan(ref).sum()) == N
+    print(f"NaN propagation ({config}): {int(np.isnan(y).sum())} NaN outputs, reference {int(np.isnan(ref).sum())}"
+          f" -> {'ok' if ok else 'MISMATCH'}")
+    return ok
+
+
 CHECKS = {
     "ref.m1": lambda: check(1),
     "ref.m6": lambda: check(6),
@@ -102,6 +118,8 @@ CHECKS = {
     "ref.m20.k512.ks4": lambda: check(20, K=512, N=64, seed=7),
     "exact.m6": lambda: check(6, exact=True, seed=8),
     "exact.m40.prefill": lambda: check(40, exact=True, config="prefill", seed=9),
+    "nan.decode": lambda: check_nan(),
+    "nan.prefill": lambda: check_nan(M=40, config="prefill"),
     "mutant.scale": lambda: check(6, seed=10, mutate="scale", expect_ok=False),
     "mutant.no_rt": lambda: check(6, seed=11, mutate="no_rt", expect_ok=False),
 }

@@ -51,8 +51,18 @@ def _fp8_rt(xf, BM: tl.constexpr, BK: tl.constexpr):
     e = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)            # ceil(log2 y) + 127
     s = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)               # exact 1/s
-    q = _round_e4m3(tl.minimum(tl.maximum(x3 * inv[:, :, None], -448.0), 448.0))
-    return tl.reshape(q * s[:, :, None], (BM, BK))
+    # NaN-propagating clamp (jnp.clip's behaviour: a NaN input stays NaN through the round trip, as in the reference)
+    q = tl.clamp(x3 * inv[:, :, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.reshape(_round_e4m3(q) * s[:, :, None], (BM, BK))
+
+
+@triton.jit
+def _to_bf16(v, DECODE: tl.constexpr):
+    """fp32 -> bf16, round to nearest even: the hardware conversion on a GPU (NaN stays NaN); in Triton's interpreter
+    (whose cast truncates) the integer rounding of ``moe_gemm_triton._round_bf16`` (finite values only)."""
+    if DECODE == 1:
+        return v.to(tl.bfloat16)
+    return _round_bf16(v).to(tl.bfloat16)
 
 
 @triton.jit
@@ -113,14 +123,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
         if OUT_F32:
             tl.store(o_ptr + offs, acc, mask=rmask[:, None])
         else:
-            tl.store(o_ptr + offs, _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+            tl.store(o_ptr + offs, _to_bf16(acc, DECODE), mask=rmask[:, None])
     else:
         tl.store(o_ptr + ks * (M * N) + offs, acc, mask=rmask[:, None])
 
 
 @triton.jit
 def _fp8_linear_reduce(part_ptr, o_ptr, M: tl.constexpr, N: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                       KS: tl.constexpr, OUT_F32: tl.constexpr):
+                       KS: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr):
     """o = sum over ks = 0..KS-1 (in that order) of the fp32 partials [KS, M, N], rounded to bf16 once (here, not in
     XLA, which could elide an f32 -> bf16 -> f32 pair), or fp32 with OUT_F32."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -132,7 +142,7 @@ def _fp8_linear_reduce(part_ptr, o_ptr, M: tl.constexpr, N: tl.constexpr, BR: tl
     if OUT_F32:
         tl.store(o_ptr + offs, acc, mask=rmask[:, None])
     else:
-        tl.store(o_ptr + offs, _round_bf16(acc).to(tl.bfloat16), mask=rmask[:, None])
+        tl.store(o_ptr + offs, _to_bf16(acc, DECODE), mask=rmask[:, None])
 
 
 # ------------------------------------------------------------------------------------------ configs and plan
@@ -152,7 +162,7 @@ class Fp8LinearConfig:
     warps: int = 4
     stages: int = 3
     target_programs: int = 264          # 2 per SM of an H200 (132 SMs)
-    max_ks: int = 16
+    max_ks: int = 32
 
 
 NAMED_CONFIGS = {
@@ -221,7 +231,7 @@ def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1):
         o, kernel=_fp8_linear_reduce,
         out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32 if out_f32 else jnp.bfloat16),
         grid=(-(-M // BR), N // BNR), num_warps=4, num_stages=1, M=M, N=N, BR=BR, BN=BNR, KS=KS,
-        OUT_F32=int(out_f32))
+        OUT_F32=int(out_f32), DECODE=decode)
 
 
 def _as_u8(a):
