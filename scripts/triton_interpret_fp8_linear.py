@@ -109,6 +109,7 @@ CHECKS = {
     "ref.m1": lambda: check(1),
     "ref.m6": lambda: check(6),
     "ref.m40": lambda: check(40),
+    "ref.m40.krt": lambda: check(40, config="decode_krt", seed=13),
     "ref.m6.bn128": lambda: check(6, N=256, config="decode_bn128", seed=3),
     "ref.m6.xrt": lambda: check(6, config="decode_xrt", seed=4),
     "ref.m40.prefill": lambda: check(40, config="prefill", seed=5),

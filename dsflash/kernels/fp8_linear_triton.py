@@ -11,12 +11,12 @@ How it works
 * Weights: BK contiguous E4M3 bytes per row (16-byte vector loads), one UE8M0 byte per (row, 32-wide K group);
   E4M3 -> fp32 (exact) times 2^(s - 127) (exact: a power of two, normal range) -> bf16 (exact: 4 significant bits)
   in registers. The weight is read once from HBM per row tile, 1 byte per element + 1/1024 of scales.
-* Activations: ``ACT_RT`` 1 ("reference", the default ``act_rt="kernel"``): the bf16 x tile is FP8-round-tripped per
-  32 in registers exactly as ``quant.fp8_roundtrip`` (amax, pow2 scale by bit arithmetic, exact 1/s, clamp, E4M3
-  RNE in fp32 arithmetic) -- fewer bytes than a separate XLA round trip (which reads x, writes a bf16 copy and the
-  kernel reads it again, plus one more launch), at the price of redoing the round trip of the (small) x tile in
-  each of the N / BN programs. ``act_rt="xla"`` (named config "decode_xrt") does the round trip in XLA before the
-  call instead, for the GPU A/B.
+* Activations ("reference"): ``ACT_RT`` 1: the bf16 x tile is FP8-round-tripped per 32 in registers exactly as
+  ``quant.fp8_roundtrip`` (amax, pow2 scale by bit arithmetic, exact 1/s, NaN-propagating clamp, E4M3 RNE in fp32
+  arithmetic) -- fewer bytes than a separate XLA round trip (which reads x, writes a bf16 copy that the kernel reads
+  again) and one launch less, at the price of redoing the round trip of the x tile in each of the N / BN programs.
+  ``act_rt="auto"`` (default) does it in-kernel for row tiles of <= 16 rows and in XLA above (``act_rt_in_kernel``
+  says why); "decode_krt" / "decode_xrt" force one or the other for the GPU A/B.
 * MMA: bf16 x bf16 -> fp32 accumulation (every product exact; only the fp32 summation order differs from XLA's).
   ``swap`` (decode): acc^T [BN, BM] = W [BN, BK] . x^T [BK, BM], the weights as the left operand (Hopper wgmma reads
   it from registers, the BN weight rows fill its M = 64, the few token rows are its N >= 16; BM < 16 would give
@@ -151,14 +151,14 @@ class Fp8LinearConfig:
     """BM: rows per tile (swap: the MMA's N; 0 = adaptive, next power of two of M in [16, BM_MAX]); BN: output
     features per program (<= N, a divisor of N is used); BK: K per step; KS: K split (0 = auto from
     target_programs); swap: weights as the MMA's left operand; act_rt: where the "reference" FP8 round trip of x
-    runs ("kernel" | "xla")."""
+    runs ("auto" | "kernel" | "xla": ``act_rt_in_kernel``)."""
     BM: int = 0
     BM_MAX: int = 64
     BN: int = 64
     BK: int = 128
     KS: int = 0
     swap: bool = True
-    act_rt: str = "kernel"
+    act_rt: str = "auto"
     warps: int = 4
     stages: int = 3
     target_programs: int = 264          # 2 per SM of an H200 (132 SMs)
@@ -169,6 +169,7 @@ NAMED_CONFIGS = {
     "decode": Fp8LinearConfig(),
     "decode_bn128": Fp8LinearConfig(BN=128),
     "decode_xrt": Fp8LinearConfig(act_rt="xla"),
+    "decode_krt": Fp8LinearConfig(act_rt="kernel"),
     "prefill": Fp8LinearConfig(BM=128, BN=128, BK=64, KS=1, swap=False, warps=8, stages=3),
 }
 DECODE_MAX_ROWS = 384
@@ -204,6 +205,18 @@ def plan(cfg: Fp8LinearConfig, M: int, N: int, K: int) -> dict:
     if steps % KS:
         raise ValueError(f"KS={KS} must divide K / BK = {steps}")
     return dict(BM=BM, BN=BN, BK=BK, KS=KS, grid=(-(-M // BM), N // BN, KS), programs=tiles * KS)
+
+
+def act_rt_in_kernel(cfg: Fp8LinearConfig, BM: int) -> bool:
+    """Where the "reference" activation round trip runs. "auto": in the kernel for row tiles of <= 16 rows, in XLA
+    above. Why (sm_90 compiles, NOTES.md "FP8 dense linears"): in-kernel, every one of the N / BN programs of a row
+    tile redoes the round trip of its [BM, BK] x tile, BM / BN of the weight work at ~3x its instructions per element:
+    the decode loop is 8.8 thread instructions per weight element at BM 16 against 5.7 with x pre-rounded, but 20.0
+    against ~5.7 at BM 64, while the XLA pass costs one small fusion (M K bf16 read + written, a launch) -- cheaper
+    than the redundant work from BM 32 up, dearer than it at BM 16 (a launch is ~2 us, the extra ~0.6 us at wq_a)."""
+    if cfg.act_rt == "auto":
+        return BM <= 16
+    return cfg.act_rt == "kernel"
 
 
 def named_config(name: str) -> Fp8LinearConfig:
@@ -258,8 +271,8 @@ def fp8_linear_triton(x, w, scale, *, precision="reference", act_quant=True, con
     cfg = NAMED_CONFIGS[config] if isinstance(config, str) else (config or pick_config(M))
     x2 = x.reshape(M, K).astype(jnp.bfloat16)
     rt = precision == "reference" and act_quant
-    if rt and cfg.act_rt == "xla":
+    in_kernel = rt and act_rt_in_kernel(cfg, plan(cfg, M, N, K)["BM"])
+    if rt and not in_kernel:
         x2 = quant.fp8_roundtrip(x2, 32)
-    y = _launch(jt, x2, _as_u8(w), _as_u8(scale), cfg=cfg, act_rt_kernel=rt and cfg.act_rt == "kernel",
-                out_f32=out_f32, decode=decode)
+    y = _launch(jt, x2, _as_u8(w), _as_u8(scale), cfg=cfg, act_rt_kernel=in_kernel, out_f32=out_f32, decode=decode)
     return y if len(lead) == 1 else y.reshape(*lead, N)
