@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from dsflash.kernels import dispatch
@@ -31,6 +32,7 @@ from dsflash.model import quant
 # runs the kernel without ``force``. Empty until a GPU run measures the kernel faster than XLA at some M.
 TRITON_ROWS: tuple = ()
 PRECISIONS = ("reference", "bf16")      # what the kernel implements
+HIGHEST = jax.lax.Precision.HIGHEST
 
 GATE = dispatch.Crossover("rows (M)", TRITON_ROWS, PRECISIONS, "none yet: the kernel has not run on a GPU")
 
@@ -39,23 +41,31 @@ def _act_dtype(precision):
     return jnp.float32 if precision == "fp32" else jnp.bfloat16
 
 
+def _dot(x, w_t):
+    """``layers._dot``: x [..., K] @ w_t [K, N], fp32 accumulation; bf16 operands go to the tensor cores as they are
+    on a GPU (``layers.tensor_cores``), everything else is widened (HIGHEST)."""
+    if x.dtype == jnp.bfloat16 and w_t.dtype == jnp.bfloat16 and dispatch.on_gpu():
+        return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32)
+    return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32, precision=HIGHEST)
+
+
 def fp8_linear_reference(x, w_fp8, scale_u8, *, precision="reference", act_quant=True):
-    """``layers.linear_fp8``'s numerics on arrays: the same ops in the same order (so the same bits, on every
-    platform, as the model's linear)."""
-    from dsflash.model.layers import _dot, tensor_cores      # lazy: layers imports the model package
+    """``layers.linear_fp8``'s numerics on arrays: the same ops in the same order (so the same bits as the model's
+    linear; pinned on CPU by tests/test_kernels_fp8_linear.py, on the GPU by tests/gpu/test_fp8_linear.py's gate
+    test). Written out here, not imported, so kernels/ imports nothing of model/ but quant (as moe_gemm); once
+    ``layers.linear_fp8`` calls ``fp8_linear`` this is the only copy."""
     if w_fp8.dtype == jnp.uint8:
-        import jax
         w_fp8 = jax.lax.bitcast_convert_type(w_fp8, jnp.float8_e4m3fn)
     dt = _act_dtype(precision)
     if precision == "reference":
-        wdt = jnp.bfloat16 if tensor_cores() and scale_u8 is not None else jnp.float32
+        wdt = jnp.bfloat16 if dispatch.on_gpu() and scale_u8 is not None else jnp.float32
         w = quant.dequant_fp8_weight(w_fp8, scale_u8, wdt)
         xa = quant.fp8_roundtrip(x.astype(jnp.bfloat16), 32).astype(wdt) if act_quant \
             else x.astype(jnp.bfloat16).astype(wdt)
     else:
         w = quant.dequant_fp8_weight(w_fp8, scale_u8, dt)
         xa = x.astype(dt)
-    return _dot(xa, w.T, precision).astype(dt)
+    return _dot(xa, w.T).astype(dt)
 
 
 def rows_of(x) -> int:

@@ -126,3 +126,17 @@ def test_front_end_gate_on_gpu():
     forced = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton", force=True))(x), np.float32)
     assert np.array_equal(gated, ref)
     assert np.array_equal(forced, kern)
+
+
+@pytest.mark.parametrize("precision", ["reference", "bf16"])
+@pytest.mark.parametrize("name,M", [("wq_a", 6), ("wo_b", 192), ("sh_w2", 4096)])
+def test_reference_is_linear_fp8_on_gpu(name, M, precision):
+    """fp8_linear_reference is a written-out copy of layers.linear_fp8 (kernels/ does not import model/layers): on
+    the GPU too (its tensor-core branch) the two must give the same bits."""
+    from dsflash.kernels import fp8_linear as fl
+    from dsflash.model import layers
+    x, w, s = _inputs(name, M)
+    want = np.asarray(jax.jit(lambda a: layers.linear_fp8(a, {"l.weight": w, "l.scale": s}, "l", precision))(x),
+                      np.float32)
+    got = np.asarray(jax.jit(lambda a: fl.fp8_linear_reference(a, w, s, precision=precision))(x), np.float32)
+    assert np.array_equal(got, want)
