@@ -508,6 +508,61 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
         del X, y, a, post, comb
 
 
+# ------------------------------------------------------------------------------------------ dense FP8 linears
+FP8_LINEAR_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
+                     "wo_a": (8192, 4096), "sh_w13": (2304, 5120), "sh_w2": (5120, 2304)}     # [N, K] (out, in)
+
+
+def bench_fp8_linear(args, ceilings, log, rows, save=lambda: None):
+    """Dense FP8-stored linears (E4M3 [N, K] + UE8M0 32x32 scales) at M rows: the Triton kernel
+    (``fp8_linear_triton``, the picked config and each of ``--fp8linear-configs`` at decode sizes) vs the XLA path
+    the model runs today (jit of ``fp8_linear_reference`` == ``layers.linear_fp8``: a dequantised bf16 weight copy +
+    bf16 tensor-core GEMM), "reference" precision. Weight TB/s = (N K + N K / 1024) bytes / time; roofline: weight +
+    x + out bytes / copy bandwidth vs 2 M N K flops / bf16 rate."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsflash.kernels import fp8_linear as fl, fp8_linear_triton as ft
+    from dsflash.model import quant
+
+    shapes = list(FP8_LINEAR_SHAPES) if args.fp8linear_shapes == "all" else args.fp8linear_shapes.split(",")
+    for name in shapes:
+        N, K = FP8_LINEAR_SHAPES[name]
+        kw, ks = jax.random.split(jax.random.PRNGKey(N + K))
+        w = (jax.random.normal(kw, (N, K), jnp.float32) * 2.0).astype(jnp.float8_e4m3fn)
+        s = jax.random.randint(ks, (N // 32, K // 32), 118, 124, jnp.int32).astype(jnp.uint8)
+        wbytes = N * K + N * K // 1024
+        for M in (int(m) for m in args.fp8linear_rows.split(",")):
+            x = jax.random.normal(jax.random.PRNGKey(M), (2, M, K), jnp.float32).astype(jnp.bfloat16)
+            bytes_min = wbytes + M * K * 2 + M * N * 2
+            flops = 2.0 * M * N * K
+            picked = ft.pick_config(M)
+            pname = next(n for n, c in ft.NAMED_CONFIGS.items() if c is picked)
+            row = dict(shape=name, N=N, K=K, M=M, bytes_min=bytes_min, flops=flops, config=pname,
+                       plan={k: v for k, v in ft.plan(picked, M, N, K).items() if k != "grid"},
+                       roofline_s=_roof(bytes_min, flops, ceilings))
+            ops = {"triton": lambda x_, w_, s_, c=picked: ft.fp8_linear_triton(x_, w_, s_, config=c),
+                   "xla_ref": lambda x_, w_, s_: fl.fp8_linear_reference(x_, w_, s_, precision="reference")}
+            if M <= ft.DECODE_MAX_ROWS:
+                for cn in args.fp8linear_configs.split(","):
+                    if cn and cn != pname:
+                        ops["triton_" + cn] = lambda x_, w_, s_, c=cn: ft.fp8_linear_triton(x_, w_, s_, config=c)
+            _time_pair(row, ops, (x,), (w, s), args, log)
+            for k in list(row):
+                if k.startswith("triton") and k.endswith("_s") and row[k]:
+                    row[k[:-2] + "_weight_TBps"] = wbytes / row[k] / 1e12
+            try:
+                ref = np.asarray(jax.jit(lambda a: fl.fp8_linear_reference(a, w, s))(x[0]), np.float32)
+                got = np.asarray(jax.jit(lambda a: ft.fp8_linear_triton(a, w, s, config=picked))(x[0]), np.float32)
+                row["bf16_changed_frac"] = float(np.mean(got != ref))
+                row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+            except Exception as e:  # noqa: BLE001
+                row["check_error"] = repr(e)[:400]
+            rows.append(row)
+            log(json.dumps(row))
+            save()
+
+
 def _fmt(v, scale=1e3, nd=3):
     return "-" if v is None else f"{v * scale:.{nd}f}"
 
@@ -544,6 +599,10 @@ def mark_dispatch(result, backend):
     for sec, (kernel, size) in DISPATCH_SIZES.items():
         for r in result.get(sec, []):
             r["dispatch"] = "triton" if use_triton(kernel, backend, size(r), precision="reference") else "xla"
+    if result.get("fp8_linear"):
+        from dsflash.kernels import fp8_linear
+        for r in result["fp8_linear"]:
+            r["dispatch"] = "triton" if fp8_linear.use_triton(backend, r["M"], "reference") else "xla"
 
 
 def main(argv=None):
@@ -576,13 +635,18 @@ def main(argv=None):
                     help="the model's backend setting: each row records what kernels/dispatch.py runs at its shape "
                          "under it (\"dispatch\"); the kernels and the XLA reference are timed either way")
     ap.add_argument("--skip-moe", action="store_true")
-    ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated")
+    ap.add_argument("--ops", default="moe,attn,indexer,mhc", help="sections to run, comma-separated (also: fp8linear)")
     ap.add_argument("--indexer-shapes", default="1x1x8192,64x1x16384,256x1x8192,32x1x65536,128x6x16384,"
                     "1x4096x4096,1x16384x16384",
                     help="indexer shapes BxSxT (sequences x query rows x compressed entries)")
     ap.add_argument("--indexer-xla-max-rows", type=int, default=4096,
                     help="skip the XLA indexer reference above B*S rows (it materialises [B,S,32,T] bf16)")
     ap.add_argument("--mhc-tokens", default="1,16,64,256,4096,16384", help="fused mHC token counts")
+    ap.add_argument("--fp8linear-rows", default="1,6,32,192,384,4096", help="dense FP8 linear row counts M")
+    ap.add_argument("--fp8linear-shapes", default="all",
+                    help="names of FP8_LINEAR_SHAPES (wq_a,wq_b,wkv,wo_b,wo_a,sh_w13,sh_w2) or all")
+    ap.add_argument("--fp8linear-configs", default="decode,decode_bn128,decode_xrt",
+                    help="fp8_linear_triton.NAMED_CONFIGS also timed at M <= 384 (columns triton_<name>)")
     ap.add_argument("--quick", action="store_true", help="smaller ceiling measurements")
     ap.add_argument("--out", default=None, help="directory for the JSON (default benchmarks/results)")
     ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # dry run of the code paths
@@ -619,7 +683,7 @@ def main(argv=None):
                               tokens=args.tokens, reps=args.reps,
                               weights="MXFP4 (E2M1 + UE8M0/32), random bytes, scales 2^-8..2^-4",
                               precision="reference (FP8 E4M3/32 activations)", routing="uniform random distinct"),
-                  ceilings={}, moe_gemm=[], sparse_attention=[], indexer=[], mhc=[])
+                  ceilings={}, moe_gemm=[], sparse_attention=[], indexer=[], mhc=[], fp8_linear=[])
     ops = set(args.ops.split(","))
 
     def save():   # after every size, so a run cut short still leaves its numbers
@@ -640,6 +704,8 @@ def main(argv=None):
         bench_indexer(args, ceilings, log, result["indexer"], save)
     if "mhc" in ops:
         bench_mhc(args, ceilings, log, result["mhc"], save)
+    if "fp8linear" in ops:
+        bench_fp8_linear(args, ceilings, log, result["fp8_linear"], save)
     mark_dispatch(result, args.backend)
     save()
     print(f"\nwrote {path}")
@@ -680,4 +746,14 @@ def main(argv=None):
                 print(f"  {'x'.join(str(r[k]) for k in keys):>16} {_fmt(g('triton_s')):>9} {_fmt(g('xla_ref_s')):>9} "
                       f"{_fmt(g('roofline_s')):>8} {_fmt(g('frac_of_roofline'), 100, 1):>6} "
                       f"{_fmt(g('speedup_vs_xla_ref'), 1, 2):>6}{extra}")
+    if result["fp8_linear"]:
+        print("dense FP8 linears: shape M config  triton ms / weight TB/s / xla ms / roof ms / xXLA / bf16 changed;"
+              " other configs ms")
+        for r in result["fp8_linear"]:
+            g = r.get
+            alt = " ".join(f"{k[7:-2]}={_fmt(v)}" for k, v in r.items()
+                           if k.startswith("triton_") and k.endswith("_s") and "TBps" not in k)
+            print(f"  {r['shape']:>7} {r['M']:>5} {r['config']:>8} {_fmt(g('triton_s')):>8} "
+                  f"{_fmt(g('triton_weight_TBps'), 1, 2):>6} {_fmt(g('xla_ref_s')):>8} {_fmt(g('roofline_s')):>8} "
+                  f"{_fmt(g('speedup_vs_xla_ref'), 1, 2):>6} {_fmt(g('bf16_changed_frac'), 100, 2):>6}%  {alt}")
     return 0

@@ -1,0 +1,91 @@
+"""Dense FP8-stored linears (E4M3 weights [N, K] with UE8M0 32x32 block scales [N/32, K/32]).
+
+``fp8_linear(x, w, scale, *, precision, backend, act_quant=True, force=False)``
+  x      [..., K] activations (bf16, or anything the reference casts)
+  w      [N, K] float8_e4m3fn (or its bytes as uint8)
+  scale  [N/32, K/32] uint8 UE8M0 (2^(b - 127)), or None (float master weights: the reference)
+  -> [..., N] bf16 (fp32 in "fp32" precision): ``x @ dequant(w).T``
+
+Numerics: exactly ``dsflash.model.layers.linear_fp8`` (tests/test_kernels_fp8_linear.py checks it bit for bit on
+CPU). "reference": x -> bf16 -> FP8 E4M3 round trip per 32 along K (pow2 scales; the values are exact in bf16),
+weights dequantised exactly (E4M3 x 2^k), fp32 accumulation, bf16 output. "bf16": the same without the activation
+round trip. "fp32": the reference only (the kernel has no fp32 mode).
+
+The Triton kernel (``fp8_linear_triton``) reads each FP8 weight byte once and dequantises it in registers, instead
+of XLA's dequantised bf16 copy of the weight per call. NOT YET RUN ON A GPU (2026-12-01: written and checked in
+Triton's CPU interpreter and by sm_90 compiles only), so it is behind an explicit opt-in: ``backend="triton"`` runs
+it only where ``TRITON_ROWS`` covers the row count (empty: nowhere) or with ``force=True`` (tests, the bench).
+``layers.linear_fp8`` does not call this module; wiring it in (and moving this gate into ``dispatch.GATES``) waits for
+a GPU measurement.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dsflash.kernels import dispatch
+from dsflash.model import quant
+
+# Row counts M (= prod of x's leading dims; inclusive (lo, hi) ranges, hi None = no bound) where backend="triton"
+# runs the kernel without ``force``. Empty until a GPU run measures the kernel faster than XLA at some M.
+TRITON_ROWS: tuple = ()
+PRECISIONS = ("reference", "bf16")      # what the kernel implements
+HIGHEST = jax.lax.Precision.HIGHEST
+
+GATE = dispatch.Crossover("rows (M)", TRITON_ROWS, PRECISIONS, "none yet: the kernel has not run on a GPU")
+
+
+def _act_dtype(precision):
+    return jnp.float32 if precision == "fp32" else jnp.bfloat16
+
+
+def _dot(x, w_t):
+    """``layers._dot``: x [..., K] @ w_t [K, N], fp32 accumulation; bf16 operands go to the tensor cores as they are
+    on a GPU (``layers.tensor_cores``), everything else is widened (HIGHEST)."""
+    if x.dtype == jnp.bfloat16 and w_t.dtype == jnp.bfloat16 and dispatch.on_gpu():
+        return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32)
+    return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32, precision=HIGHEST)
+
+
+def fp8_linear_reference(x, w_fp8, scale_u8, *, precision="reference", act_quant=True):
+    """``layers.linear_fp8``'s numerics on arrays: the same ops in the same order (so the same bits as the model's
+    linear; pinned on CPU by tests/test_kernels_fp8_linear.py, on the GPU by tests/gpu/test_fp8_linear.py's gate
+    test). Written out here, not imported, so kernels/ imports nothing of model/ but quant (as moe_gemm); once
+    ``layers.linear_fp8`` calls ``fp8_linear`` this is the only copy."""
+    if w_fp8.dtype == jnp.uint8:
+        w_fp8 = jax.lax.bitcast_convert_type(w_fp8, jnp.float8_e4m3fn)
+    dt = _act_dtype(precision)
+    if precision == "reference":
+        wdt = jnp.bfloat16 if dispatch.on_gpu() and scale_u8 is not None else jnp.float32
+        w = quant.dequant_fp8_weight(w_fp8, scale_u8, wdt)
+        xa = quant.fp8_roundtrip(x.astype(jnp.bfloat16), 32).astype(wdt) if act_quant \
+            else x.astype(jnp.bfloat16).astype(wdt)
+    else:
+        w = quant.dequant_fp8_weight(w_fp8, scale_u8, dt)
+        xa = x.astype(dt)
+    return _dot(xa, w.T).astype(dt)
+
+
+def rows_of(x) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def use_triton(backend, rows: int, precision: str, *, force: bool = False, scale=True) -> bool:
+    """The one decision: ``dispatch.resolve_backend`` / ``dispatch.on_gpu`` as every kernel front-end, then this
+    module's own gate (``TRITON_ROWS``; not in ``dispatch.GATES`` until measured). Float master weights
+    (``scale`` None) always take the reference."""
+    if scale is None or dispatch.resolve_backend(backend) != "triton" or not dispatch.on_gpu():
+        return False
+    if precision not in PRECISIONS:
+        return backend == "triton"          # explicit: the kernel raises its own error
+    return force or GATE.replace(triton=TRITON_ROWS).covers(rows)
+
+
+def fp8_linear(x, w, scale, *, precision="reference", backend="auto", act_quant=True, force=False, config=None):
+    """The reference or the Triton kernel, as ``use_triton`` decides at M = rows of x (module docstring: opt-in)."""
+    if not use_triton(backend, rows_of(x), precision, force=force, scale=scale):
+        return fp8_linear_reference(x, w, scale, precision=precision, act_quant=act_quant)
+    from dsflash.kernels import fp8_linear_triton  # lazy: needs a CUDA GPU and jax-triton
+    return fp8_linear_triton.fp8_linear_triton(x, w, scale, precision=precision, act_quant=act_quant, config=config)

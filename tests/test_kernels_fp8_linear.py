@@ -1,0 +1,142 @@
+"""CPU tests of the dense FP8 linear (dsflash/kernels/fp8_linear.py, fp8_linear_triton.py).
+
+* the reference is the model's numerics: bit-identical to ``layers.linear_fp8`` for every precision;
+* the front-end runs the reference off a GPU whatever was asked, and its opt-in gate (empty ``TRITON_ROWS``) decides
+  as documented when pretending to be on a GPU;
+* the launch plan (block sizes, K split, grid) at V4.1's shapes;
+* sm_90 compile facts (skipped without triton): no spills, wgmma in the decode and prefill kernels;
+* Triton-interpreter checks (scripts/triton_interpret_fp8_linear.py), opt-in with DSFLASH_INTERPRET_TESTS=1 as in
+  tests/test_kernels_interpret.py.
+The GPU checks: tests/gpu/test_fp8_linear.py."""
+import importlib.util
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsflash.kernels import dispatch, fp8_linear
+from dsflash.model import layers, quant
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _problem(shape_x, N, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+    K = shape_x[-1]
+    x = (jax.random.normal(k[0], shape_x) * 3.0).astype(jnp.bfloat16)
+    blk = jnp.exp2(jax.random.randint(k[2], (N // 32, K // 32), -3, 4).astype(jnp.float32))
+    w, s = quant.quantize_fp8_weight(jax.random.normal(k[1], (N, K)) * 0.05 * jnp.repeat(jnp.repeat(blk, 32, 0), 32, 1))
+    return x, w, s
+
+
+@pytest.mark.parametrize("precision", ["reference", "bf16", "fp32"])
+@pytest.mark.parametrize("act_quant", [True, False])
+@pytest.mark.parametrize("shape_x,N", [((6, 256), 96), ((2, 3, 512), 64), ((40, 128), 160)])
+def test_reference_is_linear_fp8_bit_for_bit(precision, act_quant, shape_x, N):
+    x, w, s = _problem(shape_x, N)
+    want = layers.linear_fp8(x, {"l.weight": w, "l.scale": s}, "l", precision, act_quant=act_quant)
+    got = fp8_linear.fp8_linear_reference(x, w, s, precision=precision, act_quant=act_quant)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    # and the same when the weight arrives as its bytes (the kernel's form)
+    got8 = fp8_linear.fp8_linear_reference(x, jax.lax.bitcast_convert_type(w, jnp.uint8), s, precision=precision,
+                                           act_quant=act_quant)
+    np.testing.assert_array_equal(np.asarray(got8.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_reference_round_trip_matters():
+    """Sanity that the bit-equality above can fail: "reference" and "bf16" differ on these inputs."""
+    x, w, s = _problem((6, 256), 96)
+    a = fp8_linear.fp8_linear_reference(x, w, s, precision="reference")
+    b = fp8_linear.fp8_linear_reference(x, w, s, precision="bf16")
+    assert np.mean(np.asarray(a) != np.asarray(b)) > 0.5
+
+
+@pytest.mark.parametrize("backend", ["auto", "xla", "triton"])
+@pytest.mark.parametrize("precision", ["reference", "bf16", "fp32"])
+def test_front_end_on_cpu_runs_the_reference(monkeypatch, backend, precision):
+    monkeypatch.setitem(sys.modules, "dsflash.kernels.fp8_linear_triton", None)    # importing it would raise
+    x, w, s = _problem((6, 256), 96)
+    want = jax.jit(lambda x_: fp8_linear.fp8_linear_reference(x_, w, s, precision=precision))(x)
+    for force in (False, True):
+        got = jax.jit(lambda x_: fp8_linear.fp8_linear(x_, w, s, precision=precision, backend=backend,
+                                                       force=force))(x)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_gate_when_pretending_to_be_on_a_gpu(monkeypatch):
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda b, what="backend": "xla" if b == "xla" else "triton")
+    ut = fp8_linear.use_triton
+    assert fp8_linear.TRITON_ROWS == ()                        # opt-in: nowhere by default
+    assert not ut("triton", 6, "reference") and not ut("auto", 6, "reference")
+    assert ut("triton", 6, "reference", force=True) and ut("triton", 6, "bf16", force=True)
+    assert not ut("xla", 6, "reference", force=True)
+    assert not ut("triton", 6, "reference", force=True, scale=None)     # float master weights
+    assert ut("triton", 6, "fp32") and not ut("auto", 6, "fp32")        # explicit: the kernel raises its own error
+    monkeypatch.setattr(fp8_linear, "TRITON_ROWS", ((1, 384),))
+    assert ut("auto", 6, "reference") and ut("triton", 384, "bf16") and not ut("triton", 385, "reference")
+
+
+SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
+          "wo_a": (8192, 4096), "sh_w13": (2304, 5120), "sh_w2": (5120, 2304)}
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("M", [1, 6, 32, 192, 384, 4096])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_plan_at_v41_shapes(name, M):
+    from dsflash.kernels import fp8_linear_triton as ft
+    N, K = SHAPES[name]
+    cfg = ft.pick_config(M)
+    p = ft.plan(cfg, M, N, K)
+    BM, BN, BK, KS = p["BM"], p["BN"], p["BK"], p["KS"]
+    for b in (BM, BN, BK):
+        assert b & (b - 1) == 0
+    assert N % BN == 0 and K % (BK * KS) == 0 and BK % 32 == 0 and BN % 32 == 0
+    assert p["grid"] == (-(-M // BM), N // BN, KS)
+    if M <= ft.DECODE_MAX_ROWS:
+        assert cfg.swap and 16 <= BM <= 64 and (BM >= M or BM == 64)      # wgmma needs N >= 16
+        steps = K // BK
+        assert p["programs"] >= cfg.target_programs or KS == max(d for d in range(1, cfg.max_ks + 1) if steps % d == 0)
+    else:
+        assert not cfg.swap and BM == 128 and KS == 1
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_sm90_compile_decode_and_prefill():
+    """sm_90 compile on this CPU host (triton's ptxas): no spills, the bf16 MMA is wgmma (not mma.sync), and the
+    decode loop stays under 12 thread instructions per weight element (9.2 with triton 3.6.0, NOTES.md)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import sm90_compile_fp8_linear as sc
+    for cfg, M in (("decode", 6), ("prefill", 4096)):
+        _, reps = sc.reports(cfg, M, 1280, 5120)
+        main = [r for r in reps if r.name.startswith("_fp8_linear_kernel")]
+        assert len(main) == 1
+        r = main[0]
+        assert r.spill_stores == 0 and r.spill_loads == 0, (cfg, r.ptxas_log[-300:])
+        assert r.features["HGMMA(sass)"] > 0 and r.features["HMMA(sass)"] == 0, (cfg, r.features)
+        if cfg == "decode":
+            assert r.per_elem() < 12, r.per_elem()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+@pytest.mark.skipif(os.environ.get("DSFLASH_INTERPRET_TESTS") != "1",
+                    reason="interpreter checks are opt-in: set DSFLASH_INTERPRET_TESTS=1 (slow)")
+def test_interpreter_script():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "triton_interpret_fp8_linear.py")], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    print(r.stdout)
+    # interpret_isolation fails the run if a re-run fails or more than one check needed one; a single retry (the
+    # interpreter flake, NOTES.md "Known flake": seen once here, 2026-12-01, under load) is surfaced as a warning
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    retries = [ln for ln in r.stdout.splitlines() if ln.startswith(("RETRY", "WARNING: RETRIED"))]
+    if retries:
+        warnings.warn("triton_interpret_fp8_linear.py: a check needed a re-run:\n" + "\n".join(retries))
