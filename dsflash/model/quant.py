@@ -110,10 +110,11 @@ def mxfp4_roundtrip(x, block: int = 32):
 # What is computed instead is exactly ``rne(fl32(a / b))`` for the target format: compare ``a`` with ``b`` times every
 # midpoint of the target grid. Those products are exact in fp32 (an E2M1 midpoint has <= 3 significant bits, an
 # E4M3 scale <= 4; an E4M3 midpoint <= 5 bits, 6 has 2), and rounding the fp32 quotient equals rounding the real
-# quotient here: where a/b is not a midpoint t, |a - b t| >= ulp(b t) / 2 puts a/b more than half an fp32 ulp away
-# from t (t has far fewer bits than fp32), so the fp32 rounding cannot move the quotient onto or across t. Ties
-# (a == b t) go to the even code, as RNE does. Checked against numpy's IEEE float32 division next to every
-# midpoint (tests/test_model_numerics.py).
+# quotient here: where a/b is not a midpoint t, a and b t are distinct fp32 values, so |a - b t| >= ulp(b t) / 2,
+# which puts a/b at least half an fp32 ulp of t away from t (t and b have few bits; exactly half only when t is a
+# power of two and a/b is then itself an fp32 value just below it), so the fp32 rounding of a/b cannot land on or
+# cross t. Ties (a == b t) go to the even code, as RNE does. Checked against numpy's IEEE float32 division next to
+# every midpoint for every scale (tests/test_model_numerics.py).
 _E2M1_MIDS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)     # between codes c and c + 1
 _E2M1_TIE_UP = np.array([False, True, False, True, False, True, False])        # code c + 1 even
 _E4M3_VALS = np.arange(128, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)   # codes 0..127 (127 = NaN)
