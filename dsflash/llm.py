@@ -124,7 +124,7 @@ class LLM:
             for r in rids:
                 if r in self.engine.groups:
                     self.engine.abort_request(r)
-            self.engine._pending_outputs.clear()
+            self.engine.discard_pending_outputs()
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = False, **chat_options) -> list[RequestOutput]:
         """Chat completion with the V4.1 chat encoding (``dsflash.chat.encode_chat``).
@@ -189,4 +189,4 @@ class LLM:
         finally:
             for r in list(index_of):
                 self.engine.abort_request(r)
-            self.engine._pending_outputs.clear()
+            self.engine.discard_pending_outputs()

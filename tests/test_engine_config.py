@@ -12,7 +12,7 @@ import pytest
 import dsflash
 from dsflash.serve.engine import EngineConfig, LLMEngine
 from dsflash.serve.engine.config import resolve_backend
-from dsflash.serve.engine.engine import make_backend
+from dsflash.serve.engine.backend import make_backend
 from dsflash.serve.engine.testing import ToyBackend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,3 +86,56 @@ def test_bench_engine_parses_backend():
     from dsflash.bench import engine as bench_engine
     assert bench_engine.parse(["--backend", "xla"]).backend == "xla"
     assert bench_engine.parse([]).backend == "auto"
+
+
+# ---------------------------------------------------------------------------------------------- one home of defaults
+def test_http_sampling_defaults_are_sampling_params_defaults():
+    from dsflash.serve.http.app import _sampling_params
+    from dsflash.serve.http.protocol import ChatCompletionRequest, CompletionRequest
+    from dsflash.serve.types import SamplingParams
+    base = SamplingParams(max_tokens=7)
+    for req in (CompletionRequest(prompt="hi"), ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])):
+        assert _sampling_params(req, 7, None) == base           # a field not sent keeps the SamplingParams default
+    sent = CompletionRequest(prompt="hi", temperature=0.0, presence_penalty=0.5, ignore_eos=True, top_k=5)
+    sp = _sampling_params(sent, 7, None)
+    assert (sp.temperature, sp.presence_penalty, sp.ignore_eos, sp.top_k) == (0.0, 0.5, True, 5)
+
+
+# ---------------------------------------------------------------------------------------------- the request envelope
+def test_envelope_carries_dp_rank_from_async_engine_to_the_engine():
+    import asyncio
+
+    from dsflash.serve.async_engine import AsyncEngine
+    from dsflash.serve.types import EngineRequest, SamplingParams
+    eng = LLMEngine(ToyBackend(), data_parallel_size=2, max_num_seqs=4, max_model_len=64, page_size=8,
+                    max_num_batched_tokens=32, decode_steps=2, compilation_cache=False)
+    ranks = {}
+    add = eng.add
+
+    def recording_add(req):                 # the rank each request was given, as the engine thread adds it
+        add(req)
+        ranks[req.request_id] = eng.groups[req.request_id][0].rank
+
+    eng.add = recording_add
+    ae = AsyncEngine(lambda: eng)
+    ae.start()
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        streams = await ae.add_requests([EngineRequest("pinned", [5, 6, 7], sp, dp_rank=1),
+                                         ("plain", [5, 6, 7], sp)])
+        outs = [await s.get() for s in streams]
+        while not all(s.finished for s in streams):
+            for i, s in enumerate(streams):
+                if not s.finished:
+                    outs[i] = await s.get()
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        ae.shutdown()
+    assert ranks["pinned"] == 1 and set(ranks) == {"pinned", "plain"}
+    assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+    with pytest.raises(ValueError, match="dp_rank"):
+        eng.add(EngineRequest("bad", [5], sp, dp_rank=2))

@@ -30,7 +30,7 @@ def check_ranges(eng):
         assert r * S // D <= s.slot < (r + 1) * S // D, (s.request_id, r, s.slot)
         assert all(r * N // D <= p < (r + 1) * N // D for p in s.pages), (s.request_id, r, s.pages)
         assert all(eng.rank_pools[r].owns(p) for p in s.pages)
-        assert list(eng._pt[s.slot, :len(s.pages)]) == s.pages
+        assert list(eng.runner.mirror.pt[s.slot, :len(s.pages)]) == s.pages
 
 
 def run_all(eng, items, check=True):

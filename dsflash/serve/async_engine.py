@@ -21,13 +21,14 @@ joins the thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from dsflash.serve.types import RequestOutput, SamplingParams
+from dsflash.serve.types import EngineRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("dsflash.serve.async_engine")
 
@@ -44,15 +45,26 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted before it finished (server shutdown)."""
 
 
+def as_requests(items, arrival_time: Optional[float] = None) -> list[EngineRequest]:
+    """``EngineRequest``s, or ``(request_id, prompt, params)`` tuples, -> envelopes with an arrival time."""
+    now = time.time() if arrival_time is None else arrival_time
+    out = []
+    for it in items:
+        req = it if isinstance(it, EngineRequest) else EngineRequest(*it)
+        out.append(dataclasses.replace(req, arrival_time=req.arrival_time if req.arrival_time is not None else now))
+    return out
+
+
 @dataclass
 class _Submit:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    arrival_time: float
+    req: EngineRequest
     stream: "RequestStream"
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
 
 
 class RequestStream:
@@ -194,19 +206,18 @@ class AsyncEngine:
         return (await self.add_requests([(request_id, prompt, params)], arrival_time))[0]
 
     async def add_requests(self, items, arrival_time: Optional[float] = None) -> list[RequestStream]:
-        """Submit several ``(request_id, prompt, params)`` at once (they reach the engine between the
-        same two steps). All or nothing: if one is refused, the accepted ones are aborted and the
-        first error is raised."""
+        """Submit several requests at once (``EngineRequest`` envelopes, or ``(request_id, prompt, params)``);
+        they reach the engine between the same two steps. All or nothing: if one is refused, the accepted
+        ones are aborted and the first error is raised."""
         if self.error is not None or not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         if self._draining:
             raise EngineDrainingError("server is shutting down; not accepting new requests")
         loop = asyncio.get_running_loop()
-        now = time.time() if arrival_time is None else arrival_time
-        subs = [_Submit(rid, prompt, params, now, RequestStream(self, rid), loop, loop.create_future())
-                for rid, prompt, params in items]
+        subs = [_Submit(r, RequestStream(self, r.request_id), loop, loop.create_future())
+                for r in as_requests(items, arrival_time)]
         for s in subs:
-            s.stream.arrival = now
+            s.stream.arrival = s.req.arrival_time
         with self._cv:
             self._inbox_add.extend(subs)
             self._cv.notify_all()
@@ -294,7 +305,10 @@ class AsyncEngine:
                                                 ValueError(f"request_id: {s.request_id!r} is already running"))
                     continue
                 try:
-                    eng.add_request(s.request_id, s.prompt, s.params, arrival_time=s.arrival_time)
+                    if hasattr(eng, "add"):          # the envelope as it is (dp rank, transfer params)
+                        eng.add(s.req)
+                    else:                            # a minimal engine (the HTTP layer's DummyEngine)
+                        eng.add_request(s.request_id, s.req.prompt, s.req.params, arrival_time=s.req.arrival_time)
                 except Exception as e:  # noqa: BLE001 - a bad request, reported to its caller
                     s.loop.call_soon_threadsafe(_set_exc, s.future, e)
                     continue

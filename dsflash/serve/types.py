@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -66,6 +66,20 @@ class SamplingParams:
 
     def replace(self, **kw) -> "SamplingParams":
         return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class EngineRequest:
+    """The one request envelope from the HTTP layer (or ``LLM``) to the engine: what to run and where.
+
+    ``dp_rank`` pins the request to a DP rank (the ``X-data-parallel-rank`` header; None: the load balancer
+    picks). ``kv_transfer_params`` are the P/D fields of the request body (``docs/pd.md``; None: no P/D)."""
+    request_id: str
+    prompt: Union[str, list[int]]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: Optional[float] = None
+    dp_rank: Optional[int] = None
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass

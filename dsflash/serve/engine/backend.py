@@ -26,9 +26,39 @@ import jax.numpy as jnp
 
 
 def load_model(name_or_path, **load_opts):
-    """A preset name or checkpoint folder through ``dsflash.load``."""
-    import dsflash
-    return dsflash.load(name_or_path, **load_opts)
+    """A preset name or checkpoint folder through ``dsflash.load`` (``dsflash.model.api.load``: serve/ imports
+    the floor below it, not the package face)."""
+    from dsflash.model.api import load
+    return load(name_or_path, **load_opts)
+
+
+def make_backend(model, c):
+    """The engine's view of ``model``, with the run options the ``EngineConfig`` ``c`` resolves against the
+    model's own. A prebuilt backend cannot change its options: an explicit, different setting is an error."""
+    from dsflash.model.api import Model
+    if not isinstance(model, (str, Model)) and all(hasattr(model, a) for a in ("propose", "init_state",
+                                                                                "forward")):
+        have = model.run_options() if hasattr(model, "run_options") else {}
+        want = c.run_options(None) if have else {}
+        for name in ("precision", "backend", "bounded_replay"):
+            if getattr(c, name) is None or (name == "backend" and c.backend == "auto"):
+                continue                                  # unset, or "auto": the backend's own choice stands
+            if have and want[name] != have[name]:
+                raise ValueError(f"EngineConfig.{name}: {getattr(c, name)!r}, but the engine backend passed in "
+                                 f"was built with {have[name]!r}; pass the Model (or set it on ModelBackend)")
+        return model
+    if isinstance(model, str):
+        ro = c.run_options(None)
+        load_opts = dict(c.load_options or {})
+        if c.mesh is not None:
+            load_opts["mesh"] = c.mesh
+        load_opts.setdefault("precision", ro["precision"])
+        load_opts.setdefault("backend", ro["backend"])
+        model = load_model(model, **load_opts)
+    elif c.mesh is not None or c.load_options:
+        raise ValueError("EngineConfig.mesh / load_options: apply to model names; the Model passed in is loaded")
+    ro = c.run_options(model.opts)
+    return ModelBackend(model, precision=ro["precision"], backend=ro["backend"], bounded_replay=ro["bounded_replay"])
 
 
 class ModelBackend:

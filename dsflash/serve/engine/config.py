@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -51,6 +52,14 @@ def kernels_summary(backend: str, cfg=None, **sizes) -> str:
         return f"backend={backend} -> {resolve_backend(backend)}"
     from dsflash.kernels.dispatch import describe
     return describe(cfg, backend, **sizes)
+
+
+class Layout(NamedTuple):
+    """The engine's memory layout, derived from a config (``EngineConfig.layout``)."""
+    pages_per_seq: int      # page-table width: the longest sequence plus one decode call of lookahead
+    num_pages: int
+    buckets: list           # prefill buckets per DP rank, (rows, tokens)
+    run_buckets: list       # the compiled ones: rank r's rows at [r*rows, (r+1)*rows)
 
 
 @dataclass
@@ -168,3 +177,37 @@ class EngineConfig:
         if out["bounded_replay"] == "exact":
             out["bounded_replay"] = None
         return out
+
+    # ------------------------------------------------------------------ derived sizes
+    def dp_size(self, mesh_dp) -> int:
+        """DP ranks: the model's mesh DP size (dp x dep axes), or ``data_parallel_size`` (which must then agree;
+        without a mesh it gives logical ranks: per-rank pools and row layout, one device)."""
+        mesh_dp = int(mesh_dp or 1)
+        want = self.data_parallel_size
+        if want is None:
+            return mesh_dp
+        if mesh_dp > 1 and want != mesh_dp:
+            raise ValueError(f"data_parallel_size: {want} but the mesh has DP size {mesh_dp}")
+        return int(want)
+
+    def layout(self, K1: int, dp: int) -> Layout:
+        """Pages, page-table width and prefill buckets for ``K1`` tokens per decode iteration over ``dp`` ranks."""
+        S, B, P = self.max_num_seqs, self.max_num_batched_tokens, self.page_size
+        if S % dp:
+            raise ValueError(f"max_num_seqs: {S} slots do not divide over the {dp} DP ranks")
+        buckets = self.prefill_buckets
+        if buckets is None:   # one bucket: every extra bucket is one more forward to compile at start-up
+            r = min(4, S // dp)    # with DP ranks, buckets and the token budget are per rank
+            buckets = [(r, max(1, B // r))]
+        for rb, tb in buckets:
+            if rb < 1 or tb < 1 or rb * tb > max(B, tb):
+                raise ValueError(f"prefill bucket {(rb, tb)} exceeds max_num_batched_tokens={B}")
+        pages_per_seq = math.ceil((self.max_model_len + (self.decode_steps + 1) * K1) / P)
+        num_pages = self.num_pages if self.num_pages is not None else S * pages_per_seq
+        if num_pages % dp:
+            raise ValueError(f"num_pages: {num_pages} pages do not divide over the {dp} DP ranks")
+        if num_pages // dp < math.ceil((self.max_model_len + K1) / P):
+            raise ValueError(f"num_pages={num_pages} x page_size={P} cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}" + (f" per DP rank ({dp} ranks)" if dp > 1 else ""))
+        run_buckets = buckets if dp == 1 else [(rb * dp, tb) for rb, tb in buckets]
+        return Layout(pages_per_seq, num_pages, list(buckets), run_buckets)

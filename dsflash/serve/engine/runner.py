@@ -12,6 +12,11 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
   written past it are never read). Without drafts each step is a single-token forward. Rows stop on
   their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up.
 
+The Runner owns these programs, the state they donate and the host mirrors of what a decode call reads
+(``SlotMirror``: page tables, sampling rows, window floors per slot; the scheduler updates them as it admits,
+grows and frees). ``step_inputs`` builds a ``StepPlan``'s host arrays, ``launch`` runs them (in order on a
+one-thread executor with async scheduling), ``after_step`` is the EPLB hook.
+
 The row state lives on the device between calls (``y`` last sampled token, ``pos`` last committed
 position, ``n_gen`` tokens generated, ``active``, output-token ``counts`` and ``seen`` tokens for
 penalties), so the host only sends page tables and sampling parameters (small arrays).
@@ -67,24 +72,89 @@ def compile_events() -> list:
     return list(_compile_events["names"])
 
 
+def enable_compilation_cache():
+    """Persistent XLA compilation cache under ~/.cache/dsflash/jax unless the user configured one."""
+    try:
+        if not jax.config.jax_compilation_cache_dir:
+            path = os.environ.get("DSFLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dsflash",
+                                                                        "jax")
+            os.makedirs(path, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", path)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    except Exception:  # a read-only home must not stop serving
+        pass
+
+
 SAMPLING_FIELDS = ("temp", "top_k", "top_p", "min_p", "pres", "freq", "rep", "seed_lo", "seed_hi", "max_gen",
                    "draft_temp")
 _DTYPES = {"temp": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32, "pres": np.float32,
            "freq": np.float32, "rep": np.float32, "seed_lo": np.uint32, "seed_hi": np.uint32, "max_gen": np.int32,
            "draft_temp": np.float32}
-_DEFAULTS = {"temp": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "pres": 0.0, "freq": 0.0, "rep": 1.0,
+# what a row no request holds carries (greedy, so no sampling noise is drawn for it); requests' own values
+# come from their SamplingParams, the one home of sampling defaults
+_IDLE_ROW = {"temp": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "pres": 0.0, "freq": 0.0, "rep": 1.0,
              "seed_lo": 0, "seed_hi": 0, "max_gen": 1, "draft_temp": 0.0}
 
 
 def empty_sampling(n: int, max_stop_ids: int) -> dict:
-    d = {f: np.full((n,), _DEFAULTS[f], _DTYPES[f]) for f in SAMPLING_FIELDS}
+    d = {f: np.full((n,), _IDLE_ROW[f], _DTYPES[f]) for f in SAMPLING_FIELDS}
     d["stop_ids"] = np.full((n, max_stop_ids), -1, np.int32)
     return d
 
 
+class _Deferred:
+    """A synchronous launch: runs when its result is read (in the same engine step)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def result(self):
+        return self._fn()
+
+
+# ------------------------------------------------------------------ host mirrors and step inputs
+class SlotMirror:
+    """Host copies of the per-slot arrays every decode call reads: page tables, sampling rows and window floors.
+    The scheduler updates them as it admits, grows and frees sequences; each call's inputs are copies."""
+
+    def __init__(self, num_slots: int, pages_per_seq: int, max_stop_ids: int, pt_fill):
+        self.pt_fill = pt_fill          # a free slot's page-table fill (its DP rank's first page)
+        self.pt = np.zeros((num_slots, pages_per_seq), np.int32)
+        self.pt[:] = pt_fill[:, None]
+        self.sp = empty_sampling(num_slots, max_stop_ids)
+        self.floor = np.zeros((num_slots,), np.int32)
+
+    def reset_pages(self, slot: int):
+        self.pt[slot] = self.pt_fill[slot]
+
+    def set_pages(self, slot: int, start: int, pages):
+        self.pt[slot, start:start + len(pages)] = pages
+
+    def bind(self, s, draft_sampling: bool):
+        """A sequence's sampling parameters, stop ids and floor into its slot's rows."""
+        p, i, sp = s.params, s.slot, self.sp
+        sp["temp"][i] = p.temperature
+        sp["top_k"][i] = p.top_k if p.top_k > 0 else 0
+        sp["top_p"][i] = p.top_p
+        sp["min_p"][i] = p.min_p
+        sp["pres"][i] = p.presence_penalty
+        sp["freq"][i] = p.frequency_penalty
+        sp["rep"][i] = p.repetition_penalty
+        sp["seed_lo"][i] = s.seed & 0xFFFFFFFF
+        sp["seed_hi"][i] = (s.seed >> 32) & 0xFFFFFFFF
+        sp["max_gen"][i] = p.max_tokens
+        sp["draft_temp"][i] = p.temperature if draft_sampling else 0.0
+        sp["stop_ids"][i] = -1
+        sp["stop_ids"][i, :len(s.stop_ids)] = s.stop_ids
+        self.floor[i] = s.floor
+
+
 class Runner:
+    """Owns the compiled programs, the model and row state they donate, and the host mirrors of what each decode
+    call reads (``mirror``). ``eplb``: an ``EngineEplb`` fed by ``after_step`` (None: off)."""
+
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
-                 max_iters: int, max_logprobs: int, max_stop_ids: int):
+                 max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -126,6 +196,10 @@ class Runner:
             self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
             self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
         self._compiled: dict = {}
+        # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
+        self.dp, self.eplb, self._executor = dp, eplb, None
+        pt_fill = np.repeat(np.arange(dp, dtype=np.int32) * (geo.num_pages // dp), max_num_seqs // dp)
+        self.mirror = SlotMirror(max_num_seqs, pages_per_seq, max_stop_ids, pt_fill)
 
     # ------------------------------------------------------------------ state
     def _init_rows(self):
@@ -303,6 +377,81 @@ class Runner:
         res = dict(buf)
         res["y"], res["pos"], res["n_gen"], res["active"] = rows["y"], rows["pos"], rows["n_gen"], rows["active"]
         return state, rows, res
+
+    # ------------------------------------------------------------------ one step's inputs and launch
+    def step_inputs(self, plan):
+        """Host inputs of a ``StepPlan``'s calls, built from the sequences *before* the plan is committed."""
+        pf = self._prefill_inputs(*plan.prefill) if plan.prefill is not None else None
+        dc = self._decode_inputs(plan.decode) if plan.decode else None
+        return pf, dc
+
+    def _prefill_inputs(self, bucket, chunks, rows):
+        """``rows[i]``: the batch row of chunk ``i`` (DP: rank r's chunks in rows [r*Rb, (r+1)*Rb)); rows
+        without a chunk are dummy rows (length 0) pointing at their rank's own first slot and page."""
+        inp = self.empty_prefill_inputs(bucket)
+        sp, m = inp["sp"], self.mirror
+        if self.dp > 1:     # (one rank: rank 0's first slot and page are the zeros already there)
+            rb = bucket[0] // self.dp
+            inp["slots"][:] = np.repeat(np.arange(self.dp, dtype=np.int32) * (self.S // self.dp), rb)
+            inp["page_table"][:] = np.repeat(m.pt_fill[::self.S // self.dp], rb)[:, None]
+        for r, (s, n) in zip(rows, chunks):
+            ids = s.all_ids
+            inp["tokens"][r, :n] = ids[s.computed:s.computed + n]
+            inp["start"][r] = s.computed
+            inp["lengths"][r] = n
+            inp["slots"][r] = inp["row_slot"][r] = s.slot
+            inp["page_table"][r] = m.pt[s.slot]
+            inp["floor"][r] = s.floor
+            inp["kv_write_from"][r] = s.kv_from
+            if "prev" in inp:      # Engram history from the token ids: the slot may never have run the prefix
+                h = inp["prev"].shape[1]
+                prev = ids[max(0, s.computed - h):s.computed]
+                if len(prev):
+                    inp["prev"][r, h - len(prev):] = prev
+            inp["first"][r] = s.computed == s.prefill_start
+            inp["last"][r] = s.computed + n == len(ids)
+            inp["out_start"][r] = len(s.prompt_ids)
+            inp["n_gen0"][r] = len(s.out_ids)
+            for f in sp:
+                sp[f][r] = m.sp[f][s.slot]
+        return inp
+
+    def _decode_inputs(self, decode):
+        inp = self.empty_decode_inputs()
+        m = self.mirror
+        inp["page_table"] = m.pt.copy()
+        inp["floor"] = m.floor.copy()
+        inp["sp"] = {f: a.copy() for f, a in m.sp.items()}
+        for s, h in decode:
+            inp["row_steps"][s.slot] = h
+        return inp
+
+    def launch(self, pf_inp, dc_inp, asynchronous: bool = False):
+        """Dispatch a step's calls; returns a handle whose ``result()`` is ``(prefill, decode)`` results on the host.
+
+        With ``asynchronous`` the calls run on a one-thread executor: JAX dispatch is asynchronous on CPU, but a
+        ``while_loop`` on GPU returns only when the loop ends (its predicate goes to the host every iteration),
+        so the thread is what lets the host process the previous step while the device runs this one. The
+        executor keeps calls in order."""
+        def run():   # dispatch, then bring the (small) results to the host on the same thread
+            pf = self.prefill(pf_inp) if pf_inp is not None else None
+            dc = self.decode(dc_inp) if dc_inp is not None else None
+            return jax.device_get(pf), jax.device_get(dc)
+
+        if not asynchronous:
+            return _Deferred(run)          # run (and waited for) when the engine reads the results
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dsflash-dispatch")
+        return self._executor.submit(run)
+
+    def after_step(self, pf, dc):
+        """EPLB hook: one ``[L, P]`` load per engine step (valid rows of every forward) into the balancer,
+        which may install a new placement in the params (same shapes: no recompile)."""
+        if self.eplb is not None:
+            loads = [r["eplb_load"] for r in (pf, dc) if r is not None]
+            if loads:
+                self.params = self.eplb.after_step(sum(loads), self.params)
 
     # ------------------------------------------------------------------ host entry points
     def empty_prefill_inputs(self, bucket):

@@ -1,62 +1,161 @@
-"""Scheduling half of ``LLMEngine`` (a mixin): the sequence record, admission with prefix-cache lookup and
-encoder replay, page growth with recompute preemption, and the per-step plan (prefill bucket + decode rows).
-The engine (``engine.py``) owns the queues, pools and runner these methods use.
+"""The Scheduler: owns the queues, the page and slot pools, the prefix cache and every sequence, and turns
+them into one ``StepPlan`` per engine step.
 
-With DP ranks (``self.dp > 1``) every sequence has a ``rank``: its slot and pages come from that rank's pools,
-preemption picks victims of the same rank, admission is FCFS per rank, and each rank packs its own prefill
-chunks into its row range of the global prefill bucket (``_plan_prefill``; one rank is the plain case)."""
+Per step: (1) page growth for decoding sequences, oldest first (the youngest running sequence is preempted by
+recompute when the pool is full), (2) FCFS admission with prefix-cache lookup and encoder replay, (3) chunked
+prefill within the token budget, packed into the compiled bucket that schedules the most tokens. Sequences whose
+prompt completes in this step's prefill join the same step's decode call.
+
+DP ranks (``dp > 1``): every sequence has a ``rank``; its slot and pages come from that rank's pools, preemption
+picks victims of the same rank, admission is FCFS per rank, and each rank packs its own prefill chunks into its
+row range of the global prefill bucket (``_plan_prefill``; one rank is the plain case).
+
+Hooks (``policy``; P/D uses them, ``dsflash/serve/pd/engine.py``): ``after_admit(s)`` runs after an ordinary
+admission and may move the sequence on (KV received from elsewhere); ``keep(s)`` is asked before a finished
+sequence's pages and slot are freed and may keep them (returns True).
+"""
 from __future__ import annotations
 
+import itertools
 import math
+import random
 import time
+from collections import deque
+from dataclasses import dataclass, field
 
-from dsflash.serve.engine.kv_cache import OutOfPages, block_hashes
-from dsflash.serve.types import RequestMetrics, SamplingParams
+import numpy as np
 
-WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+from dsflash.serve.engine.kv_cache import OutOfPages, PagePool, PagePoolGroup, SlotPool, SlotPoolGroup, block_hashes
+from dsflash.serve.engine.sequence import DECODE, FINISHED, PREFILL, WAITING, Sequence
+
+__all__ = ["Scheduler", "StepPlan", "Sequence", "WAITING", "PREFILL", "DECODE", "FINISHED"]
 
 
-class Sequence:
-    def __init__(self, rid, index, prompt, prompt_ids, params: SamplingParams, arrival, seed, stop_ids):
-        self.request_id, self.index = rid, index
-        self.prompt, self.prompt_ids, self.params = prompt, list(prompt_ids), params
-        self.seed, self.stop_ids = seed, stop_ids
-        self.out_ids: list[int] = []
-        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
-        self.status = WAITING
-        self.slot: int | None = None
-        self.pages: list[int] = []
-        self.computed = 0            # positions whose KV is written (prefill progress)
-        self.floor = 0               # window keys below this position do not exist (encoder replay)
-        self.kv_from = 0             # global KV below this position comes from the prefix cache
-        self.hashes: list[int] = []  # chain hashes of registered full blocks
-        self.order = 0               # admission order (preemption picks the youngest)
-        self.text = ""
-        self.finish_reason = None
-        self.stop_reason = None
-        self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
-        self.last_token_time = None
-        self.detok = None            # IncrementalDetokenizer when the model has a tokenizer
-        self.pending = 0             # upper bound of tokens that dispatched, unprocessed calls may add
-        self.pending_lb = 0          # tokens they add unless the sequence finishes
-        self.last_slot = None
-        self.rank = 0                # DP rank (slot, pages and prefix cache come from its range)
+@dataclass
+class StepPlan:
+    """What one step runs: ``prefill`` = ``(bucket, chunks [(seq, n)], rows)`` or None; ``decode`` = ``[(seq, h)]``
+    (``h`` decode iterations for the sequence). ``prefill_items`` ``[(seq, n, last)]`` is set by ``commit``."""
+    prefill: tuple | None = None
+    decode: list = field(default_factory=list)
+    prefill_items: list = field(default_factory=list)
+
+    def __bool__(self):
+        return self.prefill is not None or bool(self.decode)
+
+
+class Scheduler:
+    def __init__(self, *, num_slots: int, num_pages: int, page_size: int, pages_per_seq: int, dp: int,
+                 block: int, decode_steps: int, max_num_batched_tokens: int, prefix_caching: bool, prefix_replay,
+                 replay_window: int, replay_exact: int, prefill_buckets, mirror, draft_sampling: bool, metrics,
+                 seed: int = 0):
+        self.dp, self.page_size, self.pages_per_seq = dp, page_size, pages_per_seq
+        self.K1, self.decode_steps = block + 1, decode_steps
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix_caching = prefix_caching
+        self._replay_window, self._replay_exact = replay_window, replay_exact
+        self.prefix_replay = prefix_replay
+        self.prefill_buckets = prefill_buckets      # the runner's compiled buckets, [D * Rb, T]
+        self.mirror, self.draft_sampling, self.metrics = mirror, draft_sampling, metrics
+        self.policy = None
+        if dp == 1:
+            self.pool = PagePool(num_pages, page_size, prefix_caching)
+            self.slots = SlotPool(num_slots)
+            self.rank_pools, self.rank_slots = [self.pool], [self.slots]
+            self.balancer = None
+        else:
+            from dsflash.sharding.dp_balance import DPLoadBalancer
+            self.pool = PagePoolGroup(num_pages, page_size, prefix_caching, dp)
+            self.slots = SlotPoolGroup(num_slots, dp)
+            self.rank_pools, self.rank_slots = self.pool.ranks, self.slots.ranks
+            self.balancer = DPLoadBalancer(dp)
+        self.num_slots = num_slots
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.groups: dict[str, list[Sequence]] = {}     # request id -> its sequences
+        self._order = itertools.count()
+        self._rng = random.Random(seed)
 
     @property
-    def all_ids(self):
-        return self.prompt_ids + self.out_ids
+    def prefix_replay(self):
+        return self._prefix_replay
+
+    @prefix_replay.setter
+    def prefix_replay(self, mode):
+        """Tokens recomputed in front of a prefix-cache hit: "bounded" (one window, SPEC §6.1), "exact" (every
+        layer's window cone), or a count; may change between steps."""
+        self._prefix_replay = mode
+        self.replay = {"bounded": self._replay_window, "exact": self._replay_exact}.get(mode, mode)
+
+    # ------------------------------------------------------------------ requests
+    def draw_seed(self) -> int:
+        return self._rng.getrandbits(63)
+
+    def add(self, request_id: str, seqs: list[Sequence], dp_rank: int | None):
+        """Queue a request's sequences; a request (all its samples) stays on one DP rank for life."""
+        rank = 0
+        if self.balancer is not None:
+            rank = self.balancer.choose(None if dp_rank is None else int(dp_rank))
+            self.balancer.waiting[rank] += len(seqs) - 1
+        for s in seqs:
+            s.rank = rank
+        self.groups[request_id] = seqs
+        self.waiting.extend(seqs)
+
+    def finish(self, s: Sequence, reason, stop_reason=None):
+        s.finish_reason, s.stop_reason = reason, stop_reason
+        if reason == "abort" and s.detok is not None and not s.detok.stopped:
+            s.detok.finish()
+        if s.status == WAITING:
+            try:
+                self.waiting.remove(s)
+            except ValueError:
+                pass
+        elif s in self.running:
+            self.running.remove(s)
+            self.register(s, s.computed if s.status == PREFILL else len(s.all_ids) - 1)
+        self.free(s)
+        s.status = FINISHED
+        now = time.time()
+        s.metrics.finished_time = now
+        s.metrics.num_generation_tokens = len(s.out_ids)
+        if reason != "abort":
+            self.metrics.e2e.append(now - s.metrics.arrival_time)
+
+    def retire(self, rid) -> bool:
+        """Forget a request whose sequences have all finished."""
+        seqs = self.groups.get(rid)
+        if seqs and all(s.finished for s in seqs):
+            del self.groups[rid]
+            self.metrics.requests_finished += 1
+            return True
+        return False
 
     @property
-    def finished(self):
-        return self.status == FINISHED
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------ resources
+    def free(self, s: Sequence):
+        if self.policy is not None and self.policy.keep(s):
+            return
+        self.release(s)
 
+    def release(self, s: Sequence):
+        """Give a sequence's pages and slot back to its rank's pools."""
+        if s.pages:
+            self.rank_pools[s.rank].free(s.pages)
+            s.pages = []
+        if s.slot is not None:
+            s.last_slot = s.slot
+            self.rank_slots[s.rank].free(s.slot)
+            self.mirror.reset_pages(s.slot)
+            s.slot = None
+        s.hashes = []
 
-class SchedulerMixin:
     def _preempt(self, s: Sequence):
         """Recompute preemption: drop the sequence's KV and slot; it re-enters the queue at the front."""
         self.running.remove(s)
-        self._free(s)
+        self.free(s)
         s.status = WAITING
         s.computed = 0
         self.waiting.appendleft(s)
@@ -79,27 +178,17 @@ class SchedulerMixin:
                 self._preempt(victim)
                 continue
             s.pages.extend(new)
-            self._pt[s.slot, len(s.pages) - len(new):len(s.pages)] = new
+            self.mirror.set_pages(s.slot, len(s.pages) - len(new), new)
             need = 0
         return True
 
-    def _set_slot_params(self, s: Sequence):
-        p, i = s.params, s.slot
-        sp = self._sp
-        sp["temp"][i] = p.temperature
-        sp["top_k"][i] = p.top_k if p.top_k > 0 else 0
-        sp["top_p"][i] = p.top_p
-        sp["min_p"][i] = p.min_p
-        sp["pres"][i] = p.presence_penalty
-        sp["freq"][i] = p.frequency_penalty
-        sp["rep"][i] = p.repetition_penalty
-        sp["seed_lo"][i] = s.seed & 0xFFFFFFFF
-        sp["seed_hi"][i] = (s.seed >> 32) & 0xFFFFFFFF
-        sp["max_gen"][i] = p.max_tokens
-        sp["draft_temp"][i] = p.temperature if self.draft_sampling else 0.0
-        sp["stop_ids"][i] = -1
-        sp["stop_ids"][i, :len(s.stop_ids)] = s.stop_ids
-        self._floor[i] = s.floor
+    def admit(self, s: Sequence) -> bool:
+        """Slot + pages (prefix-cache hits first) for a waiting sequence; False if they are not free."""
+        if not self._admit(s):
+            return False
+        if self.policy is not None:
+            self.policy.after_admit(s)
+        return True
 
     def _admit(self, s: Sequence) -> bool:
         slot = self.rank_slots[s.rank].allocate()
@@ -123,15 +212,12 @@ class SchedulerMixin:
             return False
         s.slot = slot
         s.pages = hit + pool.allocate(need)
-        self._pt[slot] = self._pt_fill[slot]
-        self._pt[slot, :len(s.pages)] = s.pages
+        self.mirror.reset_pages(slot)
+        self.mirror.set_pages(slot, 0, s.pages)
         C = len(hit) * P
         s.hashes = hashes[:len(hit)]
         if C:
-            replay = {"bounded": self.backend.sliding_window,
-                      "exact": (self.backend.num_layers + 2) * self.backend.sliding_window}.get(
-                self.prefix_replay, self.prefix_replay)
-            s.computed = max(0, C - replay)
+            s.computed = max(0, C - self.replay)
             s.floor, s.kv_from = s.computed, C
             self.metrics.replay_tokens += C - s.computed
         else:
@@ -145,12 +231,28 @@ class SchedulerMixin:
         if s.metrics.first_scheduled_time is None:
             s.metrics.first_scheduled_time = time.time()
             self.metrics.queue_time.append(s.metrics.first_scheduled_time - s.metrics.arrival_time)
-        self._set_slot_params(s)
+        self.mirror.bind(s, self.draft_sampling)
         self.running.append(s)
         return True
 
-    # ------------------------------------------------------------------ scheduling
-    def _schedule(self):
+    def register(self, s: Sequence, committed: int):
+        """Publish the sequence's full blocks below ``committed`` in its rank's prefix cache."""
+        if not self.prefix_caching or not s.pages:
+            return
+        P = self.page_size
+        full = committed // P
+        if full <= len(s.hashes):
+            return
+        ids = s.all_ids
+        parent = s.hashes[-1] if s.hashes else None
+        new = block_hashes(ids[len(s.hashes) * P:full * P], P, parent=parent)
+        pool = self.rank_pools[s.rank]
+        for j, h in enumerate(new):
+            pool.register(s.pages[len(s.hashes) + j], h)
+        s.hashes.extend(new)
+
+    # ------------------------------------------------------------------ the step plan
+    def schedule(self) -> StepPlan:
         K1, P = self.K1, self.page_size
         # 1. decode growth, oldest first (the youngest is preempted when the pool runs dry)
         decode = []
@@ -171,7 +273,34 @@ class SchedulerMixin:
         decode = [(s, h) for s, h in decode if s.status == DECODE]
         # 2. admission, FCFS per DP rank; 3. prefill chunks of every rank into the best bucket
         self._admit_ranks()
-        return self._plan_prefill(decode)
+        prefill, decode = self._plan_prefill(decode)
+        return StepPlan(prefill, decode)
+
+    def commit(self, plan: StepPlan):
+        """Advance the sequences as if the plan's calls had run (their results are read back later, possibly
+        after the next step is dispatched): prefill progress, DECODE on a completed prompt, in-flight tokens."""
+        m = self.metrics
+        if plan.prefill is not None:
+            bucket, chunks, rows = plan.prefill
+            if self.dp > 1:
+                rb = bucket[0] // self.dp
+                self._count_dummy([r // rb for r in rows], rb)
+            for s, n in chunks:
+                last = s.computed + n == len(s.all_ids)
+                s.computed += n
+                if last:
+                    s.status = DECODE
+                    s.pending += 1
+                    s.pending_lb += 1
+                plan.prefill_items.append((s, n, last))
+            m.num_prefill_calls += 1
+        if plan.decode:
+            if self.dp > 1:
+                self._count_dummy([s.rank for s, _ in plan.decode], self.num_slots // self.dp)
+            for s, h in plan.decode:
+                s.pending += h * self.K1
+                s.pending_lb += h
+            m.num_decode_calls += 1
 
     def _join_decode(self, chunks, decode):
         """Sequences whose prompt completes in this step's prefill join the same step's decode call."""
@@ -188,7 +317,6 @@ class SchedulerMixin:
                         decode.append((s, h))
         return [(s, h) for s, h in decode if s in self.running]
 
-    # ------------------------------------------------------------------ admission and prefill, per DP rank
     def _admit_ranks(self):
         """FCFS admission per DP rank (one rank: strictly FCFS): a rank stops at its first request that does
         not fit; others go on."""
@@ -200,7 +328,7 @@ class SchedulerMixin:
             r = s.rank
             if blocked[r]:
                 continue
-            if s.pending or not self._admit(s):
+            if s.pending or not self.admit(s):
                 blocked[r] = True
             else:
                 admitted.add(id(s))
@@ -227,7 +355,7 @@ class SchedulerMixin:
         best, best_key = None, None
         if any(pre):
             budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
-            for bucket in self.runner.prefill_buckets:
+            for bucket in self.prefill_buckets:
                 Rb, T = bucket[0] // D, bucket[1]
                 plans = [self._pack(pre[r][:Rb], T, budgets[r]) for r in range(D)]
                 tot = sum(n for plan in plans for _, n in plan)
@@ -258,17 +386,26 @@ class SchedulerMixin:
             budget -= n
         return plan
 
-    def _register(self, s: Sequence, committed: int):
-        if not self.prefix_caching or not s.pages:
-            return
-        P = self.page_size
-        full = committed // P
-        if full <= len(s.hashes):
-            return
-        ids = s.all_ids
-        parent = s.hashes[-1] if s.hashes else None
-        new = block_hashes(ids[len(s.hashes) * P:full * P], P, parent=parent)
-        pool = self.rank_pools[s.rank]
-        for j, h in enumerate(new):
-            pool.register(s.pages[len(s.hashes) + j], h)
-        s.hashes.extend(new)
+    # ------------------------------------------------------------------ DP accounting
+    def _count_dummy(self, ranks, rows):
+        """A device call whose real rows belong to ``ranks`` (one entry per row): the other ranks' ``rows``
+        rows run as dummy rows (valid=False)."""
+        from dsflash.sharding.dp_balance import plan_step
+        st = plan_step(np.bincount(ranks, minlength=self.dp), buckets=[rows])
+        m = self.metrics
+        for r, d in enumerate(st.dummy):
+            if d:
+                m.dp_dummy_rows += rows
+                m.dp_dummy_calls[r] += 1
+
+    def update_dp_counts(self):
+        """Per-rank waiting / running (sequences) into the metrics and the load balancer (every step)."""
+        D, m = self.dp, self.metrics
+        w, u = [0] * D, [0] * D
+        for s in self.waiting:
+            w[s.rank] += 1
+        for s in self.running:
+            u[s.rank] += 1
+        m.dp_num_waiting, m.dp_num_running = w, u
+        m.dp_kv_usage = [p.usage() for p in self.rank_pools]
+        self.balancer.update_all(list(zip(w, u)))

@@ -24,7 +24,7 @@ from dsflash.serve.http.errors import (APIError, error_body, install_error_handl
                                         value_error_to_api)
 from dsflash.serve.http.metrics import RequestTimer, ServerMetrics
 from dsflash.serve.http.protocol import ChatCompletionRequest, CompletionRequest
-from dsflash.serve.types import RequestOutput, SamplingParams
+from dsflash.serve.types import EngineRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("dsflash.serve.http")
 
@@ -193,6 +193,12 @@ def _warn_unknown(req) -> None:
         log.info("ignoring unknown request fields: %s", ", ".join(extra))
 
 
+# request fields that map one-to-one onto SamplingParams; one the request leaves out (None) keeps the
+# SamplingParams default (the one home of sampling defaults)
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "include_stop_str_in_output", "skip_special_tokens")
+
+
 def _sampling_params(req, max_tokens: int, logprobs: Optional[int], vocab_size: int = 0) -> SamplingParams:
     if req.logit_bias:
         raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
@@ -201,27 +207,12 @@ def _sampling_params(req, max_tokens: int, logprobs: Optional[int], vocab_size: 
     stop = req.stop
     if isinstance(stop, str):
         stop = [stop]
-    kw: dict[str, Any] = dict(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,   # >= vocab size is the same as off (clamped below)
-        min_p=0.0 if req.min_p is None else req.min_p,
-        seed=req.seed,
-        stop=list(stop or []),
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=bool(req.ignore_eos),
-        n=1,
-        logprobs=logprobs,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-        skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
-    )
+    kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
+    kw.update(max_tokens=max_tokens, n=1, logprobs=logprobs, stop=list(stop or []),
+              stop_token_ids=list(req.stop_token_ids or []))
     if req.n is None or not 1 <= req.n <= 128:
         raise APIError(400, f"n: must be an integer in [1, 128], got {req.n!r}", param="n")
-    if vocab_size and kw["top_k"] >= vocab_size:
+    if vocab_size and kw.get("top_k", 0) >= vocab_size:     # >= vocab size is the same as off
         kw["top_k"] = 0
     try:
         return SamplingParams(**kw)
@@ -270,17 +261,16 @@ def _dp_rank(st: ServerState, request: Request) -> Optional[int]:
 
 
 async def _submit(st: ServerState, base_id: str, prompts: list[list[int]], params: SamplingParams,
-                  n: int, arrival: Optional[float] = None, dp_rank: Optional[int] = None) -> list[RequestStream]:
-    """n engine requests per prompt (seeds seed+i), submitted together. All or nothing. ``dp_rank`` pins
-    them to a DP rank (carried to ``engine.add_request`` as the params' ``dp_rank`` attribute)."""
+                  n: int, arrival: Optional[float] = None, dp_rank: Optional[int] = None,
+                  kv_transfer_params: Optional[dict] = None) -> list[RequestStream]:
+    """n engine requests per prompt (seeds seed+i), submitted together as request envelopes. All or nothing.
+    ``dp_rank`` pins them to a DP rank."""
     items = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             sp = params if n == 1 or params.seed is None else params.replace(seed=params.seed + i)
-            if dp_rank is not None:
-                sp = sp.replace()
-                sp.dp_rank = dp_rank
-            items.append((f"{base_id}-{p}-{i}", list(ids), sp))
+            items.append(EngineRequest(f"{base_id}-{p}-{i}", list(ids), sp, dp_rank=dp_rank,
+                                       kv_transfer_params=kv_transfer_params))
     try:
         streams = await st.engine.add_requests(items, arrival_time=arrival)
     except ValueError as e:
@@ -469,13 +459,13 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
-        streams = await _submit(st, base, prompts, params0, n, arrival, dp_rank)
+        streams = await _submit(st, base, prompts, params0, n, arrival, dp_rank, req.kv_transfer_params)
     else:  # max_tokens omitted and prompts of different lengths: each gets the rest of its context
         streams = []
         try:
             for j, (p, mt) in enumerate(zip(prompts, max_toks)):
                 streams += await _submit(st, f"{base}-{j}", [p], params0.replace(max_tokens=mt), n, arrival,
-                                         dp_rank)
+                                         dp_rank, req.kv_transfer_params)
         except BaseException:
             for s in streams:
                 s.abort()
@@ -588,7 +578,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")
     params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None, tok.vocab_size)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await _submit(st, base, [ids], params, n, arrival, dp_rank)
+    streams = await _submit(st, base, [ids], params, n, arrival, dp_rank, req.kv_transfer_params)
     created = int(time.time())
     prompt_tokens = len(ids)
 

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI-compatible request bodies (and the vLLM extras we accept).
 
 Types are checked here (a wrong type is a 400 naming the field); value ranges are checked by
-``SamplingParams.validate`` (also a 400 naming the field). Unknown fields are accepted and ignored
+``SamplingParams.validate`` (also a 400 naming the field). Sampling fields default to None = "not sent":
+``SamplingParams`` is the one home of their defaults. Unknown fields are accepted and ignored
 (as vLLM does), so clients that send newer OpenAI parameters keep working; they are listed in the
 server log.
 """
@@ -34,20 +35,22 @@ class _SamplingFields(_Base):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     seed: Optional[StrictInt] = None
-    presence_penalty: Optional[StrictFloat] = 0.0
-    frequency_penalty: Optional[StrictFloat] = 0.0
+    presence_penalty: Optional[StrictFloat] = None
+    frequency_penalty: Optional[StrictFloat] = None
     logit_bias: Optional[dict[str, StrictFloat]] = None
     user: Optional[StrictStr] = None
     # vLLM extras
     top_k: Optional[StrictInt] = None
     min_p: Optional[StrictFloat] = None
     repetition_penalty: Optional[StrictFloat] = None
-    ignore_eos: Optional[StrictBool] = False
+    ignore_eos: Optional[StrictBool] = None
     stop_token_ids: Optional[list[StrictInt]] = None
-    include_stop_str_in_output: Optional[StrictBool] = False
-    skip_special_tokens: Optional[StrictBool] = True
+    include_stop_str_in_output: Optional[StrictBool] = None
+    skip_special_tokens: Optional[StrictBool] = None
     min_tokens: Optional[StrictInt] = 0
     request_id: Optional[StrictStr] = None
+    # P/D (docs/pd.md): read by the P/D middleware, carried to the engine on the request envelope
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 # ---------------------------------------------------------------------- completions

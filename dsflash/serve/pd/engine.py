@@ -10,9 +10,11 @@ received global KV into the pages that are not hits and the in-window rows into 
 row state (last token, position, penalty counts) and enters the request straight into DECODE with the
 prefill side's first token. No prompt token is recomputed.
 
+Both sides are a policy of the engine's scheduler (``PDPolicy``: ``keep`` before a finished sequence's pages
+are freed, ``after_admit`` after an ordinary admission), not overrides of its private methods.
+
 Everything that touches the engine runs on the engine thread: other threads queue a callable with
-``call`` (executed at the start of the next ``step``). Only the engine's public attributes and its
-documented scheduler hooks (``_admit``, ``_free``) are used; async scheduling is refused (the state would
+``call`` (executed at the start of the next ``step``). Async scheduling is refused (the state would
 be in flight on the dispatch thread).
 """
 from __future__ import annotations
@@ -27,14 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dsflash.serve.async_engine import AsyncEngine
+from dsflash.serve.async_engine import AsyncEngine, as_requests
 from dsflash.serve.engine.engine import LLMEngine
-
-try:                                     # the scheduler half of the engine lives in a mixin since 6049d8d
-    from dsflash.serve.engine.scheduler import DECODE
-except ImportError:  # pragma: no cover
-    from dsflash.serve.engine.engine import DECODE
 from dsflash.serve.engine.kv_cache import block_hashes
+from dsflash.serve.engine.sequence import DECODE
 from dsflash.serve.pd.transfer import Layout, prompt_digest
 
 log = logging.getLogger("dsflash.serve.pd")
@@ -76,6 +74,7 @@ class PDEngine(LLMEngine):
                          "per_slot_bytes": self.memory.get("per_slot_bytes")}
         self.pd_stats = {"held": 0, "released_notify": 0, "released_ttl": 0, "extracts": 0, "installs": 0,
                          "install_fallbacks": 0}
+        self.scheduler.policy = PDPolicy(self)
 
     # ------------------------------------------------------------------ engine-thread calls
     def call(self, fn) -> Future:
@@ -127,26 +126,13 @@ class PDEngine(LLMEngine):
         super().abort_request(request_id)
 
     # ------------------------------------------------------------------ prefill side
-    def _free(self, s):
-        rid = s.request_id
-        if (rid in self.pd_hold and s.finish_reason not in (None, "abort") and s.pages and s.slot is not None
-                and s.out_ids):
-            self.pd_hold.discard(rid)
-            lp = s.logprobs[0] if s.logprobs else None
-            self.held[rid] = Held(rid, list(s.pages), s.slot, len(s.prompt_ids), list(s.prompt_ids),
-                                  int(s.out_ids[0]), lp, s.finish_reason, int(s.floor), time.time() + self.pd_ttl)
-            self.pd_stats["held"] += 1
-            s.last_slot, s.slot, s.pages, s.hashes = s.slot, None, [], []
-            return
-        super()._free(s)
-
     def _release(self, rid) -> bool:
         h = self.held.pop(rid, None)
         if h is None:
             return False
         self.pool.free(h.pages)
         self.slots.free(h.slot)
-        self._pt[h.slot] = 0
+        self.runner.mirror.reset_pages(h.slot)
         return True
 
     def release(self, rid) -> bool:
@@ -181,51 +167,71 @@ class PDEngine(LLMEngine):
             n += 1
         return n
 
-    def _admit(self, s) -> bool:
-        payload = self.pd_remote.get(s.request_id) if s.index == 0 else None
+
+class PDPolicy:
+    """The scheduler hooks of a P/D engine (``Scheduler.policy``)."""
+
+    def __init__(self, engine: "PDEngine"):
+        self.e = engine
+
+    def keep(self, s) -> bool:
+        """Prefill side: a finished ``hold`` request keeps its pages and slot (``held``) for the decode side."""
+        e, rid = self.e, s.request_id
+        if (rid in e.pd_hold and s.finish_reason not in (None, "abort") and s.pages and s.slot is not None
+                and s.out_ids):
+            e.pd_hold.discard(rid)
+            lp = s.logprobs[0] if s.logprobs else None
+            e.held[rid] = Held(rid, list(s.pages), s.slot, len(s.prompt_ids), list(s.prompt_ids),
+                               int(s.out_ids[0]), lp, s.finish_reason, int(s.floor), time.time() + e.pd_ttl)
+            e.pd_stats["held"] += 1
+            s.last_slot, s.slot, s.pages, s.hashes = s.slot, None, [], []
+            return True
+        return False
+
+    def after_admit(self, s) -> None:
+        """Decode side: a request whose KV was pulled gets it written into the pages / slot just admitted and
+        enters DECODE with the prefill side's first token (on a bad payload it stays an ordinary prefill)."""
+        e = self.e
+        payload = e.pd_remote.get(s.request_id) if s.index == 0 else None
         if payload is None:
-            return super()._admit(s)
-        if not super()._admit(s):
-            return False
-        meta, arrays = self.pd_remote.pop(s.request_id)
+            return
+        meta, arrays = e.pd_remote.pop(s.request_id)
         n = len(s.prompt_ids)
         hit_pages = len(s.hashes)
         try:
             if meta["prompt_digest"] != prompt_digest(s.prompt_ids):
                 raise ValueError("prompt token ids differ from the prefill side's")
-            self.pd_layout.install(self, arrays, s.pages, s.slot, n, hit_pages)
-        except Exception as e:  # noqa: BLE001 - a local race (evicted hit) or bad payload: prefill here
-            log.warning("P/D: cannot install pulled KV for %s (%s); prefilling locally", s.request_id, e)
-            self.pd_stats["install_fallbacks"] += 1
-            return True      # super()._admit left it as an ordinary prefill
+            e.pd_layout.install(e, arrays, s.pages, s.slot, n, hit_pages)
+        except Exception as err:  # noqa: BLE001 - a local race (evicted hit) or bad payload: prefill here
+            log.warning("P/D: cannot install pulled KV for %s (%s); prefilling locally", s.request_id, err)
+            e.pd_stats["install_fallbacks"] += 1
+            return           # the ordinary admission left it as a prefill
         # the sequence is now exactly where the prefill side left it: prompt computed, first token sampled
-        self.metrics.replay_tokens -= max(0, s.kv_from - s.computed)
+        e.metrics.replay_tokens -= max(0, s.kv_from - s.computed)
         s.computed = n
         s.floor = s.kv_from = int(meta.get("floor", 0))
-        self._floor[s.slot] = s.floor
+        e.runner.mirror.floor[s.slot] = s.floor
         s.prefill_start = 0
         s.status = DECODE
-        self._register(s, n)
+        e.scheduler.register(s, n)
         tok = int(meta["first_token"])
-        V = self.backend.vocab_size
+        V = e.backend.vocab_size
         counts = np.zeros((V,), np.int32)
         counts[tok] += 1
         seen = np.zeros((V,), bool)
         seen[np.asarray(s.prompt_ids, np.int64)] = True
         seen[tok] = True
         done = tok in s.stop_ids or s.params.max_tokens <= 1
-        self.pd_layout.set_row(self, s.slot, {"y": np.int32(tok), "pos": np.int32(n - 1), "n_gen": np.int32(1),
-                                              "active": np.bool_(not done), "counts": counts, "seen": seen})
-        self.pd_stats["installs"] += 1
+        e.pd_layout.set_row(e, s.slot, {"y": np.int32(tok), "pos": np.int32(n - 1), "n_gen": np.int32(1),
+                                        "active": np.bool_(not done), "counts": counts, "seen": seen})
+        e.pd_stats["installs"] += 1
         lp = meta.get("first_logprob")
-        finished = self._append(s, [tok], None, time.time())
+        finished = e.outputs.append(s, [tok], None, time.time())
         if s.logprobs is not None and lp is not None:
             s.logprobs.insert(0, {"token_id": int(lp["token_id"]), "logprob": float(lp["logprob"]),
                                   "top": {int(k): float(v) for k, v in (lp.get("top") or {}).items()}})
         if finished:
-            self._pending_outputs[s.request_id] = self._make_output(s.request_id)
-            self._retire_group(s.request_id)
-        return True
+            e.outputs.emit_now(s.request_id)
 
 
 class PDAsyncEngine(AsyncEngine):
@@ -253,7 +259,8 @@ class PDAsyncEngine(AsyncEngine):
         pd = getattr(self, "pd", None)
         if req is None or pd is None or self.engine is None:
             return await super().add_requests(items, arrival_time)
-        rids = [rid for rid, _, _ in items]
+        items = as_requests(items, arrival_time)
+        rids = [r.request_id for r in items]
         req.rids = rids
         if req.wants_hold:
             for rid in rids:
@@ -268,7 +275,7 @@ class PDAsyncEngine(AsyncEngine):
         if len(items) != 1:
             raise APIError(400, "kv_transfer_params: a request with remote prefill must have n=1 and one prompt",
                            param="kv_transfer_params")
-        rid, prompt, params = items[0]
+        rid, prompt, params = items[0].request_id, items[0].prompt, items[0].params
         kv = req.params
         where = kv.get("remote_url") or f"http://{kv.get('remote_host')}:{kv.get('remote_port')}"
         try:

@@ -1,0 +1,42 @@
+"""One generated sequence of a request (a request with ``n`` samples has ``n``), as the scheduler tracks it."""
+from __future__ import annotations
+
+from dsflash.serve.types import RequestMetrics, SamplingParams
+
+WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+
+class Sequence:
+    def __init__(self, rid, index, prompt, prompt_ids, params: SamplingParams, arrival, seed, stop_ids):
+        self.request_id, self.index = rid, index
+        self.prompt, self.prompt_ids, self.params = prompt, list(prompt_ids), params
+        self.seed, self.stop_ids = seed, stop_ids
+        self.out_ids: list[int] = []
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.status = WAITING
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.computed = 0            # positions whose KV is written (prefill progress)
+        self.prefill_start = 0       # first position this admission computes (after a prefix-cache hit)
+        self.floor = 0               # window keys below this position do not exist (encoder replay)
+        self.kv_from = 0             # global KV below this position comes from the prefix cache
+        self.hashes: list[int] = []  # chain hashes of registered full blocks
+        self.order = 0               # admission order (preemption picks the youngest)
+        self.text = ""
+        self.finish_reason = None
+        self.stop_reason = None
+        self.metrics = RequestMetrics(arrival_time=arrival, num_prompt_tokens=len(prompt_ids))
+        self.last_token_time = None
+        self.detok = None            # IncrementalDetokenizer when the model has a tokenizer
+        self.pending = 0             # upper bound of tokens that dispatched, unprocessed calls may add
+        self.pending_lb = 0          # tokens they add unless the sequence finishes
+        self.last_slot = None
+        self.rank = 0                # DP rank (slot, pages and prefix cache come from its range)
+
+    @property
+    def all_ids(self):
+        return self.prompt_ids + self.out_ids
+
+    @property
+    def finished(self):
+        return self.status == FINISHED
