@@ -72,7 +72,8 @@ def test_llm_keeps_the_models_backend_in_the_runner_options():
     assert eng.runner.backend is eng.backend
     assert eng.backend._opts().backend == "xla" and eng.backend._opts().precision == "fp32"
     assert eng.run_options["backend"] == "xla" and eng.run_options["precision"] == "fp32"
-    assert "backend=xla" in eng.kernels_line and "precision=fp32" in eng.kernels_line
+    assert "backend xla -> xla" in eng.kernels_line and "moe decode=xla" in eng.kernels_line
+    assert "precision=fp32" in eng.kernels_line
 
 
 def test_serve_help_lists_backend():

@@ -103,8 +103,9 @@ class LLMEngine:
         if not ro:
             return f"backend: {type(self.backend).__name__} (no kernel backend)"
         cfg = getattr(self.backend, "cfg", None)
-        sizes = {"decode_tokens": self.max_num_seqs * self.K1, "context": self.max_model_len,
-                 "prefill_tokens": self.max_num_batched_tokens, "precision": ro["precision"]} if cfg is not None else {}
+        c = self.config
+        sizes = {"decode_tokens": c.max_num_seqs * self.runner.K1, "context": c.max_model_len,
+                 "prefill_tokens": c.max_num_batched_tokens, "precision": ro["precision"]} if cfg is not None else {}
         return (f"{kernels_summary(ro['backend'], cfg, **sizes)}; precision={ro['precision']}, "
                 f"bounded_replay={ro['bounded_replay'] or 'exact'}")
 
