@@ -10,27 +10,6 @@ jax = pytest.importorskip("jax")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    from dsflash.kernels import indexer_topk_triton, mhc_fused_triton, moe_gemm_triton, sparse_attention_triton
-    calls = {"moe": 0, "indexer": 0, "attention": 0, "mhc": 0}
-
-    def counting(name, fn):
-        def wrapped(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapped
-
-    monkeypatch.setattr(moe_gemm_triton, "routed_moe_triton", counting("moe", moe_gemm_triton.routed_moe_triton))
-    monkeypatch.setattr(indexer_topk_triton, "indexer_scores_triton",
-                        counting("indexer", indexer_topk_triton.indexer_scores_triton))
-    monkeypatch.setattr(sparse_attention_triton, "sparse_sink_attention_triton",
-                        counting("attention", sparse_attention_triton.sparse_sink_attention_triton))
-    monkeypatch.setattr(mhc_fused_triton, "mhc_fused_triton", counting("mhc", mhc_fused_triton.mhc_fused_triton))
-    jax.clear_caches()
-    return calls
-
-
 def test_server_engine_defaults_run_the_triton_kernels(kernel_calls):
     from dsflash.serve.__main__ import build_parser, make_engine_factory
     from dsflash.serve.types import SamplingParams
