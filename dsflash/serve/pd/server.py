@@ -18,6 +18,12 @@ Decode role (``--role decode``):
     naming the prefill engine and the cause; ``recompute``: prefill locally). Response headers
     ``x-dsflash-kv-*`` say what happened and how many bytes moved.
 Both roles serve ordinary requests (no ``kv_transfer_params``) exactly as the aggregated server does.
+
+Trust (``dsflash.serve.pd.trust``, docs/pd.md "Deployment and trust"): hold requests and the KV routes need
+``x-dsflash-pd-auth`` from a holder of the shared secret; a decode request's ``kv_transfer_params`` must be
+signed by the router, unexpired, unused and name a ``--pd-peers`` peer (else 403 naming the field, before any
+connection); the pulled body must carry the prefill side's MAC over this prompt's digest and match this
+instance's layout before the engine sees it.
 """
 from __future__ import annotations
 
