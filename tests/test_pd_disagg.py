@@ -7,6 +7,10 @@
 * the prefill side frees held KV on the decode side's notification, and after the TTL when nobody pulls;
 * failure policy per request (``fail``: HTTP 502 naming the prefill engine; ``recompute``: same output);
 * conversation affinity and load balancing (router unit test, plus the real router's affinity header);
+* the trust boundary (docs/pd.md "Deployment and trust"): a hostile client that sends ``kv_transfer_params``
+  pointing at a listener of its own straight to the decode instance gets 403 and the decode instance never
+  connects to it (nor registers anything); a KV body flipped on the wire in a correctly signed flow is
+  rejected by its MAC and registers nothing;
 * last: the prefill process is killed in the middle of a KV body; only the affected requests fail (or are
   recomputed, per policy) and the requests already decoding complete with the aggregated server's output.
 
@@ -14,15 +18,25 @@ Each process starts once per module (model start-up dominates)."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import math
 import signal
+import threading
 import time
 
 import httpx
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from test_server_util import ServerProcess
+
+from dsflash.serve.pd.transfer import pack, prompt_digest
+from dsflash.serve.pd.trust import PDTrust
+
+SECRET = b"test-pd-secret-0123456789abcdef"
+TRUST = PDTrust(SECRET)            # the test plays the router where it talks to instances directly
 
 ENGINE_ARGS = ["--max-model-len", "512", "--max-num-seqs", "8"]
 TIMEOUT = 180
@@ -41,16 +55,20 @@ def cluster(tmp_path_factory):
     # test process, so turn it back on for the servers, in a fresh folder of this module's
     mp.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")
     mp.setenv("DSFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("xla_cache")))
+    key = tmp_path_factory.mktemp("pd") / "pd.key"
+    key.write_bytes(SECRET + b"\n")
+    sec = ("--pd-secret-file", str(key))
     try:
         # the first process fills the persistent compilation cache; the others then start in seconds
         procs["agg"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
         procs["p"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--kv-ttl", "8", "--pd-test-hooks",
-                            name="prefill")
-        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", name="decode")
+                            *sec, name="prefill")
+        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", *sec,
+                            "--pd-peers", f"127.0.0.1:{procs['p'].port}", name="decode")
         for k in ("p", "d"):
             procs[k].wait_healthy()
         procs["router"] = _start("dsflash.serve.router", "--prefill", procs["p"].base, "--decode", procs["d"].base,
-                                 "--affinity-block", "32", name="router").wait_healthy(60)
+                                 "--affinity-block", "32", *sec, name="router").wait_healthy(60)
         yield procs
     finally:
         mp.undo()
@@ -174,9 +192,14 @@ def test_bytes_per_prompt_token_bounded(cluster):
 def test_prefill_frees_after_ttl(cluster):
     p = cluster["p"].base
     before = httpx.get(p + "/pd/stats").json()["engine"]["released_ttl"]
-    r = httpx.post(p + "/v1/completions", json={"prompt": _prompt(7, 40), "max_tokens": 1, "temperature": 0.0,
-                                                "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
-    assert r.status_code == 200
+    hold = json.dumps({"prompt": _prompt(7, 40), "max_tokens": 1, "temperature": 0.0,
+                       "kv_transfer_params": {"do_remote_decode": True}}).encode()
+    # only a holder of the P/D secret (the router) may make a prefill instance hold KV
+    r = httpx.post(p + "/v1/completions", content=hold, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["param"] == "x-dsflash-pd-auth", r.text
+    r = httpx.post(p + "/v1/completions", content=hold, timeout=60,
+                   headers={"content-type": "application/json", **TRUST.peer_headers("POST", "/v1/completions", hold)})
+    assert r.status_code == 200, r.text
     kv = r.json()["kv_transfer_params"]
     assert kv["do_remote_prefill"] and kv["remote_num_tokens"] == 40 and len(kv["remote_block_ids"]) == 1
     assert kv["remote_engine_id"].startswith("prefill-")
@@ -188,13 +211,22 @@ def test_prefill_frees_after_ttl(cluster):
             break
         time.sleep(0.5)
     assert st["engine"]["released_ttl"] == before + 1, st
+    # the KV routes are for peers only
+    assert httpx.get(f"{p}/pd/kv/{kv['remote_request_id']}").status_code == 403
+    assert httpx.post(f"{p}/pd/release/{kv['remote_request_id']}").status_code == 403
     # the decode side pulling it now gets a clear failure (policy fail) or recomputes (policy recompute)
-    body = {"prompt": _prompt(7, 40), "max_tokens": 8, "temperature": 0.0, "kv_transfer_params": kv}
+    body = {"prompt": _prompt(7, 40), "max_tokens": 8, "temperature": 0.0,
+            "kv_transfer_params": TRUST.sign_params(kv, p, ttl=100)}
     f = httpx.post(cluster["d"].base + "/v1/completions", json={**body, "kv_load_failure_policy": "fail"}, timeout=60)
     assert f.status_code == 502, f.text
     err = f.json()["error"]
     assert err["code"] == "kv_transfer_failed" and kv["remote_engine_id"] in err["message"]
     assert "404" in err["message"]
+    # signed parameters are good for one use
+    again = httpx.post(cluster["d"].base + "/v1/completions", json={**body, "kv_load_failure_policy": "recompute"},
+                       timeout=60)
+    assert again.status_code == 403 and "already used" in again.json()["error"]["message"], again.text
+    body["kv_transfer_params"] = TRUST.sign_params(kv, p, ttl=101)
     rc = httpx.post(cluster["d"].base + "/v1/completions", json={**body, "kv_load_failure_policy": "recompute"},
                     timeout=60)
     ref = httpx.post(cluster["agg"].base + "/v1/completions",
@@ -264,6 +296,121 @@ def test_decode_prefix_cache_skips_pages(cluster):
     assert rec["skipped_tokens"] == 128 and rec["global_bytes"] <= g * (200 - 128) + 1024, rec
     print(f"\n[pd] turn 2 (200 tokens, 128 cached on decode): {rec['global_bytes']} B of global KV moved "
           f"instead of {g * 200:.0f}")
+
+
+class _Listener:
+    """What a hostile client runs on 127.0.0.1: ``/pd/info`` answers with the real prefill layout, ``/pd/kv/*``
+    with random KV in the right shapes for ``prompt``. Records every request it gets."""
+
+    def __init__(self, info: dict, prompt: list[int]):
+        self.requests: list[str] = []
+        lay, n = info["layout"], len(prompt)
+        rng = np.random.default_rng(7)
+        arrays = []
+        for name, (shape, dtype) in sorted(lay["leaves"].items()):
+            dt = np.dtype(jnp.dtype(dtype))
+            if name in lay["ratios"]:
+                r = lay["ratios"][name]
+                rows, info_ = math.ceil(n / r), {"kind": "global", "ratio": r, "first": 0}
+            else:
+                need = {"swa": lay["window"], "comp": 2, "engram_hist": max(1, lay["ngram"] - 1)}[name.split("/")[0]]
+                rows, info_ = need, {"kind": "ring", "first": n - need}
+            cnt = rows * int(np.prod(shape, dtype=np.int64))
+            if dt.kind in "iu":
+                a = rng.integers(0, 400, cnt).astype(dt)
+            else:
+                a = rng.integers(0, 256, cnt * dt.itemsize, dtype=np.uint8).view(dt)
+            arrays.append((name, a.reshape([rows, *shape]), info_))
+        meta = {"engine_id": "prefill-evil", "request_id": "evil-1", "num_tokens": n,
+                "prompt_digest": prompt_digest(prompt), "first_token": 7, "first_logprob": None, "floor": 0,
+                "skip_tokens": 0, "page_size": info["page_size"]}
+        body, infob, reqs = pack(meta, arrays), json.dumps(info).encode(), self.requests
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def _send(self, data, ctype):
+                self.send_response(200)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                reqs.append("GET " + self.path)
+                self._send(infob if self.path.startswith("/pd/info") else body,
+                           "application/json" if self.path.startswith("/pd/info") else "application/octet-stream")
+
+            def do_POST(self):
+                reqs.append("POST " + self.path)
+                self._send(b'{"released": true}', "application/json")
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.port = self.srv.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def _cached_tokens(base: str, prompt: list[int]) -> int:
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0.0}, timeout=120)
+    assert r.status_code == 200, r.text
+    return int(((r.json().get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_hostile_client_cannot_make_decode_pull(cluster):
+    """Issue 21 item 1: a client that reaches the decode port directly with kv_transfer_params naming its own
+    listener (real layout, random KV) must get a 4xx, the decode instance must never connect to the listener,
+    and the same prompt afterwards must not be a prefix-cache hit."""
+    d, router = cluster["d"].base, cluster["router"].base
+    prompt = _prompt(4242, 200)
+    lis = _Listener(httpx.get(cluster["p"].base + "/pd/info").json(), prompt)
+    try:
+        kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-evil",
+              "remote_request_id": "evil-1", "remote_host": "127.0.0.1", "remote_port": lis.port,
+              "remote_url": lis.url, "remote_block_ids": [0, 1, 2, 3], "remote_num_tokens": len(prompt),
+              "remote_prompt_digest": prompt_digest(prompt), "first_token": 7, "tp_size": 1, "page_size": 64}
+        forged = {**kv, "pd_expires": int(time.time()) + 60, "pd_sig": "0" * 64}
+        # signed with the real secret but naming a peer outside the decode instance's --pd-peers
+        off_list = TRUST.sign_params(kv, lis.url)
+        cases = [("unsigned", kv, "kv_transfer_params.pd_expires"), ("forged", forged, "kv_transfer_params.pd_sig"),
+                 ("not a peer", off_list, "kv_transfer_params.remote_url")]
+        for what, params, field in cases:
+            for policy in ("fail", "recompute"):
+                r = httpx.post(d + "/v1/completions", timeout=60,
+                               json={"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params,
+                                     "kv_load_failure_policy": policy})
+                assert 400 <= r.status_code < 500, (what, policy, r.status_code, r.text[:300])
+                assert r.json()["error"]["param"] == field, (what, r.text)
+                assert lis.requests == [], (what, lis.requests)
+        # through the router, a client's kv_transfer_params are dropped (the router sets its own)
+        r = httpx.post(router + "/v1/completions", timeout=120,
+                       json={"prompt": _prompt(4244, 20), "max_tokens": 2, "kv_transfer_params": kv})
+        assert r.status_code == 200 and r.headers["x-dsflash-kv-outcome"] == "transferred", r.text
+        assert lis.requests == []
+        assert _cached_tokens(d, prompt) == 0
+    finally:
+        lis.close()
+    print(f"\n[pd] hostile kv_transfer_params: 403 x{2 * len(cases)}, listener untouched, no prefix-cache entry")
+
+
+def test_tampered_kv_body_is_rejected(cluster):
+    """A body flipped on the wire (after the prefill side's MAC) in a correctly signed router flow: the decode
+    instance rejects it (policy fail -> 502 naming the MAC) and registers nothing from it."""
+    router, p, d = cluster["router"].base, cluster["p"].base, cluster["d"].base
+    prompt = _prompt(4343, 200)
+    assert httpx.post(p + "/pd/test/kv_corrupt", json={"count": 1}).status_code == 200
+    r = httpx.post(router + "/v1/completions", timeout=120,
+                   json={"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_load_failure_policy": "fail"})
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_transfer_failed" and "x-dsflash-kv-mac" in err["message"], err
+    assert _cached_tokens(d, prompt) == 0
+    print(f"\n[pd] tampered body: HTTP 502: {err['message'][:160]}")
 
 
 def test_kill_prefill_mid_transfer_last(cluster):

@@ -111,6 +111,15 @@ def main(argv=None) -> int:
         print("error: --max-model-len must be >= 2", file=sys.stderr)
         return 2
 
+    pd_trust = None
+    if getattr(args, "role", "both") != "both":     # the P/D secret (and decode's --pd-peers) before anything else
+        from dsflash.serve.pd.cli import trust_from_args
+        try:
+            pd_trust = trust_from_args(args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
     # Bind first: a busy port fails in a second, not after the model has compiled.
     bound = _listen(args.host, args.port)
     if bound is None:
@@ -146,7 +155,7 @@ def main(argv=None) -> int:
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd
         install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,
-                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks)
+                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -18,6 +18,11 @@ Requests with ``n > 1`` (or with no prefill instance configured) go to a decode 
 prefills them itself). Nothing is retried: a failed prefill or decode instance gives the client an OpenAI
 error body naming the instance and the cause (HTTP 502) and is counted in ``/router/stats`` and
 ``/metrics``; the decode instance applies the request's failure policy to a failed KV pull.
+
+Trust (docs/pd.md "Deployment and trust"): the router is the only port that faces clients. It holds the
+shared P/D secret (``--pd-secret-file``), drops any ``kv_transfer_params`` a client sends, authenticates its
+hold requests to prefill instances, and signs the ``kv_transfer_params`` it forwards to a decode instance
+(pointed at the prefill URL it was configured with, bound to the prompt's token-id digest, expiring).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ from collections import OrderedDict, deque
 from typing import Optional
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations of the endpoints here
+
+from dsflash.serve.pd.trust import PDTrust, load_secret
 
 log = logging.getLogger("dsflash.serve.router")
 
@@ -78,9 +85,13 @@ def conversation_text(path: str, body: dict) -> str:
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], *, policy: str = "fail", affinity_block: int = 256,
                  affinity_slack: int = 4, affinity_threshold: float = 0.5, affinity_capacity: int = 200_000,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, trust: Optional[PDTrust] = None):
         if not decode:
             raise ValueError("at least one --decode instance is needed")
+        if prefill and trust is None:
+            raise ValueError("a router with --prefill instances needs the shared P/D secret (--pd-secret-file FILE, "
+                             "--pd-secret or $DSFLASH_PD_SECRET; the same one the prefill and decode instances get)")
+        self.trust = trust
         self.prefill = [Instance(u, "prefill") for u in prefill]
         self.decode = [Instance(u, "decode") for u in decode]
         self.policy = policy
@@ -154,6 +165,9 @@ class Router:
                 raise ValueError("not an object")
         except (ValueError, UnicodeDecodeError) as e:
             return _err(400, f"request body must be a JSON object: {e}", "invalid_json", "invalid_request_error")
+        if "kv_transfer_params" in body:       # the router's to set, never a client's (docs/pd.md)
+            self.counters["client_kv_params_dropped"] = self.counters.get("client_kv_params_dropped", 0) + 1
+            body.pop("kv_transfer_params")
         fwd = {"authorization": auth} if auth else {}       # instances started with --api-key
         dec, how = self.pick_decode(path, body)
         headers = {"x-dsflash-decode": dec.url, "x-dsflash-affinity": how}
@@ -171,10 +185,12 @@ class Router:
                 pbody["max_tokens"] = 1
             pbody["stream"] = False
             pbody["kv_transfer_params"] = {"do_remote_decode": True}
+            praw = json.dumps(pbody, separators=(",", ":")).encode()
+            pheaders = {**fwd, "content-type": "application/json", **self.trust.peer_headers("POST", path, praw)}
             pre.in_flight += 1
             pre.requests += 1
             try:
-                r = await self.client().post(pre.url + path, json=pbody, headers=fwd)
+                r = await self.client().post(pre.url + path, content=praw, headers=pheaders)
             except httpx.HTTPError as e:
                 pre.failures += 1
                 self.counters["prefill_failures"] += 1
@@ -196,6 +212,13 @@ class Router:
                 self.counters["prefill_failures"] += 1
                 return self.fail(502, f"prefill instance {pre.url} returned no kv_transfer_params", "prefill_failed",
                                  prefill=pre.url)
+            try:            # the decode side will connect to pre.url (what we reached), never a reported address
+                kvp = self.trust.sign_params(kvp, pre.url)
+            except ValueError as e:
+                pre.failures += 1
+                self.counters["prefill_failures"] += 1
+                return self.fail(502, f"prefill instance {pre.url} returned unusable kv_transfer_params: {e}",
+                                 "prefill_failed", prefill=pre.url)
         else:
             self.counters["direct_requests"] += 1
         dbody = dict(body)
@@ -215,7 +238,8 @@ class Router:
         async def give_back_kv():
             if kvp is not None and pre is not None:
                 try:
-                    await self.client().post(f"{pre.url}/pd/release/{kvp['remote_request_id']}")
+                    rpath = f"/pd/release/{kvp['remote_request_id']}"
+                    await self.client().post(pre.url + rpath, headers=self.trust.peer_headers("POST", rpath))
                 except httpx.HTTPError:
                     pass
 
@@ -378,6 +402,10 @@ def build_parser():
                    help="a known prefix counts only if it covers at least this fraction of the prompt's blocks "
                         "(a shared system prompt alone does not pin every session to one instance)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for one upstream request")
+    p.add_argument("--pd-secret-file", default=None,
+                   help="file holding the shared P/D secret (>= 16 bytes) of the prefill and decode instances; "
+                        "required with --prefill (or --pd-secret / $DSFLASH_PD_SECRET)")
+    p.add_argument("--pd-secret", default=None, help="the secret itself (visible in the process list)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -389,13 +417,23 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        secret = load_secret(args.pd_secret, args.pd_secret_file)
+        trust = PDTrust(secret) if secret is not None else None
+        if args.prefill and trust is None:
+            raise ValueError("--prefill needs the shared P/D secret (--pd-secret-file FILE, --pd-secret or "
+                             "$DSFLASH_PD_SECRET; the same one the prefill and decode instances get; "
+                             "docs/pd.md 'Deployment and trust')")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bound = _listen(args.host, args.port)
     if bound is None:
         return 1
     sock, url = bound
     router = Router(args.prefill, args.decode, policy=args.kv_load_failure_policy,
                     affinity_block=args.affinity_block, affinity_slack=args.affinity_slack,
-                    affinity_threshold=args.affinity_threshold, timeout=args.timeout)
+                    affinity_threshold=args.affinity_threshold, timeout=args.timeout, trust=trust)
     app = build_app(router)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug"))
     print(f"dsflash.serve.router: listening on {url} (OpenAI base URL {url}/v1); "

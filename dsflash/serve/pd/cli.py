@@ -21,3 +21,30 @@ def add_cli_arguments(parser) -> None:
                         "'recompute' (prefill it locally)")
     g.add_argument("--kv-pull-timeout", type=float, default=60.0, help="decode role: seconds for one KV pull")
     g.add_argument("--pd-test-hooks", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--pd-secret-file", default=None,
+                   help="prefill/decode roles (required, or --pd-secret / $DSFLASH_PD_SECRET): file holding the shared "
+                        "P/D secret (>= 16 bytes) also given to the router; authenticates KV transfer parameters, "
+                        "requests between instances and KV bodies (docs/pd.md 'Deployment and trust')")
+    g.add_argument("--pd-secret", default=None,
+                   help="the shared P/D secret itself (visible in the process list: prefer --pd-secret-file)")
+    g.add_argument("--pd-peers", default=None,
+                   help="decode role (required): comma-separated host:port of the prefill instances this one may pull "
+                        "KV from (the addresses the router reaches them at); nothing else is ever connected to")
+
+
+def trust_from_args(args):
+    """The ``PDTrust`` of a prefill/decode server (``None`` for ``--role both``); raises ``ValueError`` with the
+    message to print when the P/D secret (or, for decode, ``--pd-peers``) is missing or invalid."""
+    role = getattr(args, "role", "both")
+    if role == "both":
+        return None
+    from dsflash.serve.pd.trust import SECRET_ENV, PDTrust, load_secret, parse_peers
+    secret = load_secret(getattr(args, "pd_secret", None), getattr(args, "pd_secret_file", None))
+    if secret is None:
+        raise ValueError(f"--role {role} needs the shared P/D secret (--pd-secret-file FILE, --pd-secret or "
+                         f"${SECRET_ENV}; the same one the router gets): without it anybody who can reach this "
+                         f"port could make it pull or hand out KV (docs/pd.md 'Deployment and trust')")
+    peers = parse_peers(getattr(args, "pd_peers", None) or "")
+    if role == "decode" and not peers:
+        raise ValueError("--role decode needs --pd-peers host:port,... (the prefill instances it may pull KV from)")
+    return PDTrust(secret, peers)

@@ -18,6 +18,12 @@ Decode role (``--role decode``):
     naming the prefill engine and the cause; ``recompute``: prefill locally). Response headers
     ``x-dsflash-kv-*`` say what happened and how many bytes moved.
 Both roles serve ordinary requests (no ``kv_transfer_params``) exactly as the aggregated server does.
+
+Trust (``dsflash.serve.pd.trust``, docs/pd.md "Deployment and trust"): hold requests and the KV routes need
+``x-dsflash-pd-auth`` from a holder of the shared secret; a decode request's ``kv_transfer_params`` must be
+signed by the router, unexpired, unused and name a ``--pd-peers`` peer (else 403 naming the field, before any
+connection); the pulled body must carry the prefill side's MAC over this prompt's digest and match this
+instance's layout before the engine sees it.
 """
 from __future__ import annotations
 
@@ -32,7 +38,8 @@ from typing import Optional
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations of the endpoints here
 
 from dsflash.serve.pd.cli import POLICIES, add_cli_arguments  # noqa: F401  (re-exported)
-from dsflash.serve.pd.transfer import TransferSize, pack, unpack
+from dsflash.serve.pd.transfer import TransferSize, pack, prompt_digest, unpack
+from dsflash.serve.pd.trust import AUTH_HEADER, MAC_HEADER, PDTrust, TrustError
 
 log = logging.getLogger("dsflash.serve.pd")
 
@@ -51,6 +58,7 @@ class PDRequest:
     size: Optional[TransferSize] = None
     error: Optional[str] = None
     pull_s: float = 0.0
+    verified: Optional[dict] = None        # decode: the signed fields of kv_transfer_params, once checked
 
     @property
     def wants_hold(self) -> bool:
@@ -65,13 +73,19 @@ class PDState:
     """Per-process P/D state shared by the middleware, the routes and the engine wrapper."""
 
     def __init__(self, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
-                 test_hooks: bool = False):
+                 test_hooks: bool = False, trust: Optional[PDTrust] = None):
+        if not isinstance(trust, PDTrust):
+            raise ValueError("P/D roles need the shared P/D secret (PDTrust; docs/pd.md 'Deployment and trust')")
+        if role == "decode" and not trust.peers:
+            raise ValueError("the decode role needs its prefill peers (--pd-peers)")
+        self.trust = trust
         self.engine = engine              # PDAsyncEngine
         self.role = role
         self.default_policy = default_policy
         self.pull_timeout = pull_timeout
         self.test_hooks = test_hooks
         self.kv_delay_s = 0.0             # test hook: stall in the middle of a KV body
+        self.kv_corrupt = 0               # test hook: flip a byte in the next N KV bodies (after their MAC)
         self.handshakes: dict[str, dict] = {}
         self.transfers: list[dict] = []   # decode side: one record per pull (bounded)
         self.counters = {"pulls_ok": 0, "pulls_failed": 0, "recomputed": 0, "failed_requests": 0,
@@ -102,22 +116,47 @@ class PDState:
         return info
 
     async def pull(self, kv: dict, prompt_ids, params):
-        url = kv.get("remote_url") or f"http://{kv['remote_host']}:{kv['remote_port']}"
-        rid = kv["remote_request_id"]
+        """Pull the KV of this request's verified ``kv_transfer_params`` (the middleware checked signature,
+        expiry and peer; ``kv`` itself is not trusted and not used). Before connecting: the signed prompt
+        digest and token count must be this prompt's. After: the body's MAC (with this prompt's digest), then
+        its header fields and every array against this instance's layout. Raises on any mismatch (the
+        request's failure policy applies); nothing reaches the engine unless all of it holds."""
+        req = current()
+        v = req.verified if req is not None else None
+        if not v:
+            raise TrustError("kv_transfer_params were not verified; refusing to connect anywhere", "kv_transfer_params")
+        url, rid, n = v["remote_url"], v["remote_request_id"], len(prompt_ids)
+        digest = prompt_digest(prompt_ids)
+        if v["remote_prompt_digest"] != digest or v["remote_num_tokens"] != n:
+            raise TrustError(f"kv_transfer_params.remote_prompt_digest: the signed transfer is for another prompt "
+                             f"({v['remote_num_tokens']} tokens) than this request's ({n} tokens); not connecting",
+                             "kv_transfer_params.remote_prompt_digest")
         await self.handshake(url)
         skip = self.eng.peek_prefix_pages(prompt_ids, params) * self.eng.page_size
         t0 = time.perf_counter()
-        r = await self.client().get(f"{url}/pd/kv/{rid}", params={"skip_tokens": skip})
+        path = f"/pd/kv/{rid}?skip_tokens={skip}"
+        r = await self.client().get(url + path, headers=self.trust.peer_headers("GET", path))
         if r.status_code != 200:
             raise RuntimeError(f"GET /pd/kv/{rid} returned HTTP {r.status_code}: {r.text[:200]}")
         data = r.content
+        self.trust.verify_body(r.headers.get(MAC_HEADER), request_id=rid, engine_id=v["remote_engine_id"],
+                               num_tokens=n, prompt_digest=digest, body=data)
         meta, arrays = unpack(data)
+        want = {"request_id": rid, "engine_id": v["remote_engine_id"], "num_tokens": n, "prompt_digest": digest,
+                "first_token": v["first_token"]}
+        for k, x in want.items():
+            if meta.get(k) != x:
+                raise ValueError(f"KV payload field {k} is {meta.get(k)!r}, the signed transfer says {x!r}")
+        if not isinstance(meta.get("skip_tokens"), int) or not 0 <= meta["skip_tokens"] <= skip:
+            raise ValueError(f"KV payload skips {meta.get('skip_tokens')!r} tokens, asked for at most {skip}")
+        self.eng.pd_layout.check_payload(arrays, n)
         dt = time.perf_counter() - t0
         return url, rid, meta, arrays, len(data), dt
 
     async def notify(self, url: str, rid: str):
         try:
-            await self.client().post(f"{url}/pd/release/{rid}")
+            path = f"/pd/release/{rid}"
+            await self.client().post(url + path, headers=self.trust.peer_headers("POST", path))
         except Exception as e:  # noqa: BLE001 - the TTL frees it anyway
             self.counters["notify_failed"] += 1
             log.warning("P/D: release notification for %s to %s failed: %s", rid, url, e)
@@ -128,11 +167,24 @@ class PDState:
 
 
 def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
-            test_hooks: bool = False) -> PDState:
-    """Add the P/D middleware and routes to ``app`` (built by ``dsflash.serve.http.app.build_app``)."""
+            test_hooks: bool = False, trust: Optional[PDTrust] = None) -> PDState:
+    """Add the P/D middleware and routes to ``app`` (built by ``dsflash.serve.http.app.build_app``). ``trust``
+    (the shared secret, and for decode the prefill peers) is required."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    pd = PDState(engine, role, default_policy=default_policy, pull_timeout=pull_timeout, test_hooks=test_hooks)
+    pd = PDState(engine, role, default_policy=default_policy, pull_timeout=pull_timeout, test_hooks=test_hooks,
+                 trust=trust)
+
+    def denied(request: Request, body: bytes = b""):
+        """The peer check of ``/pd/kv`` and ``/pd/release``: a 403 response, or None if the caller is a peer."""
+        q = request.scope.get("query_string", b"").decode("latin-1")
+        try:
+            pd.trust.verify_peer(request.method, request.scope["path"] + ("?" + q if q else ""),
+                                 request.headers.get(AUTH_HEADER), body)
+        except TrustError as e:
+            return JSONResponse({"error": {"message": str(e), "type": "permission_error", "param": e.param,
+                                           "code": "pd_unauthorized"}}, status_code=403)
+        return None
     engine.pd = pd
     app.state.pd = pd
     app.add_middleware(PDMiddleware, pd=pd)
@@ -150,7 +202,9 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
                 "counters": dict(pd.counters), "sizes": e.pd_sizes, "transfers": pd.transfers[-200:]}
 
     @app.get("/pd/kv/{rid}")
-    async def kv(rid: str, skip_tokens: int = 0):
+    async def kv(rid: str, request: Request, skip_tokens: int = 0):
+        if (no := denied(request)) is not None:
+            return no
         try:
             meta, arrays = await engine.run_on_engine(lambda eng: eng.extract(rid, skip_tokens))
         except KeyError:
@@ -158,6 +212,11 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
                                                       f"expired after the TTL)", "code": "kv_not_found"}},
                                 status_code=404)
         body = pack(meta, arrays)
+        mac = pd.trust.body_mac(request_id=rid, engine_id=meta["engine_id"], num_tokens=meta["num_tokens"],
+                                prompt_digest=meta["prompt_digest"], body=body)
+        if pd.kv_corrupt > 0:                 # test hook: tampering on the wire
+            pd.kv_corrupt -= 1
+            body = body[:-1] + bytes([body[-1] ^ 0xFF])
         pd.counters["bytes_sent"] += len(body)
         delay = pd.kv_delay_s
 
@@ -171,10 +230,12 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
                 yield body[i:i + step]
 
         return StreamingResponse(chunks(), media_type="application/octet-stream",
-                                 headers={"content-length": str(len(body))})
+                                 headers={"content-length": str(len(body)), MAC_HEADER: mac})
 
     @app.post("/pd/release/{rid}")
-    async def release(rid: str):
+    async def release(rid: str, request: Request):
+        if (no := denied(request, await request.body())) is not None:
+            return no
         ok = await engine.run_on_engine(lambda eng: eng.release(rid))
         return {"released": bool(ok)}
 
@@ -183,6 +244,11 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
         async def kv_delay(request: Request):
             pd.kv_delay_s = float((await request.json()).get("seconds", 0.0))
             return {"kv_delay_s": pd.kv_delay_s}
+
+        @app.post("/pd/test/kv_corrupt")
+        async def kv_corrupt(request: Request):
+            pd.kv_corrupt = int((await request.json()).get("count", 1))
+            return {"kv_corrupt": pd.kv_corrupt}
 
     return pd
 
@@ -234,9 +300,21 @@ class PDMiddleware:
             if obj.get("stream") or (obj.get("n") or 1) != 1:
                 return await _error(send, 400, "kv_transfer_params.do_remote_decode: needs stream=false and n=1",
                                     "kv_transfer_params")
+            hdr = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == AUTH_HEADER.encode()),
+                       None)
+            try:                               # only the router (a holder of the secret) may make us hold KV
+                self.pd.trust.verify_peer("POST", scope["path"], hdr, body)
+            except TrustError as e:
+                return await _error(send, 403, str(e), e.param, "pd_unauthorized")
         elif self.pd.role != "decode":
             return await _error(send, 400, "kv_transfer_params.do_remote_prefill: this instance is not a decode "
                                            "instance (--role decode)", "kv_transfer_params")
+        else:
+            try:                               # before anything else, and before any connection
+                req.verified = self.pd.trust.verify_params(kvp)
+            except TrustError as e:
+                log.warning("P/D: refused kv_transfer_params from %s: %s", scope.get("client"), e)
+                return await _error(send, 403, str(e), e.param, "pd_unauthorized")
         token = _ctx.set(req)
         try:
             if req.wants_hold:
@@ -303,7 +381,8 @@ class PDMiddleware:
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": eng.engine_id,
                 "remote_request_id": rid, "remote_host": host, "remote_port": port,
                 "remote_url": f"http://{host}:{port}", "remote_block_ids": list(h.pages),
-                "remote_num_tokens": h.num_tokens, "first_token": h.first_token, "tp_size": 1,
+                "remote_num_tokens": h.num_tokens, "remote_prompt_digest": prompt_digest(h.prompt_ids),
+                "first_token": h.first_token, "tp_size": 1,
                 "page_size": eng.page_size, "kv_load_failure_policy": req.policy}
 
 

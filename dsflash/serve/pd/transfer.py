@@ -37,9 +37,10 @@ GLOBAL_KINDS = ("main_kv", "index_k")
 
 
 def prompt_digest(ids) -> str:
-    """Digest of a prompt's token ids (both sides check they hold the same prompt; the ids do not travel)."""
+    """SHA-256 of a prompt's token ids (little-endian int64), hex: both sides check they hold the same prompt
+    (the ids do not travel); the router signs it and the prefill side's KV-body MAC binds the body to it."""
     import hashlib
-    return hashlib.sha256(np.asarray(list(ids), np.int64).tobytes()).hexdigest()[:32]
+    return hashlib.sha256(np.asarray(list(ids), "<i8").tobytes()).hexdigest()
 
 
 def _bucket(n: int) -> int:
@@ -121,6 +122,39 @@ class Layout:
         """What both sides must agree on (compared in the one-time handshake)."""
         return {"window": self.window, "ngram": self.ngram, "leaves": self.shapes,
                 "ratios": {"/".join(p): r for p, r in self.ratio.items()}}
+
+    def check_payload(self, arrays, n: int):
+        """Every array of a received body against this instance's layout for a prompt of ``n`` tokens: known
+        and unique names, none missing, this side's dtype and trailing shape, the right kind and ratio, global
+        entries within ``[0, ceil(n/r))``, ring rows ending at ``n`` and no more than needed. Raises
+        ``ValueError`` (run before anything is installed)."""
+        kinds = {"/".join(p): ("global", r) for p, r in self.ratio.items()}
+        kinds.update({"/".join(p): ("ring", self.need[p]) for p in self.slot_paths})
+        seen = set()
+        for name, a, info in arrays:
+            if name not in kinds:
+                raise ValueError(f"KV payload has an array {name!r} this instance's layout does not have")
+            if name in seen:
+                raise ValueError(f"KV payload has {name!r} twice")
+            seen.add(name)
+            shape, dtype = self.shapes[name]
+            if list(a.shape[1:]) != list(shape) or str(a.dtype) != dtype:
+                raise ValueError(f"KV payload {name}: {a.dtype}{list(a.shape[1:])} per row, this instance "
+                                 f"stores {dtype}{list(shape)}")
+            kind, x = kinds[name]
+            first = info.get("first")
+            if info.get("kind") != kind or type(first) is not int or first < 0:
+                raise ValueError(f"KV payload {name}: kind {info.get('kind')!r} first {first!r}, expected a "
+                                 f"{kind} array")
+            if kind == "global":
+                if info.get("ratio") != x or first + len(a) > math.ceil(n / x):
+                    raise ValueError(f"KV payload {name}: entries [{first}, {first + len(a)}) at ratio "
+                                     f"{info.get('ratio')}, a {n}-token prompt has {math.ceil(n / x)} at ratio {x}")
+            elif first + len(a) != n or len(a) > x:
+                raise ValueError(f"KV payload {name}: positions [{first}, {first + len(a)}), expected at most "
+                                 f"the last {x} of {n}")
+        if seen != set(kinds):
+            raise ValueError(f"KV payload lacks {sorted(set(kinds) - seen)}")
 
     # ------------------------------------------------------------------ sizes
     def global_bytes_per_token(self, state) -> float:
@@ -278,9 +312,12 @@ def unpack(data: bytes):
     arrays = []
     for s in meta.pop("arrays"):
         nb = s["nbytes"]
+        dt = _np_dtype(s["dtype"])
+        if type(nb) is not int or nb != int(np.prod(s["shape"], dtype=np.int64)) * dt.itemsize:
+            raise ValueError(f"KV payload array {s['name']}: {nb!r} bytes for {s['dtype']}{s['shape']}")
         if off + nb > len(data):
             raise ValueError(f"KV payload truncated: {len(data)} bytes, array {s['name']} needs up to {off + nb}")
-        a = np.frombuffer(data, _np_dtype(s["dtype"]), count=int(np.prod(s["shape"], dtype=np.int64)),
+        a = np.frombuffer(data, dt, count=int(np.prod(s["shape"], dtype=np.int64)),
                           offset=off).reshape(s["shape"])
         info = {k: v for k, v in s.items() if k not in ("name", "dtype", "shape", "nbytes")}
         arrays.append((s["name"], a, info))
