@@ -7,7 +7,7 @@ from math import gcd
 
 import jax.numpy as jnp
 
-from dsflash.model import quant
+from dsflash import quant
 
 
 @dataclasses.dataclass(frozen=True)

@@ -345,7 +345,7 @@ def float_params(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> dict:
 
     The model accepts these wherever it reads a stored weight (a missing scale means "use as is");
     ``dsflash.checkpoint`` quantises them back to the official formats on export."""
-    from dsflash.model import quant
+    from dsflash import quant
     specs = spec_map(cfg)
     out = {}
     for name, w in params.items():

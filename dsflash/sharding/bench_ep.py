@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsflash.kernels.moe_gemm import routed_moe
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.sharding.ep_moe import EPSettings, ep_routed_moe
 from dsflash.sharding.mesh import make_mesh, mesh_sizes
 
