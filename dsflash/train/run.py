@@ -46,7 +46,7 @@ def restore_orbax(path: str) -> dict:
 def plot_losses(path: str, log: list[dict]) -> None:
     """loss.png; without matplotlib (``pip install 'dsflash[bench]'``) skipped with a warning, so a finished
     training run never fails at its last step for want of a plotting library."""
-    from dsflash.bench.plots import _pyplot
+    from dsflash.plots import pyplot as _pyplot
     plt = _pyplot()
     if plt is None:
         return
