@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 
 def load(*args, **kwargs):
-    """See :func:`dsflash.model.api.load`."""
-    from dsflash.model.api import load as _load
+    """See :func:`dsflash.api.load`."""
+    from dsflash.api import load as _load
     return _load(*args, **kwargs)
 
 
@@ -28,7 +28,7 @@ def __getattr__(name):
         from dsflash.llm import LLM
         return LLM
     if name == "Model":
-        from dsflash.model.api import Model
+        from dsflash.api import Model
         return Model
     raise AttributeError(f"module 'dsflash' has no attribute {name!r}")
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from triton_interpret_moe import _JtShim  # noqa: E402
 from dsflash.kernels import fp8_linear, fp8_linear_triton as ft  # noqa: E402
-from dsflash.model import quant  # noqa: E402
+from dsflash import quant  # noqa: E402
 
 
 def problem(M, K, N, seed, exact=False):

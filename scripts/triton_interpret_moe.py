@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dsflash.kernels import moe_gemm, moe_gemm_triton as mt  # noqa: E402
-from dsflash.model import quant  # noqa: E402
+from dsflash import quant  # noqa: E402
 
 
 class _Storage:

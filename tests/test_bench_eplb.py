@@ -1,5 +1,5 @@
 """``python -m dsflash.bench eplb --mesh dep=8`` (tiny, CPU): balancedness before/after for real, uniform and
-Zipf-skewed routing, parsed from dsflash.sharding.eplb.bench_main plus the model's own router; JSON out."""
+Zipf-skewed routing (dsflash.bench.eplb.synthetic_rows) plus the model's own router; JSON out."""
 import json
 
 from dsflash.bench import eplb as BE

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from dsflash.model import api  # noqa: E402
+from dsflash import api  # noqa: E402
 
 import dsflash  # noqa: E402
 from dsflash.checkpoint import restore_params, save_params  # noqa: E402

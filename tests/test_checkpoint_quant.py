@@ -1,5 +1,5 @@
 """Dequantisation of the loaded stored formats against an independent decoder written here in plain
-Python bit arithmetic (no ml_dtypes, no dsflash.model.quant):
+Python bit arithmetic (no ml_dtypes, no dsflash.quant):
 
 * E4M3: sign, 4-bit exponent (bias 7), 3-bit mantissa, subnormals at exponent 0, S.1111.111 = NaN.
 * E2M1: codes 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 = sign; two per byte, low nibble first.
@@ -17,7 +17,7 @@ import pytest
 from dsflash.checkpoint import SafetensorsFile, load_checkpoint, read_weight_map
 from dsflash.checkpoint.synth import random_stored_params, write_synthetic_checkpoint
 from dsflash.config import preset
-from dsflash.model import quant
+from dsflash import quant
 
 
 # ----------------------------------------------------------------------------- independent decoder

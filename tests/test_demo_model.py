@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dsflash
-from dsflash.model.api import SHIPPED
+from dsflash.api import SHIPPED
 from dsflash.serve.types import SamplingParams
 from dsflash.train import loop
 

@@ -19,7 +19,7 @@ def model():
     # dsflash.load("tiny") with numpy-initialised weights (init_params takes ~20 s on 2 cores)
     from dsflash.checkpoint.synth import fast_init_params
     from dsflash.config import preset
-    from dsflash.model.api import Model, _synthetic_tokenizer
+    from dsflash.api import Model, _synthetic_tokenizer
     cfg = preset("tiny")
     return Model(cfg, fast_init_params(cfg, 0), _synthetic_tokenizer(cfg), name="tiny")
 

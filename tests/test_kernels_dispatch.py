@@ -99,7 +99,7 @@ def test_auto_is_triton_only_on_a_gpu_with_jax_triton(monkeypatch, gpu):
 
 
 def test_defaults_are_auto():
-    from dsflash.model import api
+    from dsflash import api
     assert inspect.signature(api.load).parameters["backend"].default == "auto"
     for fn in (moe_gemm.routed_moe, sa.sparse_sink_attention, ik.indexer_topk, mf.mhc_fused):
         assert inspect.signature(fn).parameters["backend"].default == "auto", fn
@@ -313,7 +313,7 @@ def test_moe_defaults_and_experimental_configs():
     assert moe_plan.named_config("sw_eo_np") is moe_plan.SW_EO_NP
     with pytest.raises(ValueError, match="unknown MoE config"):
         moe_plan.named_config("sw_eo_np_bm4")
-    code = ("import sys, dsflash, dsflash.model.forward, dsflash.model.api\n"
+    code = ("import sys, dsflash, dsflash.model.forward, dsflash.api\n"
             "from dsflash.kernels import dispatch, moe_plan\n"
             "from dsflash.config import preset\n"
             "dispatch.kernel_summary(preset('v41_flash'), 'auto')\n"

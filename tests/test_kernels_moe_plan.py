@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from dsflash.kernels import moe_gemm, moe_plan
-from dsflash.model import quant
+from dsflash import quant
 
 
 @pytest.mark.parametrize("T,k,E,BM", [(1, 6, 96, 16), (7, 3, 5, 16), (64, 6, 16, 16), (300, 6, 8, 128),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.kernels import moe_gemm
-from dsflash.model import quant
+from dsflash import quant
 
 T, K, E, D = 24, 2, 4, 64          # I == D: W2 is the identity (tests/gpu/test_moe_gemm.py uses other sizes)
 LIMIT = 1000.0

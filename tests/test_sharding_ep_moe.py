@@ -6,7 +6,7 @@ import pytest
 
 from dsflash.config import preset
 from dsflash.kernels.moe_gemm import routed_moe
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.sharding.ep_moe import EPSettings, ep_routed_moe
 from dsflash.sharding.mesh import make_mesh
 

@@ -172,7 +172,7 @@ def test_separate_target_and_draft_state():
 
 # ------------------------------------------------------------------ exactness with replicas and moves
 def _experts(E, d, I, key):
-    from dsflash.model import quant
+    from dsflash import quant
     ks = jax.random.split(key, 3)
     w1, s1 = quant.quantize_mxfp4_weight(jax.random.normal(ks[0], (E, I, d)) / np.sqrt(d))
     w3, s3 = quant.quantize_mxfp4_weight(jax.random.normal(ks[1], (E, I, d)) / np.sqrt(d))

@@ -17,7 +17,7 @@ def child(port, pid):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     from dsflash.kernels.moe_gemm import routed_moe
-    from dsflash.model import quant
+    from dsflash import quant
     from dsflash.sharding.ep_moe import EPSettings, ep_routed_moe
     from dsflash.sharding.mesh import make_mesh
 

@@ -1,16 +1,15 @@
 """``python -m dsflash.bench eplb``: EPLB balancedness before/after a rebalance for real, uniform and skewed
 routing on a chosen mesh.
 
-A thin wrapper over :func:`dsflash.sharding.eplb.bench_main`, which measures *uniform* and *Zipf-skewed*
-synthetic routing for the target model and the DSpark draft (its output is printed unchanged and parsed
-into the JSON). This wrapper adds:
+:func:`synthetic_rows` measures *uniform* and *Zipf-skewed* synthetic routing for the target model and the
+DSpark draft (one row each, printed and written to the JSON). On top of that:
 
 * ``--mesh dep=8`` (any spec: the EP group is the product of the mesh's expert axes under the DEP
   rule table; no devices are needed) instead of ``--ranks``;
 * redundant-expert counts rounded up so physical slots divide over the EP ranks (noted when changed);
 * **real** routing (target model): the preset's model (random weights, ``init_params``) runs one forward
   over random token ids and its own router's top-k ids are recorded per layer (through the
-  ``routed_fn`` hook); the same procedure as ``bench_main`` follows: ``--steps`` steps of ``--tokens``
+  ``routed_fn`` hook); the same procedure as :func:`synthetic_rows` follows: ``--steps`` steps of ``--tokens``
   tokens fill the window, the policy rebalances, and a fresh forward (other token ids, same count as the
   whole window) is routed through the new tables to measure balancedness after. Needs a model that fits
   on the machine (not ``v41_flash``: then real routing is skipped with a note);
@@ -21,23 +20,15 @@ Balancedness = Σ_layers mean rank load / Σ_layers max rank load (1.0 = perfect
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
-import io
 import json
 import os
-import re
 import sys
 import time
 
 import numpy as np
 
 from dsflash.bench.kernels import _commit
-
-_LINE = re.compile(r"^(?P<model>\S+)\s+E=(?P<E>\d+) P=(?P<P>\d+) ranks=(?P<ranks>\d+) (?P<kind>\S+)\s+balancedness "
-                   r"before (?P<before>[\d.]+) after (?P<after>[\d.]+) \(predicted (?P<pred>[\d.]+), "
-                   r"(?P<copies>\d+) expert copies\)")
-
 
 def ep_ranks(spec: str) -> int:
     """EP group size of a mesh spec under the DEP rule table (dep x ep x tp)."""
@@ -52,16 +43,51 @@ def round_up_redundant(E: int, R: int, ranks: int) -> int:
     return R + (-(E + R)) % ranks
 
 
-def parse_bench_main(text: str) -> list[dict]:
+def synthetic_rows(cfg, ranks: int, redundant: int, draft_redundant: int, tokens: int, steps: int,
+                   zipf: float = 1.2) -> list[dict]:
+    """Balancedness before / after one rebalance for uniform and Zipf-skewed synthetic routing, target model
+    then DSpark draft: ``steps`` steps of ``tokens`` tokens fill the window, the policy rebalances, and a fresh
+    draw (as many tokens as the whole window) is routed through the new tables. One row per (model, routing)."""
+    import jax.numpy as jnp
+
+    from dsflash.sharding.eplb import (EplbConfig, EplbState, balancedness, route, sample_topk,
+                                       zipf_popularity)
+
+    rng = np.random.default_rng(0)
     rows = []
-    for line in text.splitlines():
-        m = _LINE.match(line.strip())
-        if m:
-            g = m.groupdict()
-            rows.append({"model": g["model"], "kind": g["kind"], "E": int(g["E"]), "P": int(g["P"]),
-                         "ranks": int(g["ranks"]), "before": float(g["before"]), "after": float(g["after"]),
-                         "predicted_after": float(g["pred"]), "expert_copies": int(g["copies"])})
+    for draft, R in ((False, redundant), (True, draft_redundant)):
+        L = cfg.n_stages if draft else cfg.num_hidden_layers
+        E = cfg.dspark_n_routed_experts if draft else cfg.n_routed_experts
+        k = cfg.dspark_num_experts_per_tok if draft else cfg.num_experts_per_tok
+        for kind in ("uniform", "skewed"):
+            pop = (np.full((L, E), 1.0 / E) if kind == "uniform" else zipf_popularity(L, E, zipf))
+            st = EplbState(L, E, ranks, EplbConfig(window_size=steps, step_interval=steps,
+                                                    num_redundant_experts=R), "draft" if draft else "target", draft)
+            for _ in range(steps):
+                load = np.zeros((L, st.P), np.int64)
+                for l in range(L):
+                    ids = sample_topk(pop[l], tokens, k, rng)
+                    _, ld = route(jnp.asarray(ids), st.tables.log2phy[l], st.tables.logcnt[l], num_physical=st.P)
+                    load[l] = np.asarray(ld)
+                st.record(load)
+            plan = st.rebalance()
+            st.commit(plan)
+            load = np.zeros((L, st.P), np.int64)
+            for l in range(L):
+                ids = sample_topk(pop[l], tokens * steps, k, rng)
+                _, ld = route(jnp.asarray(ids), st.tables.log2phy[l], st.tables.logcnt[l], num_physical=st.P)
+                load[l] = np.asarray(ld)
+            rows.append({"model": st.name, "kind": kind, "E": E, "P": st.P, "ranks": ranks,
+                         "before": float(plan.balancedness_before), "after": float(balancedness(load, ranks)),
+                         "predicted_after": float(plan.balancedness_after), "expert_copies": int(plan.num_copies)})
     return rows
+
+
+def format_row(r: dict) -> str:
+    """One row as the bench prints it."""
+    return (f"{r['model']:6s} E={r['E']} P={r['P']} ranks={r['ranks']} {r['kind']:8s} balancedness before "
+            f"{r['before']:.4f} after {r['after']:.4f} (predicted {r['predicted_after']:.4f}, "
+            f"{r['expert_copies']} expert copies)")
 
 
 def real_routing_ids(cfg, num_tokens: int, seed: int, seq: int = 256):
@@ -101,7 +127,7 @@ def real_routing_ids(cfg, num_tokens: int, seed: int, seq: int = 256):
 
 
 def real_eplb(cfg, ranks: int, redundant: int, tokens: int, steps: int, seed: int = 0) -> dict:
-    """bench_main's procedure with the model's own routing: fill the window, rebalance, measure after."""
+    """:func:`synthetic_rows`' procedure with the model's own routing: fill the window, rebalance, measure after."""
     import jax.numpy as jnp
 
     from dsflash.sharding.eplb import EplbConfig, EplbState, balancedness, route
@@ -145,7 +171,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from dsflash.config import preset
-    from dsflash.sharding.eplb import bench_main
 
     if args.ranks and args.mesh:
         print("give --mesh or --ranks, not both", file=sys.stderr)
@@ -171,16 +196,9 @@ def main(argv=None):
     print(f"bench eplb: preset {args.preset}, {ranks} EP ranks ({mesh or 'given'}), {args.steps} steps x "
           f"{args.tokens} tokens, Zipf {args.zipf}")
     t0 = time.time()
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        bench_main(["--preset", args.preset, "--ranks", str(ranks), "--redundant", str(R), "--draft-redundant",
-                    str(Rd), "--tokens", str(args.tokens), "--steps", str(args.steps), "--zipf", str(args.zipf)])
-    text = buf.getvalue()
-    print(text, end="")
-    rows = parse_bench_main(text)
-    if len(rows) < 2:
-        print("bench eplb: could not parse dsflash.sharding.eplb.bench_main output", file=sys.stderr)
-        return 1
+    rows = synthetic_rows(cfg, ranks, R, Rd, args.tokens, args.steps, args.zipf)
+    for r in rows:
+        print(format_row(r))
     if args.no_real:
         pass
     elif args.preset == "v41_flash":
@@ -189,9 +207,7 @@ def main(argv=None):
     else:
         r = real_eplb(cfg, ranks, R, args.tokens, args.steps)
         rows.append(r)
-        print(f"{r['model']:6s} E={r['E']} P={r['P']} ranks={ranks} {'real':8s} balancedness before "
-              f"{r['before']:.4f} after {r['after']:.4f} (predicted {r['predicted_after']:.4f}, "
-              f"{r['expert_copies']} expert copies)")
+        print(format_row(r))
     print()
     print(f"{'model':7} {'routing':8} {'E':>4} {'P':>4} {'ranks':>5} {'before':>7} {'after':>7}")
     for r in rows:
@@ -209,7 +225,7 @@ def main(argv=None):
                       device=dev.device_kind, mesh=mesh, ep_ranks=ranks, preset=args.preset,
                       config_hash=cfg.hash(), redundant=R, draft_redundant=Rd, tokens=args.tokens,
                       steps=args.steps, zipf=args.zipf, notes=notes, rows=rows, wall_s=round(time.time() - t0, 2),
-                      method="bench_main (uniform, Zipf-skewed) + the model's own router on random token ids "
+                      method="synthetic_rows (uniform, Zipf-skewed) + the model's own router on random token ids "
                              "(real); balancedness = sum_l mean rank load / sum_l max rank load",
                       command="python -m dsflash.bench eplb " + " ".join(sys.argv[1:] if argv is None else argv))
         with open(path, "w") as f:

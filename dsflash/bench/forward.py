@@ -781,7 +781,7 @@ def table(result) -> str:
 
 def plot(result, path):
     """Decode step time vs batch per context, prefill step time vs context per N, and the breakdown."""
-    from dsflash.bench.plots import _pyplot
+    from dsflash.plots import pyplot as _pyplot
     plt = _pyplot()
     if plt is None:
         return None
@@ -831,7 +831,7 @@ def plot(result, path):
 
 def plot_ops(result, path):
     """Per point, a horizontal bar per op: measured time (--profile) next to its own floor (log scale)."""
-    from dsflash.bench.plots import _pyplot
+    from dsflash.plots import pyplot as _pyplot
     from dsflash.bench.step_floor import op_table
     plt = _pyplot()
     if plt is None:

@@ -523,7 +523,7 @@ def bench_fp8_linear(args, ceilings, log, rows, save=lambda: None):
     import jax.numpy as jnp
 
     from dsflash.kernels import fp8_linear as fl, fp8_linear_triton as ft
-    from dsflash.model import quant
+    from dsflash import quant
 
     shapes = list(FP8_LINEAR_SHAPES) if args.fp8linear_shapes == "all" else args.fp8linear_shapes.split(",")
     for name in shapes:

@@ -2,21 +2,10 @@
 without it a plot is skipped with a warning and the JSON results are still written."""
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Optional
 
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        warnings.warn("matplotlib is not installed (pip install 'dsflash[bench]'); skipping the plot",
-                      RuntimeWarning, stacklevel=3)
-        return None
+from dsflash.plots import pyplot as _pyplot
 
 
 def plot_serve_sweep(result: dict, path: str | Path) -> Optional[Path]:

@@ -21,6 +21,7 @@ from dsflash.checkpoint.names import OfficialTensor, is_stacked, is_vision, offi
 from dsflash.checkpoint.safetensors_io import SafetensorsError, SafetensorsFile
 from dsflash.config import ModelConfig
 from dsflash.model.params import ParamSpec, param_specs
+from dsflash.progress import progress_bar as _progress_bar
 
 log = logging.getLogger("dsflash.checkpoint")
 
@@ -219,28 +220,6 @@ def load_checkpoint(folder: str | os.PathLike, cfg: ModelConfig | None = None, *
     if skip:
         log.info("host_tables='skip': not loading %s", ", ".join(sorted(skip)))
     return cfg, {s: params[s] for s in specs if s in params}
-
-
-class _NoBar:
-    def __init__(self, *a, **k):
-        pass
-
-    def update(self, n):
-        pass
-
-    def set_postfix_str(self, *a, **k):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress_bar(*args, disable=False, **kw):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is a dependency, but a bare environment should still load
-        return _NoBar()
-    return tqdm(*args, disable=disable, **kw)
 
 
 def expert_slots_from_phy2log(phy2log=None, draft_phy2log=None) -> dict[str, list[int]]:

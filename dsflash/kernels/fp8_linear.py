@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.kernels import dispatch
-from dsflash.model import quant
+from dsflash import quant
 
 # Row counts M (= prod of x's leading dims; inclusive (lo, hi) ranges, hi None = no bound) where backend="triton"
 # runs the kernel without ``force``. Empty until a GPU run measures the kernel faster than XLA at some M.

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels.moe_gemm_triton import _dot_bf16, _e8m0_to_f32, _round_bf16, _round_e4m3
-from dsflash.model import quant
+from dsflash import quant
 
 
 # ------------------------------------------------------------------------------------------ kernels

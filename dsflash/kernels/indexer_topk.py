@@ -26,20 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.kernels import dispatch
-
-
-def _check(q, w, k, visible, valid, cand):
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, S, Hi, Di], got {q.shape}")
-    B, S, Hi, Di = q.shape
-    if w.shape != (B, S, Hi):
-        raise ValueError(f"w must be [B={B}, S={S}, Hi={Hi}], got {w.shape}")
-    if k.ndim != 3 or k.shape[0] != B or k.shape[2] != Di:
-        raise ValueError(f"k must be [B={B}, T, Di={Di}], got {k.shape}")
-    if visible.shape != (B, S) or valid.shape != (B, S):
-        raise ValueError(f"visible and valid must be [B={B}, S={S}], got {visible.shape}, {valid.shape}")
-    if cand is not None and cand.shape != (B, S, k.shape[1]):
-        raise ValueError(f"cand must be [B={B}, S={S}, T={k.shape[1]}], got {cand.shape}")
+from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
 
 
 def indexer_scores_reference(q, w, k, visible, valid, cand=None):

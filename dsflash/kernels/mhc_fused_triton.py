@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.kernels.mhc_fused import check_plan, check_shapes, kernel_plan, num_warps
+from dsflash.kernels.mhc_fused_plan import check_plan, check_shapes, kernel_plan, num_warps
 
 # DOT modes of kernel A's logit MMA
 DOT_IEEE, DOT_TF32X3, DOT_BF16_SPLIT, DOT_SPLIT_EMULATED = 0, 1, 2, 3

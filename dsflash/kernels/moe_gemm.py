@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.kernels import dispatch
-from dsflash.model import quant
+from dsflash import quant
 
 
 def _compute_dtype(precision):

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, fit_config, num_tiles, pick_config,  # noqa: F401
                                       prepare, split_ks, tile_schedule)
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dsflash.config import ModelConfig
 from dsflash.kernels import indexer_topk as ik
 from dsflash.kernels.sparse_attention import sparse_sink_attention
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.model import state as st
 from dsflash.model.layers import act_dtype, apply_rope, linear_bf16, linear_f32, linear_fp8, rms_norm, rope_freqs
 

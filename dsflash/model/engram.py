@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsflash.config import ModelConfig, engram_primes
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.model.layers import act_dtype, linear_fp8
 
 MASK16 = 0xFFFF

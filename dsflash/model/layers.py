@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsflash.config import ModelConfig
-from dsflash.model import quant
+from dsflash import quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

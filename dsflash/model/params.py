@@ -223,7 +223,7 @@ def init_params_placed(cfg: ModelConfig, seed: int = 0, shardings: dict | None =
     ``on_device`` (benchmarks at real size, where drawing ~300 GB with numpy takes minutes): each device tensor is
     generated in place by ``jax.random`` instead -- same kinds, formats, scales and placement, other values -- and
     host tables repeat one random block of 64K rows (the gathers still touch distinct addresses)."""
-    from dsflash.checkpoint.loader import _progress_bar
+    from dsflash.progress import progress_bar as _progress_bar
     specs = [s for s in param_specs(cfg) if s.fmt != "scale"]
     bar = _progress_bar(total=len(specs), desc="init params", disable=not progress, dynamic_ncols=True)
     key = jax.random.PRNGKey(seed)
@@ -345,7 +345,7 @@ def float_params(cfg: ModelConfig, params: dict, dtype=jnp.float32) -> dict:
 
     The model accepts these wherever it reads a stored weight (a missing scale means "use as is");
     ``dsflash.checkpoint`` quantises them back to the official formats on export."""
-    from dsflash.model import quant
+    from dsflash import quant
     specs = spec_map(cfg)
     out = {}
     for name, w in params.items():

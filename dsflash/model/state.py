@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
 from dsflash.kernels import dispatch
-from dsflash.model import quant
+from dsflash import quant
 
 PRECISIONS = ("reference", "bf16", "fp32")
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsflash.config import ModelConfig
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.model.params import DERIVED, param_specs
 from dsflash.train.data import copy_tokenizer
 

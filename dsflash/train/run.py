@@ -46,7 +46,7 @@ def restore_orbax(path: str) -> dict:
 def plot_losses(path: str, log: list[dict]) -> None:
     """loss.png; without matplotlib (``pip install 'dsflash[bench]'``) skipped with a warning, so a finished
     training run never fails at its last step for want of a plotting library."""
-    from dsflash.bench.plots import _pyplot
+    from dsflash.plots import pyplot as _pyplot
     plt = _pyplot()
     if plt is None:
         return
@@ -82,14 +82,14 @@ def _over_budget(t_start: float, limit_s: float) -> bool:
 
 def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
     """A trained checkpoint as served (``model``: the loaded checkpoint) and its training record (``meta``)."""
-    import dsflash
+    from dsflash.api import load
     path = os.path.join(folder, "training.json")
     if not os.path.exists(path):
         raise ValueError(f"target_from: {folder} has no training.json (not a dsflash.train checkpoint)")
     meta = json.load(open(path))
     if docs is None and meta.get("config") not in CONFIGS:
         raise ValueError(f"target_from: unknown config {meta.get('config')!r} in {path}")
-    m = dsflash.load(folder, progress=False)
+    m = load(folder, progress=False)
     if m.cfg.vocab_size != vocab_size or meta["seq_len"] != seq_len:
         raise ValueError(f"target_from: {folder} has vocab_size {m.cfg.vocab_size} / seq_len {meta['seq_len']}, "
                          f"asked for {vocab_size} / {seq_len}")
@@ -405,8 +405,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         keep = served
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
     np.save(os.path.join(ck, "heldout_rows.npy"), ppl_rows.astype(np.int16))   # what the recorded perplexity used
-    import dsflash
-    m = dsflash.load(ck, progress=False)
+    from dsflash.api import load
+    m = load(ck, progress=False)
     loaded_ppl = loop.perplexity(m.params, cfg, ppl_rows, batch_size, "reference")
     _, hits = draft_eval({k: v for k, v in m.params.items() if k.startswith("mtp.")}) if draft_steps else (0, [])
     size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck))

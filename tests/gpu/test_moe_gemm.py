@@ -14,7 +14,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from dsflash.kernels import moe_gemm, moe_plan  # noqa: E402
-from dsflash.model import quant  # noqa: E402
+from dsflash import quant  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 LIMIT = 10.0

@@ -11,7 +11,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from dsflash.model import quant  # noqa: E402
+from dsflash import quant  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

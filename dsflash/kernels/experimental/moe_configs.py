@@ -2,7 +2,7 @@
 ``moe_plan.pick_config``'s defaults), kept runnable for the bench (``--decode-configs`` / ``--prefill-configs``), the
 GPU tests and the sm_90 compile tool. Look names up with ``moe_plan.named_config(name)``; README.md beside this
 file says which benchmark JSON judged each group. Nothing on the default path imports this module."""
-from dsflash.kernels.moe_plan import MoeConfig
+from dsflash.kernels.moe_config import MoeConfig
 
 FP8MMA_DECODE = MoeConfig()
 FP8MMA_PREFILL = MoeConfig(BM=128, BN_UP=64, BN_DOWN=128, KSUB=2, warps_up=8, warps_down=8, stages=3)

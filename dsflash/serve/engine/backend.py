@@ -26,16 +26,16 @@ import jax.numpy as jnp
 
 
 def load_model(name_or_path, **load_opts):
-    """A preset name or checkpoint folder through ``dsflash.load`` (``dsflash.model.api.load``: serve/ imports
+    """A preset name or checkpoint folder through ``dsflash.load`` (``dsflash.api.load``: serve/ imports
     the floor below it, not the package face)."""
-    from dsflash.model.api import load
+    from dsflash.api import load
     return load(name_or_path, **load_opts)
 
 
 def make_backend(model, c):
     """The engine's view of ``model``, with the run options the ``EngineConfig`` ``c`` resolves against the
     model's own. A prebuilt backend cannot change its options: an explicit, different setting is an error."""
-    from dsflash.model.api import Model
+    from dsflash.api import Model
     if not isinstance(model, (str, Model)) and all(hasattr(model, a) for a in ("propose", "init_state",
                                                                                 "forward")):
         have = model.run_options() if hasattr(model, "run_options") else {}

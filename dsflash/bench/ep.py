@@ -1,6 +1,6 @@
 """Time the expert-parallel MoE per collective and mode (the measurement behind ``EPSettings.collective``).
 
-    python -m dsflash.sharding.bench_ep --mesh dep=2 --experts 48 --tokens 64,512,4096
+    python -m dsflash.bench.ep --mesh dep=2 --experts 48 --tokens 64,512,4096
 
 Per token count per rank, prints the median step time of ``ep_routed_moe`` for allgather / all_to_all
 x prefill / decode, plus the single-device ``routed_moe`` on one rank's tokens with all experts local
@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsflash.kernels.moe_gemm import routed_moe
-from dsflash.model import quant
+from dsflash import quant
 from dsflash.sharding.ep_moe import EPSettings, ep_routed_moe
 from dsflash.sharding.mesh import make_mesh, mesh_sizes
 

@@ -1,0 +1,37 @@
+"""The MoE grouped-GEMM kernel config type, shared by ``moe_plan`` (the defaults, ``named_config``) and
+``experimental/moe_configs.py`` (the variants), so that neither imports the other at import time."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    BM: int = 16          # token rows per tile (never crosses an expert)
+    BN_UP: int = 64       # columns of I per program in the gate/up kernel (multiple of 32)
+    BN_DOWN: int = 64     # columns of d per program in the down kernel
+    KSUB: int = 4         # 32-wide K blocks per loop iteration
+    warps_up: int = 4
+    warps_down: int = 4
+    stages: int = 4
+    decode: str = "asm"   # "asm" | "tl" (kind "fp8mma" only)
+    kind: str = "fp8mma"  # "fp8mma": E2M1 -> E4M3 bytes, FP8 MMA per 32-wide K block, fp32 rescale per block
+                          # "ds": tl.dot_scaled (Hopper: upcast to bf16 with scales, bf16 MMA over BK)
+    BK: int = 128         # K chunk of the "ds" kernels (multiple of 32 dividing d and I)
+    act: str = "fp8"      # "ds" + reference precision: "fp8" = E4M3 codes + UE8M0 scales into dot_scaled;
+                          # "bf16rt" = bf16 carriers of the same round-tripped values (exact), bf16 lhs
+    # kind "sk" (split-K decode kernels, moe_gemm_triton._moe_*_kernel_sk):
+    mma: str = "bf16"     # "bf16": BK-wide weight slab (16-byte loads) decoded to bf16 with its scales applied
+                          # (exact), next slab prefetched into registers, one bf16 MMA per slab, bf16 carriers of
+                          # the FP8 round trips; "fp8": the fp8mma per-32 block loop (KSUB blocks per step);
+                          # "gemv": BM=1 tiles on the CUDA cores (slab + prefetch as "bf16", no MMA)
+                          # "swap": as "bf16" with the weights as the MMA's left operand (acc^T = W . x^T; Hopper
+                          # wgmma reads it from registers); "swap_eo": "swap" without the nibble interleave (even
+                          # and odd K elements as two planes, two MMAs per slab); "swap_bd": "swap_eo" with the
+                          # planes built as bf16 bits directly (inline PTX, bf16x2 scale multiplies, no fp32);
+                          # "swap_ps": swapped, raw codes in fp16 MMAs per 32-wide K group, scales applied to
+                          # the fp32 partials (FP8 activations only; h as FP8 codes + scales)
+    prefetch: bool = True # mma "swap" / "swap_eo": next slab loaded into registers by hand (else Triton's pipeliner)
+    KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
+    KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
+    min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)
