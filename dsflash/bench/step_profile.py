@@ -221,23 +221,4 @@ def idle_gaps(kernels, calls: int, top: int = 12) -> dict:
     big = sorted(gaps, reverse=True)[:top]
     return {"between_kernels_ms": total, "count_per_step": len(gaps) / calls,
             "largest_us": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in big]}
-
-
-def format_ops(prof: dict, floors: dict | None = None) -> str:
-    """A short table: op, ms per step, share of the busy time, kernels per step[, own floor ms]."""
-    floors = floors or {}
-    lines = [f"{'op':<34}{'ms':>9}{'share':>8}{'kern':>7}" + (f"{'floor ms':>10}" if floors else "")]
-    busy = max(prof["busy_ms"], 1e-9)
-    for s, v in prof["ops"].items():
-        f = floors.get(s)
-        lines.append(f"{s[:34]:<34}{v['ms_per_step']:>9.3f}{v['ms_per_step'] / busy:>8.1%}"
-                     f"{v['kernels_per_step']:>7.0f}" + (f"{f:>10.3f}" if f is not None else ("" if not floors else
-                                                                                                f"{'':>10}")))
-    lines.append(f"{'kernel-busy':<34}{prof['busy_ms']:>9.3f}")
-    lines.append(f"{'wall (traced calls)':<34}{prof['wall_ms']:>9.3f}   idle {prof['idle_ms']:.3f} ms, "
-                 f"{prof['kernels_per_step']:.0f} kernels/step")
-    if prof.get("gaps"):
-        g = prof["gaps"]
-        lines.append(f"{'gaps between kernels':<34}{g['between_kernels_ms']:>9.3f}   ({g['count_per_step']:.0f} per step)")
-    return "\n".join(lines)
 # the printed per-op table with floors: dsflash.bench.step_floor.op_table / format_table
