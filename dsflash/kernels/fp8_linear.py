@@ -31,6 +31,9 @@ from dsflash import quant
 # Row counts M (= prod of x's leading dims; inclusive (lo, hi) ranges, hi None = no bound) where backend="triton"
 # runs the kernel without ``force``. Empty until a GPU run measures the kernel faster than XLA at some M.
 TRITON_ROWS: tuple = ()
+# Weights smaller than this (N K elements) stay on XLA even inside TRITON_ROWS (``layers.linear_fp8`` passes the
+# shape): run 20's loop timings had the kernel ahead only on the 33-42 M-element weights (wq_b, wo_b, wo_a).
+MIN_WEIGHT_ELEMENTS = 0
 PRECISIONS = ("reference", "bf16")      # what the kernel implements
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -72,15 +75,19 @@ def rows_of(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def use_triton(backend, rows: int, precision: str, *, force: bool = False, scale=True) -> bool:
+def use_triton(backend, rows: int, precision: str, *, force: bool = False, scale=True, weight_shape=None) -> bool:
     """The one decision: ``dispatch.resolve_backend`` / ``dispatch.on_gpu`` as every kernel front-end, then this
-    module's own gate (``TRITON_ROWS``; not in ``dispatch.GATES`` until measured). Float master weights
-    (``scale`` None) always take the reference."""
+    module's own gate (``TRITON_ROWS``, and ``MIN_WEIGHT_ELEMENTS`` when the weight's shape is given; not in
+    ``dispatch.GATES`` until measured). Float master weights (``scale`` None) always take the reference."""
     if scale is None or dispatch.resolve_backend(backend) != "triton" or not dispatch.on_gpu():
         return False
     if precision not in PRECISIONS:
         return backend == "triton"          # explicit: the kernel raises its own error
-    return force or GATE.replace(triton=TRITON_ROWS).covers(rows)
+    if force:
+        return True
+    if weight_shape is not None and math.prod(weight_shape) < MIN_WEIGHT_ELEMENTS:
+        return False
+    return GATE.replace(triton=TRITON_ROWS).covers(rows)
 
 
 def fp8_linear(x, w, scale, *, precision="reference", backend="auto", act_quant=True, force=False, config=None):

@@ -93,16 +93,16 @@ def window_rows(ctx: Ctx, W, R):
 
 
 def project_q(params, p, x, cfg, ctx, omega):
-    qr = rms_norm(linear_fp8(x, params, f"{p}.wq_a", ctx.precision), params[f"{p}.q_norm.weight"],
+    qr = rms_norm(linear_fp8(x, params, f"{p}.wq_a", ctx.precision, backend=ctx.backend), params[f"{p}.q_norm.weight"],
                   cfg.rms_norm_eps, ctx.precision)
-    q = linear_fp8(qr, params, f"{p}.wq_b", ctx.precision)
+    q = linear_fp8(qr, params, f"{p}.wq_b", ctx.precision, backend=ctx.backend)
     q = q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(q, ctx.pos[..., None], omega)
     return qr, q
 
 
 def project_window_kv(params, p, x, cfg, ctx, omega):
-    kv = rms_norm(linear_fp8(x, params, f"{p}.wkv", ctx.precision), params[f"{p}.kv_norm.weight"],
+    kv = rms_norm(linear_fp8(x, params, f"{p}.wkv", ctx.precision, backend=ctx.backend), params[f"{p}.kv_norm.weight"],
                   cfg.rms_norm_eps, ctx.precision)
     kv = apply_rope(kv, ctx.pos, omega)
     return st.decode_window(st.encode_window(kv, ctx.precision), act_dtype(ctx.precision))
@@ -117,7 +117,7 @@ def output_projection(params, p, o, cfg, ctx, omega):
     wo_a = quant.dequant_fp8_weight(params[f"{p}.wo_a.weight"], params.get(f"{p}.wo_a.scale"), dt)
     wo_a = wo_a.reshape(G, cfg.o_lora_rank, -1)
     h = jnp.einsum("bsgk,gok->bsgo", o.astype(dt), wo_a, preferred_element_type=jnp.float32).astype(dt)
-    return linear_fp8(h.reshape(*h.shape[:2], -1), params, f"{p}.wo_b", ctx.precision)
+    return linear_fp8(h.reshape(*h.shape[:2], -1), params, f"{p}.wo_b", ctx.precision, backend=ctx.backend)
 
 
 def compress(params, p, x, cfg, ctx, ratio, comp_ring):

@@ -40,10 +40,19 @@ def _dot(x, w_t, precision):
     return jnp.einsum("...k,kn->...n", x, w_t, preferred_element_type=jnp.float32, precision=HIGHEST)
 
 
-def linear_fp8(x, params, name, precision, act_quant=True):
-    """An FP8-stored linear (``{name}.weight`` E4M3 [out, in] + ``{name}.scale`` UE8M0 32x32 blocks)."""
+def linear_fp8(x, params, name, precision, act_quant=True, backend="xla"):
+    """An FP8-stored linear (``{name}.weight`` E4M3 [out, in] + ``{name}.scale`` UE8M0 32x32 blocks).
+
+    ``backend`` other than "xla": the Triton FP8-weight kernel where ``kernels.fp8_linear.use_triton`` says it wins
+    (row count and weight size gate; same products, fp32 accumulation, its own summation order)."""
     dt = act_dtype(precision)
     scale = params.get(f"{name}.scale")          # absent: float master weights (training)
+    if backend != "xla" and scale is not None:
+        from dsflash.kernels import fp8_linear
+        w = params[f"{name}.weight"]
+        if fp8_linear.use_triton(backend, fp8_linear.rows_of(x), precision, scale=scale, weight_shape=w.shape):
+            return fp8_linear.fp8_linear(x, w, scale, precision=precision, backend=backend, act_quant=act_quant,
+                                         force=True)
     if precision == "reference":
         # dequantised weights (E4M3 x 2^k) and round-tripped activations are exact in bf16: keep them bf16 where
         # the tensor cores take them (the same products), widen to fp32 elsewhere

@@ -20,12 +20,12 @@ def route(x, gate_w, bias, topk: int, cfg: ModelConfig):
     return idx.astype(jnp.int32), w * cfg.routed_scaling_factor
 
 
-def shared_expert(x, params, prefix, cfg: ModelConfig, precision):
+def shared_expert(x, params, prefix, cfg: ModelConfig, precision, backend="xla"):
     L = cfg.swiglu_limit
-    g = linear_fp8(x, params, f"{prefix}.w1", precision).astype(jnp.float32)
-    u = linear_fp8(x, params, f"{prefix}.w3", precision).astype(jnp.float32)
+    g = linear_fp8(x, params, f"{prefix}.w1", precision, backend=backend).astype(jnp.float32)
+    u = linear_fp8(x, params, f"{prefix}.w3", precision, backend=backend).astype(jnp.float32)
     h = (jax.nn.silu(jnp.minimum(g, L)) * jnp.clip(u, -L, L)).astype(act_dtype(precision))
-    return linear_fp8(h, params, f"{prefix}.w2", precision)
+    return linear_fp8(h, params, f"{prefix}.w2", precision, backend=backend)
 
 
 def expert_load(idx, valid, n_experts):
@@ -57,7 +57,7 @@ def moe(x, params, prefix, cfg: ModelConfig, precision, backend="auto", draft=Fa
                 limit=cfg.swiglu_limit, precision=precision, backend=backend, layer=prefix.rsplit(".", 1)[0], **extra)
     if hook_load:
         routed, load = routed
-    shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision)
+    shared = shared_expert(xt, params, f"{prefix}.shared_experts", cfg, precision, backend=backend)
     y = routed + shared.astype(jnp.float32)
     if not hook_load:
         load = expert_load(idx, None if valid is None else valid.reshape(-1), params[f"{prefix}.gate.bias"].shape[0])
