@@ -8,7 +8,7 @@ in this run). One call, a short table last; everything in $OUT/step_profile.json
 Variants: ``new`` = the code as it is; ``old`` = the dense linears / head / gate / compressor with fp32-widened
 operands (``layers.tensor_cores`` forced False: the pre-change path, for the A/B in the same run); ``fp8lin`` = the
 dense FP8 linears through the Triton FP8-weight kernel at every row count and weight size; ``fp8big`` = only the
-weights of >= 16 M elements (wq_b, wo_b) at <= 384 rows.
+weights of >= 16 M elements (wq_b, wo_b) at <= 384 rows; ``fp8off`` = none of them (XLA's dequantised copy).
 """
 from __future__ import annotations
 
@@ -69,14 +69,16 @@ def main():
     pts = [("decode", n, c) for n, c in parse_points(a.decode)] + [("prefill", n, c) for n, c in parse_points(a.prefill)]
     summary = []
     real_tc = layers.tensor_cores
-    from dsflash.kernels import fp8_linear
-    fp8_gates = {"fp8lin": (((1, None),), 0), "fp8big": (((1, 384),), 16 << 20)}
-    real_fp8 = (fp8_linear.TRITON_ROWS, fp8_linear.MIN_WEIGHT_ELEMENTS)
+    from dsflash.kernels import dispatch, fp8_linear
+    real_fp8 = (dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS)
+    fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
+                 "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
+                 "fp8off": (real_fp8[0].replace(triton=()), 0)}
     for phase, n, C in pts:
         S, rows = (a.draft_rows, n) if phase == "decode" else (n, 1)
         for var in a.variants.split(","):
             layers.tensor_cores = (lambda: False) if var == "old" else real_tc
-            fp8_linear.TRITON_ROWS, fp8_linear.MIN_WEIGHT_ELEMENTS = fp8_gates.get(var, real_fp8)
+            dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = fp8_gates.get(var, real_fp8)
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():
@@ -137,7 +139,7 @@ def main():
             with open(os.path.join(a.out, "step_profile.json"), "w") as f:
                 json.dump(res, f, indent=1, default=str)
     layers.tensor_cores = real_tc
-    fp8_linear.TRITON_ROWS, fp8_linear.MIN_WEIGHT_ELEMENTS = real_fp8
+    dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = real_fp8
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"

@@ -33,7 +33,7 @@ def gpu(monkeypatch):
 @pytest.fixture
 def fakes(monkeypatch):
     """Fake Triton modules: each records its calls (sizes) and returns the reference's result."""
-    calls = {"moe": [], "sparse_attention": [], "indexer": [], "mhc": []}
+    calls = {k: [] for k in dispatch.KERNELS}
 
     def install(name, **fns):
         mod = types.ModuleType(f"dsflash.kernels.{name}")
@@ -58,6 +58,12 @@ def fakes(monkeypatch):
         calls["mhc"].append(X.shape[0])
         return mf.mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)
 
+    def fp8(x, w, s, *, precision="reference", act_quant=True):
+        from dsflash.model import layers
+        calls["fp8_linear"].append(x.size // x.shape[-1])
+        return layers.linear_fp8(x, {"w.weight": w, "w.scale": s}, "w", precision, act_quant)   # the XLA path
+
+    install("fp8_linear_triton", fp8_linear_triton=fp8)
     install("moe_gemm_triton", routed_moe_triton=moe)
     install("sparse_attention_triton", sparse_sink_attention_triton=attn)
     install("indexer_topk_triton", indexer_scores_triton=scores)
@@ -161,6 +167,7 @@ def test_kernel_summary(gpu):
     assert s["mhc"] == {"decode": "triton", "prefill": "triton"}
     assert s["indexer"] == {"decode": "triton", "prefill": "triton"}               # 6 rows x 8192 entries
     assert s["moe"] == {"decode": "triton:sw_eo_np_bm8", "prefill": "triton:sw_eo_prefill_w8"}
+    assert s["fp8_linear"] == {"decode": "triton", "prefill": "xla"}                # 6 rows / 2048 rows
     assert dispatch.kernel_summary(cfg, "auto", decode_tokens=1, context=8192)["indexer"]["decode"] == "xla"
     assert dispatch.kernel_summary(cfg, "auto", precision="fp32")["moe"] == {"decode": "xla", "prefill": "xla"}
     assert "no-fp32" in dispatch.kernel_summary(cfg, "triton", precision="fp32")["moe"]["decode"]
@@ -275,7 +282,7 @@ def test_model_reaches_every_kernel_through_dispatch(tiny, tokens, xla_logits, g
         jax.clear_caches()
     assert all(fakes[k] for k in dispatch.KERNELS), {k: len(v) for k, v in fakes.items()}
     assert set(fakes["mhc"]) == {32} and set(fakes["moe"]) == {32 * tiny.cfg.num_experts_per_tok}
-    assert set(fakes["sparse_attention"]) == {32}
+    assert set(fakes["sparse_attention"]) == {32} and set(fakes["fp8_linear"]) == {32}
     np.testing.assert_array_equal(got, xla_logits)
 
 

@@ -74,14 +74,43 @@ def test_gate_when_pretending_to_be_on_a_gpu(monkeypatch):
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(dispatch, "resolve_backend", lambda b, what="backend": "xla" if b == "xla" else "triton")
     ut = fp8_linear.use_triton
-    assert fp8_linear.TRITON_ROWS == ()                        # opt-in: nowhere by default
-    assert not ut("triton", 6, "reference") and not ut("auto", 6, "reference")
+    assert ut("triton", 6, "reference") and ut("auto", 384, "bf16") and not ut("auto", 385, "reference")
     assert ut("triton", 6, "reference", force=True) and ut("triton", 6, "bf16", force=True)
     assert not ut("xla", 6, "reference", force=True)
     assert not ut("triton", 6, "reference", force=True, scale=None)     # float master weights
     assert ut("triton", 6, "fp32") and not ut("auto", 6, "fp32")        # explicit: the kernel raises its own error
-    monkeypatch.setattr(fp8_linear, "TRITON_ROWS", ((1, 384),))
-    assert ut("auto", 6, "reference") and ut("triton", 384, "bf16") and not ut("triton", 385, "reference")
+    monkeypatch.setitem(dispatch.GATES, "fp8_linear", dispatch.GATES["fp8_linear"].replace(triton=()))
+    assert not ut("triton", 6, "reference") and ut("triton", 6, "reference", force=True)
+    monkeypatch.setattr(fp8_linear, "MIN_WEIGHT_ELEMENTS", 16 << 20)
+    monkeypatch.setitem(dispatch.GATES, "fp8_linear", dispatch.GATES["fp8_linear"].replace(triton=((1, 384),)))
+    assert ut("auto", 6, "reference", weight_shape=(32768, 1280))
+    assert not ut("auto", 6, "reference", weight_shape=(512, 5120))
+    assert ut("auto", 6, "reference", weight_shape=(512, 5120), force=True)
+
+
+def test_linear_fp8_routes_through_the_gate(monkeypatch):
+    """layers.linear_fp8 calls the kernel exactly where the gate says (pretending to be on a GPU, the kernel replaced
+    by a recorder), and never with backend "xla" or float master weights."""
+    import types
+    from dsflash.model import layers
+    calls = []
+    fake = types.SimpleNamespace(fp8_linear_triton=lambda x, w, s, **kw: calls.append((x.shape, kw)) or
+                                 jnp.zeros((*x.shape[:-1], w.shape[0]), jnp.bfloat16))
+    monkeypatch.setitem(sys.modules, "dsflash.kernels.fp8_linear_triton", fake)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda b, what="backend": "xla" if b == "xla" else "triton")
+    x, w, s = _problem((2, 3, 256), 96)
+    params = {"l.weight": w, "l.scale": s}
+    layers.linear_fp8(x, params, "l", "reference", backend="auto")
+    assert calls == [((2, 3, 256), {"precision": "reference", "act_quant": True})]
+    layers.linear_fp8(x, params, "l", "bf16", act_quant=False, backend="triton")
+    assert calls[-1] == ((2, 3, 256), {"precision": "bf16", "act_quant": False})
+    n = len(calls)
+    layers.linear_fp8(x, params, "l", "reference")                                    # default backend "xla"
+    layers.linear_fp8(x, {"l.weight": w.astype(jnp.float32)}, "l", "reference", backend="auto")   # no scale
+    layers.linear_fp8(jnp.zeros((400, 256), jnp.bfloat16), params, "l", "reference", backend="auto")  # > 384 rows
+    layers.linear_fp8(x, params, "l", "fp32", backend="auto")                         # auto: no fp32 kernel
+    assert len(calls) == n
 
 
 SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),

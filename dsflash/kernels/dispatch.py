@@ -44,7 +44,7 @@ import dataclasses
 import functools
 
 BACKENDS = ("auto", "xla", "triton")
-KERNELS = ("moe", "sparse_attention", "indexer", "mhc")
+KERNELS = ("moe", "sparse_attention", "indexer", "mhc", "fp8_linear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,13 @@ GATES = {
     # to end at "reference" (one fp32 ulp of coefficient noise moves its logits by 1.7e-1), so the switch was decided
     # on the trained demo model by tests/gpu/test_model_mhc_kernel.py (H200, 2026-12-01: kernel vs XLA logits 3.1e-2
     # against 3.9e-2 for 4e-6 coefficient noise)
+    # dense FP8-stored linears (fp8_linear.py), in the whole step (bench-4l-96e, per-op trace, run 21): 1 x 6 rows
+    # q / o / shared 1.26 -> 0.71 ms, step 4.54 -> 3.97 ms; 32 x 6 (192 rows) 1.79 -> 1.51 ms, step 10.40 -> 10.15.
+    # The kernel-only loop timings (run 20) lost at 4096 rows (0.6-0.8x cuBLAS behind XLA's dequantised copy): the
+    # band stops at 384 (192-384 rows measured in the step at 192 only)
+    "fp8_linear": Crossover(
+        "rows (M)", ((1, 384),), ("reference", "bf16"),
+        "step_profile_20261202_h200_run21.json (variants new / fp8lin); kernels_20261202_h200_run20_fp8linear.json"),
     "mhc": Crossover(
         "tokens (T)", ((1, None),), None,
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
@@ -161,7 +168,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     context         tokens the page table covers (the indexer scores every compressed entry of it)
     precision       the run precision (the MoE kernel has no "fp32")
     expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
-    -> {"moe" | "sparse_attention" | "indexer" | "mhc": {"decode": impl, "prefill": impl}}"""
+    -> {"moe" | "sparse_attention" | "indexer" | "mhc" | "fp8_linear": {"decode": impl, "prefill": impl}}"""
     if decode_tokens is None:
         decode_tokens = 1 + (cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0)
     ratios = [cfg.compress_ratios[i] for i in cfg.index_source_layer_ids if i < cfg.num_hidden_layers]
@@ -169,7 +176,8 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     experts = max(1, cfg.n_routed_experts // expert_shards)
     out = {}
     for phase, t in (("decode", decode_tokens), ("prefill", prefill_tokens)):
-        sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t}
+        sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t,
+                 "fp8_linear": t}
         for kernel, size in sizes.items():
             impl = "triton" if use_triton(kernel, backend, size, precision=precision) else "xla"
             supported = GATES[kernel].precisions is None or precision in GATES[kernel].precisions

@@ -12,11 +12,9 @@ weights dequantised exactly (E4M3 x 2^k), fp32 accumulation, bf16 output. "bf16"
 round trip. "fp32": the reference only (the kernel has no fp32 mode).
 
 The Triton kernel (``fp8_linear_triton``) reads each FP8 weight byte once and dequantises it in registers, instead
-of XLA's dequantised bf16 copy of the weight per call. NOT YET RUN ON A GPU (2026-12-01: written and checked in
-Triton's CPU interpreter and by sm_90 compiles only), so it is behind an explicit opt-in: ``backend="triton"`` runs
-it only where ``TRITON_ROWS`` covers the row count (empty: nowhere) or with ``force=True`` (tests, the bench).
-``layers.linear_fp8`` does not call this module; wiring it in (and moving this gate into ``dispatch.GATES``) waits for
-a GPU measurement.
+of XLA's dequantised bf16 copy of the weight per call. Where it runs is ``dispatch.GATES["fp8_linear"]`` (rows M,
+measured in the whole step on an H200: kernels/NOTES.md "FP8 dense linears"); ``layers.linear_fp8`` calls it with
+the model's ``backend`` run option.
 """
 from __future__ import annotations
 
@@ -28,17 +26,11 @@ import jax.numpy as jnp
 from dsflash.kernels import dispatch
 from dsflash import quant
 
-# Row counts M (= prod of x's leading dims; inclusive (lo, hi) ranges, hi None = no bound) where backend="triton"
-# runs the kernel without ``force``. Empty until a GPU run measures the kernel faster than XLA at some M.
-TRITON_ROWS: tuple = ()
-# Weights smaller than this (N K elements) stay on XLA even inside TRITON_ROWS (``layers.linear_fp8`` passes the
-# shape): run 20's loop timings had the kernel ahead only on the 33-42 M-element weights (wq_b, wo_b, wo_a).
+# Weights smaller than this (N K elements) stay on XLA even inside the gate's rows (``layers.linear_fp8`` passes the
+# shape). 0: run 21 had the kernel ahead in the step for every dense linear of V4.1 ("fp8lin" beat "fp8big").
 MIN_WEIGHT_ELEMENTS = 0
 PRECISIONS = ("reference", "bf16")      # what the kernel implements
 HIGHEST = jax.lax.Precision.HIGHEST
-
-GATE = dispatch.Crossover("rows (M)", TRITON_ROWS, PRECISIONS, "none yet: the kernel has not run on a GPU")
-
 
 def _act_dtype(precision):
     return jnp.float32 if precision == "fp32" else jnp.bfloat16
@@ -76,22 +68,17 @@ def rows_of(x) -> int:
 
 
 def use_triton(backend, rows: int, precision: str, *, force: bool = False, scale=True, weight_shape=None) -> bool:
-    """The one decision: ``dispatch.resolve_backend`` / ``dispatch.on_gpu`` as every kernel front-end, then this
-    module's own gate (``TRITON_ROWS``, and ``MIN_WEIGHT_ELEMENTS`` when the weight's shape is given; not in
-    ``dispatch.GATES`` until measured). Float master weights (``scale`` None) always take the reference."""
-    if scale is None or dispatch.resolve_backend(backend) != "triton" or not dispatch.on_gpu():
+    """``dispatch.use_triton("fp8_linear", ...)`` at M = ``rows``, and ``MIN_WEIGHT_ELEMENTS`` when the weight's shape
+    is given. Float master weights (``scale`` None) always take the reference."""
+    if scale is None:
         return False
-    if precision not in PRECISIONS:
-        return backend == "triton"          # explicit: the kernel raises its own error
-    if force:
-        return True
-    if weight_shape is not None and math.prod(weight_shape) < MIN_WEIGHT_ELEMENTS:
+    if not force and weight_shape is not None and math.prod(weight_shape) < MIN_WEIGHT_ELEMENTS:
         return False
-    return GATE.replace(triton=TRITON_ROWS).covers(rows)
+    return dispatch.use_triton("fp8_linear", backend, rows, precision=precision, force=force)
 
 
 def fp8_linear(x, w, scale, *, precision="reference", backend="auto", act_quant=True, force=False, config=None):
-    """The reference or the Triton kernel, as ``use_triton`` decides at M = rows of x (module docstring: opt-in)."""
+    """The reference or the Triton kernel, as ``use_triton`` decides at M = rows of x."""
     if not use_triton(backend, rows_of(x), precision, force=force, scale=scale):
         return fp8_linear_reference(x, w, scale, precision=precision, act_quant=act_quant)
     from dsflash.kernels import fp8_linear_triton  # lazy: needs a CUDA GPU and jax-triton

@@ -51,8 +51,8 @@ def linear_fp8(x, params, name, precision, act_quant=True, backend="xla"):
         from dsflash.kernels import fp8_linear
         w = params[f"{name}.weight"]
         if fp8_linear.use_triton(backend, fp8_linear.rows_of(x), precision, scale=scale, weight_shape=w.shape):
-            return fp8_linear.fp8_linear(x, w, scale, precision=precision, backend=backend, act_quant=act_quant,
-                                         force=True)
+            from dsflash.kernels import fp8_linear_triton  # lazy: needs a CUDA GPU and jax-triton
+            return fp8_linear_triton.fp8_linear_triton(x, w, scale, precision=precision, act_quant=act_quant)
     if precision == "reference":
         # dequantised weights (E4M3 x 2^k) and round-tripped activations are exact in bf16: keep them bf16 where
         # the tensor cores take them (the same products), widen to fp32 elsewhere

@@ -115,17 +115,21 @@ def test_nan_weight_propagates():
 
 
 def test_front_end_gate_on_gpu():
-    """On a GPU: with TRITON_ROWS empty backend="triton" still runs the reference (bit-identical to it), force=True
-    runs the kernel (bit-identical to calling it directly)."""
-    from dsflash.kernels import fp8_linear as fl, fp8_linear_triton as ft
-    assert fl.TRITON_ROWS == ()
+    """On a GPU: outside the gate's rows backend="triton" still runs the reference (bit-identical to it), inside it
+    and with force=True the kernel (bit-identical to calling it directly)."""
+    from dsflash.kernels import dispatch, fp8_linear as fl, fp8_linear_triton as ft
     x, w, s = _inputs("wkv", 6)
+    inside = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="auto"))(x), np.float32)
+    dispatch.GATES["fp8_linear"], saved = dispatch.GATES["fp8_linear"].replace(triton=()), dispatch.GATES["fp8_linear"]
+    try:
+        gated = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton"))(x), np.float32)
+    finally:
+        dispatch.GATES["fp8_linear"] = saved
     ref = np.asarray(jax.jit(lambda a: fl.fp8_linear_reference(a, w, s))(x), np.float32)
     kern = np.asarray(jax.jit(lambda a: ft.fp8_linear_triton(a, w, s))(x), np.float32)
-    gated = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton"))(x), np.float32)
     forced = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton", force=True))(x), np.float32)
     assert np.array_equal(gated, ref)
-    assert np.array_equal(forced, kern)
+    assert np.array_equal(forced, kern) and np.array_equal(inside, kern)
 
 
 @pytest.mark.parametrize("precision", ["reference", "bf16"])
