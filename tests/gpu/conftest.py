@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Trace-time calls of the Triton entry points (jit caches dropped first, so this test's traces count)."""
-    from dsflash.kernels import indexer_topk_triton, mhc_fused_triton, moe_gemm_triton, sparse_attention_triton
-    calls = {"moe": 0, "indexer": 0, "attention": 0, "mhc": 0}
+    from dsflash.kernels import (fp8_linear_triton, indexer_topk_triton, mhc_fused_triton, moe_gemm_triton,
+                                 sparse_attention_triton)
+    calls = {"moe": 0, "indexer": 0, "attention": 0, "mhc": 0, "fp8_linear": 0}
 
     def counting(name, fn):
         def wrapped(*a, **k):
@@ -53,6 +54,8 @@ def kernel_calls(monkeypatch):
     monkeypatch.setattr(sparse_attention_triton, "sparse_sink_attention_triton",
                         counting("attention", sparse_attention_triton.sparse_sink_attention_triton))
     monkeypatch.setattr(mhc_fused_triton, "mhc_fused_triton", counting("mhc", mhc_fused_triton.mhc_fused_triton))
+    monkeypatch.setattr(fp8_linear_triton, "fp8_linear_triton",
+                        counting("fp8_linear", fp8_linear_triton.fp8_linear_triton))
     import jax
     jax.clear_caches()
     return calls
