@@ -242,8 +242,8 @@ class Scheduler:
             s.computed = max(0, C - self.replay)
             s.floor, s.kv_from = s.computed, C
             self.metrics.replay_tokens += C - s.computed
-            if self.exact:               # no snapshot kept for this prefix: the approximate replay
-                s.exact_state = s.computed == 0
+            s.exact_state = s.computed == 0          # a replay from the middle is approximate: saves nothing
+            if self.exact:               # no snapshot kept for this prefix: the bounded replay, counted
                 self.metrics.prefix_snapshot_fallbacks += 1
         else:
             s.computed, s.floor, s.kv_from = 0, 0, 0
