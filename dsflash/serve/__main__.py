@@ -16,6 +16,16 @@ import time
 DEFAULT_MODEL = "demo"
 
 
+def _size(text: str) -> int:
+    """Bytes from '123', '256K', '256M', '2G' (powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dsflash.serve",
@@ -46,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels of the compiled programs: 'auto' = Triton on a CUDA GPU when jax-triton "
                         "imports, else XLA; 'xla' = the pure-JAX references; 'triton' = the GPU kernels")
     g.add_argument("--seed", type=int, default=0, help="engine seed (weights of presets, unseeded sampling)")
+    # prefix cache (docs/server.md "Prefix caching")
+    g.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV of prompt prefixes seen before (usage.prompt_tokens_details."
+                                      "cached_tokens)")
+    g.add_argument("--prefix-cache-mode", default="exact", choices=["exact", "replay"],
+                   help="'exact': a hit restores the window state kept at the block boundary and answers exactly "
+                        "as a miss; 'replay': a hit rebuilds it by the approximate one-window replay (SPEC 6.1)")
+    g.add_argument("--prefix-snapshot-bytes", type=_size, default=256 * 2**20,
+                   help="device memory for the exact mode's state snapshots (e.g. 268435456, 256M, 1G; 0 = none: "
+                        "every hit replays)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the chosen one is printed)")
