@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and uvicorn")
+    # --- request hardening (issue 21): body limit, tokenizer pool ---
+    s.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
+                   help="largest request body in bytes; a larger one gets HTTP 413 while it is being read")
+    s.add_argument("--tokenizer-threads", type=int, default=2,
+                   help="threads that tokenise prompts and render chats off the event loop")
+    # --- end request hardening ---
     from dsflash.serve.pd.cli import add_cli_arguments
     add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
     return p
@@ -151,7 +157,8 @@ def main(argv=None) -> int:
     kernels = getattr(engine.engine, "kernels_line", None)
     if kernels:                    # which kernels the compiled programs use (the request for --backend)
         print(f"dsflash.serve: {kernels}", flush=True)
-    app = build_app(engine, served, api_key=args.api_key)
+    app = build_app(engine, served, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    tokenizer_threads=args.tokenizer_threads)
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd
         install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,

@@ -37,6 +37,8 @@ from typing import Optional
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations of the endpoints here
 
+from dsflash.serve.http.body import parse_json_object
+from dsflash.serve.http.errors import APIError
 from dsflash.serve.pd.cli import POLICIES, add_cli_arguments  # noqa: F401  (re-exported)
 from dsflash.serve.pd.transfer import TransferSize, pack, prompt_digest, unpack
 from dsflash.serve.pd.trust import AUTH_HEADER, MAC_HEADER, PDTrust, TrustError
@@ -187,7 +189,10 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
         return None
     engine.pd = pd
     app.state.pd = pd
-    app.add_middleware(PDMiddleware, pd=pd)
+    # innermost, inside the OpenAI app's own middleware: the API key (401) and the body-size limit (413)
+    # come before any P/D validation
+    from starlette.middleware import Middleware
+    app.user_middleware.append(Middleware(PDMiddleware, pd=pd))
 
     @app.get("/pd/info")
     async def info():
@@ -281,9 +286,9 @@ class PDMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        try:
-            obj = json.loads(body) if body.strip() else None
-        except (ValueError, UnicodeDecodeError):
+        try:                                 # a bad body is left to the app (its 400 names the problem)
+            obj = parse_json_object(body)
+        except APIError:
             obj = None
         kvp = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
         if not isinstance(kvp, dict) or not (kvp.get("do_remote_decode") or kvp.get("do_remote_prefill")):
