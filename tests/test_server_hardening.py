@@ -183,3 +183,42 @@ def test_utility_endpoints(srv):
     assert r.status_code == 400 and error_of(r)["param"] == "tokens"
     r = post(srv, "/tokenize", {"prompt": "x\ud800" if False else "x", "messages": [{"role": "user", "content": "y"}]})
     assert r.status_code == 400 and error_of(r)["param"] == "prompt"
+
+
+# ---------------------------------------------------------------------------------------------- item 3, P/D
+def test_pd_decode_checks_key_then_policy_then_signature():
+    """The decode role's P/D middleware (in process, dummy engine): 401 before the policy's 400, and
+    ``kv_transfer_params`` without ``remote_host`` (or anything else) a 403 naming the field, not a 502."""
+    import asyncio
+
+    from dsflash.serve.async_engine import AsyncEngine
+    from dsflash.serve.http.app import build_app
+    from dsflash.serve.http.dummy_engine import DummyEngine
+    from dsflash.serve.pd.server import install
+    from dsflash.serve.pd.trust import PDTrust
+
+    eng = AsyncEngine(lambda: DummyEngine("dummy"))
+    eng.start()
+    try:
+        app = build_app(eng, "dummy", api_key=KEY)
+        install(app, eng, "decode", trust=PDTrust(b"k" * 32, ["127.0.0.1:1"]))
+
+        async def run():
+            tr = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=tr, base_url="http://t") as c:
+                body = {"prompt": "x", "max_tokens": 2, "kv_load_failure_policy": "nope",
+                        "kv_transfer_params": {"do_remote_prefill": True}}
+                r1 = await c.post("/v1/completions", json=body)
+                r2 = await c.post("/v1/completions", json=body, headers=AUTH)
+                body["kv_load_failure_policy"] = "recompute"
+                r3 = await c.post("/v1/completions", json=body, headers=AUTH)
+                r4 = await c.post("/v1/completions", content=b'{"prompt": "x", "a": ' + b"[" * 5000 + b"]" * 5000
+                                  + b"}", headers=AUTH)
+                return r1, r2, r3, r4
+        r1, r2, r3, r4 = asyncio.run(run())
+        assert r1.status_code == 401, r1.text
+        assert r2.status_code == 400 and error_of(r2)["param"] == "kv_load_failure_policy", r2.text
+        assert r3.status_code == 403 and error_of(r3)["param"].startswith("kv_transfer_params."), r3.text
+        assert r4.status_code == 400 and error_of(r4)["code"] == "invalid_json", r4.text
+    finally:
+        eng.shutdown()
