@@ -222,3 +222,56 @@ def test_pd_decode_checks_key_then_policy_then_signature():
         assert r4.status_code == 400 and error_of(r4)["code"] == "invalid_json", r4.text
     finally:
         eng.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- item 5
+def test_streams_open_at_the_drain_deadline_end_cleanly_and_exit_nonzero():
+    s = ServerProcess("--model", "dummy", "--max-model-len", "8192", "--drain-timeout", "1.5")
+    try:
+        res: dict = {}
+
+        def stream(path, body, key):
+            events = []
+            with httpx.stream("POST", s.base + path, json=body, timeout=60) as r:
+                res[key + "_status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        res[key + "_started"] = True
+            res[key] = events
+        long = {"max_tokens": 8000, "ignore_eos": True, "stream": True}
+        ts = [threading.Thread(target=stream, args=("/v1/completions", {"prompt": "go", "n": 2, **long}, "cmpl")),
+              threading.Thread(target=stream, args=("/v1/chat/completions",
+                                                    {"messages": [{"role": "user", "content": "go"}], **long}, "chat"))]
+        for t in ts:
+            t.start()
+        t_end = time.time() + 30
+        while not (res.get("cmpl_started") and res.get("chat_started")) and time.time() < t_end:
+            time.sleep(0.02)
+        # a non-streamed request in flight too: it gets a 503, not a cut connection
+        r_plain = {}
+        tp = threading.Thread(target=lambda: r_plain.setdefault("r", httpx.post(
+            s.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8000, "ignore_eos": True}, timeout=60)))
+        tp.start()
+        time.sleep(0.3)
+        s.proc.send_signal(15)
+        for t in ts + [tp]:
+            t.join(60)
+        rc = s.proc.wait(60)
+        for key, obj in (("cmpl", "text_completion"), ("chat", "chat.completion.chunk")):
+            ev = res[key]
+            assert ev[-1] == "[DONE]", (key, ev[-3:])
+            err = json.loads(ev[-2])
+            assert "drain timeout" in err["error"]["message"], err
+            finals = {}
+            for e in ev[:-2]:
+                c = json.loads(e)
+                for ch in c["choices"]:
+                    if ch.get("finish_reason"):
+                        finals[ch["index"]] = ch["finish_reason"]
+            assert finals == ({0: "abort", 1: "abort"} if key == "cmpl" else {0: "abort"}), (key, finals)
+        assert r_plain["r"].status_code == 503 and error_of(r_plain["r"])["code"] == "server_shutting_down"
+        assert rc != 0, s.output()
+        assert "aborted at the drain timeout" in s.output()
+    finally:
+        s.close()

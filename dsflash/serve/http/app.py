@@ -19,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from dsflash.serve.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestStream
+from dsflash.serve.async_engine import (AsyncEngine, EngineDeadError, EngineDrainingError, RequestAbortedError,
+                                       RequestStream)
 from dsflash.serve.http import chat_io
 from dsflash.serve.http.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, parse_json_object, read_limited
 from dsflash.serve.http.errors import (APIError, error_body, install_error_handlers, validation_error_to_api,
@@ -405,7 +406,10 @@ async def _collect(st: ServerState, request: Request, streams: list[RequestStrea
         while True:
             done, _ = await asyncio.wait({task}, timeout=st.disconnect_poll_s)
             if done:
-                task.result()
+                try:
+                    task.result()
+                except RequestAbortedError as e:     # the drain deadline passed (SIGTERM)
+                    raise APIError(503, str(e), code="server_shutting_down") from None
                 return finals  # type: ignore[return-value]
             if await request.is_disconnected():
                 log.info("client disconnected; aborting %d request(s)", len(streams))
@@ -468,7 +472,16 @@ async def _sse_stream(st: ServerState, streams: list[RequestStream], step, *, he
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - never leave a stream hanging
-        log.exception("%s stream failed", what)
+        if isinstance(e, RequestAbortedError):
+            log.warning("%s stream aborted: %s", what, e)
+        else:
+            log.exception("%s stream failed", what)
+        # every unfinished choice gets its finish_reason, then the error event says why
+        for idx, last in enumerate(lasts):
+            if last is None or not last.finished:
+                ch = ({"index": idx, "delta": {}, "logprobs": None, "finish_reason": "abort"} if obj.startswith("chat")
+                      else {"index": idx, "text": "", "logprobs": None, "finish_reason": "abort"})
+                yield _sse({"id": base, "object": obj, "created": created, "model": st.model, "choices": [ch]})
         yield _stream_error_event(e)
     yield "data: [DONE]\n\n"
 
