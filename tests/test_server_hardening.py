@@ -275,3 +275,25 @@ def test_streams_open_at_the_drain_deadline_end_cleanly_and_exit_nonzero():
         assert "aborted at the drain timeout" in s.output()
     finally:
         s.close()
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs(srv):
+    body = {"prompt": "Hello big world", "max_tokens": 2, "logprobs": 1, "echo": True, "temperature": 0}
+    r = post(srv, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None            # as vLLM
+    assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    offs = lp["text_offset"]
+    assert offs == sorted(offs) and offs[n_prompt] == offs[n_prompt - 1] + len(lp["tokens"][n_prompt - 1])
+    with httpx.stream("POST", srv.base + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=60) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    head = chunks[0]["choices"][0]
+    assert head["text"] == "Hello big world" and len(head["logprobs"]["tokens"]) == n_prompt
+    assert head["logprobs"]["token_logprobs"][0] is None
+    offs = head["logprobs"]["text_offset"]
+    later = [o for c in chunks[1:] for ch in c["choices"] if ch.get("logprobs") for o in ch["logprobs"]["text_offset"]]
+    assert offs + later[:1] == lp["text_offset"][:len(offs) + 1]      # the first generated one follows the prompt

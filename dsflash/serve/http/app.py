@@ -48,6 +48,8 @@ class ServerState:
         # tokenising / chat rendering run here, not on the event loop: a huge prompt must not stall other
         # streams or /health (the tokenizer's batch call releases the GIL)
         self.pool = concurrent.futures.ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="dsflash-tok")
+        # echo + logprobs: prompt scoring, one at a time (a forward of its own; see prompt_logprobs.py)
+        self.score_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsflash-score")
 
     async def offload(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -557,6 +559,15 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS  # null = default
     max_toks = [_max_tokens(st, requested, len(p), "max_tokens", "prompt") for p in prompts]
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
+    prompt_lps = None
+    if req.echo and req.logprobs is not None:     # the prompt tokens' logprobs too (log-likelihood evaluation)
+        from dsflash.serve.http.prompt_logprobs import prompt_logprobs
+        loop = asyncio.get_running_loop()
+        try:
+            prompt_lps = [await loop.run_in_executor(st.score_pool, prompt_logprobs, st.engine.engine, p,
+                                                     req.logprobs) for p in prompts]
+        except NotImplementedError as e:
+            raise APIError(400, f"echo: with logprobs needs prompt logprobs, which {e}", param="echo") from None
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
         streams = await _submit(st, base, prompts, params0, n, arrival, dp_rank, req.kv_transfer_params)
@@ -574,23 +585,38 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     echo_texts = [(t if t is not None else _decode(tok, p)) if req.echo else "" for t, p in zip(texts, prompts)]
     prompt_tokens = sum(len(p) for p in prompts)
 
+    def logprob_lists(entries, ids, off: int) -> dict:
+        toks, lps, tops, offs = [], [], [], []
+        for tid, e in zip(ids, entries):
+            s = _tok_str(tok, tid)
+            toks.append(s)
+            lps.append(None if e is None else e["logprob"])
+            top = (e or {}).get("top") or {}
+            tops.append({_tok_str(tok, t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])[:req.logprobs]}
+                        if req.logprobs > 0 and e is not None else None)
+            offs.append(off)
+            off += len(s)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
     def choice_logprobs(out, start: int, text_offset0: int) -> Optional[dict]:
         c = out.outputs[0]
         if req.logprobs is None or c.logprobs is None:
             return None
         entries = c.logprobs[start:]
-        toks, lps, tops, offs = [], [], [], []
-        off = text_offset0
-        for e in entries:
-            s = _tok_str(tok, e["token_id"])
-            toks.append(s)
-            lps.append(e["logprob"])
-            top = e.get("top") or {}
-            tops.append({_tok_str(tok, t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])[:req.logprobs]}
-                        if req.logprobs > 0 else None)
-            offs.append(off)
-            off += len(s)
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+        return logprob_lists(entries, [e["token_id"] for e in entries], text_offset0)
+
+    def echo_logprobs(idx: int, gen: Optional[dict] = None) -> Optional[dict]:
+        """The prompt's entries (first None), then the generated ones' (``gen``), as one logprobs object."""
+        if prompt_lps is None:
+            return gen
+        p = idx // n
+        lp = logprob_lists(prompt_lps[p], prompts[p], 0)
+        end = sum(len(t) for t in lp["tokens"])        # offsets run over the token strings (BOS included)
+        for key in lp:
+            lp[key] += (gen or {}).get(key, [])
+        if gen:
+            lp["text_offset"][len(prompts[p]):] = [o - len(echo_texts[p]) + end for o in gen["text_offset"]]
+        return lp
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -605,8 +631,11 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                 for idx in range(len(streams)):
                     et = echo_texts[idx // n]
                     offsets[idx] = len(et)
+                    if prompt_lps is not None:     # generated offsets follow the prompt's token strings
+                        offsets[idx] = sum(len(_tok_str(tok, t)) for t in prompts[idx // n])
                     yield _sse({"id": base, "object": "text_completion", "created": created,
-                                "model": st.model, "choices": [{"index": idx, "text": et, "logprobs": None,
+                                "model": st.model, "choices": [{"index": idx, "text": et,
+                                                                "logprobs": echo_logprobs(idx),
                                                                 "finish_reason": None}]})
 
         def step(idx, out):
@@ -637,7 +666,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         completion_tokens += len(c.token_ids)
         et = echo_texts[idx // n]
         choices.append({"index": idx, "text": et + c.text,
-                        "logprobs": choice_logprobs(out, 0, len(et)),
+                        "logprobs": echo_logprobs(idx, choice_logprobs(out, 0, len(et))),
                         "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c.stop_reason)})
     return {"id": base, "object": "text_completion", "created": created, "model": st.model,
             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
