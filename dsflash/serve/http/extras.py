@@ -17,6 +17,7 @@ from pydantic import StrictBool, StrictInt, StrictStr, ValidationError
 from dsflash.serve.http import chat_io
 from dsflash.serve.http.errors import APIError, validation_error_to_api, value_error_to_api
 from dsflash.serve.http.body import parse_json_object
+from dsflash.serve.http.encode import encode_prompts, encode_text
 from dsflash.serve.http.protocol import ChatMessage, ToolDef, _Base
 
 
@@ -38,6 +39,15 @@ class DetokenizeRequest(_Base):
     tokens: list[StrictInt]
 
 
+def _version() -> str:
+    """The installed distribution's version (the package face, ``dsflash.__version__``, is above this floor)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("dsflash")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 async def _parse(request: Request, model):
     obj = parse_json_object(await request.body())
     try:
@@ -47,7 +57,10 @@ async def _parse(request: Request, model):
 
 
 def install_extras(app, st) -> None:
-    from dsflash.serve.http.app import _check_model, encode_prompts, encode_text
+    def _check_model(st, model):
+        if model is not None and model != st.model:
+            raise APIError(404, f"The model '{model}' does not exist (this server serves '{st.model}')",
+                           param="model", code="model_not_found")
 
     def need_tokenizer():
         if st.tokenizer is None:
@@ -61,8 +74,7 @@ def install_extras(app, st) -> None:
 
     @app.api_route("/version", methods=["GET", "HEAD"])
     async def version():
-        import dsflash
-        return {"version": dsflash.__version__}
+        return {"version": _version()}
 
     @app.api_route("/tokenizer_info", methods=["GET", "HEAD"])
     async def tokenizer_info():
