@@ -137,7 +137,7 @@ def _request_id(scope) -> bytes:
 class _AuthAndCount:
     """Pure ASGI middleware, outermost (keeps disconnect detection and stream cancellation intact), in this
     order: the bearer-token check when an API key is set (401 before any validation of the request), the body
-    read with the size limit (413 as soon as it is exceeded, never buffered whole), the ``x-request-id`` response
+    read with the size limit (413 as soon as it is exceeded; a body under it is buffered once and replayed), the ``x-request-id`` response
     header, and request counting by endpoint and status."""
 
     def __init__(self, app, st: ServerState):
