@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and uvicorn")
+    # --- request hardening (issue 21): body limit, tokenizer pool ---
+    s.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
+                   help="largest request body in bytes; a larger one gets HTTP 413 while it is being read")
+    s.add_argument("--tokenizer-threads", type=int, default=2,
+                   help="threads that tokenise prompts and render chats off the event loop")
+    # --- end request hardening ---
     from dsflash.serve.pd.cli import add_cli_arguments
     add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
     return p
@@ -171,17 +177,34 @@ def main(argv=None) -> int:
     kernels = getattr(engine.engine, "kernels_line", None)
     if kernels:                    # which kernels the compiled programs use (the request for --backend)
         print(f"dsflash.serve: {kernels}", flush=True)
-    app = build_app(engine, served, api_key=args.api_key)
+    app = build_app(engine, served, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    tokenizer_threads=args.tokenizer_threads)
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd
         install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,
                    pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust)
+
+    import threading
+    drain = {"timer": None, "aborted": 0}
+
+    def drain_deadline():
+        # streams still open get finish_reason "abort", an error event and [DONE] before uvicorn closes them
+        from dsflash.serve.async_engine import RequestAbortedError
+        n = engine.fail_in_flight(RequestAbortedError(
+            f"server shut down: the drain timeout ({args.drain_timeout:g}s) passed before the request finished"))
+        drain["aborted"] = n
+        if n:
+            log.warning("drain timeout: aborted %d request(s) still in flight", n)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if not engine.is_draining:
                 log.info("signal %s: draining (no new requests; up to %.0fs for %d in flight)",
                          sig, args.drain_timeout, engine.num_in_flight)
+            if drain["timer"] is None:
+                drain["timer"] = threading.Timer(args.drain_timeout, drain_deadline)
+                drain["timer"].daemon = True
+                drain["timer"].start()
             engine.begin_drain()
             super().handle_exit(sig, frame)
             # a drained shutdown is a clean exit (status 0): do not let uvicorn re-raise the signal
@@ -189,7 +212,8 @@ def main(argv=None) -> int:
             if isinstance(captured, list):
                 captured.clear()
 
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+    # uvicorn's own deadline comes after ours, so aborted streams can still send their last events
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 3,
                             timeout_keep_alive=5, access_log=args.log_level == "debug")
     server = _Server(config)
     print(f"dsflash.serve: model {served!r} ready in {time.time() - t0:.1f}s; listening on {url} "
@@ -198,8 +222,13 @@ def main(argv=None) -> int:
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
+        if drain["timer"] is not None:
+            drain["timer"].cancel()
         engine.shutdown()
         sock.close()
+    if drain["aborted"]:       # not a clean drain: say so in the exit status
+        print(f"dsflash.serve: stopped; {drain['aborted']} request(s) aborted at the drain timeout", flush=True)
+        return 3
     print("dsflash.serve: stopped", flush=True)
     return 0
 
