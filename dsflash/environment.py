@@ -13,7 +13,8 @@ VARIABLES = {
     # name: (kind, reader, note)
     "XLA_FLAGS": ("transitional", "dsflash/compile_options.py",
                   "import dsflash appends --xla_allow_excess_precision=false unless set; goes once every program is "
-                  "compiled through compile_options.jit (that module says which are not yet)"),
+                  "compiled through compile_options.jit (the runner's and train's are; that module says which are "
+                  "not yet and why)"),
     "JAX_PLATFORMS": ("foreign", "dsflash/sharding/mesh.py",
                       "JAX's platform choice: a CPU-only multi-process run initialises jax.distributed for CPU"),
     "DSFLASH_API_KEY": ("secret", "dsflash/serve/__main__.py", "default of --api-key"),

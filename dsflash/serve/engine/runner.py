@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dsflash import environment
+from dsflash import compile_options, environment
 from dsflash.model.state import Batch
 from dsflash.serve.engine import sampling as S
 
@@ -182,9 +182,10 @@ class Runner:
         self.eplb_shape = getattr(backend, "eplb_shape", None)
         # a backend that placed its state on a DP mesh (ModelBackend with dp > 1): rows follow it
         self.mesh = mesh = getattr(backend, "mesh", None)
+        # compiled with compile_options.FAITHFUL (no excess precision: the FP8 / FP4 round trips stay), per program
         if mesh is None:
-            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+            self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2))
+            self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2))
         else:
             from jax.sharding import NamedSharding, PartitionSpec
             from dsflash.sharding.rules import token_axes
@@ -194,8 +195,8 @@ class Runner:
             self.rows = jax.device_put(self.rows, self._row_sharding)
             out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
                    None)
-            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
+            self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
+            self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
         self._compiled: dict = {}
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
         self.dp, self.eplb, self._executor = dp, eplb, None
