@@ -81,12 +81,14 @@ def test_ahead_of_time_compile_honours_the_per_program_option(tiny_forward_input
 
 
 def test_runner_and_training_programs_compile_through_here(monkeypatch):
-    """No plain ``jax.jit`` left in the engine's runner and the training code; the runner's two programs are
-    built by ``compile_options.jit``."""
+    """No plain ``jax.jit`` left in the engine's runner and the training code (but for a nested one, which takes
+    its outer program's options); the runner's two programs are built by ``compile_options.jit``."""
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[1] / "dsflash"
     for path in [root / "serve" / "engine" / "runner.py", *sorted((root / "train").glob("*.py"))]:
-        assert "jax.jit(" not in path.read_text(), path
+        # the one exception: a jit traced inside another program (JAX refuses compiler_options there)
+        plain = [ln for ln in path.read_text().splitlines() if "jax.jit(" in ln and "_nested = jax.jit(" not in ln]
+        assert not plain, (path, plain)
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.engine.testing import ToyBackend
     built = []

@@ -114,13 +114,19 @@ def draft_logits(params, cfg: ModelConfig, taps, tokens, anchors, precision):
     return base + mk, x_hat, e, rows, p
 
 
-@compile_options.jit(static_argnums=(1, 3, 4))
-def target_outputs(src, cfg, tokens, precision, offset: int = 0):
+def _target_outputs(src, cfg, tokens, precision, offset: int = 0):
     """The frozen target's taps ``[B, S, T*d]`` and logits from position ``offset`` on ``[B, S-offset, V]``: what
     :func:`draft_loss` needs of the target. The target is frozen, so a fixed row pool can be run once and these
     passed as ``cached`` (the target forward is most of a draft step: 4.6 of 6.4 s on the 2-core CPU)."""
     out = _target_forward(src, cfg, tokens, precision, taps=True)
     return {"taps": out["taps"], "logits": out["logits"][:, offset:], "offset": jnp.int32(offset)}
+
+
+# Called on its own (the target cache of train/run.py) it is a program of its own, compiled with the numerics
+# option; inside draft_loss it is traced into draft_step / draft_loss_jit, whose option then holds, and must be a
+# plain jit there: JAX refuses compiler_options on a nested jit.
+target_outputs = compile_options.jit(_target_outputs, static_argnums=(1, 3, 4))
+_target_outputs_nested = jax.jit(_target_outputs, static_argnums=(1, 3, 4))
 
 
 def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill, served=None, served_precision=None,
@@ -132,7 +138,7 @@ def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill, served=N
     params = {**frozen, **draft}
     if cached is None:
         src, src_precision = (frozen, precision) if served is None else (served, served_precision)
-        cached = target_outputs(src, cfg, tokens, src_precision)
+        cached = _target_outputs_nested(src, cfg, tokens, src_precision)
     out = jax.lax.stop_gradient(cached)
     K = cfg.dspark_block_size
     logits, x_hat, e, rows, p = draft_logits(params, cfg, out["taps"], tokens, anchors, precision)
