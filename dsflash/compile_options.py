@@ -12,6 +12,9 @@ A per-program option holds whatever ``XLA_FLAGS`` says and whenever JAX's backen
 if ``dsflash`` is imported before JAX initialises its backend). Checked on CPU (tests/test_compile_options.py): the
 tiny model's forward compiled with ``FAITHFUL`` gives the same bits as under the process flag, and the opposite
 per-program setting gives different bits, so the option is honoured per program both ways.
+A jit that is traced inside another program must stay a plain ``jax.jit``: JAX refuses ``compiler_options`` on a
+nested jit (ValueError), and a nested jit is compiled as part of the outer program, with its options
+(``train/loop._target_outputs_nested``).
 
 Through here: ``forward_jit``, the ``Model``'s DSpark jits, ``bench forward``'s step programs, the engine's runner
 (``serve/engine/runner.py``: prefill and decode loop, also when compiled ahead of time with ``.lower().compile()``,
