@@ -12,15 +12,26 @@ A per-program option holds whatever ``XLA_FLAGS`` says and whenever JAX's backen
 if ``dsflash`` is imported before JAX initialises its backend). Checked on CPU (tests/test_compile_options.py): the
 tiny model's forward compiled with ``FAITHFUL`` gives the same bits as under the process flag, and the opposite
 per-program setting gives different bits, so the option is honoured per program both ways.
+A jit that is traced inside another program must stay a plain ``jax.jit``: JAX refuses ``compiler_options`` on a
+nested jit (ValueError), and a nested jit is compiled as part of the outer program, with its options
+(``train/loop._target_outputs_nested``).
+
+Through here: ``forward_jit``, the ``Model``'s DSpark jits, ``bench forward``'s step programs, the engine's runner
+(``serve/engine/runner.py``: prefill and decode loop, also when compiled ahead of time with ``.lower().compile()``,
+which keeps the jit's options; tests/test_compile_options.py checks the bits) and every jit of ``train/``.
 
 Process fallback (``protect_process_default``, called once by ``import dsflash``): appends
-``--xla_allow_excess_precision=false`` to ``XLA_FLAGS`` unless the user chose that flag. It stays, documented here,
-because programs are still compiled outside this module: the engine's runner (``serve/engine/runner.py``), the
-training loop (``train/loop.py``), ``bench kernels`` / ``eplb`` / ``engine`` and any user's own
-``jax.jit(dsflash.model.forward)``. Through here already: ``forward_jit``, the ``Model``'s DSpark jits and
-``bench forward``'s step programs. Dropping it
-before they use ``jit`` / ``options`` would silently change their numerics on the GPU. To remove it: route those
-jits through here, then delete the call in ``dsflash/__init__.py`` (tests/test_compile_options.py keeps holding).
+``--xla_allow_excess_precision=false`` to ``XLA_FLAGS`` unless the user chose that flag. Why it cannot go yet
+(2026-12-02): programs that compute with model numerics are still compiled with a plain ``jax.jit`` --
+``bench engine``'s forward / propose programs, ``bench eplb``'s routing pass (its expert ids come from a top-k that
+excess precision can change), ``bench kernels``' jitted references and Triton wrappers, and any user's own
+``jax.jit(dsflash.model.forward)`` (a notebook's natural first move); and tests such as test_sharding_forward,
+test_model_dspark, test_sharding_ep_moe and test_kernels_moe_swiglu_rounding jit model or reference code with a plain
+``jax.jit`` and judge it against bounds or bits measured under the flag
+(``test_per_program_option_equals_the_process_flag_on_cpu`` relies on the flag by design). Dropping the flag
+would silently change all of those on the GPU and on CPU (the tiny model's logits depend on it). To remove it: route the bench programs through ``jit`` / ``options``, give users
+``forward_jit`` as the one documented way, rewrite those tests to use it, then delete the call in
+``dsflash/__init__.py``.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dsflash.kernels import moe_gemm, moe_gemm_triton as mt  # noqa: E402
+from dsflash.kernels.experimental import moe_families  # noqa: E402  (kind "fp8mma" kernels)
 from dsflash import quant  # noqa: E402
 
 
@@ -96,13 +97,13 @@ def main(precision="reference", T=5, k=2, E=4, d=256, I=128, BM=16, seed=0):
     hs = np.zeros((S, I // 32), np.float32)
     F = Fake
     fhq, fhs = F(hq), F(hs)
-    mt._moe_up_kernel[(TM, I // cfg.BN_UP)](
+    moe_families._moe_up_kernel[(TM, I // cfg.BN_UP)](
         F(p["xq"]), F(p["xs"]), F(p["tok"]), F(p["rw"]), F(p["tile_e"]), F(p["tile_s"]), F(p["tile_end"]),
         F(u8(w1)), F(np.asarray(s1)), F(u8(w3)), F(np.asarray(s3)), fhq, fhs,
         D=d, I=I, LIMIT=limit, BM=BM, BN=cfg.BN_UP, KSUB=cfg.KSUB, ACT_FP8=int(act_fp8), DECODE=0)
     o = np.zeros((S, d), jnp.bfloat16)
     fo = F(o)
-    mt._moe_down_kernel[(TM, d // cfg.BN_DOWN)](
+    moe_families._moe_down_kernel[(TM, d // cfg.BN_DOWN)](
         fhq, fhs, F(p["order"]), F(p["tile_e"]), F(p["tile_s"]), F(p["tile_end"]),
         F(u8(w2)), F(np.asarray(s2)), fo,
         D=d, I=I, BM=BM, BN=cfg.BN_DOWN, KSUB=cfg.KSUB, ACT_FP8=int(act_fp8), DECODE=0)

@@ -62,3 +62,38 @@ def test_per_program_option_equals_the_process_flag_on_cpu(tiny_forward_inputs):
     allowed = logits(jax.jit(forward, static_argnums=(1, 4), compiler_options={co.FLAG: True}))
     np.testing.assert_array_equal(by_option, by_flag)
     assert not np.array_equal(allowed, by_flag)
+
+
+def test_ahead_of_time_compile_honours_the_per_program_option(tiny_forward_inputs):
+    """The engine's runner compiles ahead of time (``jit(...).lower(...).compile()``): the option given to the jit
+    reaches that compile (the opposite setting gives other bits, ``compile_options.jit`` the flag's bits)."""
+    from dsflash.model.forward import forward
+    m, batch, state, opts = tiny_forward_inputs
+
+    def fwd(params, batch, state):
+        return forward(params, m.cfg, batch, state, opts)[0]["logits"]
+
+    def aot(jitted):
+        return np.asarray(jitted.lower(m.params, batch, state).compile()(m.params, batch, state))
+    by_flag = np.asarray(jax.jit(fwd)(m.params, batch, state))
+    np.testing.assert_array_equal(aot(co.jit(fwd)), by_flag)
+    assert not np.array_equal(aot(jax.jit(fwd, compiler_options={co.FLAG: True})), by_flag)
+
+
+def test_runner_and_training_programs_compile_through_here(monkeypatch):
+    """No plain ``jax.jit`` left in the engine's runner and the training code (but for a nested one, which takes
+    its outer program's options); the runner's two programs are built by ``compile_options.jit``."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1] / "dsflash"
+    for path in [root / "serve" / "engine" / "runner.py", *sorted((root / "train").glob("*.py"))]:
+        # the one exception: a jit traced inside another program (JAX refuses compiler_options there)
+        plain = [ln for ln in path.read_text().splitlines() if "jax.jit(" in ln and "_nested = jax.jit(" not in ln]
+        assert not plain, (path, plain)
+    from dsflash.serve.engine import LLMEngine
+    from dsflash.serve.engine.testing import ToyBackend
+    built = []
+    real = co.jit
+    monkeypatch.setattr(co, "jit", lambda fun=None, **kw: built.append(getattr(fun, "__name__", fun)) or real(fun, **kw))
+    LLMEngine(ToyBackend(), max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=32,
+              decode_steps=2, compilation_cache=False)
+    assert {"_prefill_impl", "_decode_impl"} <= set(built)

@@ -30,5 +30,5 @@ def test_every_variable_read_is_listed():
 
 
 def test_listed_kinds():
-    kinds = {"secret", "foreign", "transitional", "tooling", "test"}
+    kinds = {"secret", "foreign", "transitional", "default", "tooling", "test"}
     assert all(v[0] in kinds and v[2] for v in environment.VARIABLES.values())

@@ -50,6 +50,10 @@ def parse(argv):
                    help="also time the forward at 1 and block+1 rows per sequence and the draft proposal in isolation")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per --breakdown part (median reported)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA compilation cache folder (default: $DSFLASH_CACHE_DIR, else ~/.cache/dsflash/jax)")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="start-up compile threads (default: $DSFLASH_COMPILE_THREADS, else 1)")
     p.add_argument("--json", default=None, help="write results here")
     return p.parse_args(argv)
 
@@ -132,7 +136,8 @@ def run_mode(model, args, speculative: bool) -> dict:
     eng = LLMEngine(model, speculative=speculative, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                     precision=args.precision, backend=args.backend, decode_steps=args.decode_steps, async_scheduling=args.async_scheduling,
-                    seed=args.seed, enable_prefix_caching=False,
+                    seed=args.seed, enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir,
+                    compile_threads=args.compile_threads,
                     prefill_buckets=[tuple(int(v) for v in b.split("x")) for b in args.prefill_buckets.split(",")])
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.kernels.moe_gemm_triton import _dot_bf16, _e8m0_to_f32, _round_bf16, _round_e4m3
+from dsflash.kernels.triton_common import _dot_bf16, _e8m0_to_f32, _round_bf16, _round_e4m3
 from dsflash import quant
 
 
@@ -60,7 +60,7 @@ def _fp8_rt(xf, BM: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _to_bf16(v, DECODE: tl.constexpr):
     """fp32 -> bf16, round to nearest even: the hardware conversion on a GPU (NaN stays NaN); in Triton's interpreter
-    (whose cast truncates) the integer rounding of ``moe_gemm_triton._round_bf16`` (finite values only)."""
+    (whose cast truncates) the integer rounding of ``triton_common._round_bf16`` (finite values only)."""
     if DECODE == 1:
         return v.to(tl.bfloat16)
     return _round_bf16(v).to(tl.bfloat16)

@@ -20,7 +20,7 @@ class MoeConfig:
     BK: int = 128         # K chunk of the "ds" kernels (multiple of 32 dividing d and I)
     act: str = "fp8"      # "ds" + reference precision: "fp8" = E4M3 codes + UE8M0 scales into dot_scaled;
                           # "bf16rt" = bf16 carriers of the same round-tripped values (exact), bf16 lhs
-    # kind "sk" (split-K decode kernels, moe_gemm_triton._moe_*_kernel_sk):
+    # kind "sk" (split-K decode kernels, experimental/moe_families._moe_*_kernel_sk):
     mma: str = "bf16"     # "bf16": BK-wide weight slab (16-byte loads) decoded to bf16 with its scales applied
                           # (exact), next slab prefetched into registers, one bf16 MMA per slab, bf16 carriers of
                           # the FP8 round trips; "fp8": the fp8mma per-32 block loop (KSUB blocks per step);

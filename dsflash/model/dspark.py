@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from dsflash.config import ModelConfig
 from dsflash.kernels.sparse_attention import sparse_sink_attention
 from dsflash.model import mhc
+from dsflash.model.draft_sampler import greedy_draft
 from dsflash.model import state as st
 from dsflash.model.attention import (Ctx, output_projection, project_q, project_window_kv, ring_write_mask,
                                      scatter_ring)
@@ -103,7 +104,8 @@ def propose(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, sa
             routed_fn=None):
     """Draft ``block`` tokens after ``y`` (the token sampled for position ``pos``; context = positions < pos).
 
-    ``sampler(logits [B, V] f32, i) -> tokens [B]`` picks each draft (default greedy, first maximal index).
+    ``sampler(logits [B, V] f32, i) -> tokens [B]`` picks each draft (default ``draft_sampler.greedy_draft``, the
+    first maximal index; the engine passes ``draft_sampler.draft_sampler(temperature, keys)``).
     Returns dict(drafts [B, block] int32, logits [B, block, V] f32 — the distribution each draft was
     drawn from —, confidence [B, block] f32 raw logits)."""
     x_hat = draft_hidden(params, cfg, state, y, pos, slots, opts, ring_floor, routed_fn)
@@ -119,7 +121,7 @@ def propose(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, sa
         e = m_embed[prev].astype(act_dtype(opts.precision))
         li = base[:, i] + jnp.einsum("br,vr->bv", e.astype(jnp.float32), m_head,
                                      precision=jax.lax.Precision.HIGHEST)
-        tok = jnp.argmax(li, axis=-1).astype(jnp.int32) if sampler is None else sampler(li, i).astype(jnp.int32)
+        tok = greedy_draft(li) if sampler is None else sampler(li, i).astype(jnp.int32)
         c = linear_f32(jnp.concatenate([x_hat[:, i], e], axis=-1), conf_w)[:, 0]
         drafts.append(tok)
         logits.append(li)

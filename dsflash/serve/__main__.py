@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefix-snapshot-bytes", type=_size, default=256 * 2**20,
                    help="device memory for the exact mode's state snapshots (e.g. 268435456, 256M, 1G; 0 = none: "
                         "every hit replays)")
+    g.add_argument("--compilation-cache-dir", default=None,
+                   help="folder of the persistent XLA compilation cache (default: $DSFLASH_CACHE_DIR, else "
+                        "~/.cache/dsflash/jax; JAX's own jax_compilation_cache_dir wins when set)")
+    g.add_argument("--compile-threads", type=int, default=None,
+                   help="threads compiling the engine's programs at start-up (default: $DSFLASH_COMPILE_THREADS, "
+                        "else 1)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the chosen one is printed)")

@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dsflash import compile_options
 from dsflash.config import ModelConfig
 from dsflash.model import dspark
 from dsflash.model.forward import forward
@@ -71,14 +71,14 @@ def make_optimizer(lr: float, steps: int, warmup: int = 50, weight_decay: float 
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, b2=0.95, weight_decay=weight_decay))
 
 
-@functools.partial(jax.jit, static_argnums=(3, 5, 6), donate_argnums=(0, 1))
+@compile_options.jit(static_argnums=(3, 5, 6), donate_argnums=(0, 1))
 def target_step(trainable, opt_state, const, cfg, tokens, precision, opt):
     loss, g = jax.value_and_grad(target_loss)(trainable, const, cfg, tokens, precision)
     upd, opt_state = opt.update(g, opt_state, trainable)
     return optax.apply_updates(trainable, upd), opt_state, loss
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
+@compile_options.jit(static_argnums=(1, 3))
 def eval_nll(params, cfg, tokens, precision):
     """Summed NLL and token count of a batch (for perplexity)."""
     nll = token_nll(params, cfg, tokens, precision)
@@ -114,13 +114,19 @@ def draft_logits(params, cfg: ModelConfig, taps, tokens, anchors, precision):
     return base + mk, x_hat, e, rows, p
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3, 4))
-def target_outputs(src, cfg, tokens, precision, offset: int = 0):
+def _target_outputs(src, cfg, tokens, precision, offset: int = 0):
     """The frozen target's taps ``[B, S, T*d]`` and logits from position ``offset`` on ``[B, S-offset, V]``: what
     :func:`draft_loss` needs of the target. The target is frozen, so a fixed row pool can be run once and these
     passed as ``cached`` (the target forward is most of a draft step: 4.6 of 6.4 s on the 2-core CPU)."""
     out = _target_forward(src, cfg, tokens, precision, taps=True)
     return {"taps": out["taps"], "logits": out["logits"][:, offset:], "offset": jnp.int32(offset)}
+
+
+# Called on its own (the target cache of train/run.py) it is a program of its own, compiled with the numerics
+# option; inside draft_loss it is traced into draft_step / draft_loss_jit, whose option then holds, and must be a
+# plain jit there: JAX refuses compiler_options on a nested jit.
+target_outputs = compile_options.jit(_target_outputs, static_argnums=(1, 3, 4))
+_target_outputs_nested = jax.jit(_target_outputs, static_argnums=(1, 3, 4))
 
 
 def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill, served=None, served_precision=None,
@@ -132,7 +138,7 @@ def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill, served=N
     params = {**frozen, **draft}
     if cached is None:
         src, src_precision = (frozen, precision) if served is None else (served, served_precision)
-        cached = target_outputs(src, cfg, tokens, src_precision)
+        cached = _target_outputs_nested(src, cfg, tokens, src_precision)
     out = jax.lax.stop_gradient(cached)
     K = cfg.dspark_block_size
     logits, x_hat, e, rows, p = draft_logits(params, cfg, out["taps"], tokens, anchors, precision)
@@ -151,7 +157,7 @@ def draft_loss(draft, frozen, cfg, tokens, anchors, precision, distill, served=N
     return loss, {"ce": jnp.mean(ce), "hit": jnp.mean(hit), "hit_per_pos": jnp.mean(hit, axis=0)}
 
 
-@functools.partial(jax.jit, static_argnums=(3, 6, 7, 8, 10), donate_argnums=(0, 1))
+@compile_options.jit(static_argnums=(3, 6, 7, 8, 10), donate_argnums=(0, 1))
 def draft_step(draft, opt_state, frozen, cfg, tokens, anchors, precision, opt, distill, served=None,
                served_precision=None, cached=None):
     (loss, aux), g = jax.value_and_grad(draft_loss, has_aux=True)(draft, frozen, cfg, tokens, anchors,
@@ -178,11 +184,11 @@ def perplexity(params, cfg, rows: np.ndarray, batch_size: int, precision: str) -
     return math.exp(tot / max(n, 1))
 
 
-draft_loss_jit = jax.jit(draft_loss, static_argnums=(2, 5, 6, 8))
+draft_loss_jit = compile_options.jit(draft_loss, static_argnums=(2, 5, 6, 8))
 
 
 # ------------------------------------------------------------------ DSpark data: the target's own greedy chains
-@functools.partial(jax.jit, static_argnums=(1, 3, 4))
+@compile_options.jit(static_argnums=(1, 3, 4))
 def greedy_extend(params, cfg, tokens, start, precision):
     """Replace ``tokens[:, start:]`` by the target's greedy continuation of ``tokens[:, :start]``.
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsflash import compile_options
 from dsflash.train import data, loop
 from dsflash.train.config import CONFIGS
 
@@ -121,8 +122,9 @@ def _target_cache(src, cfg, rows: np.ndarray, batch_size: int, precision: str, o
     call), written into buffers of the whole pool's size on the device: the frozen target runs once per row instead
     of once per draft step. The buffers are donated to each write, so memory peaks at the cache plus one batch (a
     concatenation of the parts would hold the cache twice)."""
-    write = jax.jit(lambda buf, part, i: {k: jax.lax.dynamic_update_slice_in_dim(buf[k], part[k], i, 0) for k in buf},
-                    donate_argnums=0)
+    write = compile_options.jit(lambda buf, part, i: {k: jax.lax.dynamic_update_slice_in_dim(buf[k], part[k], i, 0)
+                                                      for k in buf},
+                                donate_argnums=0)
     buf = None
     for i in range(0, len(rows), batch_size):
         out = loop.target_outputs(src, cfg, jnp.asarray(rows[i:i + batch_size]), precision, offset)

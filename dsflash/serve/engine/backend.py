@@ -22,7 +22,6 @@ Protocol (all functions pure and jit-able; ``state`` is donated by the caller):
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 
 def load_model(name_or_path, **load_opts):
@@ -162,24 +161,12 @@ class ModelBackend:
 
     def propose(self, params, state, y, pos, slots, floor, temperature, keys):
         from dsflash.model import dspark
-        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-
-        def sampler(li, i):
-            greedy = jnp.argmax(li, axis=-1).astype(jnp.int32)
-
-            def sampled():
-                k = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
-                g = jax.vmap(lambda kk: jax.random.gumbel(kk, (li.shape[-1],), jnp.float32))(k)
-                return jnp.argmax(li / t + g, axis=-1).astype(jnp.int32)
-
-            # the V-wide Gumbel noise only when some row drafts at a temperature
-            s = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
-            return jnp.where(temperature > 0, s, greedy)
-
+        from dsflash.model.draft_sampler import draft_sampler, draft_temperature
         kw = {"routed_fn": self.routed_fn} if self.routed_fn is not None else {}
-        out = dspark.propose(params, self.cfg, state, y, pos + 1, slots, self._opts(), sampler=sampler,
-                             ring_floor=floor, **kw)
-        return out["drafts"], out["logits"] / t[:, :, None], out["confidence"]
+        out = dspark.propose(params, self.cfg, state, y, pos + 1, slots, self._opts(),
+                             sampler=draft_sampler(temperature, keys), ring_floor=floor, **kw)
+        # the distribution each draft was drawn from (what the verifier's rejection sampling compares against)
+        return out["drafts"], out["logits"] / draft_temperature(temperature)[:, :, None], out["confidence"]
 
     def global_kv_arrays(self, state):
         return [a for kind in ("main_kv", "index_k") for d in state[kind].values() for a in d.values()]

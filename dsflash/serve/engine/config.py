@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -104,7 +105,9 @@ class EngineConfig:
     mesh: Any = None                           # a spec such as "dep=2" or a Mesh (model names only)
     load_options: Optional[dict] = None        # more dsflash.load keywords (model names only)
     model_name: Optional[str] = None
-    compilation_cache: bool = True             # persistent XLA cache under ~/.cache/dsflash/jax
+    compilation_cache: bool = True             # persistent XLA cache (unless JAX's own cache dir is configured)
+    compilation_cache_dir: Optional[str] = None  # its folder; None: $DSFLASH_CACHE_DIR, else ~/.cache/dsflash/jax
+    compile_threads: Optional[int] = None      # threads compiling the programs at start-up; None: $DSFLASH_COMPILE_THREADS, else 1
 
     def __post_init__(self):
         self.validate()
@@ -143,6 +146,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not integer(v) or v < lo:
                 bad(name, f"must be an integer >= {lo}, got {v!r}")
+        if self.compile_threads is not None and (not integer(self.compile_threads) or self.compile_threads < 1):
+            bad("compile_threads", f"must be a positive integer or None, got {self.compile_threads!r}")
+        if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, (str, os.PathLike)):
+            bad("compilation_cache_dir", f"must be a path or None, got {self.compilation_cache_dir!r}")
         if self.num_pages is not None and (not integer(self.num_pages) or self.num_pages < 1):
             bad("num_pages", f"must be a positive integer or None, got {self.num_pages!r}")
         if self.precision is not None and self.precision not in PRECISIONS:

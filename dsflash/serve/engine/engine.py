@@ -38,7 +38,7 @@ class LLMEngine:
             options = {**{f: getattr(config, f) for f in config.__dataclass_fields__}, **options}
         self.config = c = EngineConfig.from_kwargs(**options)
         if c.compilation_cache:
-            R.enable_compilation_cache()
+            R.enable_compilation_cache(c.compilation_cache_dir)
         R.install_compile_listener()
         self.backend = be = make_backend(model, c)
         self.run_options = be.run_options() if hasattr(be, "run_options") else {}
@@ -87,7 +87,7 @@ class LLMEngine:
         self.memory["capacity_tokens"] = lay.num_pages * c.page_size
         self.memory["num_pages"] = lay.num_pages
         t1 = time.perf_counter()
-        self.runner.warmup()
+        self.runner.warmup(threads=c.compile_threads)
         self.warmup_time = time.perf_counter() - t1
         self.startup_time = time.perf_counter() - t0
         self._compiles_in_steps = 0

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsflash import compile_options, environment
 from dsflash.model.state import Batch
 from dsflash.serve.engine import sampling as S
 
@@ -72,12 +73,12 @@ def compile_events() -> list:
     return list(_compile_events["names"])
 
 
-def enable_compilation_cache():
-    """Persistent XLA compilation cache under ~/.cache/dsflash/jax unless the user configured one."""
+def enable_compilation_cache(path: str | None = None):
+    """Persistent XLA compilation cache in ``path`` (None: ``environment.compilation_cache_dir()``, i.e.
+    $DSFLASH_CACHE_DIR or ~/.cache/dsflash/jax) unless the user configured JAX's own cache folder."""
     try:
         if not jax.config.jax_compilation_cache_dir:
-            path = os.environ.get("DSFLASH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dsflash",
-                                                                        "jax")
+            path = os.fspath(path) if path is not None else environment.compilation_cache_dir()
             os.makedirs(path, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", path)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -182,9 +183,10 @@ class Runner:
         self.eplb_shape = getattr(backend, "eplb_shape", None)
         # a backend that placed its state on a DP mesh (ModelBackend with dp > 1): rows follow it
         self.mesh = mesh = getattr(backend, "mesh", None)
+        # compiled with compile_options.FAITHFUL (no excess precision: the FP8 / FP4 round trips stay), per program
         if mesh is None:
-            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2))
+            self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2))
+            self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2))
         else:
             from jax.sharding import NamedSharding, PartitionSpec
             from dsflash.sharding.rules import token_axes
@@ -194,8 +196,8 @@ class Runner:
             self.rows = jax.device_put(self.rows, self._row_sharding)
             out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
                    None)
-            self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
-            self._decode = jax.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
+            self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
+            self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
         self._compiled: dict = {}
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
         self.dp, self.eplb, self._executor = dp, eplb, None
@@ -523,12 +525,13 @@ class Runner:
     def warmup(self, threads: int | None = None):
         """Compile every bucket ahead of time (concurrently: XLA compiles release the GIL), then run each
         once with dummy rows (which write nothing). Serving calls the compiled executables directly, so a
-        shape outside the buckets is an error, never a silent recompile."""
+        shape outside the buckets is an error, never a silent recompile. ``threads``: compile threads (None:
+        ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``)."""
         from concurrent.futures import ThreadPoolExecutor
         jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
         jobs.append((("decode",), self._decode, self.empty_decode_inputs()))
         lowered = [(key, fn.lower(self.params, self.state, self.rows, self.place(inp))) for key, fn, inp in jobs]
-        threads = threads or int(os.environ.get("DSFLASH_COMPILE_THREADS", "1"))
+        threads = threads or environment.compile_threads()
         with ThreadPoolExecutor(threads) as ex:
             compiled = list(ex.map(lambda kl: (kl[0], kl[1].compile()), lowered))
         self._compiled = dict(compiled)

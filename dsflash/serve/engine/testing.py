@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dsflash.model.draft_sampler import draft_temperature, sample_draft
 
 
 
@@ -101,15 +102,9 @@ class ToyBackend:
         cur, before = y, prev
         for i in range(self.block):
             lg = params["E"][cur] + 0.5 * params["F"][before]
-            t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-            lg = lg / t
-            k = jax.vmap(lambda kk: jax.random.fold_in(kk, i))(keys)
-            g = jax.vmap(lambda kk: jax.random.gumbel(kk, (lg.shape[-1],)))(k)
-            samp = jnp.argmax(lg + g, -1).astype(jnp.int32)
-            greedy = jnp.argmax(lg, -1).astype(jnp.int32)
-            nxt = jnp.where(temperature > 0, samp, greedy)
+            nxt = sample_draft(lg, i, temperature, keys)          # the one draft sampler (model/draft_sampler.py)
             outs.append(nxt)
-            lgs.append(lg)
+            lgs.append(lg / draft_temperature(temperature))
             before, cur = cur, nxt
         return jnp.stack(outs, 1), jnp.stack(lgs, 1), jnp.zeros((B, self.block), jnp.float32)
 
