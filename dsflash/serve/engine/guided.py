@@ -50,6 +50,8 @@ def grammar_of(spec: GuidedDecoding) -> str:
     if kind == "json_object":
         return M.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     if kind == "regex":
+        if not isinstance(spec.regex, str) or not spec.regex:
+            raise ValueError(f"{spec.field}: must be a non-empty string")
         return M.grammar_from_regex(spec.regex)
     if kind == "choice":
         ch = spec.choice

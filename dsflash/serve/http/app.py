@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from dsflash.serve.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestStream
-from dsflash.serve.http import chat_io
+from dsflash.serve.http import chat_io, structured
 from dsflash.serve.http.errors import (APIError, error_body, install_error_handlers, validation_error_to_api,
                                         value_error_to_api)
 from dsflash.serve.http.metrics import RequestTimer, ServerMetrics
@@ -457,6 +457,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
             texts.append(None)
     max_toks = [_max_tokens(st, req.max_tokens, len(p), "max_tokens", "prompt") for p in prompts]
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
+    params0 = structured.attach(params0, req)            # guided_* / structured_outputs (400 naming the field)
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
         streams = await _submit(st, base, prompts, params0, n, arrival, dp_rank, req.kv_transfer_params)
@@ -577,6 +578,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")
     params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None, tok.vocab_size)
+    params = structured.attach(params, req, thinking=thinking, tools=tools)   # response_format, tool_choice, ...
     base = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _submit(st, base, [ids], params, n, arrival, dp_rank, req.kv_transfer_params)
     created = int(time.time())
