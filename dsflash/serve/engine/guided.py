@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -103,6 +104,10 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+# process-wide host cost of the masks (read by ``python -m dsflash.bench guided``)
+STATS = {"masks": 0, "mask_s": 0.0}
+
+
 class Guide:
     """One sequence's matcher. ``fill`` / ``accept`` / ``done``, see the module doc."""
 
@@ -126,7 +131,10 @@ class Guide:
             row[:] = 0
             row[self.eos // 32] = np.int32(np.uint32(1 << (self.eos % 32)).view(np.int32))
             return
+        t0 = time.perf_counter()
         m = np.frombuffer(self.matcher.compute_bitmask(), np.int32)
+        STATS["mask_s"] += time.perf_counter() - t0
+        STATS["masks"] += 1
         n = min(self.W, m.shape[0])
         row[:n] = m[:n]
         row[n:] = 0
