@@ -14,6 +14,7 @@ VARIABLES = {
     "JAX_PLATFORMS": ("foreign", "dsflash/sharding/mesh.py",
                       "JAX's platform choice: a CPU-only multi-process run initialises jax.distributed for CPU"),
     "DSFLASH_API_KEY": ("secret", "dsflash/serve/__main__.py", "default of --api-key"),
+    "DSFLASH_ROUTER_API_KEY": ("secret", "dsflash/serve/router.py", "default of the router's --api-key"),
     "DSFLASH_PD_SECRET": ("secret", "dsflash/serve/pd/trust.py",
                           "the shared P/D secret when neither --pd-secret-file nor --pd-secret is given"),
     "OPENAI_API_KEY": ("secret", "dsflash/bench/serve.py", "default of --api-key (the openai client's convention)"),

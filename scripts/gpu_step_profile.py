@@ -8,7 +8,8 @@ in this run). One call, a short table last; everything in $OUT/step_profile.json
 Variants: ``new`` = the code as it is; ``old`` = the dense linears / head / gate / compressor with fp32-widened
 operands (``layers.tensor_cores`` forced False: the pre-change path, for the A/B in the same run); ``fp8lin`` = the
 dense FP8 linears through the Triton FP8-weight kernel at every row count and weight size; ``fp8big`` = only the
-weights of >= 16 M elements (wq_b, wo_b) at <= 384 rows; ``fp8off`` = none of them (XLA's dequantised copy).
+weights of >= 16 M elements (wq_b, wo_b) at <= 384 rows; ``fp8off`` = none of them (XLA's dequantised copy); ``fp8grp`` = the default plus the grouped wo_a
+launch (``fp8_linear.GROUPED``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def main():
     real_tc = layers.tensor_cores
     from dsflash.kernels import dispatch, fp8_linear
     real_fp8 = (dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS)
+    real_grouped = fp8_linear.GROUPED
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0)}
@@ -79,6 +81,7 @@ def main():
         for var in a.variants.split(","):
             layers.tensor_cores = (lambda: False) if var == "old" else real_tc
             dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = fp8_gates.get(var, real_fp8)
+            fp8_linear.GROUPED = var == "fp8grp" or real_grouped
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():
@@ -140,6 +143,7 @@ def main():
                 json.dump(res, f, indent=1, default=str)
     layers.tensor_cores = real_tc
     dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = real_fp8
+    fp8_linear.GROUPED = real_grouped
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"

@@ -105,6 +105,47 @@ def check_nan(M=6, K=256, N=96, seed=12, config="decode"):
     return ok
 
 
+def check_grouped(M=6, K=256, G=2, Ng=64, *, config="decode", seed=14, exact=False, mutate=None, expect_ok=True):
+    """Block-diagonal launch (``groups`` G, V4.1's wo_a: 8 groups of [1024, 4096], bf16 activations without the
+    round trip): x [M, G K], w [G Ng, K]; group g's outputs against the reference on x's g-th K slice and the
+    weight's g-th row block (the model's grouped einsum), the same bounds as ``check``. Mutant "swap": x's two group
+    slices exchanged before the kernel (a wrong group offset) must fail."""
+    sys.modules["jax_triton"] = _JtShim
+    x, w, s = problem(M, G * K, G * Ng, seed, exact)
+    w, s = w[:, :K], s[:, :K // 32]                      # [G Ng, K] and its scales
+    xk = x if mutate != "swap" else jnp.concatenate([x[:, K:2 * K], x[:, :K], x[:, 2 * K:]], axis=1)
+    cfg = ft.NAMED_CONFIGS[config]
+    y32 = np.asarray(ft.fp8_linear_triton(xk, w, s, act_quant=False, config=cfg, out_f32=True, decode=0,
+                                          groups=G)).astype(np.float32)
+    y16 = np.asarray(ft.fp8_linear_triton(xk, w, s, act_quant=False, config=cfg, decode=0, groups=G)
+                     ).astype(np.float32)
+    wd = np.asarray(quant.dequant_fp8_weight(w, s, jnp.float32), np.float64)
+    xa = np.asarray(x.astype(jnp.float32), np.float64)
+    refs, ex, ab = [], [], []
+    for g in range(G):
+        xg, rows = x[:, g * K:(g + 1) * K], slice(g * Ng, (g + 1) * Ng)
+        refs.append(np.asarray(fp8_linear.fp8_linear_reference(xg, w[rows], s[g * Ng // 32:(g + 1) * Ng // 32],
+                                                               act_quant=False)).astype(np.float32))
+        ex.append(xa[:, g * K:(g + 1) * K] @ wd[rows].T)
+        ab.append(np.abs(xa[:, g * K:(g + 1) * K]) @ np.abs(wd[rows]).T)
+    ref, exact64, bound = np.concatenate(refs, 1), np.concatenate(ex, 1), K * 2.0 ** -24 * np.concatenate(ab, 1)
+    err32 = np.abs(y32 - exact64)
+    rne = np.asarray(jnp.asarray(y32).astype(jnp.bfloat16).astype(jnp.float32))
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ref), 2.0 ** -126))) - 7)
+    same = float(np.mean(y16 == ref))
+    if exact:
+        ok = bool(np.array_equal(y16, ref)) and bool(np.array_equal(y32, exact64))
+    else:
+        ok = bool(np.all(err32 <= bound)) and bool(np.array_equal(y16, rne)) and \
+            bool(np.all(np.abs(y16 - ref) <= ulp)) and same >= 0.99
+    pl = ft.plan(cfg, M, G * Ng, K, G)
+    print(f"grouped G={G} M={M} K={K} Ng={Ng} cfg={config} plan=BM{pl['BM']} BN{pl['BN']} KS{pl['KS']} "
+          f"{'exact ' if exact else ''}{'mutant ' + mutate if mutate else ''}: fp32 max err / bound "
+          f"{np.max(err32 / np.maximum(bound, 1e-30)):.3g}, bf16 equal to ref {same:.4f} -> "
+          f"{'ok' if ok else 'MISMATCH'}" + ("" if ok == expect_ok else "   <-- UNEXPECTED"))
+    return ok == expect_ok
+
+
 CHECKS = {
     "ref.m1": lambda: check(1),
     "ref.m6": lambda: check(6),
@@ -123,6 +164,11 @@ CHECKS = {
     "nan.prefill": lambda: check_nan(M=40, config="prefill"),
     "mutant.scale": lambda: check(6, seed=10, mutate="scale", expect_ok=False),
     "mutant.no_rt": lambda: check(6, seed=11, mutate="no_rt", expect_ok=False),
+    "grouped.m6": lambda: check_grouped(),
+    "grouped.m40.g4": lambda: check_grouped(40, K=128, G=4, Ng=32, seed=15),
+    "grouped.m40.prefill": lambda: check_grouped(40, config="prefill", seed=16),
+    "grouped.exact.m6": lambda: check_grouped(exact=True, seed=17),
+    "mutant.grouped.swap": lambda: check_grouped(seed=18, mutate="swap", expect_ok=False),
 }
 
 

@@ -67,6 +67,7 @@ def test_real_model_prefix_cache(spec_engine):
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eng.reset_prefix_cache()
     miss = run_all(eng, [("m", base + [7, 8], sp)])["m"].outputs[0].token_ids
+    eng.prefix_cache_mode = "replay"          # the replays themselves (exact mode: tests/test_engine_prefix_exact.py)
     for mode in ("exact", "bounded"):
         eng.prefix_replay = mode
         eng.reset_prefix_cache()
@@ -79,6 +80,7 @@ def test_real_model_prefix_cache(spec_engine):
         else:   # SPEC §6.1 bounded replay is an approximation: same length, reported agreement only
             assert len(hit.outputs[0].token_ids) == len(miss)
     eng.prefix_replay = "bounded"
+    eng.prefix_cache_mode = "exact"
 
 
 def test_real_model_text_api_stop_strings_and_chat(spec_engine):

@@ -58,10 +58,15 @@ def fakes(monkeypatch):
         calls["mhc"].append(X.shape[0])
         return mf.mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)
 
-    def fp8(x, w, s, *, precision="reference", act_quant=True):
+    def fp8(x, w, s, *, precision="reference", act_quant=True, groups=1):
         from dsflash.model import layers
         calls["fp8_linear"].append(x.size // x.shape[-1])
-        return layers.linear_fp8(x, {"w.weight": w, "w.scale": s}, "w", precision, act_quant)   # the XLA path
+        p = {"w.weight": w, "w.scale": s}
+        if groups == 1:
+            return layers.linear_fp8(x, p, "w", precision, act_quant)                             # the XLA path
+        assert not act_quant
+        xg = x.reshape(*x.shape[:-1], groups, -1)
+        return layers.linear_fp8_grouped(xg, p, "w", precision).reshape(*x.shape[:-1], -1)
 
     install("fp8_linear_triton", fp8_linear_triton=fp8)
     install("moe_gemm_triton", routed_moe_triton=moe)

@@ -113,6 +113,47 @@ def test_linear_fp8_routes_through_the_gate(monkeypatch):
     assert len(calls) == n
 
 
+def test_grouped_linear_routes_through_the_gate(monkeypatch):
+    """layers.linear_fp8_grouped (wo_a): the kernel's grouped launch inside the gate (x flattened to [..., G K],
+    act_quant False, groups G), the grouped einsum elsewhere; that einsum is the pre-existing model code."""
+    import types
+    from dsflash.model import layers
+    calls = []
+    fake = types.SimpleNamespace(fp8_linear_triton=lambda x, w, s, **kw: calls.append((x.shape, kw)) or
+                                 jnp.zeros((*x.shape[:-1], w.shape[0]), jnp.bfloat16))
+    x, w, s = _problem((2, 3, 4 * 64), 4 * 32)                  # K 64 per group, 4 groups of 32 outputs
+    w, s = w[:, :64], s[:, :2]
+    params = {"l.weight": w, "l.scale": s}
+    xg = x.reshape(2, 3, 4, 64)
+    want = jnp.einsum("bsgk,gok->bsgo", xg.astype(jnp.bfloat16),
+                      quant.dequant_fp8_weight(w, s, jnp.bfloat16).reshape(4, 32, 64),
+                      preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(layers.linear_fp8_grouped(xg, params, "l", "reference"), np.float32),
+                                  np.asarray(want, np.float32))
+    monkeypatch.setitem(sys.modules, "dsflash.kernels.fp8_linear_triton", fake)
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "resolve_backend", lambda b, what="backend": "xla" if b == "xla" else "triton")
+    assert fp8_linear.GROUPED is False                      # opt-in until a GPU run
+    layers.linear_fp8_grouped(xg, params, "l", "reference", backend="auto")
+    assert calls == []
+    monkeypatch.setattr(fp8_linear, "GROUPED", True)
+    y = layers.linear_fp8_grouped(xg, params, "l", "reference", backend="auto")
+    assert y.shape == (2, 3, 4, 32)
+    assert calls == [((2, 3, 256), {"precision": "reference", "act_quant": False, "groups": 4})]
+    layers.linear_fp8_grouped(xg, params, "l", "reference")                                      # backend "xla"
+    layers.linear_fp8_grouped(jnp.zeros((400, 4, 64), jnp.bfloat16), params, "l", "reference", backend="auto")
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_grouped_plan():
+    from dsflash.kernels import fp8_linear_triton as ft
+    p = ft.plan(ft.NAMED_CONFIGS["decode"], 6, 8192, 4096, groups=8)       # V4.1's wo_a
+    assert (1024 // p["BN"]) * p["BN"] == 1024 and p["grid"][1] == 8192 // p["BN"]
+    with pytest.raises(ValueError, match="groups"):
+        ft.plan(ft.NAMED_CONFIGS["decode"], 6, 8192 + 32, 4096, groups=8)
+
+
 SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b": (5120, 8192),
           "wo_a": (8192, 4096), "sh_w13": (2304, 5120), "sh_w2": (5120, 2304)}
 

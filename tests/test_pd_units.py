@@ -218,3 +218,17 @@ def test_pd_processes_refuse_to_start_without_the_secret(argv, needs):
     p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-500:])
     assert needs in p.stderr and "error:" in p.stderr
+
+
+def test_pd_state_reaches_the_engine_on_the_envelope_only_with_a_live_ticket():
+    """The P/D async engine finds a request's verified P/D state through the ticket the middleware put into the
+    envelope's kv_transfer_params (no context variable); a client's guessed or stale ticket finds nothing."""
+    from dsflash.serve.pd.server import TICKET, PDRequest, PDState
+    from dsflash.serve.pd.trust import PDTrust
+
+    pd = PDState(object(), "decode", trust=PDTrust(KEY, [PEER]))
+    req = PDRequest({"do_remote_prefill": True}, "fail")
+    pd.tickets["t" * 32] = req
+    assert pd.request_of({"do_remote_prefill": True, TICKET: "t" * 32}) is req
+    for forged in ({TICKET: "u" * 32}, {TICKET: 7}, {}, None, {"do_remote_prefill": True}):
+        assert pd.request_of(forged) is None

@@ -392,14 +392,34 @@ def _roof(bytes_, flops, ceilings):
     return max(bytes_ / (max(ceilings["copy_TBps"], 1e-9) * 1e12), flops / (max(ceilings["bf16_TFLOPs"], 1e-9) * 1e12))
 
 
+def loop_floor_op(op, varying, fixed):
+    """An op with ``op``'s output shape and dtype that does no work (one broadcast of an input element): timed in the
+    same ``time_jax_loop`` it gives the loop's own per-iteration cost (run 20, H200: ~25-30 us, the device
+    ``fori_loop``'s predicate round trip plus the output sum), which small kernels' times include."""
+    import jax
+    import jax.numpy as jnp
+    out = jax.eval_shape(op, *(v[0] for v in varying), *fixed)
+    return lambda *a: jnp.broadcast_to(a[0].reshape(-1)[0].astype(out.dtype), out.shape)
+
+
 def _time_pair(row, ops, varying, fixed, args, log):
-    """Time each named op (same inputs) into row[name + '_s'], then the ratios to the first ('triton')."""
+    """Time each named op (same inputs) into row[name + '_s'], then the ratios to the first ('triton'). Also the
+    loop's own floor (``loop_floor_s``) and each time less it (``name + '_net_s'``); the ratios stay on whole times."""
     for name, op in ops.items():
         try:
             row[name + "_s"], _ = time_jax_loop(op, varying, fixed, reps=args.reps)
         except Exception as e:  # noqa: BLE001
             row[name + "_error"] = repr(e)[:400]
             log(traceback.format_exc()[-1500:])
+    try:
+        floor, _ = time_jax_loop(loop_floor_op(next(iter(ops.values())), varying, fixed), varying, fixed,
+                                 reps=args.reps)
+        row["loop_floor_s"] = floor
+        for name in ops:
+            if row.get(name + "_s"):
+                row[name + "_net_s"] = max(row[name + "_s"] - floor, 0.0)
+    except Exception as e:  # noqa: BLE001
+        row["loop_floor_error"] = repr(e)[:400]
     t = row.get("triton_s")
     if t:
         row["frac_of_roofline"] = row["roofline_s"] / t

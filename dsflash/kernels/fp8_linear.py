@@ -29,6 +29,9 @@ from dsflash import quant
 # Weights smaller than this (N K elements) stay on XLA even inside the gate's rows (``layers.linear_fp8`` passes the
 # shape). 0: run 21 had the kernel ahead in the step for every dense linear of V4.1 ("fp8lin" beat "fp8big").
 MIN_WEIGHT_ELEMENTS = 0
+# The grouped launch (V4.1's wo_a: ``layers.linear_fp8_grouped``) is checked in the interpreter and compiled for
+# sm_90 but has not run on a GPU: off until it has (scripts/gpu_step_profile.py's "fp8grp" variant turns it on).
+GROUPED = False
 PRECISIONS = ("reference", "bf16")      # what the kernel implements
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -67,10 +70,11 @@ def rows_of(x) -> int:
     return math.prod(x.shape[:-1])
 
 
-def use_triton(backend, rows: int, precision: str, *, force: bool = False, scale=True, weight_shape=None) -> bool:
+def use_triton(backend, rows: int, precision: str, *, force: bool = False, scale=True, weight_shape=None,
+               grouped: bool = False) -> bool:
     """``dispatch.use_triton("fp8_linear", ...)`` at M = ``rows``, and ``MIN_WEIGHT_ELEMENTS`` when the weight's shape
-    is given. Float master weights (``scale`` None) always take the reference."""
-    if scale is None:
+    is given (``GROUPED`` for a grouped launch). Float master weights (``scale`` None) always take the reference."""
+    if scale is None or (grouped and not (GROUPED or force)):
         return False
     if not force and weight_shape is not None and math.prod(weight_shape) < MIN_WEIGHT_ELEMENTS:
         return False

@@ -67,10 +67,10 @@ def _to_bf16(v, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, rows_c, k0, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ACT_RT: tl.constexpr):
-    """x rows [BM, BK] at K offset k0 as bf16 (ACT_RT: after the FP8 round trip; exact either way). rows_c are
-    clamped to valid rows (the padded rows' results are never stored)."""
-    xt = tl.load(x_ptr + rows_c[:, None] * K + k0 + tl.arange(0, BK)[None, :])
+def _x_tile(x_ptr, rows_c, k0, XS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ACT_RT: tl.constexpr):
+    """x rows [BM, BK] at K offset k0 as bf16 (ACT_RT: after the FP8 round trip; exact either way); XS is the row
+    stride. rows_c are clamped to valid rows (the padded rows' results are never stored)."""
+    xt = tl.load(x_ptr + rows_c[:, None] * XS + k0 + tl.arange(0, BK)[None, :])
     if ACT_RT:
         xt = _fp8_rt(xt.to(tl.float32), BM, BK).to(tl.bfloat16)
     return xt
@@ -92,12 +92,18 @@ def _w_tile(w_ptr, s_ptr, offs_n, k0, K: tl.constexpr, BN: tl.constexpr, BK: tl.
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
                        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                       SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr):
+                       SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr,
+                       G: tl.constexpr = 1):
     """One (row tile, N block, K chunk). KS == 1: o [M, N] (bf16, or fp32 with OUT_F32); KS > 1: fp32 partials
-    o [KS, M, N] for ``_fp8_linear_reduce``."""
+    o [KS, M, N] for ``_fp8_linear_reduce``. G > 1: block-diagonal (V4.1's grouped wo_a): x is [M, G K], output
+    features [g N / G, (g + 1) N / G) read only x's g-th K slice (BN divides N / G, so a program sees one group)."""
     pm = tl.program_id(0)
     nb = tl.program_id(1)
     ks = tl.program_id(2)
+    XS: tl.constexpr = K * G                    # x's row stride
+    if G > 1:
+        NG: tl.constexpr = N // G
+        x_ptr = x_ptr + ((nb * BN) // NG) * K
     rows = pm * BM + tl.arange(0, BM)
     rmask = rows < M
     rows_c = tl.minimum(rows, M - 1).to(tl.int64)
@@ -109,14 +115,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
         for i in tl.range(0, KCH // BK):
             k0 = kbeg + i * BK
             w = _w_tile(w_ptr, s_ptr, offs_n, k0, K, BN, BK)
-            xt = _x_tile(x_ptr, rows_c, k0, K, BM, BK, ACT_RT)
+            xt = _x_tile(x_ptr, rows_c, k0, XS, BM, BK, ACT_RT)
             acc_t += _dot_bf16(w, tl.trans(xt), DECODE)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros((BM, BN), tl.float32)
         for i in tl.range(0, KCH // BK):
             k0 = kbeg + i * BK
-            xt = _x_tile(x_ptr, rows_c, k0, K, BM, BK, ACT_RT)
+            xt = _x_tile(x_ptr, rows_c, k0, XS, BM, BK, ACT_RT)
             w = _w_tile(w_ptr, s_ptr, offs_n, k0, K, BN, BK)
             acc += _dot_bf16(xt, tl.trans(w), DECODE)
     offs = rows[:, None].to(tl.int64) * N + offs_n[None, :]
@@ -189,12 +195,13 @@ def _pow2_divisor(n, cap):
     return b
 
 
-def plan(cfg: Fp8LinearConfig, M: int, N: int, K: int) -> dict:
-    """Block sizes, K split and grid of one call (pure Python; tests/test_kernels_fp8_linear.py)."""
-    if N % 32 or K % 32:
-        raise ValueError(f"N={N} and K={K} must be multiples of 32 (the scale blocks)")
+def plan(cfg: Fp8LinearConfig, M: int, N: int, K: int, groups: int = 1) -> dict:
+    """Block sizes, K split and grid of one call (pure Python; tests/test_kernels_fp8_linear.py). ``groups``: N output
+    features in that many diagonal blocks of N / groups (each over its own K slice of x)."""
+    if N % groups or (N // groups) % 32 or K % 32:
+        raise ValueError(f"N={N} / groups={groups} and K={K} must be multiples of 32 (the scale blocks)")
     BM = cfg.BM or min(cfg.BM_MAX, max(16, 1 << max(0, M - 1).bit_length()))
-    BN = _pow2_divisor(N, min(cfg.BN, N))
+    BN = _pow2_divisor(N // groups, min(cfg.BN, N // groups))
     BK = _pow2_divisor(K, min(cfg.BK, K))
     steps = K // BK
     tiles = -(-M // BM) * (N // BN)
@@ -225,10 +232,10 @@ def named_config(name: str) -> Fp8LinearConfig:
 
 
 # ------------------------------------------------------------------------------------------ launcher
-def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1):
-    M, K = x2.shape
+def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1, groups=1):
+    M, K = x2.shape[0], x2.shape[1] // groups
     N = w8.shape[0]
-    pl = plan(cfg, M, N, K)
+    pl = plan(cfg, M, N, K, groups)
     KS = pl["KS"]
     odt = jnp.float32 if (out_f32 or KS > 1) else jnp.bfloat16
     oshape = (KS, M, N) if KS > 1 else (M, N)
@@ -236,7 +243,7 @@ def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1):
         x2, w8, s8, kernel=_fp8_linear_kernel, out_shape=jax.ShapeDtypeStruct(oshape, odt),
         grid=pl["grid"], num_warps=cfg.warps, num_stages=cfg.stages,
         M=M, N=N, K=K, BM=pl["BM"], BN=pl["BN"], BK=pl["BK"], KS=KS, SWAP=int(cfg.swap), ACT_RT=int(act_rt_kernel),
-        OUT_F32=int(out_f32), DECODE=decode)
+        OUT_F32=int(out_f32), DECODE=decode, **({"G": groups} if groups > 1 else {}))
     if KS == 1:
         return o
     BR = min(16, 1 << max(0, M - 1).bit_length())
@@ -253,27 +260,30 @@ def _as_u8(a):
 
 
 def fp8_linear_triton(x, w, scale, *, precision="reference", act_quant=True, config=None, out_f32=False,
-                      decode=1):
+                      decode=1, groups=1):
     """Always runs the kernel (the front-end ``fp8_linear.fp8_linear`` decides whether to). ``config``: an
     ``Fp8LinearConfig`` or a NAMED_CONFIGS name (default ``pick_config(M)``); ``out_f32``: return the fp32 result
-    before the bf16 rounding (tests); ``decode`` 0 only for Triton's interpreter."""
+    before the bf16 rounding (tests); ``decode`` 0 only for Triton's interpreter. ``groups`` G > 1: x [..., G K] and
+    w [G No, K] applied block-diagonally (group g's No outputs from x's g-th K slice) -> [..., G No]."""
     if precision not in ("reference", "bf16"):
         raise NotImplementedError(f"the FP8 linear kernel implements 'reference' and 'bf16', not {precision!r}")
     if scale is None:
         raise ValueError("the kernel needs the UE8M0 block scales (float master weights: use the reference)")
     import jax_triton as jt  # lazy: GPU only
 
-    *lead, K = x.shape
+    *lead, KT = x.shape
     N = w.shape[0]
-    if w.shape != (N, K) or scale.shape != (N // 32, K // 32):
-        raise ValueError(f"w {w.shape} / scale {scale.shape} do not match x [..., {K}] (want [N, {K}], "
-                         f"[N/32, {K // 32}])")
+    K = KT // groups
+    if KT % groups or w.shape != (N, K) or scale.shape != (N // 32, K // 32) or N % groups:
+        raise ValueError(f"w {w.shape} / scale {scale.shape} do not match x [..., {KT}] in {groups} group(s) (want "
+                         f"[N, {K}] with N divisible by {groups}, [N/32, {K // 32}])")
     M = math.prod(lead)
     cfg = NAMED_CONFIGS[config] if isinstance(config, str) else (config or pick_config(M))
-    x2 = x.reshape(M, K).astype(jnp.bfloat16)
+    x2 = x.reshape(M, KT).astype(jnp.bfloat16)
     rt = precision == "reference" and act_quant
-    in_kernel = rt and act_rt_in_kernel(cfg, plan(cfg, M, N, K)["BM"])
+    in_kernel = rt and act_rt_in_kernel(cfg, plan(cfg, M, N, K, groups)["BM"])
     if rt and not in_kernel:
         x2 = quant.fp8_roundtrip(x2, 32)
-    y = _launch(jt, x2, _as_u8(w), _as_u8(scale), cfg=cfg, act_rt_kernel=in_kernel, out_f32=out_f32, decode=decode)
+    y = _launch(jt, x2, _as_u8(w), _as_u8(scale), cfg=cfg, act_rt_kernel=in_kernel, out_f32=out_f32, decode=decode,
+                groups=groups)
     return y if len(lead) == 1 else y.reshape(*lead, N)

@@ -18,7 +18,8 @@ from dsflash.kernels import indexer_topk as ik
 from dsflash.kernels.sparse_attention import sparse_sink_attention
 from dsflash import quant
 from dsflash.model import state as st
-from dsflash.model.layers import act_dtype, apply_rope, linear_bf16, linear_f32, linear_fp8, rms_norm, rope_freqs
+from dsflash.model.layers import (act_dtype, apply_rope, linear_bf16, linear_f32, linear_fp8, linear_fp8_grouped, rms_norm,
+                                  rope_freqs)
 
 
 @dataclass
@@ -110,13 +111,9 @@ def project_window_kv(params, p, x, cfg, ctx, omega):
 
 def output_projection(params, p, o, cfg, ctx, omega):
     """o [B, S, H, Dh] -> inverse RoPE -> grouped wo_a (bf16, no act quant) -> wo_b (FP8) -> [B, S, d]."""
-    dt = act_dtype(ctx.precision)
     o = apply_rope(o, ctx.pos[..., None], omega, inverse=True)
-    G = cfg.o_groups
-    o = o.reshape(*o.shape[:2], G, -1)
-    wo_a = quant.dequant_fp8_weight(params[f"{p}.wo_a.weight"], params.get(f"{p}.wo_a.scale"), dt)
-    wo_a = wo_a.reshape(G, cfg.o_lora_rank, -1)
-    h = jnp.einsum("bsgk,gok->bsgo", o.astype(dt), wo_a, preferred_element_type=jnp.float32).astype(dt)
+    o = o.reshape(*o.shape[:2], cfg.o_groups, -1)
+    h = linear_fp8_grouped(o, params, f"{p}.wo_a", ctx.precision, backend=ctx.backend)
     return linear_fp8(h.reshape(*h.shape[:2], -1), params, f"{p}.wo_b", ctx.precision, backend=ctx.backend)
 
 

@@ -66,6 +66,26 @@ def linear_fp8(x, params, name, precision, act_quant=True, backend="xla"):
     return _dot(xa, w.T, precision).astype(dt)
 
 
+def linear_fp8_grouped(x, params, name, precision, backend="xla"):
+    """x [..., G, K] through the G diagonal blocks of an FP8-stored [G No, K] weight -> [..., G, No], activations in
+    the run's dtype without the FP8 round trip (V4.1's grouped wo_a). ``backend`` as ``linear_fp8`` (the kernel's
+    grouped launch: one program per (row tile, output block) reads only its group's K slice; opt-in until measured
+    on a GPU, ``kernels.fp8_linear.GROUPED``)."""
+    dt = act_dtype(precision)
+    *lead, G, K = x.shape
+    w8, scale = params[f"{name}.weight"], params.get(f"{name}.scale")
+    if backend != "xla" and scale is not None:
+        from dsflash.kernels import fp8_linear
+        if fp8_linear.use_triton(backend, math.prod(lead), precision, scale=scale, weight_shape=w8.shape,
+                                 grouped=True):
+            from dsflash.kernels import fp8_linear_triton  # lazy: needs a CUDA GPU and jax-triton
+            y = fp8_linear_triton.fp8_linear_triton(x.reshape(*lead, G * K), w8, scale, precision=precision,
+                                                    act_quant=False, groups=G)
+            return y.reshape(*lead, G, -1)
+    w = quant.dequant_fp8_weight(w8, scale, dt).reshape(G, -1, K)
+    return jnp.einsum("...gk,gok->...go", x.astype(dt), w, preferred_element_type=jnp.float32).astype(dt)
+
+
 def linear_bf16(x, w, precision, out_dtype=None):
     """A bf16-stored linear without activation quantisation."""
     dt = act_dtype(precision)

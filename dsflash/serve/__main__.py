@@ -16,6 +16,16 @@ import time
 DEFAULT_MODEL = "demo"
 
 
+def _size(text: str) -> int:
+    """Bytes from '123', '256K', '256M', '2G' (powers of 1024)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dsflash.serve",
@@ -46,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kernels of the compiled programs: 'auto' = Triton on a CUDA GPU when jax-triton "
                         "imports, else XLA; 'xla' = the pure-JAX references; 'triton' = the GPU kernels")
     g.add_argument("--seed", type=int, default=0, help="engine seed (weights of presets, unseeded sampling)")
+    # prefix cache (docs/server.md "Prefix caching")
+    g.add_argument("--prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV of prompt prefixes seen before (usage.prompt_tokens_details."
+                                      "cached_tokens)")
+    g.add_argument("--prefix-cache-mode", default="exact", choices=["exact", "replay"],
+                   help="'exact': a hit restores the window state kept at the block boundary and answers exactly "
+                        "as a miss; 'replay': a hit rebuilds it by the approximate one-window replay (SPEC 6.1)")
+    g.add_argument("--prefix-snapshot-bytes", type=_size, default=256 * 2**20,
+                   help="device memory for the exact mode's state snapshots (e.g. 268435456, 256M, 1G; 0 = none: "
+                        "every hit replays)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the chosen one is printed)")
@@ -56,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT: seconds to let in-flight requests finish before aborting them")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and uvicorn")
+    # --- request hardening (issue 21): body limit, tokenizer pool ---
+    s.add_argument("--max-request-body-bytes", type=int, default=32 << 20,
+                   help="largest request body in bytes; a larger one gets HTTP 413 while it is being read")
+    s.add_argument("--tokenizer-threads", type=int, default=2,
+                   help="threads that tokenise prompts and render chats off the event loop")
+    # --- end request hardening ---
     from dsflash.serve.pd.cli import add_cli_arguments
     add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
     return p
@@ -151,17 +177,34 @@ def main(argv=None) -> int:
     kernels = getattr(engine.engine, "kernels_line", None)
     if kernels:                    # which kernels the compiled programs use (the request for --backend)
         print(f"dsflash.serve: {kernels}", flush=True)
-    app = build_app(engine, served, api_key=args.api_key)
+    app = build_app(engine, served, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    tokenizer_threads=args.tokenizer_threads)
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd
         install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,
                    pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust)
+
+    import threading
+    drain = {"timer": None, "aborted": 0}
+
+    def drain_deadline():
+        # streams still open get finish_reason "abort", an error event and [DONE] before uvicorn closes them
+        from dsflash.serve.async_engine import RequestAbortedError
+        n = engine.fail_in_flight(RequestAbortedError(
+            f"server shut down: the drain timeout ({args.drain_timeout:g}s) passed before the request finished"))
+        drain["aborted"] = n
+        if n:
+            log.warning("drain timeout: aborted %d request(s) still in flight", n)
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             if not engine.is_draining:
                 log.info("signal %s: draining (no new requests; up to %.0fs for %d in flight)",
                          sig, args.drain_timeout, engine.num_in_flight)
+            if drain["timer"] is None:
+                drain["timer"] = threading.Timer(args.drain_timeout, drain_deadline)
+                drain["timer"].daemon = True
+                drain["timer"].start()
             engine.begin_drain()
             super().handle_exit(sig, frame)
             # a drained shutdown is a clean exit (status 0): do not let uvicorn re-raise the signal
@@ -169,7 +212,8 @@ def main(argv=None) -> int:
             if isinstance(captured, list):
                 captured.clear()
 
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout,
+    # uvicorn's own deadline comes after ours, so aborted streams can still send their last events
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 3,
                             timeout_keep_alive=5, access_log=args.log_level == "debug")
     server = _Server(config)
     print(f"dsflash.serve: model {served!r} ready in {time.time() - t0:.1f}s; listening on {url} "
@@ -178,8 +222,13 @@ def main(argv=None) -> int:
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
+        if drain["timer"] is not None:
+            drain["timer"].cancel()
         engine.shutdown()
         sock.close()
+    if drain["aborted"]:       # not a clean drain: say so in the exit status
+        print(f"dsflash.serve: stopped; {drain['aborted']} request(s) aborted at the drain timeout", flush=True)
+        return 3
     print("dsflash.serve: stopped", flush=True)
     return 0
 

@@ -131,6 +131,7 @@ class AsyncEngine:
         self._inbox_add: list[_Submit] = []
         self._inbox_abort: list[str] = []
         self._stop = False
+        self._fail_with: Optional[BaseException] = None     # fail_in_flight(): abort and fail what is live
         self._draining = False
         self._thread: Optional[threading.Thread] = None
         self._ready = threading.Event()
@@ -179,6 +180,15 @@ class AsyncEngine:
         self._draining = True
         with self._cv:
             self._cv.notify_all()
+
+    def fail_in_flight(self, exc: BaseException) -> int:
+        """Abort every request in flight and end its stream with ``exc`` (the drain deadline), on the engine
+        thread's next turn; new requests are refused. Thread/signal-safe; returns how many were in flight."""
+        self._draining = True
+        with self._cv:
+            self._fail_with = exc
+            self._cv.notify_all()
+        return len(self._live)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything still in flight and stop the engine thread."""
@@ -285,11 +295,19 @@ class AsyncEngine:
         has_work = False
         while True:
             with self._cv:
-                if not (self._inbox_add or self._inbox_abort or has_work or self._stop):
+                if not (self._inbox_add or self._inbox_abort or has_work or self._stop or self._fail_with):
                     self._cv.wait(self._idle_wait_s)
                 adds, self._inbox_add = self._inbox_add, []
                 aborts, self._inbox_abort = self._inbox_abort, []
                 stop = self._stop
+                fail, self._fail_with = self._fail_with, None
+            if fail is not None:
+                for rid in list(self._live):
+                    try:
+                        eng.abort_request(rid)
+                    except Exception:  # noqa: BLE001
+                        log.exception("abort of %s at the drain deadline failed", rid)
+                self._fail_all(fail)
             for rid in aborts:
                 if rid in self._live:
                     try:

@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import sys
 import time
 from collections import OrderedDict, deque
@@ -85,13 +86,16 @@ def conversation_text(path: str, body: dict) -> str:
 class Router:
     def __init__(self, prefill: list[str], decode: list[str], *, policy: str = "fail", affinity_block: int = 256,
                  affinity_slack: int = 4, affinity_threshold: float = 0.5, affinity_capacity: int = 200_000,
-                 timeout: float = 600.0, trust: Optional[PDTrust] = None):
+                 timeout: float = 600.0, trust: Optional[PDTrust] = None, api_key: Optional[str] = None,
+                 backend_api_key: Optional[str] = None):
         if not decode:
             raise ValueError("at least one --decode instance is needed")
         if prefill and trust is None:
             raise ValueError("a router with --prefill instances needs the shared P/D secret (--pd-secret-file FILE, "
                              "--pd-secret or $DSFLASH_PD_SECRET; the same one the prefill and decode instances get)")
         self.trust = trust
+        self.api_key = api_key                  # what clients must send the router (None: no check)
+        self.backend_api_key = backend_api_key  # what the router sends the instances (None: the client's header)
         self.prefill = [Instance(u, "prefill") for u in prefill]
         self.decode = [Instance(u, "decode") for u in decode]
         self.policy = policy
@@ -159,16 +163,22 @@ class Router:
         import httpx
         from fastapi.responses import Response, StreamingResponse
         self.counters["requests"] += 1
-        try:
-            body = json.loads(raw)
-            if not isinstance(body, dict):
-                raise ValueError("not an object")
-        except (ValueError, UnicodeDecodeError) as e:
-            return _err(400, f"request body must be a JSON object: {e}", "invalid_json", "invalid_request_error")
+        from dsflash.serve.http.body import parse_json_object
+        from dsflash.serve.http.errors import APIError
+        try:                                   # the server's checks: depth limit (no RecursionError), surrogates
+            body = parse_json_object(raw)
+        except APIError as e:
+            return _err(e.status, e.message, e.code, e.type, e.param)
         if "kv_transfer_params" in body:       # the router's to set, never a client's (docs/pd.md)
             self.counters["client_kv_params_dropped"] = self.counters.get("client_kv_params_dropped", 0) + 1
             body.pop("kv_transfer_params")
-        fwd = {"authorization": auth} if auth else {}       # instances started with --api-key
+        if self.backend_api_key:                             # the router's own credential towards the instances
+            fwd = {"authorization": f"Bearer {self.backend_api_key}"}
+        elif self.api_key:                                   # never pass the router's key on
+            fwd = {}
+        else:                                                # instances started with --api-key, no router key
+            fwd = {"authorization": auth} if auth else {}
+        policy = body.get("kv_load_failure_policy") or self.policy
         dec, how = self.pick_decode(path, body)
         headers = {"x-dsflash-decode": dec.url, "x-dsflash-affinity": how}
         kvp = None
@@ -189,15 +199,30 @@ class Router:
             pheaders = {**fwd, "content-type": "application/json", **self.trust.peer_headers("POST", path, praw)}
             pre.in_flight += 1
             pre.requests += 1
+            why, r = None, None
             try:
                 r = await self.client().post(pre.url + path, content=praw, headers=pheaders)
             except httpx.HTTPError as e:
-                pre.failures += 1
-                self.counters["prefill_failures"] += 1
-                return self.fail(502, f"prefill instance {pre.url} failed: {type(e).__name__}: {e or 'no response'} "
-                                      f"(not retried)", "prefill_failed", prefill=pre.url)
+                why = f"{type(e).__name__}: {e or 'no response'}"
             finally:
                 pre.in_flight -= 1
+            if why is None and r.status_code >= 500:
+                why = f"HTTP {r.status_code}: {r.text[:200]}"
+            if why is not None and policy == "recompute":
+                # the prefill instance is gone or broken: the decode instance prefills the request itself
+                pre.failures += 1
+                self.counters["prefill_failures"] += 1
+                self.counters["kv_recomputed"] += 1
+                self.failures.append({"time": time.time(), "status": 0, "code": "prefill_failed_recomputed",
+                                      "message": why, "prefill": pre.url})
+                log.warning("router: prefill instance %s failed (%s); policy recompute: decode prefills", pre.url, why)
+                headers["x-dsflash-kv-outcome"] = "recomputed"
+                return await self._to_decode(path, body, None, None, dec, headers, fwd)
+            if r is None:
+                pre.failures += 1
+                self.counters["prefill_failures"] += 1
+                return self.fail(502, f"prefill instance {pre.url} failed: {why} (not retried)", "prefill_failed",
+                                 prefill=pre.url)
             if r.status_code != 200:
                 if r.status_code >= 500:
                     pre.failures += 1
@@ -221,10 +246,16 @@ class Router:
                                  "prefill_failed", prefill=pre.url)
         else:
             self.counters["direct_requests"] += 1
+        return await self._to_decode(path, body, kvp, pre, dec, headers, fwd, policy)
+
+    async def _to_decode(self, path, body, kvp, pre, dec, headers, fwd, policy=None):
+        """Send the request (with the signed ``kvp``, or none: the decode instance prefills) to ``dec``."""
+        import httpx
+        from fastapi.responses import Response, StreamingResponse
         dbody = dict(body)
         if kvp is not None:
             dbody["kv_transfer_params"] = kvp
-            dbody["kv_load_failure_policy"] = body.get("kv_load_failure_policy") or self.policy
+            dbody["kv_load_failure_policy"] = policy or self.policy
         dec.in_flight += 1
         dec.requests += 1
         released = False
@@ -326,24 +357,43 @@ def build_app(router: Router):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, Response
 
+    import hmac
     app = FastAPI(title="dsflash router")
     app.state.router = router
 
+    def refused(request: Request):
+        """The router's own ``--api-key`` on ``/v1/*``: a 401 before the body is even read, else None."""
+        if not router.api_key:
+            return None
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if token and hmac.compare_digest(token.encode(), router.api_key.encode()):
+            return None
+        return _err(401, "Missing API key (send 'Authorization: Bearer <key>')" if not token
+                    else "Incorrect API key provided", "invalid_api_key", "authentication_error")
+
     @app.post("/v1/completions")
     async def completions(request: Request):
+        if (no := refused(request)) is not None:
+            return no
         return await router.handle("/v1/completions", await request.body(), request.headers.get("authorization"))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        if (no := refused(request)) is not None:
+            return no
         return await router.handle("/v1/chat/completions", await request.body(),
                                    request.headers.get("authorization"))
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
         import httpx
+        if (no := refused(request)) is not None:
+            return no
         for d in router.decode:
             try:
-                r = await router.client().get(d.url + "/v1/models")
+                hdr = {"authorization": f"Bearer {router.backend_api_key}"} if router.backend_api_key else {}
+                r = await router.client().get(d.url + "/v1/models", headers=hdr)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except httpx.HTTPError:
                 continue
@@ -407,6 +457,12 @@ def build_parser():
                         "required with --prefill (or --pd-secret / $DSFLASH_PD_SECRET)")
     p.add_argument("--pd-secret", default=None, help="the secret itself (visible in the process list)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=os.environ.get("DSFLASH_ROUTER_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' from clients on /v1/* (401 otherwise); the router "
+                        "then does not pass the client's header on. Default: $DSFLASH_ROUTER_API_KEY, else none")
+    p.add_argument("--backend-api-key", default=os.environ.get("DSFLASH_API_KEY"),
+                   help="the key the router sends to the instances (their --api-key); default: $DSFLASH_API_KEY, "
+                        "else the client's Authorization header is forwarded when the router has no --api-key")
     return p
 
 
@@ -433,7 +489,8 @@ def main(argv=None) -> int:
     sock, url = bound
     router = Router(args.prefill, args.decode, policy=args.kv_load_failure_policy,
                     affinity_block=args.affinity_block, affinity_slack=args.affinity_slack,
-                    affinity_threshold=args.affinity_threshold, timeout=args.timeout, trust=trust)
+                    affinity_threshold=args.affinity_threshold, timeout=args.timeout, trust=trust,
+                    api_key=args.api_key, backend_api_key=args.backend_api_key)
     app = build_app(router)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug"))
     print(f"dsflash.serve.router: listening on {url} (OpenAI base URL {url}/v1); "

@@ -144,3 +144,33 @@ def test_reference_is_linear_fp8_on_gpu(name, M, precision):
                       np.float32)
     got = np.asarray(jax.jit(lambda a: fl.fp8_linear_reference(a, w, s, precision=precision))(x), np.float32)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("precision", ["reference", "bf16"])
+@pytest.mark.parametrize("M", (1, 6, 192, 384))
+def test_grouped_wo_a_matches_the_model(M, precision):
+    """The grouped launch at V4.1's wo_a (8 groups of [1024, 4096], no activation round trip) against the model's
+    grouped einsum (layers.linear_fp8_grouped on XLA): the same bounds as _check, per group."""
+    from dsflash.kernels import fp8_linear_triton as ft
+    from dsflash.model import layers, quant
+    G = 8
+    _, w, s = _inputs("wo_a", M)
+    x = (jax.random.normal(jax.random.PRNGKey(M), (M, G, 4096), jnp.float32) * 2.0).astype(jnp.bfloat16)
+    params = {"l.weight": w, "l.scale": s}
+    k32 = jax.jit(lambda a: ft.fp8_linear_triton(a.reshape(M, -1), w, s, precision=precision, act_quant=False,
+                                                 out_f32=True, groups=G))
+    k16 = jax.jit(lambda a: ft.fp8_linear_triton(a.reshape(M, -1), w, s, precision=precision, act_quant=False,
+                                                 groups=G))
+    y32, y16 = np.asarray(k32(x)).reshape(M, G, -1), np.asarray(k16(x), np.float32).reshape(M, G, -1)
+    ref16 = np.asarray(jax.jit(lambda a: layers.linear_fp8_grouped(a, params, "l", precision))(x), np.float32)
+    wd = quant.dequant_fp8_weight(w, s, jnp.float32).reshape(G, 1024, 4096)
+    xf = x.astype(jnp.float32)
+    ref32 = np.asarray(jnp.einsum("mgk,gok->mgo", xf, wd, precision=jax.lax.Precision.HIGHEST))
+    cond = np.asarray(jnp.einsum("mgk,gok->mgo", jnp.abs(xf), jnp.abs(wd), precision=jax.lax.Precision.HIGHEST),
+                      np.float64)
+    worst = float(np.max(np.abs(y32 - ref32) / np.maximum(cond, 1e-30)))
+    changed = float(np.mean(y16 != ref16))
+    own = bool(np.array_equal(y16, np.asarray(jnp.asarray(y32).astype(jnp.bfloat16).astype(jnp.float32))))
+    print(f"wo_a grouped M={M} {precision}: max |d|/sum|xw| {worst:.2e}, bf16 changed vs model {changed:.3%}, "
+          f"bf16 == RNE(own fp32) {own}")
+    assert worst <= 2.0 ** -16 and changed < 0.01 and own

@@ -20,6 +20,7 @@ log = logging.getLogger("dsflash.serve.engine")
 BACKENDS = ("auto", "xla", "triton")
 PRECISIONS = ("reference", "bf16", "fp32")
 BOUNDED_REPLAY = ("exact", "report", "layer20_full")   # "exact" = off (RunOptions' None)
+PREFIX_CACHE_MODES = ("exact", "replay")
 
 
 def resolve_backend(name: str) -> str:
@@ -85,7 +86,12 @@ class EngineConfig:
     bounded_replay: Optional[str] = None       # "exact" | "report" | "layer20_full"
     # prefix cache
     enable_prefix_caching: bool = True
-    prefix_replay: Any = "bounded"             # "bounded" (one window, SPEC §6.1) | "exact" | a token count
+    # "exact": hits restore the per-slot state snapshotted at the block boundary (snapshots.py) and equal
+    # misses; "replay": every hit rebuilds it by prefix_replay (the pre-snapshot behaviour)
+    prefix_cache_mode: str = "exact"
+    prefix_snapshot_bytes: int = 256 * 2**20   # device memory for the snapshots (at most one per page)
+    prefix_replay: Any = "bounded"             # "bounded" (one window, SPEC §6.1) | "exact" | a token count;
+                                               # exact mode uses it only where no snapshot was kept
     # scheduling
     async_scheduling: bool = False             # measured slower on one H200 (docs/engine.md)
     data_parallel_size: Optional[int] = None   # None: the mesh's DP size
@@ -146,6 +152,10 @@ class EngineConfig:
         if self.bounded_replay is not None and self.bounded_replay not in BOUNDED_REPLAY:
             bad("bounded_replay", f"must be one of {', '.join(BOUNDED_REPLAY)} (or None: the model's), "
                                   f"got {self.bounded_replay!r}")
+        if self.prefix_cache_mode not in PREFIX_CACHE_MODES:
+            bad("prefix_cache_mode", f"must be one of {', '.join(PREFIX_CACHE_MODES)}, got {self.prefix_cache_mode!r}")
+        if not integer(self.prefix_snapshot_bytes) or self.prefix_snapshot_bytes < 0:
+            bad("prefix_snapshot_bytes", f"must be an integer >= 0, got {self.prefix_snapshot_bytes!r}")
         pr = self.prefix_replay
         if pr not in ("bounded", "exact") and not (integer(pr) and pr >= 1):
             raise ValueError("prefix_replay must be 'bounded' (SPEC §6.1, one window), 'exact' or a token count")

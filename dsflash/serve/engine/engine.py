@@ -22,6 +22,7 @@ from dsflash.serve.engine.config import EngineConfig, kernels_summary
 from dsflash.serve.engine.metrics import EngineMetrics
 from dsflash.serve.engine.output import OutputProcessor
 from dsflash.serve.engine.scheduler import Scheduler, Sequence
+from dsflash.serve.engine.snapshots import SnapshotCache
 from dsflash.serve.types import EngineRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("dsflash.serve.engine")
@@ -62,7 +63,9 @@ class LLMEngine:
         self.runner = R.Runner(be, self.geo, max_num_seqs=c.max_num_seqs, pages_per_seq=lay.pages_per_seq,
                                prefill_buckets=lay.run_buckets, speculative=self.speculative,
                                max_iters=c.decode_steps, max_logprobs=c.max_logprobs, max_stop_ids=c.max_stop_ids,
-                               dp=dp, eplb=self.eplb)
+                               dp=dp, eplb=self.eplb,
+                               snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
+                               max_snapshots=lay.num_pages)
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
             num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
@@ -70,7 +73,13 @@ class LLMEngine:
             max_num_batched_tokens=c.max_num_batched_tokens, prefix_caching=bool(c.enable_prefix_caching),
             prefix_replay=c.prefix_replay, replay_window=be.sliding_window,
             replay_exact=(be.num_layers + 2) * be.sliding_window, prefill_buckets=self.runner.prefill_buckets,
-            mirror=self.runner.mirror, draft_sampling=bool(draft_sampling), metrics=self.metrics, seed=c.seed)
+            mirror=self.runner.mirror, draft_sampling=bool(draft_sampling), metrics=self.metrics, seed=c.seed,
+            snapshots=SnapshotCache(self.runner.snap.capacity) if self.runner.snap is not None else None,
+            prefix_cache_mode=c.prefix_cache_mode)
+        if self._wants_snapshots(c) and self.runner.snap is None:
+            log.warning("prefix_cache_mode='exact' keeps no snapshots here (%s): prefix-cache hits use the "
+                        "replay", "DP mesh" if self.runner.mesh is not None else
+                        f"budget {c.prefix_snapshot_bytes} B < one snapshot ({self.runner.snapshot_nbytes} B)")
         self.outputs = OutputProcessor(self.scheduler, self.metrics, tokenizer=self.tokenizer,
                                        eos_token_id=be.eos_token_id, block=self.k)
         self._inflight = None                   # async scheduling: the step dispatched last, not yet processed
@@ -95,6 +104,13 @@ class LLMEngine:
     prefix_caching = property(lambda self: self.scheduler.prefix_caching)
     prefix_replay = property(lambda self: self.scheduler.prefix_replay,
                              lambda self, mode: setattr(self.scheduler, "prefix_replay", mode))
+    # "exact" | "replay"; may change between steps ("exact" needs the snapshot pool built at start-up)
+    prefix_cache_mode = property(lambda self: self.scheduler.prefix_cache_mode,
+                                 lambda self, mode: setattr(self.scheduler, "prefix_cache_mode", mode))
+
+    @staticmethod
+    def _wants_snapshots(c) -> bool:
+        return bool(c.enable_prefix_caching) and c.prefix_cache_mode == "exact"
 
     @property
     def kernels_line(self) -> str:
@@ -228,7 +244,8 @@ class LLMEngine:
         if plan:
             inputs = self.runner.step_inputs(plan)       # from the sequences as they are before this step
             self.scheduler.commit(plan)
-            rec = (plan, self.runner.launch(*inputs, asynchronous=self.async_scheduling))
+            rec = (plan, self.runner.launch(*inputs, asynchronous=self.async_scheduling,
+                                            restores=plan.restores, saves=plan.saves))
         todo = rec
         if self.async_scheduling:
             todo, self._inflight = self._inflight, rec
@@ -266,6 +283,14 @@ class LLMEngine:
         d["kv_bytes_per_token"] = self.memory["global_kv_bytes_per_token"]
         d["kv_capacity_tokens"] = self.memory["capacity_tokens"]
         d["speculative"] = self.speculative
+        sn = self.scheduler.snapshots
+        d["prefix_cache_exact"] = self.scheduler.exact
+        d["prefix_snapshots_cached"] = len(sn) if sn is not None else 0
+        d["prefix_snapshots_capacity"] = sn.capacity if sn is not None else 0
+        d["prefix_snapshot_saves"] = sn.saves if sn is not None else 0
+        d["prefix_snapshot_restores"] = sn.restores if sn is not None else 0
+        d["prefix_snapshot_evictions"] = sn.evictions if sn is not None else 0
+        d["prefix_snapshot_bytes_each"] = self.memory["prefix_snapshot_bytes_each"]
         d["draft_block"] = self.k
         d["warmup_time_s"] = self.warmup_time
         if self.eplb is not None:
@@ -281,6 +306,13 @@ class LLMEngine:
 
     def reset_prefix_cache(self):
         self.pool.reset_prefix_cache()
+        self.evict_prefix_snapshots()
+
+    def evict_prefix_snapshots(self):
+        """Drop every state snapshot not pinned by an admitted sequence (cached pages stay): later hits on
+        them take the bounded-replay fallback (counted in ``prefix_snapshot_fallbacks``)."""
+        if self.scheduler.snapshots is not None:
+            self.scheduler.snapshots.clear()
 
     def eplb_rebalance(self):
         """Force an EPLB rebalance now (between steps): the policy runs on the current window and every

@@ -9,7 +9,8 @@ Prefix cache (vLLM-style block hashing over global KV): a *full* page whose toke
 registered under ``hash((parent_hash, tokens of the page))``. A new sequence walks its prompt's full
 pages and reuses every page whose chain hash is registered. Pages carry reference counts; a page whose
 count drops to zero stays cached (evictable, least recently freed first) until its memory is needed.
-Only global KV is cached: the per-slot window state of a hit is rebuilt by encoder replay (SPEC §6.1).
+Only global KV is in pages: the per-slot window state of a hit is restored from a snapshot (``snapshots.py``,
+exact mode) or rebuilt by encoder replay (SPEC §6.1).
 
 Data parallelism: with D DP ranks each rank owns a contiguous range of page ids and of slots (the state's
 ``pages`` / ``slots`` axes are split that way over the DP devices). :class:`PagePoolGroup` and

@@ -28,6 +28,8 @@ class EngineMetrics:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     replay_tokens: int = 0
+    prefix_snapshot_hits: int = 0          # hits that restored a state snapshot (exact)
+    prefix_snapshot_fallbacks: int = 0     # exact-mode hits with no snapshot kept: bounded replay instead
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -80,6 +82,7 @@ class EngineMetrics:
             "num_steps", "num_prefill_calls", "num_decode_calls", "num_decode_iters", "prompt_tokens",
             "computed_prompt_tokens", "generation_tokens", "requests_added", "requests_finished",
             "requests_aborted", "num_preemptions", "prefix_query_tokens", "prefix_hit_tokens", "replay_tokens",
+            "prefix_snapshot_hits", "prefix_snapshot_fallbacks",
             "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "compiles_after_warmup",
             "num_running", "num_waiting", "kv_usage", "kv_pages_used", "kv_pages_total")}
         d["spec_accepted_per_pos"] = list(self.spec_accepted_per_pos)

@@ -154,7 +154,8 @@ class Runner:
     call reads (``mirror``). ``eplb``: an ``EngineEplb`` fed by ``after_step`` (None: off)."""
 
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
-                 max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None):
+                 max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
+                 snapshot_bytes: int = 0, max_snapshots: int = 0):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -201,6 +202,15 @@ class Runner:
         self.dp, self.eplb, self._executor = dp, eplb, None
         pt_fill = np.repeat(np.arange(dp, dtype=np.int32) * (geo.num_pages // dp), max_num_seqs // dp)
         self.mirror = SlotMirror(max_num_seqs, pages_per_seq, max_stop_ids, pt_fill)
+        # exact prefix caching: per-slot state snapshots at block boundaries (snapshots.py); not on a DP mesh
+        # (the pool would have to follow the slots' sharding)
+        from dsflash.serve.engine import snapshots as SN
+        self.snap_mask = SN.slot_leaf_mask(backend, self.state)
+        self.snapshot_nbytes = SN.snapshot_nbytes(self.state, self.snap_mask, backend.sliding_window)
+        cap = min(snapshot_bytes // max(1, self.snapshot_nbytes), max_snapshots)
+        self.snap = None if cap < 1 or mesh is not None else SN.StatePool(
+            self.state, self.snap_mask, capacity=cap, window=backend.sliding_window, num_slots=max_num_seqs,
+            rows=max(b[0] for b in self.prefill_buckets))
 
     # ------------------------------------------------------------------ state
     def _init_rows(self):
@@ -215,6 +225,8 @@ class Runner:
         tokens = self.geo.num_pages * self.geo.page_size
         return {"global_kv_bytes": int(glob), "global_kv_bytes_per_token": glob / tokens,
                 "per_slot_bytes": (total - glob) / self.geo.num_slots, "total_state_bytes": int(total),
+                "prefix_snapshot_bytes_each": int(self.snapshot_nbytes),
+                "prefix_snapshot_pool_bytes": self.snap.nbytes if self.snap is not None else 0,
                 "row_state_bytes": int(sum(a.nbytes for a in jax.tree.leaves(self.rows)))}
 
     # ------------------------------------------------------------------ shared pieces
@@ -441,15 +453,20 @@ class Runner:
         inp["guided"][r] = True
         s.guide.fill(inp["mask"][r])
 
-    def launch(self, pf_inp, dc_inp, asynchronous: bool = False):
+    def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=()):
         """Dispatch a step's calls; returns a handle whose ``result()`` is ``(prefill, decode)`` results on the host.
 
         With ``asynchronous`` the calls run on a one-thread executor: JAX dispatch is asynchronous on CPU, but a
         ``while_loop`` on GPU returns only when the loop ends (its predicate goes to the host every iteration),
         so the thread is what lets the host process the previous step while the device runs this one. The
-        executor keeps calls in order."""
+        executor keeps calls in order. ``restores`` / ``saves``: snapshot copies ``[(slot, entry, position)]``
+        run before / after the prefill (``snapshots.StatePool``)."""
         def run():   # dispatch, then bring the (small) results to the host on the same thread
+            if restores:
+                self.state = self.snap.restore(self.state, list(restores))
             pf = self.prefill(pf_inp) if pf_inp is not None else None
+            if saves:          # before the decode call, which writes rows past the boundary
+                self.state = self.snap.save(self.state, list(saves))
             dc = self.decode(dc_inp) if dc_inp is not None else None
             return jax.device_get(pf), jax.device_get(dc)
 
@@ -543,3 +560,5 @@ class Runner:
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
         jax.block_until_ready(self.decode(self.empty_decode_inputs()))
+        if self.snap is not None:
+            self.state = jax.block_until_ready(self.snap.warmup(self.state))

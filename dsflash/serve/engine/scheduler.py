@@ -38,6 +38,9 @@ class StepPlan:
     prefill: tuple | None = None
     decode: list = field(default_factory=list)
     prefill_items: list = field(default_factory=list)
+    # exact prefix caching (snapshots.py): [(slot, entry, position)] run before / after this step's prefill
+    restores: list = field(default_factory=list)
+    saves: list = field(default_factory=list)
 
     def __bool__(self):
         return self.prefill is not None or bool(self.decode)
@@ -47,7 +50,7 @@ class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, pages_per_seq: int, dp: int,
                  block: int, decode_steps: int, max_num_batched_tokens: int, prefix_caching: bool, prefix_replay,
                  replay_window: int, replay_exact: int, prefill_buckets, mirror, draft_sampling: bool, metrics,
-                 seed: int = 0):
+                 seed: int = 0, snapshots=None, prefix_cache_mode: str = "replay"):
         self.dp, self.page_size, self.pages_per_seq = dp, page_size, pages_per_seq
         self.K1, self.decode_steps = block + 1, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -57,6 +60,9 @@ class Scheduler:
         self.prefill_buckets = prefill_buckets      # the runner's compiled buckets, [D * Rb, T]
         self.mirror, self.draft_sampling, self.metrics = mirror, draft_sampling, metrics
         self.policy = None
+        # exact prefix caching: a SnapshotCache (None: the runner keeps no snapshots) and the mode in use
+        self.snapshots = snapshots
+        self.prefix_cache_mode = prefix_cache_mode
         if dp == 1:
             self.pool = PagePool(num_pages, page_size, prefix_caching)
             self.slots = SlotPool(num_slots)
@@ -85,6 +91,11 @@ class Scheduler:
         layer's window cone), or a count; may change between steps."""
         self._prefix_replay = mode
         self.replay = {"bounded": self._replay_window, "exact": self._replay_exact}.get(mode, mode)
+
+    @property
+    def exact(self) -> bool:
+        """Hits restore snapshots (falling back to the replay only where none is kept)."""
+        return self.prefix_caching and self.snapshots is not None and self.prefix_cache_mode == "exact"
 
     # ------------------------------------------------------------------ requests
     def draw_seed(self) -> int:
@@ -151,6 +162,9 @@ class Scheduler:
             self.mirror.reset_pages(s.slot)
             s.slot = None
         s.hashes = []
+        if s.snap is not None:           # admitted on a snapshot that was never restored
+            self.snapshots.unpin(s.snap)
+            s.snap = None
 
     def _preempt(self, s: Sequence):
         """Recompute preemption: drop the sequence's KV and slot; it re-enters the queue at the front."""
@@ -216,10 +230,21 @@ class Scheduler:
         self.mirror.set_pages(slot, 0, s.pages)
         C = len(hit) * P
         s.hashes = hashes[:len(hit)]
-        if C:
+        s.exact_state, s.snap = True, None
+        start = self._snapshot_start(hashes[:len(hit)]) if C and self.exact else None
+        if start is not None:            # exact: restore the state at a boundary, compute from there
+            s.computed, s.snap = start
+            self.snapshots.pin(s.snap)
+            s.floor, s.kv_from = 0, C
+            self.metrics.replay_tokens += C - s.computed
+            self.metrics.prefix_snapshot_hits += 1
+        elif C:
             s.computed = max(0, C - self.replay)
             s.floor, s.kv_from = s.computed, C
             self.metrics.replay_tokens += C - s.computed
+            s.exact_state = s.computed == 0          # a replay from the middle is approximate: saves nothing
+            if self.exact:               # no snapshot kept for this prefix: the bounded replay, counted
+                self.metrics.prefix_snapshot_fallbacks += 1
         else:
             s.computed, s.floor, s.kv_from = 0, 0, 0
         s.prefill_start = s.computed
@@ -234,6 +259,37 @@ class Scheduler:
         self.mirror.bind(s, self.draft_sampling)
         self.running.append(s)
         return True
+
+    def _snapshot_start(self, hashes):
+        """(position, entry) of the deepest hit boundary with a snapshot, or None. A shallower one than the
+        hit is still exact: positions up to the hit are recomputed without rewriting their cached KV."""
+        for j in range(len(hashes), 0, -1):
+            e = self.snapshots.get(hashes[j - 1])
+            if e is not None:
+                return j * self.page_size, e
+        return None
+
+    def _plan_snapshots(self, plan: StepPlan):
+        """Restores for first chunks admitted on a snapshot; saves for chunks of exact sequences that end on a
+        block boundary (the pool entry is registered now, the save runs after this step's prefill)."""
+        if plan.prefill is None or self.snapshots is None:
+            return
+        P = self.page_size
+        for s, n in plan.prefill[1]:
+            if s.snap is not None and s.computed == s.prefill_start:
+                plan.restores.append((s.slot, s.snap, s.computed))
+                self.snapshots.unpin(s.snap)   # safe: a later save to this entry launches after the restore
+                self.snapshots.restores += 1
+                s.snap = None
+            e = s.computed + n
+            if not (self.exact and s.exact_state and e % P == 0):
+                continue
+            k = len(s.hashes)
+            h = block_hashes(s.all_ids[k * P:e], P, parent=s.hashes[-1] if k else None)[-1] if e > k * P \
+                else s.hashes[e // P - 1]
+            entry = self.snapshots.put(h)
+            if entry is not None:
+                plan.saves.append((s.slot, entry, e))
 
     def register(self, s: Sequence, committed: int):
         """Publish the sequence's full blocks below ``committed`` in its rank's prefix cache."""
@@ -276,7 +332,9 @@ class Scheduler:
         # 2. admission, FCFS per DP rank; 3. prefill chunks of every rank into the best bucket
         self._admit_ranks()
         prefill, decode = self._plan_prefill(decode)
-        return StepPlan(prefill, decode)
+        plan = StepPlan(prefill, decode)
+        self._plan_snapshots(plan)
+        return plan
 
     def commit(self, plan: StepPlan):
         """Advance the sequences as if the plan's calls had run (their results are read back later, possibly
@@ -357,9 +415,10 @@ class Scheduler:
         best, best_key = None, None
         if any(pre):
             budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
+            align = self.page_size if self.exact else 0
             for bucket in self.prefill_buckets:
                 Rb, T = bucket[0] // D, bucket[1]
-                plans = [self._pack(pre[r][:Rb], T, budgets[r]) for r in range(D)]
+                plans = [self._pack(pre[r][:Rb], T, budgets[r], align) for r in range(D)]
                 tot = sum(n for plan in plans for _, n in plan)
                 key = (tot, -Rb * T)
                 if tot and (best_key is None or key > best_key):
@@ -377,13 +436,23 @@ class Scheduler:
         return (bucket, [c for c, _ in keep], [row for _, row in keep]), decode
 
     @staticmethod
-    def _pack(seqs, T, budget):
-        """Prefill chunks ``(s, n)`` of ``seqs`` in order: at most ``T`` tokens each, ``budget`` in all."""
+    def _pack(seqs, T, budget, align=0):
+        """Prefill chunks ``(s, n)`` of ``seqs`` in order: at most ``T`` tokens each, ``budget`` in all.
+        ``align`` (exact prefix caching: the page size): a chunk that does not finish its prompt ends on a
+        block boundary where it can, and the last full block boundary below the prompt's end (where a repeat
+        of the prompt hits) ends a chunk, so that its state can be snapshotted."""
         plan = []
         for s in seqs:
-            n = min(len(s.all_ids) - s.computed, T, budget)
+            L = len(s.all_ids)
+            n = min(L - s.computed, T, budget)
             if n <= 0:
                 break
+            if align and s.exact_state:
+                e, last = s.computed + n, (L - 1) // align * align
+                if e < L and e // align * align > s.computed:
+                    n = e // align * align - s.computed
+                elif e == L and last > s.computed:
+                    n = last - s.computed
             plan.append((s, n))
             budget -= n
         return plan

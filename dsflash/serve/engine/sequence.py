@@ -21,6 +21,8 @@ class Sequence:
         self.floor = 0               # window keys below this position do not exist (encoder replay)
         self.kv_from = 0             # global KV below this position comes from the prefix cache
         self.hashes: list[int] = []  # chain hashes of registered full blocks
+        self.exact_state = True      # slot state equals a miss's (False after an approximate replay)
+        self.snap = None             # pinned snapshot entry to restore before the first prefill chunk
         self.order = 0               # admission order (preemption picks the youngest)
         self.text = ""
         self.finish_reason = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -18,8 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from dsflash.serve.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, RequestStream
+from dsflash.serve.async_engine import (AsyncEngine, EngineDeadError, EngineDrainingError, RequestAbortedError,
+                                       RequestStream)
 from dsflash.serve.http import chat_io, structured
+from dsflash.serve.http.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, parse_json_object, read_limited
+from dsflash.serve.http.encode import encode_prompts, encode_text
+from dsflash.serve.http.extras import install_extras
 from dsflash.serve.http.errors import (APIError, error_body, install_error_handlers, validation_error_to_api,
                                         value_error_to_api)
 from dsflash.serve.http.metrics import RequestTimer, ServerMetrics
@@ -33,13 +38,23 @@ _GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 class ServerState:
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str],
-                 disconnect_poll_s: float = 0.25):
+                 disconnect_poll_s: float = 0.25, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 tokenizer_threads: int = 2):
         self.engine = engine
         self.model = served_model_name
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = ServerMetrics(engine.metrics, served_model_name)
         self.disconnect_poll_s = disconnect_poll_s
+        self.max_body_bytes = int(max_body_bytes)
+        # tokenising / chat rendering run here, not on the event loop: a huge prompt must not stall other
+        # streams or /health (the tokenizer's batch call releases the GIL)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, tokenizer_threads), thread_name_prefix="dsflash-tok")
+        # echo + logprobs: prompt scoring, one at a time (a forward of its own; see prompt_logprobs.py)
+        self.score_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsflash-score")
+
+    async def offload(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     @property
     def tokenizer(self):
@@ -50,16 +65,18 @@ class ServerState:
         return self.engine.max_model_len
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None, *,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tokenizer_threads: int = 2) -> FastAPI:
     app = FastAPI(title="dsflash", version="0.1.0",
                   description="OpenAI-compatible server for DeepSeek-V4.1-Flash (dsflash)")
-    st = ServerState(engine, served_model_name, api_key)
+    st = ServerState(engine, served_model_name, api_key, max_body_bytes=max_body_bytes,
+                     tokenizer_threads=tokenizer_threads)
     app.state.server = st
     install_error_handlers(app)
 
     app.add_middleware(_AuthAndCount, st=st)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not st.engine.is_running:
             return JSONResponse({"status": "error", "error": repr(st.engine.error)}, status_code=503)
@@ -67,16 +84,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok", "model": st.model}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         st.metrics.engine_in_flight.set(st.engine.num_in_flight)
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [_model_card(st)]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != st.model:
             raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
@@ -92,12 +109,36 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str
     async def chat_completions(request: Request):
         return await _chat(st, await _parse_body(request, ChatCompletionRequest), request)
 
+    install_extras(app, st)        # /ping, /version, /tokenize, /detokenize, /tokenizer_info
     return app
 
 
+_OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")      # probes and scrapers: no API key
+_KNOWN_PATHS = _GEN_PATHS + ("/v1/models",) + _OPEN_PATHS + ("/tokenize", "/detokenize", "/tokenizer_info")
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def _endpoint_label(path: str) -> str:
+    if path in _KNOWN_PATHS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    return "other"
+
+
+def _request_id(scope) -> bytes:
+    """The client's ``x-request-id`` if it is a short printable token (echoed only, never an engine id), else new."""
+    for k, v in scope.get("headers", []):
+        if k == REQUEST_ID_HEADER.encode() and 0 < len(v) <= 128 and all(0x21 <= c <= 0x7E for c in v):
+            return bytes(v)
+    return uuid.uuid4().hex.encode()
+
+
 class _AuthAndCount:
-    """Pure ASGI middleware (keeps disconnect detection and stream cancellation intact): bearer-token
-    check on ``/v1/*`` when an API key is set, and request counting by endpoint and status."""
+    """Pure ASGI middleware, outermost (keeps disconnect detection and stream cancellation intact), in this
+    order: the bearer-token check when an API key is set (401 before any validation of the request), the body
+    read with the size limit (413 as soon as it is exceeded; a body under it is buffered once and replayed), the ``x-request-id`` response
+    header, and request counting by endpoint and status."""
 
     def __init__(self, app, st: ServerState):
         self.app = app
@@ -108,30 +149,57 @@ class _AuthAndCount:
             return await self.app(scope, receive, send)
         st = self.st
         path = scope.get("path", "")
-        known = path in _GEN_PATHS or path in ("/v1/models", "/health", "/metrics")
-        label = path if known else "other"
-        if st.api_key and path.startswith("/v1"):
-            auth = ""
-            for k, v in scope.get("headers", []):
-                if k == b"authorization":
-                    auth = v.decode("latin-1")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not token or not hmac.compare_digest(token.encode(), st.api_key.encode()):
-                st.metrics.requests.labels(endpoint=label, status="401").inc()
-                msg = ("Missing API key (send 'Authorization: Bearer <key>')" if not token
-                       else "Incorrect API key provided")
-                return await APIError(401, msg, code="invalid_api_key").response()(scope, receive, send)
+        label = _endpoint_label(path)
+        rid = _request_id(scope)
         status = {"code": 500}
 
         async def send_counting(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": list(message.get("headers", [])) + [(REQUEST_ID_HEADER.encode(), rid)]}
             await send(message)
 
+        async def refuse(err: APIError):
+            await err.response()(scope, receive, send_counting)
+
         try:
+            if st.api_key and path not in _OPEN_PATHS and not path.startswith("/pd/"):
+                auth = ""
+                for k, v in scope.get("headers", []):
+                    if k == b"authorization":
+                        auth = v.decode("latin-1")
+                token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+                if not token or not hmac.compare_digest(token.encode(), st.api_key.encode()):
+                    msg = ("Missing API key (send 'Authorization: Bearer <key>')" if not token
+                           else "Incorrect API key provided")
+                    return await refuse(APIError(401, msg, code="invalid_api_key"))
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                clen = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+                if clen is not None and clen.strip().isdigit() and int(clen) > st.max_body_bytes:
+                    return await refuse(BodyTooLarge(st.max_body_bytes))
+                try:
+                    body, early = await read_limited(receive, st.max_body_bytes)
+                except BodyTooLarge as e:
+                    return await refuse(e)
+                receive = _replay(body, early, receive)
             await self.app(scope, receive, send_counting)
         finally:
             st.metrics.requests.labels(endpoint=label, status=str(status["code"])).inc()
+
+
+def _replay(body: bytes, early, receive):
+    """An ASGI ``receive`` that returns the already-read body once, then defers to the real one."""
+    sent = False
+
+    async def again():
+        nonlocal sent
+        if not sent:
+            sent = True
+            if early is not None:
+                return early
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return again
 
 
 class _GuardedStreamingResponse(StreamingResponse):
@@ -160,15 +228,7 @@ def _body_schema(model) -> dict:
 
 
 async def _parse_body(request: Request, model):
-    raw = await request.body()
-    if not raw.strip():
-        raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"Malformed JSON in request body: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    obj = parse_json_object(await request.body())      # size-limited by the middleware; depth-limited here
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -210,6 +270,10 @@ def _sampling_params(req, max_tokens: int, logprobs: Optional[int], vocab_size: 
     kw: dict[str, Any] = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
     kw.update(max_tokens=max_tokens, n=1, logprobs=logprobs, stop=list(stop or []),
               stop_token_ids=list(req.stop_token_ids or []))
+    if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:   # the sampler keys on 64 bits: no silent wrap
+        raise APIError(400, f"seed: must be an integer in [0, 2**63), got {req.seed}", param="seed")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options: only allowed with stream=true", param="stream_options")
     if req.n is None or not 1 <= req.n <= 128:
         raise APIError(400, f"n: must be an integer in [1, 128], got {req.n!r}", param="n")
     if vocab_size and kw.get("top_k", 0) >= vocab_size:     # >= vocab size is the same as off
@@ -225,8 +289,9 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
     if prompt_len == 0:
         raise APIError(400, f"{what}: the prompt is empty", param=what)
     if prompt_len >= mml:
+        verb = "have" if what == "messages" else "has"     # "your messages have", "your prompt has"
         raise APIError(400, f"This model's maximum context length is {mml} tokens. However, your {what} "
-                            f"has {prompt_len} tokens, leaving no room for a completion.",
+                            f"{verb} {prompt_len} tokens, leaving no room for a completion.",
                        param=what, code="context_length_exceeded")
     if requested is None:
         return mml - prompt_len
@@ -238,6 +303,10 @@ def _max_tokens(st: ServerState, requested: Optional[int], prompt_len: int, para
                             f"completion). Please reduce the length of the {what} or {param}.",
                        param=param, code="context_length_exceeded")
     return requested
+
+
+SEED_LIMIT = 1 << 63
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions (also when "max_tokens": null)
 
 
 DP_RANK_HEADER = "X-data-parallel-rank"
@@ -323,7 +392,10 @@ async def _collect(st: ServerState, request: Request, streams: list[RequestStrea
         while True:
             done, _ = await asyncio.wait({task}, timeout=st.disconnect_poll_s)
             if done:
-                task.result()
+                try:
+                    task.result()
+                except RequestAbortedError as e:     # the drain deadline passed (SIGTERM)
+                    raise APIError(503, str(e), code="server_shutting_down") from None
                 return finals  # type: ignore[return-value]
             if await request.is_disconnected():
                 log.info("client disconnected; aborting %d request(s)", len(streams))
@@ -386,7 +458,16 @@ async def _sse_stream(st: ServerState, streams: list[RequestStream], step, *, he
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - never leave a stream hanging
-        log.exception("%s stream failed", what)
+        if isinstance(e, RequestAbortedError):
+            log.warning("%s stream aborted: %s", what, e)
+        else:
+            log.exception("%s stream failed", what)
+        # every unfinished choice gets its finish_reason, then the error event says why
+        for idx, last in enumerate(lasts):
+            if last is None or not last.finished:
+                ch = ({"index": idx, "delta": {}, "logprobs": None, "finish_reason": "abort"} if obj.startswith("chat")
+                      else {"index": idx, "text": "", "logprobs": None, "finish_reason": "abort"})
+                yield _sse({"id": base, "object": obj, "created": created, "model": st.model, "choices": [ch]})
         yield _stream_error_event(e)
     yield "data: [DONE]\n\n"
 
@@ -440,13 +521,13 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         raw_list = list(raw)
     if not raw_list:
         raise APIError(400, "prompt: must not be empty", param="prompt")
-    prompts: list[list[int]] = []
+    prompts: list = []
     texts: list[Optional[str]] = []
     for j, p in enumerate(raw_list):
         if isinstance(p, str):
             if tok is None:
                 raise APIError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-            prompts.append(tok.encode_prompt(p))
+            prompts.append(None)
             texts.append(p)
         else:
             V = tok.vocab_size if tok is not None else None
@@ -455,9 +536,23 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                 raise APIError(400, f"prompt: token id {bad[0]} out of range [0, {V})", param="prompt")
             prompts.append(list(p))
             texts.append(None)
-    max_toks = [_max_tokens(st, req.max_tokens, len(p), "max_tokens", "prompt") for p in prompts]
+    todo = [t for t in texts if t is not None]
+    if todo:
+        encoded = iter(await st.offload(encode_prompts, tok, todo))
+        prompts = [next(encoded) if p is None else p for p in prompts]
+    requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS  # null = default
+    max_toks = [_max_tokens(st, requested, len(p), "max_tokens", "prompt") for p in prompts]
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
     params0 = structured.attach(params0, req)            # guided_* / structured_outputs (400 naming the field)
+    prompt_lps = None
+    if req.echo and req.logprobs is not None:     # the prompt tokens' logprobs too (log-likelihood evaluation)
+        from dsflash.serve.http.prompt_logprobs import prompt_logprobs
+        loop = asyncio.get_running_loop()
+        try:
+            prompt_lps = [await loop.run_in_executor(st.score_pool, prompt_logprobs, st.engine.engine, p,
+                                                     req.logprobs) for p in prompts]
+        except NotImplementedError as e:
+            raise APIError(400, f"echo: with logprobs needs prompt logprobs, which {e}", param="echo") from None
     base = f"cmpl-{uuid.uuid4().hex}"
     if len(set(max_toks)) == 1:
         streams = await _submit(st, base, prompts, params0, n, arrival, dp_rank, req.kv_transfer_params)
@@ -475,23 +570,38 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     echo_texts = [(t if t is not None else _decode(tok, p)) if req.echo else "" for t, p in zip(texts, prompts)]
     prompt_tokens = sum(len(p) for p in prompts)
 
+    def logprob_lists(entries, ids, off: int) -> dict:
+        toks, lps, tops, offs = [], [], [], []
+        for tid, e in zip(ids, entries):
+            s = _tok_str(tok, tid)
+            toks.append(s)
+            lps.append(None if e is None else e["logprob"])
+            top = (e or {}).get("top") or {}
+            tops.append({_tok_str(tok, t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])[:req.logprobs]}
+                        if req.logprobs > 0 and e is not None else None)
+            offs.append(off)
+            off += len(s)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
     def choice_logprobs(out, start: int, text_offset0: int) -> Optional[dict]:
         c = out.outputs[0]
         if req.logprobs is None or c.logprobs is None:
             return None
         entries = c.logprobs[start:]
-        toks, lps, tops, offs = [], [], [], []
-        off = text_offset0
-        for e in entries:
-            s = _tok_str(tok, e["token_id"])
-            toks.append(s)
-            lps.append(e["logprob"])
-            top = e.get("top") or {}
-            tops.append({_tok_str(tok, t): lp for t, lp in sorted(top.items(), key=lambda kv: -kv[1])[:req.logprobs]}
-                        if req.logprobs > 0 else None)
-            offs.append(off)
-            off += len(s)
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+        return logprob_lists(entries, [e["token_id"] for e in entries], text_offset0)
+
+    def echo_logprobs(idx: int, gen: Optional[dict] = None) -> Optional[dict]:
+        """The prompt's entries (first None), then the generated ones' (``gen``), as one logprobs object."""
+        if prompt_lps is None:
+            return gen
+        p = idx // n
+        lp = logprob_lists(prompt_lps[p], prompts[p], 0)
+        end = sum(len(t) for t in lp["tokens"])        # offsets run over the token strings (BOS included)
+        for key in lp:
+            lp[key] += (gen or {}).get(key, [])
+        if gen:
+            lp["text_offset"][len(prompts[p]):] = [o - len(echo_texts[p]) + end for o in gen["text_offset"]]
+        return lp
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -506,8 +616,11 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
                 for idx in range(len(streams)):
                     et = echo_texts[idx // n]
                     offsets[idx] = len(et)
+                    if prompt_lps is not None:     # generated offsets follow the prompt's token strings
+                        offsets[idx] = sum(len(_tok_str(tok, t)) for t in prompts[idx // n])
                     yield _sse({"id": base, "object": "text_completion", "created": created,
-                                "model": st.model, "choices": [{"index": idx, "text": et, "logprobs": None,
+                                "model": st.model, "choices": [{"index": idx, "text": et,
+                                                                "logprobs": echo_logprobs(idx),
                                                                 "finish_reason": None}]})
 
         def step(idx, out):
@@ -538,7 +651,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         completion_tokens += len(c.token_ids)
         et = echo_texts[idx // n]
         choices.append({"index": idx, "text": et + c.text,
-                        "logprobs": choice_logprobs(out, 0, len(et)),
+                        "logprobs": echo_logprobs(idx, choice_logprobs(out, 0, len(et))),
                         "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c.stop_reason)})
     return {"id": base, "object": "text_completion", "created": created, "model": st.model,
             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
@@ -567,13 +680,16 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     thinking, effort = chat_io.resolve_thinking(req)
     tools, parse_tools = chat_io.select_tools(req)
     messages = chat_io.to_chat_messages(req.messages)
-    try:
+
+    def render() -> list[int]:      # in the pool: rendering and tokenising a huge conversation is slow
         prompt_text = chat.encode_chat(messages, tools=tools, thinking=thinking, reasoning_effort=effort,
                                        add_generation_prompt=req.add_generation_prompt is not False,
                                        response_format=chat_io.response_format_arg(req.response_format))
+        return encode_text(tok, prompt_text)
+    try:
+        ids = await st.offload(render)
     except ValueError as e:  # encode_chat names the field ("messages[2].content: ...")
         raise value_error_to_api(e, default_param="messages") from None
-    ids = tok.encode(prompt_text)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")

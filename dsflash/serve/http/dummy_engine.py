@@ -90,6 +90,11 @@ class DummyEngine:
             RequestMetrics(arrival_time=now, num_prompt_tokens=len(ids)),
             logprobs=[] if params.logprobs is not None else None))
 
+    def prompt_logprobs(self, ids, k: int) -> list:
+        """Uniform logprobs over the sampling vocabulary (the shape ``echo`` + ``logprobs`` needs)."""
+        lp = -math.log(len(self._vocab))
+        return [None] + [{"token_id": int(t), "logprob": lp, "top": {int(t): lp} if k else {}} for t in ids[1:]]
+
     def abort_request(self, request_id: str) -> None:
         for q in (self._waiting, self._running):
             for r in list(q):

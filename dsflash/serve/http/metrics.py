@@ -40,6 +40,7 @@ _STANDARD = {
     "dsflash_spec_decode_mean_acceptance_length": ("spec_mean_acceptance_length",
                                                    "spec_decode_mean_acceptance_length"),
     "dsflash_prefix_cache_hit_rate": ("prefix_hit_rate",),
+    "dsflash_prefix_cache_replay_fallbacks": ("prefix_snapshot_fallbacks",),
     "dsflash_num_preemptions": ("num_preemptions",),
 }
 

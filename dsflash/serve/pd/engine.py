@@ -247,19 +247,18 @@ class PDAsyncEngine(AsyncEngine):
         return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     async def add_requests(self, items, arrival_time=None):
-        """As ``AsyncEngine.add_requests``; inside a P/D request (``dsflash.serve.pd.server.current()``) the
-        prefill side marks the request to keep its KV, the decode side first pulls the KV (failure policy
-        per request) and hands it to the engine with the request."""
+        """As ``AsyncEngine.add_requests``; for a P/D request (its envelope's ``kv_transfer_params`` carry the
+        middleware's ticket, ``PDState.request_of``) the prefill side marks the request to keep its KV, the decode
+        side first pulls the KV (failure policy per request) and hands it to the engine with the request."""
         import asyncio
 
         from dsflash.serve.http.errors import APIError
-        from dsflash.serve.pd import server as S
         from dsflash.serve.pd.transfer import TransferSize
-        req = S.current()
-        pd = getattr(self, "pd", None)
-        if req is None or pd is None or self.engine is None:
-            return await super().add_requests(items, arrival_time)
         items = as_requests(items, arrival_time)
+        pd = getattr(self, "pd", None)
+        req = pd.request_of(items[0].kv_transfer_params) if pd is not None and items else None
+        if req is None or self.engine is None:
+            return await super().add_requests(items, arrival_time)
         rids = [r.request_id for r in items]
         req.rids = rids
         if req.wants_hold:
@@ -279,7 +278,7 @@ class PDAsyncEngine(AsyncEngine):
         kv = req.params
         where = kv.get("remote_url") or f"http://{kv.get('remote_host')}:{kv.get('remote_port')}"
         try:
-            url, rrid, meta, arrays, nbytes, dt = await pd.pull(kv, list(prompt), params)
+            url, rrid, meta, arrays, nbytes, dt = await pd.pull(req, list(prompt), params)
             if meta["prompt_digest"] != prompt_digest(prompt):
                 raise RuntimeError("the prefill side's prompt token ids differ from this request's")
         except Exception as e:  # noqa: BLE001 - handled by the request's policy

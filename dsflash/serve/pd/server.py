@@ -28,15 +28,17 @@ instance's layout before the engine sees it.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from fastapi import Request  # module level: FastAPI resolves the (string) annotations of the endpoints here
 
+from dsflash.serve.http.body import parse_json_object
+from dsflash.serve.http.errors import APIError
 from dsflash.serve.pd.cli import POLICIES, add_cli_arguments  # noqa: F401  (re-exported)
 from dsflash.serve.pd.transfer import TransferSize, pack, prompt_digest, unpack
 from dsflash.serve.pd.trust import AUTH_HEADER, MAC_HEADER, PDTrust, TrustError
@@ -46,7 +48,10 @@ log = logging.getLogger("dsflash.serve.pd")
 GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-_ctx: contextvars.ContextVar = contextvars.ContextVar("dsflash_pd", default=None)
+# The middleware's verified per-request P/D state reaches the engine wrapper on the request envelope
+# (EngineRequest.kv_transfer_params): the body it replays to the app carries a fresh random ticket under this key,
+# and PDState.tickets maps it to the PDRequest while the request runs. A client's own value is overwritten.
+TICKET = "pd_ticket"
 
 
 @dataclass
@@ -86,6 +91,7 @@ class PDState:
         self.test_hooks = test_hooks
         self.kv_delay_s = 0.0             # test hook: stall in the middle of a KV body
         self.kv_corrupt = 0               # test hook: flip a byte in the next N KV bodies (after their MAC)
+        self.tickets: dict[str, "PDRequest"] = {}   # TICKET -> the request's verified P/D state, while it runs
         self.handshakes: dict[str, dict] = {}
         self.transfers: list[dict] = []   # decode side: one record per pull (bounded)
         self.counters = {"pulls_ok": 0, "pulls_failed": 0, "recomputed": 0, "failed_requests": 0,
@@ -115,13 +121,17 @@ class PDState:
         self.handshakes[url] = info
         return info
 
-    async def pull(self, kv: dict, prompt_ids, params):
+    def request_of(self, kvp) -> Optional["PDRequest"]:
+        """The verified P/D state of an envelope's ``kv_transfer_params`` (None: not a P/D request)."""
+        t = kvp.get(TICKET) if isinstance(kvp, dict) else None
+        return self.tickets.get(t) if isinstance(t, str) else None
+
+    async def pull(self, req: "PDRequest", prompt_ids, params):
         """Pull the KV of this request's verified ``kv_transfer_params`` (the middleware checked signature,
         expiry and peer; ``kv`` itself is not trusted and not used). Before connecting: the signed prompt
         digest and token count must be this prompt's. After: the body's MAC (with this prompt's digest), then
         its header fields and every array against this instance's layout. Raises on any mismatch (the
         request's failure policy applies); nothing reaches the engine unless all of it holds."""
-        req = current()
         v = req.verified if req is not None else None
         if not v:
             raise TrustError("kv_transfer_params were not verified; refusing to connect anywhere", "kv_transfer_params")
@@ -187,7 +197,10 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
         return None
     engine.pd = pd
     app.state.pd = pd
-    app.add_middleware(PDMiddleware, pd=pd)
+    # innermost, inside the OpenAI app's own middleware: the API key (401) and the body-size limit (413)
+    # come before any P/D validation
+    from starlette.middleware import Middleware
+    app.user_middleware.append(Middleware(PDMiddleware, pd=pd))
 
     @app.get("/pd/info")
     async def info():
@@ -281,9 +294,9 @@ class PDMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        try:
-            obj = json.loads(body) if body.strip() else None
-        except (ValueError, UnicodeDecodeError):
+        try:                                 # a bad body is left to the app (its 400 names the problem)
+            obj = parse_json_object(body)
+        except APIError:
             obj = None
         kvp = obj.get("kv_transfer_params") if isinstance(obj, dict) else None
         if not isinstance(kvp, dict) or not (kvp.get("do_remote_decode") or kvp.get("do_remote_prefill")):
@@ -315,14 +328,17 @@ class PDMiddleware:
             except TrustError as e:
                 log.warning("P/D: refused kv_transfer_params from %s: %s", scope.get("client"), e)
                 return await _error(send, 403, str(e), e.param, "pd_unauthorized")
-        token = _ctx.set(req)
+        ticket = secrets.token_hex(16)
+        self.pd.tickets[ticket] = req
+        obj["kv_transfer_params"] = {**kvp, TICKET: ticket}
+        body = json.dumps(obj, separators=(",", ":")).encode()     # what replay() hands the app
         try:
             if req.wants_hold:
                 await self._prefill(scope, replay, send, req)
             else:
                 await self._decode(scope, replay, send, req)
         finally:
-            _ctx.reset(token)
+            self.pd.tickets.pop(ticket, None)
 
     async def _decode(self, scope, receive, send, req: PDRequest):
         async def send_h(msg):
@@ -393,6 +409,3 @@ async def _error(send, status, message, param=None, code=None):
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
-
-def current() -> Optional[PDRequest]:
-    return _ctx.get()
