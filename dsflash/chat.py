@@ -459,10 +459,18 @@ class StreamingOutputParser:
     ``invoke`` element closes (``string="false"`` values parsed as JSON, invalid JSON kept as a
     string). ``<｜end▁of▁sentence｜>`` in the text ends parsing. Truncated output: ``finish()``
     emits an open call with the parameters completed so far.
+
+    ``incremental=True`` (the server's streaming): a call is announced as soon as its ``invoke`` tag is
+    complete (``{index, id, type, function: {name, arguments: ""}}``) and its arguments follow as
+    ``{index, function: {arguments: fragment}}`` deltas, one per completed parameter and a last one at the
+    close; the fragments of a call concatenate to exactly its final ``arguments``. ``result()`` is the same
+    in both modes.
     """
 
-    def __init__(self, thinking: bool, make_id: Callable[[int], str] = default_tool_call_id):
+    def __init__(self, thinking: bool, make_id: Callable[[int], str] = default_tool_call_id,
+                 incremental: bool = False):
         self.thinking = thinking
+        self.incremental = incremental
         self.make_id = make_id
         self._state = _REASONING if thinking else _CONTENT
         self._buf = ""
@@ -519,7 +527,31 @@ class StreamingOutputParser:
         call = {"id": cur["id"], "type": "function",
                 "function": {"name": cur["name"], "arguments": _to_json(cur["args"])}}
         self.tool_calls.append(call)
-        d.tool_calls.append({"index": len(self.tool_calls) - 1, **copy.deepcopy(call)})
+        if not self.incremental:
+            d.tool_calls.append({"index": len(self.tool_calls) - 1, **copy.deepcopy(call)})
+            return
+        full, sent = call["function"]["arguments"], cur["sent"]
+        # a repeated parameter that changed an earlier value breaks the prefix: nothing correct can follow
+        if full.startswith(sent) and len(full) > len(sent):
+            self._fragment(d, full[len(sent):])
+
+    def _fragment(self, d: OutputDelta, text: str) -> None:
+        self._cur_sent(text)
+        d.tool_calls.append({"index": len(self.tool_calls) - (0 if self._cur is not None else 1),
+                             "function": {"arguments": text}})
+
+    def _cur_sent(self, text: str) -> None:
+        if self._cur is not None:
+            self._cur["sent"] += text
+
+    def _param_done(self, d: OutputDelta, key: str, value: Any) -> None:
+        """A parameter completed inside an open call: record it; incremental mode streams its fragment."""
+        args = self._cur["args"]
+        fresh = key not in args
+        args[key] = value
+        if self.incremental and fresh:
+            sep = "{" if not self._cur["sent"] else ", "
+            self._fragment(d, sep + _to_json(key) + ": " + _to_json(value))
 
     # -- the machine
     def _run(self, final: bool) -> OutputDelta:
@@ -622,7 +654,11 @@ class StreamingOutputParser:
                 return False
             attrs = dict(_ATTR.findall(buf[len(inv):j]))
             self._buf = buf[j + 1:]
-            self._cur = {"id": self.make_id(len(self.tool_calls)), "name": attrs.get("name", ""), "args": {}}
+            self._cur = {"id": self.make_id(len(self.tool_calls)), "name": attrs.get("name", ""), "args": {},
+                         "sent": ""}
+            if self.incremental:
+                d.tool_calls.append({"index": len(self.tool_calls), "id": self._cur["id"], "type": "function",
+                                     "function": {"name": self._cur["name"], "arguments": ""}})
             self._state = _INVOKE
             return True
         return self._skip_stray(buf, final, inv, close)
@@ -656,7 +692,7 @@ class StreamingOutputParser:
                     value = json.loads(raw)
                 except ValueError:
                     value = raw
-            self._cur["args"][key] = value
+            self._param_done(d, key, value)
             self._buf = buf[k + len(p_close):]
             return True
         return self._skip_stray(buf, final, p_open, inv_close)

@@ -179,3 +179,49 @@ def test_parser_misuse():
     assert not p.finish()
     with pytest.raises(ValueError):
         parse_output(None, False)  # type: ignore[arg-type]
+
+
+def _merge_incremental(deltas):
+    """OpenAI-style tool-call deltas (announce, then argument fragments) -> whole calls by index."""
+    calls = {}
+    for d in deltas:
+        for tc in d.tool_calls:
+            c = calls.setdefault(tc["index"], {"id": None, "type": None, "function": {"name": None, "arguments": ""}})
+            for k in ("id", "type"):
+                if k in tc:
+                    assert c[k] is None, "announced twice"
+                    c[k] = tc[k]
+            fn = tc.get("function", {})
+            if "name" in fn:
+                c["function"]["name"] = fn["name"]
+            c["function"]["arguments"] += fn.get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_incremental_tool_call_deltas_concatenate_to_the_whole_calls(seed):
+    rng = random.Random(seed)
+    for text, thinking, expected in CASES:
+        chunks, i = [], 0
+        while i < len(text):
+            n = 1 if seed == 0 else rng.randint(1, 9)
+            chunks.append(text[i:i + n])
+            i += n
+        p = StreamingOutputParser(thinking, make_id=ids, incremental=True)
+        deltas = [p.feed(c) for c in chunks] + [p.finish()]
+        assert p.result() == parse_output(text, thinking, make_id=ids)
+        assert _merge_incremental(deltas) == p.result()[2]
+        for d in deltas:
+            assert not expected[2] or DSML not in d.content
+
+
+def test_incremental_announces_before_the_call_closes():
+    p = StreamingOutputParser(False, incremental=True)
+    d = p.feed(f'<{DSML} calls>\n<{DSML} invoke name="f">\n')
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in d.tool_calls] == [(0, "f", "")]
+    d = p.feed(f'<{DSML} parameter name="x" string="false">7</{DSML} parameter>\n')
+    assert d.tool_calls == [{"index": 0, "function": {"arguments": '{"x": 7'}}]
+    d = p.feed(f'<{DSML} parameter name="y" string="true">a"b</{DSML} parameter>\n</{DSML} invoke>')
+    assert [c["function"]["arguments"] for c in d.tool_calls] == [', "y": "a\\"b"', "}"]
+    assert p.tool_calls[0]["function"]["arguments"] == '{"x": 7, "y": "a\\"b"}'

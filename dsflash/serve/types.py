@@ -7,6 +7,30 @@ from typing import Optional, Union
 
 
 @dataclass
+class GuidedDecoding:
+    """A constraint on the generated text, enforced by a grammar (``dsflash/serve/engine/guided.py``).
+
+    Exactly one of ``json`` (a JSON schema, dict or JSON text), ``json_object`` (any JSON object), ``regex``,
+    ``choice`` (one of the strings) or ``grammar`` (Lark in llguidance's dialect, or GBNF) is set.
+    ``after_think``: the constraint starts after the first ``</think>`` token (thinking mode).
+    ``field``: the request field it came from, named in error messages."""
+    json: Optional[Union[dict, str]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    after_think: bool = False
+    field: str = "guided"
+
+    def kind(self) -> str:
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"{self.field}: exactly one constraint must be given, got {set_ or 'none'}")
+        return set_[0]
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling. Invalid values raise ValueError naming the field (see ``validate``)."""
     max_tokens: int = 16
@@ -25,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: Optional[GuidedDecoding] = None   # structured output (None: unconstrained)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -59,6 +84,10 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.guided is not None:
+            if not isinstance(self.guided, GuidedDecoding):
+                bad("guided", "must be a GuidedDecoding")
+            self.guided.kind()
 
     @property
     def greedy(self) -> bool:

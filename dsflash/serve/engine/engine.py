@@ -171,16 +171,35 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.stop_token_ids: at most {self.max_stop_ids - 1} ids")
         if any(t >= V for t in stop):
             raise ValueError(f"SamplingParams.stop_token_ids: ids must be < vocab size {V}")
+        guide = self._guide_factory(params)
         arrival = time.time() if req.arrival_time is None else req.arrival_time
         base_seed = params.seed if params.seed is not None else self.scheduler.draw_seed()
         seqs = []
         for i in range(params.n):
             s = Sequence(request_id, i, text, ids, params, arrival, base_seed + i, stop)
             s.detok = self.outputs.new_detok(params)
+            s.guide = guide() if guide is not None else None
             seqs.append(s)
         self.scheduler.add(request_id, seqs, dp_rank)
         self.metrics.requests_added += 1
         self.metrics.prompt_tokens += len(ids) * params.n
+
+    def _guide_factory(self, params):
+        """Structured output: checks the constraint now (ValueError naming its field) and returns a maker of
+        one matcher per sequence (None: unconstrained)."""
+        if params.guided is None:
+            return None
+        if self.tokenizer is None or not hasattr(self.tokenizer, "hf"):
+            raise ValueError(f"{params.guided.field}: guided decoding needs the model's tokenizer")
+        from dsflash.serve.engine.guided import Guide
+        V = self.backend.vocab_size
+        first = Guide(params.guided, self.tokenizer, V)
+        made = []
+
+        def make():
+            made.append(1)
+            return first if len(made) == 1 else Guide(params.guided, self.tokenizer, V)
+        return make
 
     def _encode(self, prompt):
         if isinstance(prompt, str):

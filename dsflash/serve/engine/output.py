@@ -45,10 +45,14 @@ class OutputProcessor:
             if t in s.stop_ids:
                 eos = t == self.eos_token_id and t not in p.stop_token_ids
                 return self._done(s, "stop", None if eos else t)
+            if s.guide is not None:
+                s.guide.accept(t)
             if s.detok is not None:
                 s.detok.add(t)
                 if s.detok.stopped:
                     return self._done(s, "stop", s.detok.stop_reason)
+            if s.guide is not None and s.guide.done:      # the grammar is complete: nothing may follow
+                return self._done(s, "stop", None)
             if len(s.out_ids) >= p.max_tokens:
                 return self._done(s, "length", None)
         return False

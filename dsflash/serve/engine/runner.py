@@ -199,6 +199,7 @@ class Runner:
             self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
             self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
         self._compiled: dict = {}
+        self._mask0: dict = {}
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
         self.dp, self.eplb, self._executor = dp, eplb, None
         pt_fill = np.repeat(np.arange(dp, dtype=np.int32) * (geo.num_pages // dp), max_num_seqs // dp)
@@ -265,7 +266,8 @@ class Runner:
         counts = counts.at[b_idx, tokens].add((valid & (pos >= inp["out_start"][:, None])).astype(jnp.int32))
         seen = seen.at[b_idx, tokens].max(valid)
         raw = out["logits"]
-        pen = S.apply_penalties(raw, counts, seen, sp["pres"], sp["freq"], sp["rep"])
+        guided = S.apply_token_mask(raw, inp["mask"], inp["guided"])     # structured output (guided rows only)
+        pen = S.apply_penalties(guided, counts, seen, sp["pres"], sp["freq"], sp["rep"])
         logp = S.process_logits(pen, sp["temp"], sp["top_k"], sp["top_p"], sp["min_p"])
         keys = S.purpose(S.request_keys(sp["seed_lo"], sp["seed_hi"], inp["n_gen0"]), S.SAMPLE)
         tok = S.sample(logp, pen, sp["temp"] <= 0, keys)
@@ -294,6 +296,7 @@ class Runner:
         be, spec, V, S_, K1, k = self.backend, self.spec, self.V, self.S, self.K1, self.k
         sp = inp["sp"]
         greedy = sp["temp"] <= 0
+        guided = inp["guided"]           # rows under a grammar: masked, one token per call, drafts not used
         slots = jnp.arange(S_, dtype=jnp.int32)
         floor = inp["floor"]
         row_steps = inp["row_steps"]
@@ -333,6 +336,7 @@ class Runner:
             if spec:
                 state = be.update_context(params, out, batch, state)
             raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
+            masked = S.apply_token_mask(raw, inp["mask"], guided)
             counts = rows["counts"][:, None, :]
             seen = rows["seen"][:, None, :]
             if spec:
@@ -341,7 +345,7 @@ class Runner:
                 counts = counts + extra
                 seen = seen | (extra > 0)
             bc = lambda a: jnp.broadcast_to(a[:, None], (S_, K1))
-            pen = S.apply_penalties(raw, counts, seen, bc(sp["pres"]), bc(sp["freq"]), bc(sp["rep"]))
+            pen = S.apply_penalties(masked, counts, seen, bc(sp["pres"]), bc(sp["freq"]), bc(sp["rep"]))
             logp = S.process_logits(pen, bc(sp["temp"]), bc(sp["top_k"]), bc(sp["top_p"]), bc(sp["min_p"]))
             keys = S.request_keys(sp["seed_lo"][:, None], sp["seed_hi"][:, None], nidx[:, None] + j[None, :])
             if spec:
@@ -350,7 +354,7 @@ class Runner:
                 q_g = jnp.where(jnp.arange(V) == drafts[..., None], 0.0, -jnp.inf)
                 q = jnp.where((sp["draft_temp"] > 0)[:, None, None], q_s, q_g)
                 emitted, n = S.rejection_sample(logp, pen, q, drafts, greedy, S.purpose(keys, S.ACCEPT),
-                                                S.purpose(keys, S.SAMPLE))
+                                                S.purpose(keys, S.SAMPLE), no_draft=guided)
             else:
                 emitted = S.sample(logp[:, 0], pen[:, 0], greedy, S.purpose(keys[:, 0], S.SAMPLE))[:, None]
                 n = jnp.ones((S_,), jnp.int32)
@@ -372,7 +376,7 @@ class Runner:
             nb["n_out"] = off + n
             nb["stop"] = buf["stop"] | (run & has_stop)
             if spec:
-                nb["drafts"] = buf["drafts"] + run.astype(jnp.int32)
+                nb["drafts"] = buf["drafts"] + (run & ~guided).astype(jnp.int32)
                 nb["acc_pos"] = buf["acc_pos"] + (run[:, None] & (jnp.arange(k)[None] < (n - 1)[:, None])).astype(jnp.int32)
             nb["iters"] = buf["iters"] + 1
             if self.eplb_shape is not None:
@@ -426,6 +430,8 @@ class Runner:
             inp["last"][r] = s.computed + n == len(ids)
             inp["out_start"][r] = len(s.prompt_ids)
             inp["n_gen0"][r] = len(s.out_ids)
+            if s.guide is not None and inp["last"][r]:     # this row samples its first token: mask it
+                self._guide_row(inp, r, s)
             for f in sp:
                 sp[f][r] = m.sp[f][s.slot]
         return inp
@@ -438,7 +444,16 @@ class Runner:
         inp["sp"] = {f: a.copy() for f, a in m.sp.items()}
         for s, h in decode:
             inp["row_steps"][s.slot] = h
+            if s.guide is not None:
+                self._guide_row(inp, s.slot, s)
         return inp
+
+    def _guide_row(self, inp, r, s):
+        """Row ``r`` samples under ``s``'s grammar: its bitmask of the next token (host, llguidance)."""
+        if not inp["guided"].any():      # the shared all-zero mask is read-only: this call gets its own
+            inp["mask"] = np.zeros_like(inp["mask"])
+        inp["guided"][r] = True
+        s.guide.fill(inp["mask"][r])
 
     def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=()):
         """Dispatch a step's calls; returns a handle whose ``result()`` is ``(prefill, decode)`` results on the host.
@@ -480,14 +495,24 @@ class Runner:
                 "row_slot": np.full((Bp,), self.S, np.int32), "page_table": np.zeros((Bp, self.P), np.int32),
                 "floor": z.copy(), "kv_write_from": z.copy(), "first": np.zeros((Bp,), bool),
                 "last": np.zeros((Bp,), bool), "out_start": z.copy(), "n_gen0": z.copy(),
-                "sp": empty_sampling(Bp, self.max_stop_ids),
+                "sp": empty_sampling(Bp, self.max_stop_ids), **self._no_guides(Bp),
                 **({"prev": np.full((Bp, self.history), -1, np.int32)} if self.history else {})}
 
     def empty_decode_inputs(self):
         S_ = self.S
         return {"page_table": np.zeros((S_, self.P), np.int32), "floor": np.zeros((S_,), np.int32),
                 "row_steps": np.zeros((S_,), np.int32), "deactivate": np.zeros((S_,), bool),
-                "max_iters": np.int32(self.max_iters), "sp": empty_sampling(S_, self.max_stop_ids)}
+                "max_iters": np.int32(self.max_iters), "sp": empty_sampling(S_, self.max_stop_ids),
+                **self._no_guides(S_)}
+
+    def _no_guides(self, n):
+        """Guided-decoding inputs of a call without guided rows: one shared read-only zero mask per row count
+        (no allocation per step), ``guided`` all False (the device skips the masking)."""
+        m = self._mask0.get(n)
+        if m is None:
+            m = self._mask0[n] = np.zeros((n, (self.V + 31) // 32), np.int32)
+            m.flags.writeable = False
+        return {"mask": m, "guided": np.zeros((n,), bool)}
 
     def pick_bucket(self, n_rows: int, max_len: int):
         for b in self.prefill_buckets:

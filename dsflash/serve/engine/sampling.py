@@ -106,6 +106,22 @@ def process_logits(logits, temperature, top_k, top_p, min_p):
     return jax.nn.log_softmax(x, axis=-1)
 
 
+def apply_token_mask(logits, mask, guided):
+    """Guided decoding: logits [B, ..., V] -> the same with tokens outside row b's bitmask at -inf where
+    ``guided[b]``. ``mask`` [B, W] int32 (bit ``v % 32`` of word ``v // 32`` set = allowed, llguidance's layout).
+    Runs only when some row is guided (``lax.cond``), so unconstrained batches pay nothing."""
+    V = logits.shape[-1]
+
+    def masked(x):
+        v = jnp.arange(V, dtype=jnp.int32)
+        bits = (mask[:, v // 32] >> (v % 32)) & 1                               # [B, V]
+        allowed = (bits == 1) | ~guided[:, None]
+        allowed = allowed.reshape(allowed.shape[:1] + (1,) * (x.ndim - 2) + allowed.shape[1:])
+        return jnp.where(allowed, x, NEG_INF)
+
+    return lax.cond(jnp.any(guided), masked, lambda x: x, logits)
+
+
 def sample(logp, greedy_logits, greedy, keys):
     """One token per row: argmax of ``greedy_logits`` where ``greedy`` else a sample of ``logp``."""
     g = jnp.argmax(greedy_logits, axis=-1).astype(jnp.int32)
@@ -114,7 +130,8 @@ def sample(logp, greedy_logits, greedy, keys):
     return jnp.where(greedy, g, s)
 
 
-def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, greedy, keys_accept, keys_sample):
+def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, greedy, keys_accept, keys_sample,
+                     no_draft=None):
     """Verify ``k`` drafts against ``k + 1`` target distributions (Leviathan et al.; vLLM's rejection sampler).
 
     target_logp [B, k+1, V]     processed log p (the target's sampling distribution at each position)
@@ -122,6 +139,8 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
     draft_logp [B, k, V]        log q, the distribution each draft was sampled from (-inf allowed)
     drafts [B, k] int32         proposals o_1..o_k
     greedy [B] bool
+    no_draft [B] bool or None   rows whose drafts are all rejected and whose first token is a plain sample of
+                                the target (guided rows: their drafts were not checked against the grammar)
     keys_accept, keys_sample    [B, k+1, 2] keys for the acceptance uniforms / residual-or-bonus samples
 
     Returns ``tokens [B, k+1]`` (accepted drafts then the correction or bonus token; entries past
@@ -140,6 +159,9 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
     tgt_arg = jnp.argmax(target_greedy_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
     acc_g = drafts == tgt_arg[:, :k]
     acc = jnp.where(greedy[:, None], acc_g, acc_s)
+    if no_draft is not None:
+        acc = acc & ~no_draft[:, None]
+        draft_logp = jnp.where(no_draft[:, None, None], NEG_INF, draft_logp)   # q = 0: the residual is p
     a = jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=1), axis=1)        # accepted prefix length
     # correction / bonus distribution at position a
     def residual_sample():

@@ -319,7 +319,9 @@ class Scheduler:
             rem = s.params.max_tokens - len(s.out_ids) - s.pending_lb
             if rem <= 0:
                 continue                          # finishes with what is in flight
-            h = min(self.decode_steps, rem)
+            if s.guide is not None and s.pending:
+                continue                          # guided: the next mask needs the token in flight
+            h = 1 if s.guide is not None else min(self.decode_steps, rem)   # guided: one token per call
             if not self._grow(s, pos + 1 + h * K1):
                 if not self._grow(s, pos + 1 + K1):
                     self._preempt(s)
@@ -364,7 +366,7 @@ class Scheduler:
         """Sequences whose prompt completes in this step's prefill join the same step's decode call."""
         K1, P = self.K1, self.page_size
         for s, n in chunks:
-            if s.computed + n == len(s.all_ids):
+            if s.computed + n == len(s.all_ids) and s.guide is None:   # guided: the mask needs the first token
                 pos = len(s.all_ids) - 1
                 h = max(1, min(self.decode_steps, s.params.max_tokens - len(s.out_ids) - 1))
                 if s.params.max_tokens - len(s.out_ids) - 1 <= 0:

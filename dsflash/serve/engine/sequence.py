@@ -34,6 +34,7 @@ class Sequence:
         self.pending_lb = 0          # tokens they add unless the sequence finishes
         self.last_slot = None
         self.rank = 0                # DP rank (slot, pages and prefix cache come from its range)
+        self.guide = None            # guided.Guide under structured output (one token per decode call)
 
     @property
     def all_ids(self):

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from dsflash.serve.async_engine import (AsyncEngine, EngineDeadError, EngineDrainingError, RequestAbortedError,
                                        RequestStream)
-from dsflash.serve.http import chat_io
+from dsflash.serve.http import chat_io, structured
 from dsflash.serve.http.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, parse_json_object, read_limited
 from dsflash.serve.http.encode import encode_prompts, encode_text
 from dsflash.serve.http.extras import install_extras
@@ -543,6 +543,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS  # null = default
     max_toks = [_max_tokens(st, requested, len(p), "max_tokens", "prompt") for p in prompts]
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
+    params0 = structured.attach(params0, req)            # guided_* / structured_outputs (400 naming the field)
     prompt_lps = None
     if req.echo and req.logprobs is not None:     # the prompt tokens' logprobs too (log-likelihood evaluation)
         from dsflash.serve.http.prompt_logprobs import prompt_logprobs
@@ -693,6 +694,7 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_toks = _max_tokens(st, requested, len(ids), param, "messages")
     params = _sampling_params(req, max_toks, (req.top_logprobs or 0) if req.logprobs else None, tok.vocab_size)
+    params = structured.attach(params, req, thinking=thinking, tools=tools)   # response_format, tool_choice, ...
     base = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _submit(st, base, [ids], params, n, arrival, dp_rank, req.kv_transfer_params)
     created = int(time.time())

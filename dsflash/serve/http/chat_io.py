@@ -178,7 +178,8 @@ class ChatStreamer:
 
     def __init__(self, thinking: bool, parse_tools: bool):
         self.passthrough = not thinking and not parse_tools
-        self.parser = None if self.passthrough else chat_module().StreamingOutputParser(thinking)
+        # incremental: calls announced at their invoke tag, arguments streamed per parameter (OpenAI deltas)
+        self.parser = None if self.passthrough else chat_module().StreamingOutputParser(thinking, incremental=True)
         self.n_tool_calls = 0
 
     def feed(self, delta: str) -> list[dict]:

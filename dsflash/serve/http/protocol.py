@@ -49,6 +49,12 @@ class _SamplingFields(_Base):
     skip_special_tokens: Optional[StrictBool] = None
     min_tokens: Optional[StrictInt] = 0
     request_id: Optional[StrictStr] = None
+    # structured output (dsflash/serve/http/structured.py): vLLM's structured_outputs and guided_* fields
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
     # P/D (docs/pd.md): read by the P/D middleware, carried to the engine on the request envelope
     kv_transfer_params: Optional[dict[str, Any]] = None
 

@@ -1,0 +1,159 @@
+"""Structured output through the real server (``python -m dsflash.serve``, the built-in demo model) and the
+official ``openai`` client: ``response_format`` json_schema / json_object, vLLM's ``structured_outputs`` and
+``guided_*`` fields, ``tool_choice`` required / named through the DSML grammar, streamed and not, over seeds;
+bad constraints are 400s naming their field."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from test_server_util import default_test_model, error_of, start_server
+
+MODEL = default_test_model()
+pytestmark = pytest.mark.skipif(MODEL == "dummy", reason="the dummy engine does not run grammars")
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "n"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+WEATHER = {"type": "object", "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "maxLength": 16},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                          "units": {"type": "string", "enum": ["c", "f"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "required": ["zone"], "properties": {"zone": {"type": "string", "maxLength": 8}}}}}]
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+SEEDS = [0, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # the default server of tests/test_server_openai.py (its compiled programs come from the persistent cache)
+    srv = start_server(*([] if MODEL == "demo" else ["--model", MODEL]))
+    yield srv
+    rc = srv.terminate()
+    out = srv.output()
+    srv.close()
+    assert rc == 0, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _stream_chat(client, **kw):
+    text, calls, finish = "", {}, None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        text += d.content or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            if tc.function and tc.function.name:
+                c["name"] = tc.function.name
+            if tc.function and tc.function.arguments:
+                c["arguments"] += tc.function.arguments
+        finish = ch.choices[0].finish_reason or finish
+    return text, [calls[i] for i in sorted(calls)], finish
+
+
+def _model(client):
+    return client.models.list().data[0].id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_answers_validate_over_seeds(client, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    for seed in SEEDS:
+        kw = dict(model=_model(client), messages=[{"role": "user", "content": "Describe a thing as JSON."}],
+                  response_format=rf, max_tokens=96, temperature=1.0, seed=seed)
+        if stream:
+            text, _, finish = _stream_chat(client, **kw)
+        else:
+            r = client.chat.completions.create(**kw)
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert finish == "stop", (seed, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_and_vllm_fields(client):
+    m = _model(client)
+    r = client.chat.completions.create(model=m, messages=MSG, response_format={"type": "json_object"},
+                                       max_tokens=160, temperature=0)
+    c = r.choices[0]
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
+    else:                                   # a long object cut by max_tokens is still a JSON prefix
+        assert c.finish_reason == "length" and c.message.content.startswith("{")
+    r = client.chat.completions.create(model=m, messages=MSG, max_tokens=20, temperature=1.0, seed=5,
+                                       extra_body={"guided_choice": ["sunny", "rainy", "cloudy"]})
+    assert r.choices[0].message.content in ("sunny", "rainy", "cloudy")
+    r = client.completions.create(model=m, prompt="The answer is", max_tokens=20, temperature=1.0, seed=2,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{2,4}"}})
+    assert re.fullmatch("[0-9]{2,4}", r.choices[0].text), r.choices[0].text
+    r = client.completions.create(model=m, prompt="x", max_tokens=30, temperature=0,
+                                  extra_body={"guided_json": json.dumps(SCHEMA)})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    r = client.completions.create(model=m, prompt="x", max_tokens=10, temperature=0,
+                                  extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+    assert r.choices[0].text in ("yes", "no")
+
+
+def test_max_tokens_cut_is_length(client):
+    r = client.chat.completions.create(model=_model(client), messages=MSG, max_tokens=3, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "t", "schema": SCHEMA}})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def _check_calls(calls, allowed):
+    assert calls
+    for c in calls:
+        assert c["name"] in allowed
+        args = json.loads(c["arguments"])
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == c["name"])
+        jsonschema.validate(args, schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named_are_enforced(client, stream):
+    m = _model(client)
+    cases = [("required", {"get_weather", "get_time"}),
+             ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})]
+    for choice, allowed in cases:
+        for seed in SEEDS[:3]:
+            kw = dict(model=m, messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=1.0,
+                      seed=seed, parallel_tool_calls=False)
+            if stream:
+                text, calls, finish = _stream_chat(client, **kw)
+            else:
+                r = client.chat.completions.create(**kw)
+                msg, finish = r.choices[0].message, r.choices[0].finish_reason
+                text = msg.content or ""
+                calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in msg.tool_calls or []]
+            assert finish == "tool_calls", (choice, seed, text, calls)
+            assert "DSML" not in text
+            _check_calls(calls, allowed)
+            assert len(calls) == 1
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "a("}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"bogus": 1}}, "structured_outputs.bogus"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+])
+def test_bad_constraints_are_400_naming_the_field(server, body, param):
+    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == param
