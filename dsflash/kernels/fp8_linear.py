@@ -50,8 +50,8 @@ def _dot(x, w_t):
 def fp8_linear_reference(x, w_fp8, scale_u8, *, precision="reference", act_quant=True):
     """``layers.linear_fp8``'s numerics on arrays: the same ops in the same order (so the same bits as the model's
     linear; pinned on CPU by tests/test_kernels_fp8_linear.py, on the GPU by tests/gpu/test_fp8_linear.py's gate
-    test). Written out here, not imported, so kernels/ imports nothing of model/ but quant (as moe_gemm); once
-    ``layers.linear_fp8`` calls ``fp8_linear`` this is the only copy."""
+    test). Written out here, not imported, so kernels/ imports nothing of model/ but quant (as moe_gemm);
+    ``layers.linear_fp8`` keeps its own XLA path and calls only the kernel (where ``use_triton`` says so)."""
     if w_fp8.dtype == jnp.uint8:
         w_fp8 = jax.lax.bitcast_convert_type(w_fp8, jnp.float8_e4m3fn)
     dt = _act_dtype(precision)

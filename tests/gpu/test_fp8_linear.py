@@ -114,17 +114,15 @@ def test_nan_weight_propagates():
     assert np.isnan(ref[:, 77]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
 
 
-def test_front_end_gate_on_gpu():
+def test_front_end_gate_on_gpu(monkeypatch):
     """On a GPU: outside the gate's rows backend="triton" still runs the reference (bit-identical to it), inside it
     and with force=True the kernel (bit-identical to calling it directly)."""
     from dsflash.kernels import dispatch, fp8_linear as fl, fp8_linear_triton as ft
     x, w, s = _inputs("wkv", 6)
     inside = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="auto"))(x), np.float32)
-    dispatch.GATES["fp8_linear"], saved = dispatch.GATES["fp8_linear"].replace(triton=()), dispatch.GATES["fp8_linear"]
-    try:
-        gated = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton"))(x), np.float32)
-    finally:
-        dispatch.GATES["fp8_linear"] = saved
+    monkeypatch.setitem(dispatch.GATES, "fp8_linear", dispatch.GATES["fp8_linear"].replace(triton=()))
+    gated = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton"))(x), np.float32)
+    monkeypatch.undo()
     ref = np.asarray(jax.jit(lambda a: fl.fp8_linear_reference(a, w, s))(x), np.float32)
     kern = np.asarray(jax.jit(lambda a: ft.fp8_linear_triton(a, w, s))(x), np.float32)
     forced = np.asarray(jax.jit(lambda a: fl.fp8_linear(a, w, s, backend="triton", force=True))(x), np.float32)
