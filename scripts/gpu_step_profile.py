@@ -9,7 +9,8 @@ Variants: ``new`` = the code as it is; ``old`` = the dense linears / head / gate
 operands (``layers.tensor_cores`` forced False: the pre-change path, for the A/B in the same run); ``fp8lin`` = the
 dense FP8 linears through the Triton FP8-weight kernel at every row count and weight size; ``fp8big`` = only the
 weights of >= 16 M elements (wq_b, wo_b) at <= 384 rows; ``fp8off`` = none of them (XLA's dequantised copy); ``fp8grp`` = the default plus the grouped wo_a
-launch (``fp8_linear.GROUPED``).
+launch (``fp8_linear.GROUPED``); ``moe32`` = the default with ``sw_eo_np_bm32`` (BM 32 token tiles) as the MoE decode
+config above 384 slots; ``grp32`` = both.
 """
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def main():
     from dsflash.kernels import dispatch, fp8_linear
     real_fp8 = (dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS)
     real_grouped = fp8_linear.GROUPED
+    from dsflash.kernels import moe_plan
+    real_moe = moe_plan.DECODE_CONFIG
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0)}
@@ -81,7 +84,8 @@ def main():
         for var in a.variants.split(","):
             layers.tensor_cores = (lambda: False) if var == "old" else real_tc
             dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = fp8_gates.get(var, real_fp8)
-            fp8_linear.GROUPED = var == "fp8grp" or real_grouped
+            fp8_linear.GROUPED = var in ("fp8grp", "grp32") or real_grouped
+            moe_plan.DECODE_CONFIG = moe_plan.named_config("sw_eo_np_bm32") if var in ("moe32", "grp32") else real_moe
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():
@@ -144,6 +148,7 @@ def main():
     layers.tensor_cores = real_tc
     dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = real_fp8
     fp8_linear.GROUPED = real_grouped
+    moe_plan.DECODE_CONFIG = real_moe
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"

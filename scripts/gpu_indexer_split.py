@@ -1,0 +1,99 @@
+"""Where the long-context indexer's time goes (issue 19): the pieces of one index-source layer's decode call timed
+apart on the GPU -- the gather + decode of every MXFP4 index key through the page table, the Triton scorer, the
+top-512 selection (``lax.top_k`` + sort) and layer 20's candidate filter (top-2048 of 8-entry blocks). One call,
+a table last, JSON in $OUT/indexer_split.json. From the repo root:
+
+  python3 scripts/gpu_indexer_split.py --contexts 4096 32768 131072 --seqs 32 --rows 6 --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+
+
+def timed(fn, *args, reps=10):
+    import jax
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return 1e3 * ts[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=6)
+    ap.add_argument("--ratio", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="out")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    import jax
+    import jax.numpy as jnp
+
+    from dsflash import quant
+    from dsflash.kernels import indexer_topk as ik
+    from dsflash.model import state as st
+    from dsflash.model.attention import gather_pool, pool_addresses
+
+    Hi, Di, topk = 32, 128, 512
+    B, S = a.seqs, a.rows
+    res = {"device": jax.devices()[0].device_kind, "args": vars(a), "points": []}
+    key = jax.random.PRNGKey(0)
+    for C in a.contexts:
+        T = C // a.ratio
+        per_page = a.page_size // a.ratio
+        pages = T // per_page
+        kq, kk, kw, ks = jax.random.split(jax.random.fold_in(key, C), 4)
+        pool = st.encode_index_k(jax.random.normal(kk, (B * T, Di), jnp.float32), "reference")
+        page_table = jax.random.permutation(kq, B * pages).reshape(B, pages).astype(jnp.int32)
+        entries = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+        q = jax.random.normal(kq, (B, S, Hi, Di), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (B, S, Hi), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        visible = jnp.full((B, S), T, jnp.int32)
+        valid = jnp.ones((B, S), bool)
+        score = jax.random.normal(ks, (B, S, T), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+
+        gather = jax.jit(lambda pool, pt: gather_pool(pool, pool_addresses(pt, entries, per_page),
+                                                      st.decode_index_k, jnp.bfloat16))
+        k_all = gather(pool, page_table)
+        row = {"context": C, "T": T, "B": B, "S": S,
+               "index_key_MB": sum(x.size * x.dtype.itemsize for x in pool.values()) / 1e6,
+               "gathered_bf16_MB": k_all.size * 2 / 1e6}
+        row["gather_ms"] = timed(gather, pool, page_table, reps=a.reps)
+        row["topk_ms"] = timed(jax.jit(lambda s: ik.select_topk(s, visible, topk)), score, reps=a.reps)
+        row["cand_filter_ms"] = timed(jax.jit(lambda s: ik.candidate_mask(s, visible, 8, 2048)), score, reps=a.reps)
+        row["scores_xla_ms"] = timed(jax.jit(lambda q, w, k: ik.indexer_scores_reference(q, w, k, visible, valid)),
+                                     q, w, k_all, reps=a.reps)
+        try:
+            from dsflash.kernels import indexer_topk_triton as it
+            row["scores_triton_ms"] = timed(jax.jit(lambda q, w, k: it.indexer_scores_triton(q, w, k, visible, valid)),
+                                            q, w, k_all, reps=a.reps)
+        except Exception as e:  # noqa: BLE001
+            row["scores_triton_error"] = repr(e)[:300]
+        res["points"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(a.out, "indexer_split.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        del pool, k_all, score
+    print("\ncontext  gather  scores(xla)  scores(triton)  top-512  cand-filter   (ms; keys MB packed / gathered bf16)")
+    for r in res["points"]:
+        print(f"{r['context']:>7} {r['gather_ms']:>7.3f} {r['scores_xla_ms']:>12.3f} "
+              f"{r.get('scores_triton_ms', float('nan')):>15.3f} {r['topk_ms']:>8.3f} {r['cand_filter_ms']:>12.3f}"
+              f"   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
