@@ -210,3 +210,28 @@ def test_interpreter_script():
     retries = [ln for ln in r.stdout.splitlines() if ln.startswith(("RETRY", "WARNING: RETRIED"))]
     if retries:
         warnings.warn("triton_interpret_fp8_linear.py: a check needed a re-run:\n" + "\n".join(retries))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("M,N,K,groups", [(6, 1280, 5120, 1), (6, 8192, 4096, 8), (384, 5120, 8192, 1)])
+def test_launch_gives_every_constexpr(M, N, K, groups):
+    """jax-triton does not apply a kernel's default arguments: a constexpr left out reaches Triton as None. The
+    G = 1 launch relied on ``G: tl.constexpr = 1`` and failed to compile on the H200 (run 23, 2026-12-02) while the
+    interpreter, which does apply defaults, passed. A fake ``jt`` records what each launch hands over."""
+    from dsflash.kernels import fp8_linear_triton as ft
+
+    class FakeJt:
+        calls = []
+
+        def triton_call(self, *args, kernel, out_shape, grid, num_warps, num_stages, **kw):
+            self.calls.append((kernel, kw))
+            return jnp.zeros(out_shape.shape, out_shape.dtype)
+
+    jt = FakeJt()
+    x = jnp.zeros((M, groups * K), jnp.bfloat16)
+    w8, s8 = jnp.zeros((N, K), jnp.uint8), jnp.zeros((N // 32, K // 32), jnp.uint8)
+    ft._launch(jt, x, w8, s8, cfg=ft.pick_config(M), act_rt_kernel=False, out_f32=False, groups=groups)
+    assert jt.calls
+    for kernel, kw in jt.calls:
+        wanted = {p.name for p in kernel.params if p.is_constexpr}
+        assert wanted <= set(kw), f"{kernel.__name__} launched without {sorted(wanted - set(kw))}"

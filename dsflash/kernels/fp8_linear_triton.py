@@ -93,7 +93,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
                        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                        SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr,
-                       G: tl.constexpr = 1):
+                       G: tl.constexpr):
     """One (row tile, N block, K chunk). KS == 1: o [M, N] (bf16, or fp32 with OUT_F32); KS > 1: fp32 partials
     o [KS, M, N] for ``_fp8_linear_reduce``. G > 1: block-diagonal (V4.1's grouped wo_a): x is [M, G K], output
     features [g N / G, (g + 1) N / G) read only x's g-th K slice (BN divides N / G, so a program sees one group)."""
@@ -243,7 +243,7 @@ def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1, groups=1):
         x2, w8, s8, kernel=_fp8_linear_kernel, out_shape=jax.ShapeDtypeStruct(oshape, odt),
         grid=pl["grid"], num_warps=cfg.warps, num_stages=cfg.stages,
         M=M, N=N, K=K, BM=pl["BM"], BN=pl["BN"], BK=pl["BK"], KS=KS, SWAP=int(cfg.swap), ACT_RT=int(act_rt_kernel),
-        OUT_F32=int(out_f32), DECODE=decode, **({"G": groups} if groups > 1 else {}))
+        OUT_F32=int(out_f32), DECODE=decode, G=groups)   # every constexpr given: jax-triton does not apply defaults
     if KS == 1:
         return o
     BR = min(16, 1 << max(0, M - 1).bit_length())
