@@ -133,7 +133,8 @@ def test_grouped_linear_routes_through_the_gate(monkeypatch):
     monkeypatch.setitem(sys.modules, "dsflash.kernels.fp8_linear_triton", fake)
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(dispatch, "resolve_backend", lambda b, what="backend": "xla" if b == "xla" else "triton")
-    assert fp8_linear.GROUPED is False                      # opt-in until a GPU run
+    assert fp8_linear.GROUPED is True                       # on since H200 run 24
+    monkeypatch.setattr(fp8_linear, "GROUPED", False)
     layers.linear_fp8_grouped(xg, params, "l", "reference", backend="auto")
     assert calls == []
     monkeypatch.setattr(fp8_linear, "GROUPED", True)

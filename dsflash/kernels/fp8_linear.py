@@ -29,9 +29,10 @@ from dsflash import quant
 # Weights smaller than this (N K elements) stay on XLA even inside the gate's rows (``layers.linear_fp8`` passes the
 # shape). 0: run 21 had the kernel ahead in the step for every dense linear of V4.1 ("fp8lin" beat "fp8big").
 MIN_WEIGHT_ELEMENTS = 0
-# The grouped launch (V4.1's wo_a: ``layers.linear_fp8_grouped``) is checked in the interpreter and compiled for
-# sm_90 but has not run on a GPU: off until it has (scripts/gpu_step_profile.py's "fp8grp" variant turns it on).
-GROUPED = False
+# The grouped launch (V4.1's wo_a: ``layers.linear_fp8_grouped``), on since H200 run 24 (2026-12-02; its GPU tests
+# passed in run 23): o_proj 0.390 -> 0.191 ms at 1 x 6 rows, 0.694 -> 0.605 at 32 x 6 (bench-4l-96e, 4 layers; JSON
+# benchmarks/results/step_profile_20261202_h200_run24.json). False: wo_a through XLA's dequantised copy.
+GROUPED = True
 PRECISIONS = ("reference", "bf16")      # what the kernel implements
 HIGHEST = jax.lax.Precision.HIGHEST
 

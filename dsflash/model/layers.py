@@ -69,8 +69,8 @@ def linear_fp8(x, params, name, precision, act_quant=True, backend="xla"):
 def linear_fp8_grouped(x, params, name, precision, backend="xla"):
     """x [..., G, K] through the G diagonal blocks of an FP8-stored [G No, K] weight -> [..., G, No], activations in
     the run's dtype without the FP8 round trip (V4.1's grouped wo_a). ``backend`` as ``linear_fp8`` (the kernel's
-    grouped launch: one program per (row tile, output block) reads only its group's K slice; opt-in until measured
-    on a GPU, ``kernels.fp8_linear.GROUPED``)."""
+    grouped launch: one program per (row tile, output block) reads only its group's K slice; on by default since
+    H200 run 24, ``kernels.fp8_linear.GROUPED``)."""
     dt = act_dtype(precision)
     *lead, G, K = x.shape
     w8, scale = params[f"{name}.weight"], params.get(f"{name}.scale")
