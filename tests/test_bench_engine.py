@@ -1,4 +1,4 @@
-"""``python -m dsflash.bench engine`` end to end on the engine's toy backend: both modes generate every token, the
+"""``python -m dsflash.bench engine`` end to end on the engine's toy backend: every mode generates every token, the
 speculative one reports its acceptance, and ``--breakdown`` times the parts of an iteration on the live engine."""
 import json
 
@@ -12,8 +12,10 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
                             "--prefill-buckets", "2x8", "--breakdown", "--repeats", "3", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())["results"]
-    spec, plain = res
-    assert spec["speculative"] and not plain["speculative"]
+    spec, adaptive, plain = res
+    assert [r["mode"] for r in res] == ["spec", "adaptive", "plain"]
+    assert spec["speculative"] and adaptive["speculative"] and not plain["speculative"]
+    assert set(json.loads(out.read_text())["ratios"]) == {"spec_over_plain", "adaptive_over_plain"}
     for r in res:
         assert r["generated_tokens"] == 3 * 12
         assert r["decode_iters"] > 0 and r["ms_per_decode_iter"] > 0
@@ -30,4 +32,4 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
                - (b["forward_block1_with_context_ms"] + b["propose_ms"]) / b["forward_1_ms"]) < 1e-9
     assert "iteration_breakdown" not in plain
     text = capsys.readouterr().out
-    assert "breakdown (2 rows" in text and "speculative / plain tokens/s" in text
+    assert "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive / plain tokens/s" in text

@@ -52,7 +52,7 @@ def test_greedy_speculative_equals_plain_fp32(prompts):
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outs = {}
     for spec in (True, False):
-        llm = dsflash.LLM(speculative=spec, precision="fp32", max_num_seqs=8, max_model_len=256)
+        llm = dsflash.LLM(speculative=spec, speculative_mode="always", precision="fp32", max_num_seqs=8, max_model_len=256)
         outs[spec] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
         if spec:
             acc = llm.engine.metrics_snapshot()["spec_mean_acceptance_length"]

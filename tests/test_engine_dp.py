@@ -72,12 +72,12 @@ def check_dummy_rank(eng, calls, idle):
 # ---------------------------------------------------------------------------------------- toy backend
 @pytest.fixture(scope="module")
 def toy_ref():
-    return LLMEngine(ToyBackend(), speculative=True, **TOY)
+    return LLMEngine(ToyBackend(), speculative=True, speculative_mode="always", **TOY)
 
 
 @pytest.fixture(scope="module")
 def toy_dp():
-    return LLMEngine(ToyBackend(), speculative=True, data_parallel_size=2, **{**TOY, "max_num_seqs": 8})
+    return LLMEngine(ToyBackend(), speculative=True, speculative_mode="always", data_parallel_size=2, **{**TOY, "max_num_seqs": 8})
 
 
 def test_toy_ranks_equal_single_and_stay_in_range(toy_ref, toy_dp):
@@ -136,7 +136,7 @@ def test_toy_prefix_cache_hits_only_within_a_rank(toy_dp):
 
 def test_toy_idle_rank_runs_dummy_rows_and_preempts_per_rank(toy_ref):
     # rank 0 gets everything (pinned), with a pool that forces preemption; rank 1 idles on dummy rows
-    eng = LLMEngine(ToyBackend(), speculative=True, data_parallel_size=2, num_pages=28, async_scheduling=True,
+    eng = LLMEngine(ToyBackend(), speculative=True, speculative_mode="always", data_parallel_size=2, num_pages=28, async_scheduling=True,
                     **{**TOY, "max_num_seqs": 8})
     ps = prompts(6, seed=3, lo=20, hi=40)
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)

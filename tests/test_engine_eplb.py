@@ -31,7 +31,7 @@ def test_tiny_dep2_eplb_records_valid_rows_and_rebalances_without_changing_outpu
         return
     from dsflash.serve.http.metrics import ServerMetrics
     from dsflash.sharding.mesh import make_mesh
-    eng = LLMEngine("tiny", mesh=make_mesh("dep=2", jax.devices()[:2]), eplb=True, eplb_window=50,
+    eng = LLMEngine("tiny", mesh=make_mesh("dep=2", jax.devices()[:2]), eplb=True, speculative_mode="always", eplb_window=50,
                     eplb_interval=10_000, eplb_redundant_experts=2, **MODEL)
     ep = eng.eplb
     L, k = eng.backend.cfg.num_hidden_layers, eng.backend.cfg.num_experts_per_tok

@@ -26,7 +26,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def spec_engine(model):
-    return LLMEngine(ModelBackend(model), speculative=True, async_scheduling=True, **OPTS)
+    return LLMEngine(ModelBackend(model), speculative=True, speculative_mode="always", async_scheduling=True, **OPTS)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_real_model_partially_accepted_drafts_equal_plain(model, plain_engine):
     import jax.numpy as jnp
     be = OracleDraftBackend(model)
     be.params = dict(be.params, **{"engine_test.oracle": jnp.zeros((OPTS["max_num_seqs"], 128), jnp.int32)})
-    eng = LLMEngine(be, speculative=True, **OPTS)
+    eng = LLMEngine(be, speculative=True, speculative_mode="always", **OPTS)
     ps = prompts(4, seed=4, lo=5, hi=60)
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     want = run_all(plain_engine, [(f"q{i}", p, sp) for i, p in enumerate(ps)])

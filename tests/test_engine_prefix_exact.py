@@ -22,7 +22,7 @@ def engine():
     from dsflash.api import Model, _synthetic_tokenizer
     cfg = preset("tiny")
     model = Model(cfg, fast_init_params(cfg, 0), _synthetic_tokenizer(cfg), name="tiny")
-    return LLMEngine(ModelBackend(model), speculative=True, async_scheduling=True, **OPTS)
+    return LLMEngine(ModelBackend(model), speculative=True, speculative_mode="always", async_scheduling=True, **OPTS)
 
 
 def _prompt(seed, n, V=512):

@@ -15,7 +15,8 @@ COMMON = dict(max_num_seqs=4, max_model_len=96, page_size=8, max_num_batched_tok
 
 
 def make(spec, **kw):
-    return LLMEngine(ToyBackend(), speculative=spec, **{**COMMON, **kw})
+    # "always": these tests check the drafting path itself (tests/test_engine_adaptive.py: the adaptive default)
+    return LLMEngine(ToyBackend(), speculative=spec, **{**COMMON, "speculative_mode": "always" if spec else "off", **kw})
 
 
 @pytest.fixture(scope="module")

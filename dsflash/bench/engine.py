@@ -1,9 +1,12 @@
 """``python -m dsflash.bench engine``: end-to-end engine throughput with and without DSpark drafts.
 
-Runs the same closed batch of synthetic prompts through the engine twice (``speculative`` on / off),
-after warm-up (compilation excluded), and prints generated tokens/s, steps, host overhead per step and
+Runs the same closed batch of synthetic prompts through the engine once per mode (``spec``: drafts every
+decode call, ``adaptive``: the engine's default cost-model choice, ``plain``: no drafts), after a warm-up pass
+(compilation excluded; the adaptive engine keeps what it measured there, as a serving engine would), then
+``--passes`` timed passes per mode, interleaved across the modes (the median is reported), and prints generated tokens/s, steps, host overhead per step and
 the acceptance numbers (drafts, acceptance rate, mean acceptance length = 1 + accepted/drafts, per
-position). ``--json PATH`` writes the numbers. Random-weight presets accept few drafts: the point on
+position) and each mode's tokens/s over plain's. ``--batches 1,8,32`` repeats it per batch size (prompts =
+``max_num_seqs`` = the batch). ``--json PATH`` writes the numbers. Random-weight presets accept few drafts: the point on
 CPU is the mechanism and the host overhead, not the speed-up.
 
 ``--breakdown`` also times, at the engine's shapes and on its live state, the model work of one decode iteration
@@ -41,7 +44,14 @@ def parse(argv):
     p.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"])
     p.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],
                    help="kernels: 'auto' = Triton on a CUDA GPU when jax-triton imports, else XLA")
-    p.add_argument("--modes", default="spec,plain", help="comma list of spec, plain")
+    p.add_argument("--modes", default="spec,adaptive,plain",
+                   help="comma list of spec (drafts every call), adaptive (the engine's default: drafts when its "
+                        "cost model says they pay) and plain (no drafts)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="timed passes per mode, the modes' passes interleaved; the median pass is reported")
+    p.add_argument("--batches", default=None,
+                   help="comma list of batch sizes: each runs that many prompts with max_num_seqs = the batch "
+                        "(overrides --num-prompts / --max-num-seqs) and reports every mode / plain")
     p.add_argument("--async-scheduling", action="store_true",
                    help="dispatch step N+1 before processing step N (on a dispatch thread)")
     p.add_argument("--switch-interval", type=float, default=None,
@@ -126,14 +136,18 @@ def iteration_breakdown(eng, repeats: int) -> dict:
     return out
 
 
-def run_mode(model, args, speculative: bool) -> dict:
+MODES = {"spec": "always", "adaptive": "adaptive", "plain": "off"}     # bench mode -> speculative_mode
+
+
+def run_mode(model, args, mode: str) -> dict:
     import numpy as np
 
     from dsflash.bench import step_floor
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.types import SamplingParams
     t0 = time.perf_counter()
-    eng = LLMEngine(model, speculative=speculative, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    speculative = mode != "plain"
+    eng = LLMEngine(model, speculative_mode=MODES[mode], max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                     precision=args.precision, backend=args.backend, decode_steps=args.decode_steps, async_scheduling=args.async_scheduling,
                     seed=args.seed, enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir,
@@ -173,21 +187,31 @@ def run_mode(model, args, speculative: bool) -> dict:
             before = after
         return n_tok, time.perf_counter() - t
 
-    one_pass("warm")                           # first-touch effects outside the timed pass
-    decode_phase.update(steps=0, iters=0, s=0.0)
-    m0 = eng.metrics_snapshot()
-    n_tok, dt = one_pass("run")
-    m = eng.metrics_snapshot()
+    one_pass("warm")                           # first-touch effects outside the timed passes
+    cmd = yield                                # built and warm: the caller interleaves the modes' passes
+    passes = []
+    while cmd == "pass":
+        decode_phase.update(steps=0, iters=0, s=0.0)
+        m0 = eng.metrics_snapshot()
+        n_tok, dt = one_pass(f"run{len(passes)}")
+        passes.append((dt, n_tok, m0, eng.metrics_snapshot(), dict(decode_phase)))
+        cmd = yield
+    dt, n_tok, m0, m, dph = sorted(passes, key=lambda r: r[0])[len(passes) // 2]     # the median pass
+    decode_phase.update(dph)
     steps = m["num_steps"] - m0["num_steps"]
     host = m["host_time_s"][-steps:] if steps else []
     drafts = m["spec_num_drafts"] - m0["spec_num_drafts"]
     acc = m["spec_num_accepted_tokens"] - m0["spec_num_accepted_tokens"]
     per_pos = [a - b for a, b in zip(m["spec_accepted_per_pos"], m0["spec_accepted_per_pos"])]
     iters = m["num_decode_iters"] - m0["num_decode_iters"]
-    breakdown = iteration_breakdown(eng, args.repeats) if speculative and args.breakdown else None
-    return {
-        "speculative": speculative, "startup_s": startup, "warmup_s": eng.warmup_time,
+    breakdown = iteration_breakdown(eng, args.repeats) if mode == "spec" and args.breakdown else None
+    spec_m = {k: m[k] for k in ("spec_mode", "spec_drafted_call_fraction", "spec_requests_stopped_drafting",
+                                "spec_iteration_ms_draft0", f"spec_iteration_ms_draft{eng.k}") if k in m}
+    yield {
+        "mode": mode, "speculative": speculative, "batch": args.num_prompts, "max_num_seqs": args.max_num_seqs,
+        **spec_m, "startup_s": startup, "warmup_s": eng.warmup_time,
         "generated_tokens": n_tok, "elapsed_s": dt, "tokens_per_s": n_tok / dt if dt else 0.0,
+        "passes_tokens_per_s": [r[1] / r[0] for r in passes],
         "steps": steps, "host_overhead_per_step_ms": 1e3 * statistics.mean(host) if host else 0.0,
         "step_time_ms": 1e3 * dt / steps if steps else 0.0,
         "decode_iters": iters, "ms_per_decode_iter": 1e3 * dt / iters if iters else 0.0,
@@ -208,29 +232,23 @@ def run_mode(model, args, speculative: bool) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
-    from dsflash.serve.engine.backend import ModelBackend, load_model
-    t = time.perf_counter()
-    if args.model == "toy":      # the toy backend (dsflash.serve.engine.testing): drafts that often match
-        from dsflash.serve.engine.testing import ToyBackend
-        m = None
-    else:
-        from dsflash.serve.engine.config import resolve_backend
-        m = load_model(args.model, precision=args.precision, backend=resolve_backend(args.backend))
-    print(f"model {args.model}: loaded in {time.perf_counter() - t:.1f}s; {args.num_prompts} prompts x "
-          f"{args.prompt_len} tokens, max_tokens {args.max_tokens}, temperature {args.temperature}, "
-          f"max_num_seqs {args.max_num_seqs}, decode_steps {args.decode_steps}, precision {args.precision}, backend {args.backend}")
-    results = []
-    for mode in [x.strip() for x in args.modes.split(",") if x.strip()]:
-        if mode not in ("spec", "plain"):
-            raise SystemExit(f"--modes: unknown mode {mode!r}")
+def run_modes(m, args, modes) -> list:
+    from dsflash.serve.engine.backend import ModelBackend
+    from dsflash.serve.engine.testing import ToyBackend
+    runs = []
+    for mode in modes:
         be = ToyBackend() if m is None else ModelBackend(m)      # the model's own precision / backend
-        r = run_mode(be, args, mode == "spec")
+        g = run_mode(be, args, mode)
+        next(g)
+        runs.append(g)
+    for _ in range(args.passes):    # interleaved, so a change of machine load hits every mode alike
+        for g in runs:
+            g.send("pass")
+    results = []
+    for mode, g in zip(modes, runs):
+        r = g.send("done")
         results.append(r)
-        line = (f"[{mode:5s}] {r['tokens_per_s']:8.1f} tok/s  ({r['generated_tokens']} tokens in {r['elapsed_s']:.2f}s, "
+        line = (f"[{mode:8s}] {r['tokens_per_s']:8.1f} tok/s  ({r['generated_tokens']} tokens in {r['elapsed_s']:.2f}s, "
                 f"{r['steps']} steps, {r['step_time_ms']:.1f} ms/step, host {r['host_overhead_per_step_ms']:.2f} "
                 f"ms/step, warm-up {r['warmup_s']:.0f}s, compiles after warm-up {r['compiles_after_warmup']})")
         print(line)
@@ -244,6 +262,9 @@ def main(argv=None) -> int:
             print(f"        drafts {r['drafts']}, draft tokens {r['draft_tokens']}, accepted {r['accepted_tokens']}, "
                   f"acceptance rate {r['acceptance_rate']:.3f}, mean acceptance length "
                   f"{r['mean_acceptance_length']:.3f}, per position [{pp}]")
+            if mode == "adaptive":
+                print(f"        adaptive: drafted in {100 * r.get('spec_drafted_call_fraction', 0):.0f}% of decode "
+                      f"calls, {r.get('spec_requests_stopped_drafting', 0)} requests stopped drafting")
             b = r.get("iteration_breakdown")
             if b:
                 print(f"        breakdown ({b['rows']} rows, median ms): forward 1 row {b['forward_1_ms']:.2f}, "
@@ -252,11 +273,52 @@ def main(argv=None) -> int:
                       f"{b['spec_model_work_in_plain_iterations']:.2f} plain iterations' (pays off when the mean "
                       f"acceptance length is larger)")
         sys.stdout.flush()
-    if len(results) == 2 and results[1]["tokens_per_s"]:
-        print(f"speculative / plain tokens/s: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return results
+
+
+def ratios(results) -> dict:
+    """Each drafting mode's tokens/s over plain's (when plain ran)."""
+    plain = next((r for r in results if r["mode"] == "plain"), None)
+    if plain is None or not plain["tokens_per_s"]:
+        return {}
+    return {f"{r['mode']}_over_plain": r["tokens_per_s"] / plain["tokens_per_s"] for r in results if r is not plain}
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    from dsflash.serve.engine.backend import load_model
+    t = time.perf_counter()
+    if args.model == "toy":      # the toy backend (dsflash.serve.engine.testing): drafts that often match
+        m = None
+    else:
+        from dsflash.serve.engine.config import resolve_backend
+        m = load_model(args.model, precision=args.precision, backend=resolve_backend(args.backend))
+    modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    for mode in modes:
+        if mode not in MODES:
+            raise SystemExit(f"--modes: unknown mode {mode!r}")
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
+    print(f"model {args.model}: loaded in {time.perf_counter() - t:.1f}s; {args.num_prompts} prompts x "
+          f"{args.prompt_len} tokens, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+          f"max_num_seqs {args.max_num_seqs}, decode_steps {args.decode_steps}, precision {args.precision}, "
+          f"backend {args.backend}" + (f", batches {batches}" if args.batches else ""))
+    runs = []
+    for b in batches:
+        if b is not None:
+            args.num_prompts = args.max_num_seqs = b
+            print(f"--- batch {b}")
+        results = run_modes(m, args, modes)
+        rat = ratios(results)
+        for name, v in rat.items():
+            print(f"{name.replace('_over_', ' / ')} tokens/s: {v:.2f}x" + (f" (batch {b})" if b else ""))
+        runs.append({"batch": b, "results": results, "ratios": rat})
+        if args.json:            # after every batch: a long run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                out = {"args": vars(args)}
+                out.update({"batches": runs} if args.batches else {"results": results, "ratios": rat})
+                json.dump(out, f, indent=2)
     return 0
 
 

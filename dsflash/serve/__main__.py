@@ -49,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: the engine's choice)")
     g.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     g.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
-                   help="DSpark speculative decoding (draft 5, verify 6)")
+                   help="DSpark speculative decoding (draft 5, verify 6); --no-speculative = --speculative-mode off")
+    g.add_argument("--speculative-mode", default="adaptive", choices=["adaptive", "always", "off"],
+                   help="'adaptive': each decode call drafts only when the measured verify / plain cost and the "
+                        "requests' running acceptance say it pays (a request whose drafts keep failing stops "
+                        "drafting); 'always': every call drafts; 'off': never")
     g.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"],
                    help="numerics: 'reference' = the official FP8/FP4 round trips, 'bf16' = plain bf16")
     g.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],
@@ -164,7 +168,7 @@ def main(argv=None) -> int:
     from dsflash.serve.http.app import build_app
 
     print(f"dsflash.serve: loading model {args.model!r} (max_model_len={args.max_model_len}, "
-          f"speculative={args.speculative}, precision={args.precision}, backend={args.backend}, "
+          f"speculative={args.speculative} ({args.speculative_mode}), precision={args.precision}, backend={args.backend}, "
           f"mesh={args.mesh or 'single device'}) ...", flush=True)
     t0 = time.time()
     role = getattr(args, "role", "both")

@@ -27,7 +27,7 @@ def spec_eval(ckpt: str, n_prompts: int = 8, max_tokens: int = 32) -> dict:
     res = {}
     outs = {}
     for spec in (True, False):
-        llm = LLM(ckpt, speculative=spec, max_num_seqs=len(prompts), max_model_len=256)
+        llm = LLM(ckpt, speculative=spec, speculative_mode="always", max_num_seqs=len(prompts), max_model_len=256)
         o = llm.generate(prompts, sp)
         outs[spec] = [r.outputs[0].token_ids for r in o]
         if spec:

@@ -79,6 +79,9 @@ class EngineConfig:
     max_stop_ids: int = 16
     # decoding
     speculative: bool = True                   # DSpark draft-and-verify when the model has a draft
+    # "adaptive": per decode call, draft or not by a measured cost model and each request's acceptance
+    # (adaptive.py); "always": draft every call; "off": never (as speculative=False)
+    speculative_mode: str = "adaptive"
     draft_sampling: Optional[bool] = None      # sampled drafts at temperature > 0; None: when the backend can
     seed: int = 0                              # unseeded requests draw their seeds from this
     # the model's run options: None = the loaded model's own ("reference" / "auto" / exact for a name)
@@ -159,6 +162,9 @@ class EngineConfig:
         if self.bounded_replay is not None and self.bounded_replay not in BOUNDED_REPLAY:
             bad("bounded_replay", f"must be one of {', '.join(BOUNDED_REPLAY)} (or None: the model's), "
                                   f"got {self.bounded_replay!r}")
+        from dsflash.serve.engine.adaptive import SPECULATIVE_MODES
+        if self.speculative_mode not in SPECULATIVE_MODES:
+            bad("speculative_mode", f"must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative_mode!r}")
         if self.prefix_cache_mode not in PREFIX_CACHE_MODES:
             bad("prefix_cache_mode", f"must be one of {', '.join(PREFIX_CACHE_MODES)}, got {self.prefix_cache_mode!r}")
         if not integer(self.prefix_snapshot_bytes) or self.prefix_snapshot_bytes < 0:

@@ -17,6 +17,7 @@ import numpy as np
 
 from dsflash.model.state import CacheGeometry
 from dsflash.serve.engine import runner as R
+from dsflash.serve.engine.adaptive import SpeculationPolicy
 from dsflash.serve.engine.backend import make_backend
 from dsflash.serve.engine.config import EngineConfig, kernels_summary
 from dsflash.serve.engine.metrics import EngineMetrics
@@ -46,7 +47,9 @@ class LLMEngine:
         self.model_name = c.model_name or (model if isinstance(model, str) else be.name)
         self.max_num_seqs, self.max_model_len, self.page_size = c.max_num_seqs, c.max_model_len, c.page_size
         self.max_logprobs, self.max_stop_ids = c.max_logprobs, c.max_stop_ids
-        self.speculative = bool(c.speculative) and be.block > 0
+        self.speculative = bool(c.speculative) and c.speculative_mode != "off" and be.block > 0
+        self.speculation = SpeculationPolicy(be.block if self.speculative else 0,
+                                             c.speculative_mode if self.speculative else "off")
         self.k = be.block if self.speculative else 0
         self.async_scheduling = bool(c.async_scheduling)
         self.dp = dp = c.dp_size(getattr(be, "dp", 1))
@@ -65,7 +68,7 @@ class LLMEngine:
                                max_iters=c.decode_steps, max_logprobs=c.max_logprobs, max_stop_ids=c.max_stop_ids,
                                dp=dp, eplb=self.eplb,
                                snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
-                               max_snapshots=lay.num_pages)
+                               max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths)
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
             num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
@@ -244,8 +247,9 @@ class LLMEngine:
         if plan:
             inputs = self.runner.step_inputs(plan)       # from the sequences as they are before this step
             self.scheduler.commit(plan)
+            draft_len = self.speculation.choose([s for s, _ in plan.decode]) if plan.decode else None
             rec = (plan, self.runner.launch(*inputs, asynchronous=self.async_scheduling,
-                                            restores=plan.restores, saves=plan.saves))
+                                            restores=plan.restores, saves=plan.saves, draft_len=draft_len))
         todo = rec
         if self.async_scheduling:
             todo, self._inflight = self._inflight, rec
@@ -257,6 +261,8 @@ class LLMEngine:
             pf, dc = handle.result()
             wait = time.perf_counter() - t0
             self.outputs.process(done_plan, pf, dc, time.time(), progressed)
+            if dc is not None:
+                self._observe_speculation(done_plan, dc)
             self.runner.after_step(pf, dc)
         outs = self.outputs.collect(progressed)
         t_end = time.perf_counter()
@@ -273,6 +279,15 @@ class LLMEngine:
         self._compiles_in_steps += R.compile_count() - c0
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
+
+    def _observe_speculation(self, plan, dc):
+        """The decode call's cost and each sequence's verifications / accepted drafts, for the next choice."""
+        per_seq = []
+        for s, _ in plan.decode:
+            i = s.slot if s.slot is not None else s.last_slot
+            if i is not None:
+                per_seq.append((s, int(dc["drafts"][i]), int(dc["acc_pos"][i].sum())))
+        self.speculation.observe(int(dc["draft_len"]), dc["elapsed_s"], int(dc["iters"]), per_seq)
 
     # ------------------------------------------------------------------ introspection
     def metrics_snapshot(self) -> dict:
@@ -292,6 +307,7 @@ class LLMEngine:
         d["prefix_snapshot_evictions"] = sn.evictions if sn is not None else 0
         d["prefix_snapshot_bytes_each"] = self.memory["prefix_snapshot_bytes_each"]
         d["draft_block"] = self.k
+        d.update(self.speculation.metrics())
         d["warmup_time_s"] = self.warmup_time
         if self.eplb is not None:
             d.update(self.eplb.metrics())

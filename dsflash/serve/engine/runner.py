@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +157,7 @@ class Runner:
 
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
                  max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
-                 snapshot_bytes: int = 0, max_snapshots: int = 0):
+                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -168,6 +169,11 @@ class Runner:
         # programs of speculative and plain engines are the same (one compile, shared via the cache)
         self.draft_ctx = backend.block > 0
         self.K1 = self.k + 1
+        # the decode programs compiled: one per draft length (adaptive speculation: (0, k), adaptive.py); the
+        # plain one of a speculative engine keeps the draft context current, so drafting can resume
+        self.draft_lengths = tuple(sorted(set(draft_lengths))) if draft_lengths is not None else (self.k,)
+        if any(d not in (0, self.k) for d in self.draft_lengths):
+            raise ValueError(f"draft_lengths: {self.draft_lengths} (only 0 and the draft block {self.k})")
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
         self.max_stop_ids = max_stop_ids
@@ -184,9 +190,11 @@ class Runner:
         # a backend that placed its state on a DP mesh (ModelBackend with dp > 1): rows follow it
         self.mesh = mesh = getattr(backend, "mesh", None)
         # compiled with compile_options.FAITHFUL (no excess precision: the FP8 / FP4 round trips stay), per program
+        import functools
+        impls = {d: functools.partial(self._decode_impl, drafting=d > 0) for d in self.draft_lengths}
         if mesh is None:
             self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2))
-            self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2))
+            self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2)) for d, f in impls.items()}
         else:
             from jax.sharding import NamedSharding, PartitionSpec
             from dsflash.sharding.rules import token_axes
@@ -197,7 +205,8 @@ class Runner:
             out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
                    None)
             self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
-            self._decode = compile_options.jit(self._decode_impl, donate_argnums=(1, 2), out_shardings=out)
+            self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2), out_shardings=out)
+                             for d, f in impls.items()}
         self._compiled: dict = {}
         self._mask0: dict = {}
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
@@ -292,8 +301,11 @@ class Runner:
         return state, rows, res
 
     # ------------------------------------------------------------------ decode loop
-    def _decode_impl(self, params, state, rows, inp):
-        be, spec, V, S_, K1, k = self.backend, self.spec, self.V, self.S, self.K1, self.k
+    def _decode_impl(self, params, state, rows, inp, drafting=True):
+        be, V, S_, k = self.backend, self.V, self.S, self.k
+        spec = self.spec and drafting
+        ctx = spec or (self.spec and self.draft_ctx)   # the plain program of a speculative engine: context too
+        K1 = k + 1 if spec else 1
         sp = inp["sp"]
         greedy = sp["temp"] <= 0
         guided = inp["guided"]           # rows under a grammar: masked, one token per call, drafts not used
@@ -301,7 +313,7 @@ class Runner:
         floor = inp["floor"]
         row_steps = inp["row_steps"]
         rows = {**rows, "active": rows["active"] & ~inp["deactivate"]}
-        Tb = self.T_out + K1
+        Tb = self.T_out + self.K1                       # the same buffers for every draft length
         L = self.max_logprobs
         buf = {"tok": jnp.full((S_, Tb), -1, jnp.int32), "lp": jnp.zeros((S_, Tb), jnp.float32),
                "top_ids": jnp.zeros((S_, Tb, L), jnp.int32), "top_lp": jnp.zeros((S_, Tb, L), jnp.float32),
@@ -332,8 +344,8 @@ class Runner:
                 tokens = y[:, None]
             batch = Batch(tokens, p + 1, jnp.where(run, K1, 0).astype(jnp.int32), slots, inp["page_table"],
                           floor, floor, jnp.zeros_like(p))
-            out, state = be.forward(params, batch, state, logits="all", taps=spec)
-            if spec:
+            out, state = be.forward(params, batch, state, logits="all", taps=ctx)
+            if ctx:
                 state = be.update_context(params, out, batch, state)
             raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
             masked = S.apply_token_mask(raw, inp["mask"], guided)
@@ -455,22 +467,31 @@ class Runner:
         inp["guided"][r] = True
         s.guide.fill(inp["mask"][r])
 
-    def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=()):
+    def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=(), draft_len=None):
         """Dispatch a step's calls; returns a handle whose ``result()`` is ``(prefill, decode)`` results on the host.
 
         With ``asynchronous`` the calls run on a one-thread executor: JAX dispatch is asynchronous on CPU, but a
         ``while_loop`` on GPU returns only when the loop ends (its predicate goes to the host every iteration),
         so the thread is what lets the host process the previous step while the device runs this one. The
         executor keeps calls in order. ``restores`` / ``saves``: snapshot copies ``[(slot, entry, position)]``
-        run before / after the prefill (``snapshots.StatePool``)."""
+        run before / after the prefill (``snapshots.StatePool``). ``draft_len``: which decode program runs (None:
+        the engine's block). The decode result carries ``elapsed_s``, its wall time (the cost model's sample;
+        the prefill is finished first so it is not counted in)."""
         def run():   # dispatch, then bring the (small) results to the host on the same thread
             if restores:
                 self.state = self.snap.restore(self.state, list(restores))
             pf = self.prefill(pf_inp) if pf_inp is not None else None
             if saves:          # before the decode call, which writes rows past the boundary
                 self.state = self.snap.save(self.state, list(saves))
-            dc = self.decode(dc_inp) if dc_inp is not None else None
-            return jax.device_get(pf), jax.device_get(dc)
+            dc = None
+            if dc_inp is not None:
+                pf = jax.device_get(pf)
+                jax.block_until_ready(self.state)
+                t = time.perf_counter()
+                dc = jax.device_get(self.decode(dc_inp, draft_len))
+                dc["elapsed_s"] = time.perf_counter() - t
+                dc["draft_len"] = self.k if draft_len is None else draft_len
+            return jax.device_get(pf), dc
 
         if not asynchronous:
             return _Deferred(run)          # run (and waited for) when the engine reads the results
@@ -541,9 +562,12 @@ class Runner:
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
-    def decode(self, inp):
+    def decode(self, inp, draft_len=None):
+        d = self.k if draft_len is None else draft_len
+        if d not in self._decodes:
+            raise ValueError(f"draft_len: {d} has no compiled decode program (have {self.draft_lengths})")
         inp = self.place(inp)
-        fn = self._compiled.get(("decode",)) or self._decode
+        fn = self._compiled.get(("decode", d)) or self._decodes[d]
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
@@ -554,7 +578,7 @@ class Runner:
         ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``)."""
         from concurrent.futures import ThreadPoolExecutor
         jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
-        jobs.append((("decode",), self._decode, self.empty_decode_inputs()))
+        jobs += [(("decode", d), self._decodes[d], self.empty_decode_inputs()) for d in self.draft_lengths]
         lowered = [(key, fn.lower(self.params, self.state, self.rows, self.place(inp))) for key, fn, inp in jobs]
         threads = threads or environment.compile_threads()
         with ThreadPoolExecutor(threads) as ex:
@@ -562,6 +586,7 @@ class Runner:
         self._compiled = dict(compiled)
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
-        jax.block_until_ready(self.decode(self.empty_decode_inputs()))
+        for d in self.draft_lengths:
+            jax.block_until_ready(self.decode(self.empty_decode_inputs(), d))
         if self.snap is not None:
             self.state = jax.block_until_ready(self.snap.warmup(self.state))

@@ -1,0 +1,171 @@
+"""Adaptive speculation: per decode call, draft ``block`` tokens or none, whichever is expected to emit more tokens
+per second (docs/engine.md "Adaptive speculation").
+
+Two things are measured while serving:
+
+* the **cost** of one decode iteration of each compiled program (draft length ``block``: propose + verify
+  ``block + 1`` rows; draft length 0: one row), as an exponential moving average of the decode call's wall time
+  divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
+  length covers every batch size. Each length is run ``probe_calls`` times first, and a length not chosen for
+  ``remeasure_every`` calls is run once again so a stale cost cannot lock the choice.
+* the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at
+  ``prior``; one whose estimate falls below ``stop_below`` after ``min_verifies`` verifications stops drafting
+  (counts 0), and is re-probed (its estimate reset to ``prior``) after ``reprobe_every`` decode calls without a
+  verification (a call that drafts for other requests verifies its drafts too, for free).
+
+``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
+lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
+drafted: verification decides which are emitted, so greedy output equals plain decoding's.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Mapping, Optional, Sequence
+
+log = logging.getLogger("dsflash.serve.engine")
+
+SPECULATIVE_MODES = ("adaptive", "always", "off")
+
+
+def expected_tokens(draft_len: int, accepted: Sequence[float]) -> float:
+    """Tokens one iteration emits over the rows: one each, plus the expected accepted drafts (at most
+    ``draft_len``) when drafting."""
+    if not draft_len:
+        return float(len(accepted))
+    return float(sum(1.0 + min(max(a, 0.0), draft_len) for a in accepted))
+
+
+def choose_draft_length(costs: Mapping[int, float], accepted: Sequence[float], margin: float = 0.0) -> int:
+    """The draft length in ``costs`` (seconds per iteration; 0 = no drafts) with the most expected tokens per
+    second for rows expecting ``accepted`` drafts each per verification. Drafting must beat plain decoding by
+    the fraction ``margin`` (ties and unknowns go to 0: plain decoding is never slower than itself)."""
+    if not accepted or 0 not in costs:
+        return 0
+    best, best_rate = 0, expected_tokens(0, accepted) / costs[0] * (1.0 + margin)
+    for d, c in sorted(costs.items()):
+        if d and c > 0:
+            rate = expected_tokens(d, accepted) / c
+            if rate > best_rate:
+                best, best_rate = d, rate
+    return best
+
+
+class IterationCost:
+    """EMA of seconds per decode iteration of one program."""
+
+    def __init__(self, alpha: float):
+        self.alpha, self.seconds, self.samples, self.since = alpha, None, 0, 0
+
+    def observe(self, seconds: float, iters: int):
+        if iters <= 0:
+            return
+        s = seconds / iters
+        self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
+        self.samples += 1
+        self.since = 0
+
+
+class SpeculationPolicy:
+    """Decides each decode call's draft length (``choose``) and learns from its results (``observe``)."""
+
+    def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, ema: float = 0.3,
+                 stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
+                 remeasure_every: int = 50, margin: float = 0.02):
+        if mode not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
+        self.block = block if mode != "off" else 0
+        self.mode = mode if self.block else "off"
+        self.prior, self.ema, self.stop_below, self.min_verifies = prior, ema, stop_below, min_verifies
+        self.reprobe_every, self.probe_calls, self.remeasure_every, self.margin = (
+            reprobe_every, probe_calls, remeasure_every, margin)
+        self.costs = {0: IterationCost(ema), self.block: IterationCost(ema)} if self.block else {}
+        self.draft_len = self.block if self.mode == "always" else 0   # the last decision
+        self.calls = self.drafted_calls = 0
+        self.requests_stopped = self.requests_reprobed = 0
+
+    @property
+    def lengths(self) -> tuple:
+        """The draft lengths the engine compiles decode programs for."""
+        return (0, self.block) if self.mode == "adaptive" else (self.block,)
+
+    # ------------------------------------------------------------------ per sequence
+    def estimate(self, s) -> float:
+        """Expected accepted drafts per verification of sequence ``s`` (0 once it stopped drafting)."""
+        if not getattr(s, "spec_drafting", True):
+            return 0.0
+        a = getattr(s, "spec_accepted_ema", None)
+        return self.prior if a is None else a
+
+    def _reprobe(self, seqs: Iterable):
+        for s in seqs:
+            if getattr(s, "spec_drafting", True):
+                continue
+            s.spec_idle_calls = getattr(s, "spec_idle_calls", 0) + 1
+            if s.spec_idle_calls >= self.reprobe_every:
+                s.spec_drafting, s.spec_accepted_ema, s.spec_verifies = True, None, 0
+                self.requests_reprobed += 1
+
+    # ------------------------------------------------------------------ per decode call
+    def choose(self, seqs: Sequence) -> int:
+        """Draft length of the next decode call over ``seqs`` (its sequences)."""
+        if self.mode != "adaptive":
+            return self.block
+        self._reprobe(seqs)
+        d = self._decide([self.estimate(s) for s in seqs])
+        if d != self.draft_len:
+            c = {k: (None if v.seconds is None else round(1e3 * v.seconds, 2)) for k, v in self.costs.items()}
+            log.info("speculation: draft length %d -> %d (ms per iteration by draft length %s, %d rows, "
+                     "expected accepted drafts per verification %.2f)", self.draft_len, d, c, len(seqs),
+                     sum(self.estimate(s) for s in seqs) / max(1, len(seqs)))
+            self.draft_len = d
+        return d
+
+    def _decide(self, accepted: list) -> int:
+        for d in (self.block, 0):               # measure each program first
+            if self.costs[d].samples < self.probe_calls:
+                return d
+        for d in (self.block, 0):               # re-measure the one not chosen for a while
+            if self.costs[d].since >= self.remeasure_every and (d == 0 or any(accepted)):
+                return d
+        return choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
+
+    def observe(self, draft_len: int, seconds: Optional[float], iters: int, per_seq: Iterable = ()):
+        """A decode call's results: its wall time over ``iters`` iterations and, per sequence, ``(s, verifies,
+        accepted drafts)``."""
+        self.calls += 1
+        self.drafted_calls += bool(draft_len)
+        if self.mode != "adaptive":
+            return
+        for d, c in self.costs.items():
+            c.since += 1
+        if seconds is not None and draft_len in self.costs:
+            self.costs[draft_len].observe(seconds, iters)
+        if not draft_len:
+            return
+        for s, verifies, accepted in per_seq:
+            if verifies <= 0:
+                continue
+            a = accepted / verifies
+            prev = getattr(s, "spec_accepted_ema", None)
+            prev = self.prior if prev is None else prev  # from the prior: a few early misses do not end drafting
+            w = 1 - (1 - self.ema) ** verifies         # one update per verification in the call
+            s.spec_accepted_ema = (1 - w) * prev + w * a
+            s.spec_verifies = getattr(s, "spec_verifies", 0) + verifies
+            if not getattr(s, "spec_drafting", True):
+                # a stopped request in a call others drafted for was verified for free: a probe
+                s.spec_idle_calls = 0
+                if s.spec_accepted_ema >= self.stop_below:
+                    s.spec_drafting = True
+            elif s.spec_verifies >= self.min_verifies and s.spec_accepted_ema < self.stop_below:
+                s.spec_drafting, s.spec_idle_calls = False, 0
+                self.requests_stopped += 1
+                log.info("speculation: request %s stops drafting (%.2f accepted drafts per verification over %d)",
+                         s.request_id, s.spec_accepted_ema, s.spec_verifies)
+
+    def metrics(self) -> dict:
+        return {"spec_mode": self.mode, "spec_draft_length": self.draft_len,
+                "spec_drafted_call_fraction": self.drafted_calls / self.calls if self.calls else 0.0,
+                "spec_requests_stopped_drafting": self.requests_stopped,
+                "spec_requests_reprobed": self.requests_reprobed,
+                **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
+                   for d, c in self.costs.items()}}

@@ -1,0 +1,141 @@
+"""Adaptive speculation (dsflash/serve/engine/adaptive.py): the draft-length decision on synthetic costs and
+acceptance, and the real engine on the toy backend: a request whose drafts never verify stops drafting, greedy
+output stays plain decoding's, and switching between the compiled programs compiles nothing."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsflash.serve.engine import LLMEngine
+from dsflash.serve.engine.adaptive import SpeculationPolicy, choose_draft_length, expected_tokens
+from dsflash.serve.engine.testing import ToyBackend
+from dsflash.serve.types import SamplingParams
+
+COMMON = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=48, decode_steps=2,
+              prefill_buckets=[(4, 12)], enable_prefix_caching=False)
+
+
+# ------------------------------------------------------------------ the decision on synthetic numbers
+def test_no_drafts_when_they_never_accept():
+    assert choose_draft_length({0: 1.0, 5: 1.01}, [0.0] * 8) == 0
+
+
+def test_no_drafts_when_verify_is_expensive():
+    # 1.5 accepted drafts per verify: 2.5 tokens per row, but an iteration costs 3 plain ones
+    assert choose_draft_length({0: 1.0, 5: 3.0}, [1.5] * 8) == 0
+
+
+def test_drafts_when_acceptance_high_and_verify_cheap():
+    assert choose_draft_length({0: 1.0, 5: 1.3}, [2.0] * 8) == 5
+    assert choose_draft_length({0: 1.0, 5: 1.3}, [2.0] + [0.0] * 7) == 0   # one good row does not pay for 8
+
+
+def test_no_rows_or_unknown_plain_cost_means_plain():
+    assert choose_draft_length({0: 1.0, 5: 0.5}, []) == 0
+    assert choose_draft_length({5: 0.5}, [3.0]) == 0
+
+
+def test_expected_tokens_caps_accepted_at_the_draft_length():
+    assert expected_tokens(0, [4.0, 4.0]) == 2
+    assert expected_tokens(3, [4.0, 1.0]) == (1 + 3) + (1 + 1)
+
+
+class _Seq:
+    """The fields of a Sequence the policy reads and writes."""
+    def __init__(self, rid):
+        self.request_id = rid
+        self.spec_accepted_ema, self.spec_verifies, self.spec_drafting, self.spec_idle_calls = None, 0, True, 0
+
+
+def test_policy_measures_both_then_stops_a_failing_request_and_reprobes_it():
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6)
+    good, bad = _Seq("good"), _Seq("bad")
+    assert pol.choose([good, bad]) == 5                 # each program is timed first
+    pol.observe(5, 1.2, 4, [(good, 4, 12), (bad, 4, 0)])
+    assert not bad.spec_drafting and good.spec_drafting and pol.requests_stopped == 1
+    assert pol.choose([good, bad]) == 0
+    pol.observe(0, 1.0, 4, [])
+    # drafting pays for the good request alone: 1 + 3 tokens at 1.2x the cost, vs 1 + 1 plain
+    assert pol.choose([good, bad]) == 5
+    pol.observe(5, 1.2, 4, [(good, 4, 12), (bad, 4, 0)])
+    assert pol.choose([bad]) == 0                       # the stopped request alone: plain
+    pol.observe(0, 1.0, 4, [])
+    pol.choose([bad])
+    pol.choose([bad])                                   # third call without a verification: re-probed
+    assert bad.spec_drafting and pol.requests_reprobed == 1
+
+
+def test_always_and_off_never_adapt():
+    assert SpeculationPolicy(5, "always").choose([_Seq("a")]) == 5
+    off = SpeculationPolicy(5, "off")
+    assert off.lengths == (0,) and off.choose([_Seq("a")]) == 0
+    with pytest.raises(ValueError, match="speculative_mode"):
+        SpeculationPolicy(5, "sometimes")
+
+
+# ------------------------------------------------------------------ the engine
+class NeverAcceptToy(ToyBackend):
+    """The toy whose draft always proposes the last token id, which its target never picks (greedy drafts all
+    fail at the first position)."""
+
+    def forward(self, params, batch, state, *, logits="last", taps=False):
+        out, state = super().forward(params, batch, state, logits=logits, taps=taps)
+        out["logits"] = out["logits"].at[..., -1].set(-1e9)
+        return out, state
+
+    def propose(self, params, state, y, pos, slots, floor, temperature, keys):
+        d, lg, c = super().propose(params, state, y, pos, slots, floor, temperature, keys)
+        return jnp.full_like(d, self.vocab_size - 1), lg, c
+
+
+def _run(eng, prompts, tag="r", max_tokens=40):
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id[len(tag):]] = o.outputs[0].token_ids
+    return out
+
+
+PROMPTS = [[int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 7 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    return _run(LLMEngine(NeverAcceptToy(), speculative_mode="off", **COMMON), PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine():
+    eng = LLMEngine(NeverAcceptToy(), **COMMON)                # adaptive: the default
+    assert eng.config.speculative_mode == "adaptive" and eng.runner.draft_lengths == (0, eng.k)
+    return eng
+
+
+def test_failing_drafts_stop_and_output_equals_plain(adaptive_engine, plain_outputs):
+    eng = adaptive_engine
+    pol = eng.speculation
+    for c in pol.costs.values():      # verify as cheap as a plain step (held): only acceptance can stop drafts
+        c.seconds, c.samples, c.alpha = 1e-3, pol.probe_calls, 0.0
+    out = _run(eng, PROMPTS[:1])
+    assert out == {"0": plain_outputs["0"]}
+    m = eng.metrics_snapshot()
+    assert m["spec_num_accepted_tokens"] == 0
+    assert m["spec_requests_stopped_drafting"] == 1
+    # drafted until min_verifies verifications failed, then plain to the end (40 tokens, 2 per call)
+    assert pol.min_verifies <= m["spec_num_drafts"] < pol.min_verifies + eng.config.decode_steps
+    assert m["spec_draft_length"] == 0 and m["spec_drafted_call_fraction"] < 0.3
+    assert m["compiles_after_warmup"] == 0
+
+
+def test_switching_programs_keeps_greedy_output_and_compiles_nothing(adaptive_engine, plain_outputs):
+    """A policy that flips the draft length every call: output is plain decoding's, nothing compiles."""
+    eng = adaptive_engine
+    eng.speculation = pol = SpeculationPolicy(eng.k, "adaptive")
+    flips = iter(range(10**6))
+    pol._decide = lambda accepted: eng.k * (next(flips) % 2)
+    assert _run(eng, PROMPTS, tag="flip") == plain_outputs
+    m = eng.metrics_snapshot()
+    assert 0.3 < m["spec_drafted_call_fraction"] < 0.7
+    assert m["compiles_after_warmup"] == 0
