@@ -45,7 +45,7 @@ def capture_calls(eng):
     run = eng.runner
     orig = run.prefill, run.decode
     run.prefill = lambda inp: (calls.append(("prefill", inp)), orig[0](inp))[1]
-    run.decode = lambda inp: (calls.append(("decode", inp)), orig[1](inp))[1]
+    run.decode = lambda inp, *a: (calls.append(("decode", inp)), orig[1](inp, *a))[1]
     try:
         yield calls
     finally:
