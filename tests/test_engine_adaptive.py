@@ -139,3 +139,16 @@ def test_switching_programs_keeps_greedy_output_and_compiles_nothing(adaptive_en
     m = eng.metrics_snapshot()
     assert 0.3 < m["spec_drafted_call_fraction"] < 0.7
     assert m["compiles_after_warmup"] == 0
+
+
+def test_new_requests_start_from_the_engine_wide_acceptance():
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6)
+    a = _Seq("a")
+    pol.choose([a])
+    pol.observe(5, 1.6, 4, [(a, 4, 0)])               # drafts fail; verify costs 1.6 plain iterations
+    pol.choose([a])
+    pol.observe(0, 1.0, 4, [])
+    b = _Seq("b")                                       # a new request of the same workload: no probe of its own
+    assert pol.estimate(b) < 0.25 and pol.choose([b]) == 0
+    pol.observe(0, 1.0, 4, [])
+    assert pol.choose([b]) == 5                         # reprobe_every calls without drafts: the workload is probed

@@ -8,8 +8,10 @@ Two things are measured while serving:
   divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
   length covers every batch size. Each length is run ``probe_calls`` times first, and a length not chosen for
   ``remeasure_every`` calls is run once again so a stale cost cannot lock the choice.
-* the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at
-  ``prior``; one whose estimate falls below ``stop_below`` after ``min_verifies`` verifications stops drafting
+* the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at the
+  engine-wide EMA (``prior`` until anything was verified, and again after ``reprobe_every`` calls without a
+  draft, so a workload that changed is noticed): new requests of a workload whose drafts fail do not pay a
+  probe each; one whose estimate falls below ``stop_below`` after ``min_verifies`` verifications stops drafting
   (counts 0), and is re-probed (its estimate reset to ``prior``) after ``reprobe_every`` decode calls without a
   verification (a call that drafts for other requests verifies its drafts too, for free).
 
@@ -82,6 +84,8 @@ class SpeculationPolicy:
         self.draft_len = self.block if self.mode == "always" else 0   # the last decision
         self.calls = self.drafted_calls = 0
         self.requests_stopped = self.requests_reprobed = 0
+        self.engine_ema = prior            # accepted drafts per verification over every request
+        self.calls_since_draft = 0
 
     @property
     def lengths(self) -> tuple:
@@ -94,7 +98,7 @@ class SpeculationPolicy:
         if not getattr(s, "spec_drafting", True):
             return 0.0
         a = getattr(s, "spec_accepted_ema", None)
-        return self.prior if a is None else a
+        return self.engine_ema if a is None else a
 
     def _reprobe(self, seqs: Iterable):
         for s in seqs:
@@ -111,6 +115,8 @@ class SpeculationPolicy:
         if self.mode != "adaptive":
             return self.block
         self._reprobe(seqs)
+        if self.calls_since_draft >= self.reprobe_every:     # nothing drafted for a while: probe the workload
+            self.engine_ema, self.calls_since_draft = max(self.engine_ema, self.prior), 0
         d = self._decide([self.estimate(s) for s in seqs])
         if d != self.draft_len:
             c = {k: (None if v.seconds is None else round(1e3 * v.seconds, 2)) for k, v in self.costs.items()}
@@ -140,14 +146,16 @@ class SpeculationPolicy:
             c.since += 1
         if seconds is not None and draft_len in self.costs:
             self.costs[draft_len].observe(seconds, iters)
+        self.calls_since_draft = 0 if draft_len else self.calls_since_draft + 1
         if not draft_len:
             return
+        per_seq = list(per_seq)
         for s, verifies, accepted in per_seq:
             if verifies <= 0:
                 continue
             a = accepted / verifies
             prev = getattr(s, "spec_accepted_ema", None)
-            prev = self.prior if prev is None else prev  # from the prior: a few early misses do not end drafting
+            prev = self.engine_ema if prev is None else prev   # a few early misses do not end drafting
             w = 1 - (1 - self.ema) ** verifies         # one update per verification in the call
             s.spec_accepted_ema = (1 - w) * prev + w * a
             s.spec_verifies = getattr(s, "spec_verifies", 0) + verifies
@@ -161,11 +169,16 @@ class SpeculationPolicy:
                 self.requests_stopped += 1
                 log.info("speculation: request %s stops drafting (%.2f accepted drafts per verification over %d)",
                          s.request_id, s.spec_accepted_ema, s.spec_verifies)
+        tot_v = sum(v for _, v, _ in per_seq)
+        if tot_v > 0:      # the engine-wide estimate (new requests start from it)
+            w = 1 - (1 - self.ema) ** min(tot_v, 8)
+            self.engine_ema = (1 - w) * self.engine_ema + w * sum(a for _, _, a in per_seq) / tot_v
 
     def metrics(self) -> dict:
         return {"spec_mode": self.mode, "spec_draft_length": self.draft_len,
                 "spec_drafted_call_fraction": self.drafted_calls / self.calls if self.calls else 0.0,
                 "spec_requests_stopped_drafting": self.requests_stopped,
                 "spec_requests_reprobed": self.requests_reprobed,
+                "spec_engine_accepted_per_verify": self.engine_ema,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
                    for d, c in self.costs.items()}}
