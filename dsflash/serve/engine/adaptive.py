@@ -114,6 +114,8 @@ class SpeculationPolicy:
         """Draft length of the next decode call over ``seqs`` (its sequences)."""
         if self.mode != "adaptive":
             return self.block
+        if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log)
+            return self.draft_len
         self._reprobe(seqs)
         if self.calls_since_draft >= self.reprobe_every:     # nothing drafted for a while: probe the workload
             self.engine_ema, self.calls_since_draft = max(self.engine_ema, self.prior), 0

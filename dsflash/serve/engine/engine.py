@@ -22,7 +22,7 @@ from dsflash.serve.engine.backend import make_backend
 from dsflash.serve.engine.config import EngineConfig, kernels_summary
 from dsflash.serve.engine.metrics import EngineMetrics
 from dsflash.serve.engine.output import OutputProcessor
-from dsflash.serve.engine.scheduler import Scheduler, Sequence
+from dsflash.serve.engine.scheduler import DECODE, Scheduler, Sequence
 from dsflash.serve.engine.snapshots import SnapshotCache
 from dsflash.serve.types import EngineRequest, RequestOutput, SamplingParams
 
@@ -242,12 +242,15 @@ class LLMEngine:
         detokenisation, stop strings, the next schedule) overlaps the device."""
         t_start = time.perf_counter()
         c0 = R.compile_count()
+        # the draft length first: the scheduler grows pages and splits the token budget for draft length + 1
+        # tokens per decode iteration (a plain call leaves more of the budget to prefill)
+        self.scheduler.K1 = self.speculation.choose([s for s in self.running if s.status == DECODE]) + 1
         plan = self.scheduler.schedule()
         rec = None
         if plan:
             inputs = self.runner.step_inputs(plan)       # from the sequences as they are before this step
             self.scheduler.commit(plan)
-            draft_len = self.speculation.choose([s for s, _ in plan.decode]) if plan.decode else None
+            draft_len = plan.K1 - 1 if plan.decode else None
             rec = (plan, self.runner.launch(*inputs, asynchronous=self.async_scheduling,
                                             restores=plan.restores, saves=plan.saves, draft_len=draft_len))
         todo = rec

@@ -81,7 +81,7 @@ class OutputProcessor:
         if pf is not None:
             self._process_prefill(plan.prefill_items, pf, now, progressed, plan.prefill[2])
         if dc is not None:
-            self._process_decode(plan.decode, dc, now, progressed)
+            self._process_decode(plan.decode, dc, now, progressed, plan.K1)
 
     def _process_prefill(self, items, res, now, progressed, rows):
         for r, (s, n, last) in zip(rows, items):
@@ -96,8 +96,8 @@ class OutputProcessor:
                 self.append(s, [int(res["tok"][r])], lps, now)
                 progressed.add(s.request_id)
 
-    def _process_decode(self, decode, res, now, progressed):
-        m, K1 = self.metrics, self.k + 1
+    def _process_decode(self, decode, res, now, progressed, K1):
+        m = self.metrics
         m.num_decode_iters += int(res["iters"])
         for s, h in decode:
             s.pending -= h * K1

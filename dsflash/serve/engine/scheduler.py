@@ -38,6 +38,7 @@ class StepPlan:
     prefill: tuple | None = None
     decode: list = field(default_factory=list)
     prefill_items: list = field(default_factory=list)
+    K1: int = 1          # tokens per decode iteration this plan's pages / budget assumed (draft length + 1)
     # exact prefix caching (snapshots.py): [(slot, entry, position)] run before / after this step's prefill
     restores: list = field(default_factory=list)
     saves: list = field(default_factory=list)
@@ -332,7 +333,7 @@ class Scheduler:
         # 2. admission, FCFS per DP rank; 3. prefill chunks of every rank into the best bucket
         self._admit_ranks()
         prefill, decode = self._plan_prefill(decode)
-        plan = StepPlan(prefill, decode)
+        plan = StepPlan(prefill, decode, K1=K1)
         self._plan_snapshots(plan)
         return plan
 
