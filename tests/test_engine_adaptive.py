@@ -47,7 +47,7 @@ class _Seq:
 
 
 def test_policy_measures_both_then_stops_a_failing_request_and_reprobes_it():
-    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6)
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6, remeasure_plain_every=10**6)
     good, bad = _Seq("good"), _Seq("bad")
     assert pol.choose([good, bad]) == 5                 # each program is timed first
     pol.observe(5, 1.2, 4, [(good, 4, 12), (bad, 4, 0)])
@@ -142,7 +142,7 @@ def test_switching_programs_keeps_greedy_output_and_compiles_nothing(adaptive_en
 
 
 def test_new_requests_start_from_the_engine_wide_acceptance():
-    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6)
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6, remeasure_plain_every=10**6)
     a = _Seq("a")
     pol.choose([a])
     pol.observe(5, 1.6, 4, [(a, 4, 0)])               # drafts fail; verify costs 1.6 plain iterations

@@ -7,7 +7,8 @@ Two things are measured while serving:
   ``block + 1`` rows; draft length 0: one row), as an exponential moving average of the decode call's wall time
   divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
   length covers every batch size. Each length is run ``probe_calls`` times first, and a length not chosen for
-  ``remeasure_every`` calls is run once again so a stale cost cannot lock the choice.
+  ``remeasure_plain_every`` (plain) / ``remeasure_every`` (drafting) calls is run once again so a stale cost
+  cannot lock the choice.
 * the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at the
   engine-wide EMA (``prior`` until anything was verified, and again after ``reprobe_every`` calls without a
   draft, so a workload that changed is noticed): new requests of a workload whose drafts fail do not pay a
@@ -72,14 +73,16 @@ class SpeculationPolicy:
 
     def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, ema: float = 0.3,
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
-                 remeasure_every: int = 50, margin: float = 0.02):
+                 remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02):
         if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
         self.block = block if mode != "off" else 0
         self.mode = mode if self.block else "off"
         self.prior, self.ema, self.stop_below, self.min_verifies = prior, ema, stop_below, min_verifies
-        self.reprobe_every, self.probe_calls, self.remeasure_every, self.margin = (
-            reprobe_every, probe_calls, remeasure_every, margin)
+        self.reprobe_every, self.probe_calls, self.margin = reprobe_every, probe_calls, margin
+        # re-measure a program not run for this many calls: plain often (cheap, and a stale plain cost is what
+        # could keep a losing draft length), the drafting one rarely (each re-measure costs a verify)
+        self.remeasure = {0: remeasure_plain_every, block: remeasure_every}
         self.costs = {0: IterationCost(ema), self.block: IterationCost(ema)} if self.block else {}
         self.draft_len = self.block if self.mode == "always" else 0   # the last decision
         self.calls = self.drafted_calls = 0
@@ -133,7 +136,7 @@ class SpeculationPolicy:
             if self.costs[d].samples < self.probe_calls:
                 return d
         for d in (self.block, 0):               # re-measure the one not chosen for a while
-            if self.costs[d].since >= self.remeasure_every and (d == 0 or any(accepted)):
+            if self.costs[d].since >= self.remeasure[d] and (d == 0 or any(accepted)):
                 return d
         return choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
 
