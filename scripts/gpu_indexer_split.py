@@ -1,6 +1,7 @@
 """Where the long-context indexer's time goes (issue 19): the pieces of one index-source layer's decode call timed
 apart on the GPU -- the gather + decode of every MXFP4 index key through the page table, the Triton scorer, the
-top-512 selection (``lax.top_k`` + sort) and layer 20's candidate filter (top-2048 of 8-entry blocks). One call,
+top-512 selection (``lax.top_k`` + sort), layer 20's candidate filter (top-2048 of 8-entry blocks) and the paged
+scorer that reads the packed keys through the page table instead of the gather + scorer. One call,
 a table last, JSON in $OUT/indexer_split.json. From the repo root:
 
   python3 scripts/gpu_indexer_split.py --contexts 4096 32768 131072 --seqs 32 --rows 6 --out $OUT
@@ -83,15 +84,28 @@ def main():
                                             q, w, k_all, reps=a.reps)
         except Exception as e:  # noqa: BLE001
             row["scores_triton_error"] = repr(e)[:300]
+        try:   # the paged scorer: keys read straight from the pool (no gather)
+            from dsflash.kernels import indexer_paged_triton as ipt
+            paged = jax.jit(lambda q, w, pool, pt: ipt.indexer_scores_paged_triton(q, w, pool, pt, per_page, visible,
+                                                                                   valid))
+            row["scores_paged_ms"] = timed(paged, q, w, pool, page_table, reps=a.reps)
+            ref = ik.indexer_scores_reference(q, w, k_all, visible, valid)
+            got = paged(q, w, pool, page_table)
+            row["paged_max_rel_diff"] = float(jnp.max(jnp.abs(got - ref) / (jnp.abs(ref) + 1e-30)))
+            del ref, got
+        except Exception as e:  # noqa: BLE001
+            row["scores_paged_error"] = repr(e)[:300]
         res["points"].append(row)
         print(json.dumps(row), flush=True)
         with open(os.path.join(a.out, "indexer_split.json"), "w") as f:
             json.dump(res, f, indent=1)
         del pool, k_all, score
-    print("\ncontext  gather  scores(xla)  scores(triton)  top-512  cand-filter   (ms; keys MB packed / gathered bf16)")
+    print("\ncontext  gather  scores(xla)  scores(triton)  paged  top-512  cand-filter   (ms; keys MB packed / gathered "
+          "bf16)")
     for r in res["points"]:
         print(f"{r['context']:>7} {r['gather_ms']:>7.3f} {r['scores_xla_ms']:>12.3f} "
-              f"{r.get('scores_triton_ms', float('nan')):>15.3f} {r['topk_ms']:>8.3f} {r['cand_filter_ms']:>12.3f}"
+              f"{r.get('scores_triton_ms', float('nan')):>15.3f} {r.get('scores_paged_ms', float('nan')):>6.3f} "
+              f"{r['topk_ms']:>8.3f} {r['cand_filter_ms']:>12.3f}"
               f"   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
 
 

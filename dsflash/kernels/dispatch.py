@@ -44,7 +44,7 @@ import dataclasses
 import functools
 
 BACKENDS = ("auto", "xla", "triton")
-KERNELS = ("moe", "sparse_attention", "indexer", "mhc", "fp8_linear")
+KERNELS = ("moe", "sparse_attention", "indexer", "indexer_paged", "mhc", "fp8_linear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,7 @@ class Crossover:
 # (H200, commit 199278b: 1 row x 8192 entries 0.095 ms vs XLA 0.078, launch-bound; 64 x 16384 1.18x, 32 x 65536
 # 1.22x, 128 x 6 x 16384 1.11x). The crossover between 8K and 1M row-entries is unmeasured; only the losing point is.
 INDEXER_XLA_MAX_ROW_ENTRIES = 8192
+PAGED_MAX_ROWS = 8     # the paged indexer scores decode calls only (1 + drafts); prefill chunks gather the keys
 
 GATES = {
     # always, where the precision is implemented; the variant per size is moe_plan.pick_config (BM 8 decode tiles
@@ -88,6 +89,12 @@ GATES = {
     "indexer": Crossover(
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
         "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),
+    # the scorer reading MXFP4 keys straight from the paged pool (decode rows only: indexer_topk.PAGED_MAX_ROWS);
+    # replaces the bf16 gather of every key + the "indexer" scorer. UNMEASURED when written (2026-12-02): the range
+    # copies the "indexer" gate's; the GPU run that judges it is queued in kernels/NOTES.md ("Paged indexer")
+    "indexer_paged": Crossover(
+        "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
+        "unmeasured (written 2026-12-02); scripts/gpu_indexer_split.py times it"),
     # split-d kernel: 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens
     # against XLA 0.318 / 0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x). The tiny random model cannot judge it end
     # to end at "reference" (one fp32 ulp of coefficient noise moves its logits by 1.7e-1), so the switch was decided
@@ -168,7 +175,8 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     context         tokens the page table covers (the indexer scores every compressed entry of it)
     precision       the run precision (the MoE kernel has no "fp32")
     expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
-    -> {"moe" | "sparse_attention" | "indexer" | "mhc" | "fp8_linear": {"decode": impl, "prefill": impl}}"""
+    -> {"moe" | "sparse_attention" | "indexer" | "indexer_paged" | "mhc" | "fp8_linear": {"decode": impl,
+        "prefill": impl}} ("indexer_paged": only calls of <= PAGED_MAX_ROWS rows; larger ones gather the keys)"""
     if decode_tokens is None:
         decode_tokens = 1 + (cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0)
     ratios = [cfg.compress_ratios[i] for i in cfg.index_source_layer_ids if i < cfg.num_hidden_layers]
@@ -177,7 +185,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     out = {}
     for phase, t in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t,
-                 "fp8_linear": t}
+                 "fp8_linear": t, "indexer_paged": t * entries if t <= PAGED_MAX_ROWS else 0}
         for kernel, size in sizes.items():
             impl = "triton" if use_triton(kernel, backend, size, precision=precision) else "xla"
             supported = GATES[kernel].precisions is None or precision in GATES[kernel].precisions

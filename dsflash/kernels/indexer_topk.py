@@ -11,6 +11,11 @@
   cand_filter              (block_size, topk_blocks) at the candidate source (layer 20): also return its mask
   -> (idx [B, S, k] int32 ascending, -1 for empty; candidate mask [B, S, T] bool or None)
 
+``indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, *, topk, gather, ...)``
+  the same, with the keys left in the paged pool (T = pages x per_page entries, entry t at pool row
+  page_table[b, t // per_page] * per_page + t % per_page); ``gather()`` returns them as ``k`` for the reference
+  path. Decode calls (S <= PAGED_MAX_ROWS) on a GPU score straight from the pool (``indexer_paged_triton``).
+
 Numerics (the model's, SPEC §4.5; every backend must give the same bits):
   qk[h, t]  = bf16(q_h . k_t)              fp32 accumulation
   c[h, t]   = bf16(relu(qk) * w_h)         (bf16 x bf16 is exact in fp32, so this is one rounding)
@@ -25,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsflash import quant
 from dsflash.kernels import dispatch
 from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
 
@@ -91,3 +97,39 @@ def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, 
     from dsflash.kernels import indexer_topk_triton  # lazy: needs a CUDA GPU and jax-triton
     score = indexer_topk_triton.indexer_scores_triton(q, w, k, visible, valid, cand)
     return select(score, visible, topk=topk, cand_filter=cand_filter)
+
+
+def paged_keys(pool, page_table, per_page, dtype=jnp.bfloat16):
+    """Every entry's index key [B, T, Di] gathered through the page table and decoded: the paged scorer's
+    reference input (the model's own gather, ``attention.gather_pool`` with ``state.decode_index_k``, gives the
+    same array: tests/test_kernels_indexer_paged.py)."""
+    B, P = page_table.shape
+    t = jnp.arange(P * per_page, dtype=jnp.int32)
+    addr = page_table[:, t // per_page] * per_page + t % per_page
+    rows = {k: v[addr] for k, v in pool.items()}
+    if "x" in rows:
+        return rows["x"].astype(dtype)
+    vals = quant.e2m1_from_codes(quant.unpack_nibbles(rows["q"]))
+    g = vals.reshape(*vals.shape[:-1], -1, 32) * quant.e8m0_to_f32(rows["s"])[..., None]
+    return g.reshape(vals.shape).astype(dtype)
+
+
+PAGED_MAX_ROWS = dispatch.PAGED_MAX_ROWS   # decode calls; a prefill chunk shares one gathered copy over its rows
+
+
+def indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, *, topk, gather, cand=None,
+                       cand_filter=None, backend="auto", force=False):
+    """``indexer_topk`` over keys still in the paged pool: the paged Triton scorer where
+    ``dispatch.use_triton("indexer_paged", ...)`` says so at B*S*T row-entries (and the rows and layout are its
+    own: ``indexer_topk_shapes.paged_supports``), else ``indexer_topk`` on ``gather()``'s keys."""
+    from dsflash.kernels.indexer_topk_shapes import paged_supports
+    B, S = q.shape[:2]
+    T = page_table.shape[1] * per_page
+    if (S <= PAGED_MAX_ROWS and paged_supports(q, pool)
+            and dispatch.use_triton("indexer_paged", backend, B * S * T, force=force)):
+        from dsflash.kernels import indexer_paged_triton  # lazy: needs a CUDA GPU and jax-triton
+        score = indexer_paged_triton.indexer_scores_paged_triton(q, w, pool, page_table, per_page, visible, valid,
+                                                                 cand)
+        return select(score, visible, topk=topk, cand_filter=cand_filter)
+    return indexer_topk(q, w, gather().astype(q.dtype), visible, valid, topk=topk, cand=cand,
+                        cand_filter=cand_filter, backend=backend, force=force)
