@@ -42,6 +42,9 @@ class ServerState:
                  tokenizer_threads: int = 2, special_tokens_in_content: str = "control"):
         self.engine = engine
         self.special_tokens_in_content = special_tokens_in_content
+        tok = getattr(engine, "tokenizer", None)
+        if special_tokens_in_content == "text" and hasattr(tok, "encode_batch_as_text"):
+            tok.encode_batch_as_text([""])       # build the as-text twin now, not in the first chat request
         self.model = served_model_name
         self.api_key = api_key
         self.created = int(time.time())
