@@ -12,7 +12,8 @@
   connects to it (nor registers anything); a KV body flipped on the wire in a correctly signed flow is
   rejected by its MAC and registers nothing;
 * last: the prefill process is killed in the middle of a KV body; only the affected requests fail (or are
-  recomputed, per policy) and the requests already decoding complete with the aggregated server's output.
+  recomputed, per policy), the requests already decoding complete with the aggregated server's output, and the
+  decode instance stays healthy and serves the next request.
 
 Each process starts once per module (model start-up dominates)."""
 from __future__ import annotations
