@@ -69,10 +69,10 @@ def test_candidate_mask_matches_lax_top_k(T, block, topb):
                 _jit(ik.candidate_mask_sorted, block, topb)(score, visible))
 
 
-@pytest.mark.parametrize("digit_bits", [2, 8])
-def test_digit_widths_agree(digit_bits):
+@pytest.mark.parametrize("digit_bits,counts", [(4, "stacked"), (8, "stacked"), (4, "sibling")])
+def test_search_variants_agree(digit_bits, counts):
     score, visible = _batch(digit_bits, 30, B=6)
-    _bits_equal(_jit(ts.select_topk_threshold, 8, digit_bits=digit_bits)(score, visible),
+    _bits_equal(_jit(ts.select_topk_threshold, 8, digit_bits=digit_bits, counts=counts)(score, visible),
                 _jit(ik.select_topk_sorted, 8)(score, visible))
 
 

@@ -109,7 +109,7 @@ GATES = {
     # indexer_topk.select_topk / candidate_mask; ``triton`` here lists the row lengths (entries, or blocks for the
     # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). UNMEASURED: 16K is a guess from
     # lax.top_k's 2.55 ms at 32 x 6 x 131072 against ~25 us per pass over the scores. Off a GPU: lax.top_k always
-    # (on CPU the threshold path was slower at every size timed, 2026-12-02)
+    # (on CPU the threshold path is mixed at short rows and 2-8x slower at 131072 entries: NOTES.md, 2026-12-02)
     "topk_select": Crossover(
         "entries per row (T)", ((16384, None),), None,
         "unmeasured; scripts/gpu_indexer_split.py times both (topk_radix_ms / cand_filter_radix_ms)"),
