@@ -14,6 +14,8 @@ Stable API (the engine and the server call these; keep the names and signatures)
                                  what each kernel runs at decode / prefill sizes of ``cfg`` (startup log);
                                  ``impl`` is "xla" or "triton" (the MoE's adds its config: "triton:sw_eo_np_bm8")
   describe(cfg, backend, **sizes) -> str   the same as one log line
+  use_threshold_topk(entries) -> bool      whether the indexer's top-k runs the sort-free path (not a Triton kernel:
+                                 GATES["topk_select"], on a GPU only)
 
 The rule ``use_triton`` applies, in order:
   1. the backend: "xla" -> no; "triton" -> yes; "auto" -> ``resolve_backend("auto")``.
@@ -110,6 +112,14 @@ GATES = {
     "mhc": Crossover(
         "tokens (T)", ((1, None),), None,
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
+    # Not a Triton kernel: the sort-free exact top-k (kernels/topk_select.py, pure JAX, same bits as lax.top_k) in
+    # indexer_topk.select_topk / candidate_mask; ``triton`` here lists the row lengths (entries, or blocks for the
+    # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). UNMEASURED: 16K is a guess from
+    # lax.top_k's 2.55 ms at 32 x 6 x 131072 against ~25 us per pass over the scores. Off a GPU: lax.top_k always
+    # (on CPU the threshold path is mixed at short rows and 2-8x slower at 131072 entries: NOTES.md, 2026-12-02)
+    "topk_select": Crossover(
+        "entries per row (T)", ((16384, None),), None,
+        "unmeasured; scripts/gpu_indexer_split.py times both (topk_radix_ms / cand_filter_radix_ms)"),
 }
 
 
@@ -156,6 +166,12 @@ def use_triton(kernel: str, backend, size: int, *, precision: str | None = None,
     if precision is not None and gate.precisions is not None and precision not in gate.precisions:
         return backend == "triton"          # explicit: the kernel raises its own error
     return force or gate.covers(size)
+
+
+def use_threshold_topk(entries: int) -> bool:
+    """True when the indexer's top-k over rows of ``entries`` runs the sort-free path (GATES["topk_select"]): on a
+    GPU in its range, whatever the backend (both paths are plain XLA and give the same bits)."""
+    return on_gpu() and GATES["topk_select"].covers(entries)
 
 
 # ------------------------------------------------------------------------------------------ startup summary

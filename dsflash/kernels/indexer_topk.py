@@ -21,7 +21,8 @@ Numerics (the model's, SPEC §4.5; every backend must give the same bits):
   c[h, t]   = bf16(relu(qk) * w_h)         (bf16 x bf16 is exact in fp32, so this is one rounding)
   score[t]  = f32(bf16(sum_h c[h, t]))     fp32 sum over heads, rounded to bf16 (bf16 precision)
   masked to -inf where t >= visible or the row is padding (or outside ``cand``).
-Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1.
+Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1 (on a GPU at long
+rows: the same bits without a sort, kernels/topk_select.py).
 The candidate filter: max over blocks of ``block_size`` entries, the newest visible block forced in, top
 ``topk_blocks`` blocks whose score is not -inf, expanded back to entries.
 """
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash import quant
-from dsflash.kernels import dispatch
+from dsflash.kernels import dispatch, topk_select
 from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
 
 
@@ -50,23 +51,35 @@ def indexer_scores_reference(q, w, k, visible, valid, cand=None):
 
 
 def candidate_mask(score, visible, block_size, topk_blocks):
-    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in."""
+    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in. The sort-free
+    threshold path where ``dispatch.use_threshold_topk`` says (same bits either way: tests/test_topk_select.py)."""
+    if dispatch.use_threshold_topk(-(-score.shape[-1] // block_size)):
+        return topk_select.candidate_mask_threshold(score, visible, block_size, topk_blocks)
+    return candidate_mask_sorted(score, visible, block_size, topk_blocks)
+
+
+def select_topk(score, visible, topk):
+    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty. The sort-free
+    threshold path where ``dispatch.use_threshold_topk`` says (same bits either way: tests/test_topk_select.py)."""
+    if dispatch.use_threshold_topk(score.shape[-1]):
+        return topk_select.select_topk_threshold(score, visible, topk)
+    return select_topk_sorted(score, visible, topk)
+
+
+def candidate_mask_sorted(score, visible, block_size, topk_blocks):
+    """The reference filter through ``lax.top_k`` over the pooled blocks."""
     B, S, T = score.shape
-    cb = block_size
-    nb = -(-T // cb)
-    padded = jnp.pad(score, ((0, 0), (0, 0), (0, nb * cb - T)), constant_values=-jnp.inf)
-    block = jnp.max(padded.reshape(B, S, nb, cb), axis=-1)
-    newest = jnp.where(visible > 0, (visible - 1) // cb, -1)
-    block = jnp.where(jnp.arange(nb)[None, None] == newest[..., None], jnp.inf, block)
+    block = topk_select.block_scores(score, visible, block_size)
+    nb = block.shape[-1]
     kb = min(topk_blocks, nb)
     bval, bidx = jax.lax.top_k(block, kb)
     keep = jnp.zeros((B, S, nb), bool)
     keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, bidx, bval)
-    return jnp.repeat(keep, cb, axis=-1)[..., :T]
+    return jnp.repeat(keep, block_size, axis=-1)[..., :T]
 
 
-def select_topk(score, visible, topk):
-    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty."""
+def select_topk_sorted(score, visible, topk):
+    """The reference selection: ``lax.top_k``, then a sort of the kept positions."""
     T = score.shape[-1]
     k = min(topk, T)
     val, idx = jax.lax.top_k(score, k)
