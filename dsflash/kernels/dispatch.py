@@ -92,11 +92,12 @@ GATES = {
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
         "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),
     # the scorer reading MXFP4 keys straight from the paged pool (decode rows only: indexer_topk.PAGED_MAX_ROWS);
-    # replaces the bf16 gather of every key + the "indexer" scorer. UNMEASURED when written (2026-12-02): the range
-    # copies the "indexer" gate's; the GPU run that judges it is queued in kernels/NOTES.md ("Paged indexer")
+    # replaces the bf16 gather of every key + the "indexer" scorer. H200 run 25 (32 x 6 rows): 128K entries 1.316 ms
+    # against gather 2.174 + scorer 2.836; 4K 0.220 against 0.232 + 0.257; in the 32 x 6 @ 128K step 18.57 -> 13.19 ms.
+    # The lower end copies the "indexer" gate's (one row over <= 8K entries stays on XLA, not re-measured)
     "indexer_paged": Crossover(
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
-        "unmeasured (written 2026-12-02); scripts/gpu_indexer_split.py times it"),
+        "indexer_split_20261202_h200_run25.json, step_profile_20261202_h200_run25_128k.json"),
     # split-d kernel: 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens
     # against XLA 0.318 / 0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x). The tiny random model cannot judge it end
     # to end at "reference" (one fp32 ulp of coefficient noise moves its logits by 1.7e-1), so the switch was decided
@@ -114,12 +115,14 @@ GATES = {
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
     # Not a Triton kernel: the sort-free exact top-k (kernels/topk_select.py, pure JAX, same bits as lax.top_k) in
     # indexer_topk.select_topk / candidate_mask; ``triton`` here lists the row lengths (entries, or blocks for the
-    # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). UNMEASURED: 16K is a guess from
-    # lax.top_k's 2.55 ms at 32 x 6 x 131072 against ~25 us per pass over the scores. Off a GPU: lax.top_k always
+    # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). H200 run 25 (32 x 6 rows): top-512
+    # of 131,072 entries 2.149 ms vs lax.top_k 2.286 (1.06x), the candidate filter's top-2048 of 16,384 blocks 0.334
+    # vs 0.617 (1.85x); at 4,096 entries / 512 blocks it loses (0.264 vs 0.201, 0.234 vs 0.135), below the line.
+    # 16K-64K entries are unmeasured (the line is a guess between the two points). Off a GPU: lax.top_k always
     # (on CPU the threshold path is mixed at short rows and 2-8x slower at 131072 entries: NOTES.md, 2026-12-02)
     "topk_select": Crossover(
         "entries per row (T)", ((16384, None),), None,
-        "unmeasured; scripts/gpu_indexer_split.py times both (topk_radix_ms / cand_filter_radix_ms)"),
+        "indexer_split_20261202_h200_run25.json (topk_radix_ms / cand_filter_radix_ms; mismatch 0)"),
 }
 
 
