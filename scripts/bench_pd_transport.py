@@ -67,6 +67,7 @@ def child(a):
 
     class H(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True    # else a small answer waits for the delayed ACK (~40 ms)
 
         def _send(self, body, ctype, mac):
             self.send_response(200)
@@ -133,16 +134,23 @@ def parent(a):
         dev = jax.block_until_ready([jnp.asarray(x) for _, x, _ in arrays])
         return sum(int(x.nbytes) for x in dev), len(r.content)
 
+    parts = {}
+
     def via_transfer(n):
-        r = cl.post(f"{base}/offer/{n}")
+        t0 = time.perf_counter()
+        r = cl.post(f"{base}/offer/{n}")      # includes the prefill side's fingerprint and await_pull
         mac_ok(r, n)
         head = json.loads(r.content)
         specs = xfer.specs(head["arrays"])
+        t1 = time.perf_counter()
         got = xfer.pull(f"127.0.0.1:{head['transfer_port']}", head["uuid"], specs)
+        t2 = time.perf_counter()
         names = [s["name"] for s in head["arrays"]]
         infos = [{k: v for k, v in s.items() if k not in ("name", "dtype", "shape")} for s in head["arrays"]]
         if fingerprint(list(zip(names, got, infos))) != head["fingerprint"]:
             raise RuntimeError("fingerprint mismatch")
+        for k, v in (("offer_s", t1 - t0), ("pull_only_s", t2 - t1), ("fingerprint_check_s", time.perf_counter() - t2)):
+            parts.setdefault(k, []).append(v)
         valid = sum(int(x.nbytes) // x.shape[0] * int(i.get("rows", x.shape[0])) for x, i in zip(got, infos))
         return valid, len(r.content) + sum(int(x.nbytes) for x in got)
 
@@ -152,6 +160,7 @@ def parent(a):
             for name, fn in (("http", via_http), ("transfer", via_transfer)):
                 fn(n)                                              # warm-up: compiles, connections
                 ts, nb = [], None
+                parts.clear()
                 for _ in range(a.reps):
                     t0 = time.perf_counter()
                     nb = fn(n)
@@ -159,7 +168,8 @@ def parent(a):
                 med = statistics.median(ts)
                 rows.append({"prompt_tokens": n, "transport": name, "payload_bytes": nb[0], "moved_bytes": nb[1],
                              "pull_s_median": med, "pull_s_min": min(ts), "pull_s_max": max(ts),
-                             "payload_bytes_per_s": nb[0] / med, "reps": a.reps})
+                             "payload_bytes_per_s": nb[0] / med, "reps": a.reps,
+                             **{k + "_median": statistics.median(v) for k, v in parts.items()}})
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         p.stdin.close()
@@ -169,7 +179,8 @@ def parent(a):
            f"{os.cpu_count()} CPUs (shared), JAX CPU", "jax": jax.__version__, "device": jax.devices()[0].device_kind,
            "payload_model": {"global_bytes_per_token": a.global_bytes_per_token, "rings": a.rings,
                              "window": a.window, "ring_row_bytes": a.ring_row_bytes},
-           "command": " ".join(["python3", "scripts/bench_pd_transport.py", *sys.argv[1:]]), "rows": rows}
+           "commit": _commit(), "command": " ".join(["python3", "scripts/bench_pd_transport.py", *sys.argv[1:]]),
+           "rows": rows}
     for n in a.lens:
         h = next(r for r in rows if r["prompt_tokens"] == n and r["transport"] == "http")
         t = next(r for r in rows if r["prompt_tokens"] == n and r["transport"] == "transfer")
@@ -179,6 +190,15 @@ def parent(a):
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     return 0
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv=None):

@@ -57,13 +57,16 @@ def choose_transport(asked: str | None) -> tuple[str, str]:
 
 
 def _words(a):
-    """``a`` as unsigned integers of its own width (bitcast), flattened, widened to uint32."""
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[a.dtype.itemsize]
-    if a.dtype.itemsize == 8:
-        a = jax.lax.bitcast_convert_type(a, jnp.uint32)     # [..., 2]
-    elif a.dtype != width:
-        a = jax.lax.bitcast_convert_type(a, width)
-    return a.reshape(-1).astype(jnp.uint32)
+    """``a``'s bytes as flat uint32 words (bitcast; 1- and 2-byte dtypes grouped 4 or 2 to a word when the size
+    allows, so the fingerprint reads 4 bytes per element, not 1)."""
+    size = a.dtype.itemsize
+    if size == 8:
+        return jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(-1)
+    a = jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]).reshape(-1)
+    k = 4 // size
+    if k > 1 and a.shape[0] % k == 0:
+        return jax.lax.bitcast_convert_type(a.reshape(-1, k), jnp.uint32)
+    return a.astype(jnp.uint32)
 
 
 @jax.jit
