@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -34,8 +33,7 @@ SECRET = b"bench-pd-transport-secret-0123"
 def payload(n, gbt, rings, window, ring_row):
     """``[(name, shape, dtype, info)]`` of one request's KV for an ``n``-token prompt (global part padded)."""
     from dsflash.serve.pd.transfer import _bucket
-    rows = n
-    out = [("main_kv/all", (_bucket(rows), gbt), "uint8", {"kind": "global", "ratio": 1, "first": 0, "rows": rows})]
+    out = [("main_kv/all", (_bucket(n), gbt), "uint8", {"kind": "global", "ratio": 1, "first": 0, "rows": n})]
     for i in range(rings):
         out.append((f"swa/{i}", (min(window, n), ring_row), "uint8", {"kind": "ring", "first": max(0, n - window)}))
     return out
@@ -47,7 +45,6 @@ def child(a):
     import threading
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from dsflash.serve.pd.device_transfer import DeviceTransfer, fingerprint
