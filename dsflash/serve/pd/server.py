@@ -328,7 +328,8 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
     @app.post("/pd/offer/{rid}")
     async def offer(rid: str, request: Request, skip_tokens: int = 0):
         """The transfer-server path: the held KV stays on the device, offered for one pull under a fresh uuid;
-        the answer is its header (MAC'd like a KV body). The uuid is freed by the pull (or jax's timeout)."""
+        the answer is its header (MAC'd like a KV body). The pull frees it (the TTL is passed as jax's timeout;
+        not checked that jax frees an offer nobody pulls)."""
         from fastapi.responses import Response
 
         from dsflash.serve.pd.device_transfer import fingerprint
