@@ -62,9 +62,10 @@ def cluster(tmp_path_factory):
     try:
         # the first process fills the persistent compilation cache; the others then start in seconds
         procs["agg"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
+        # the HTTP body transport (its test hooks stall / corrupt bodies); the transfer server's is test_pd_transfer.py
         procs["p"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--kv-ttl", "8", "--pd-test-hooks",
-                            *sec, name="prefill")
-        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", *sec,
+                            "--kv-transport", "http", *sec, name="prefill")
+        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", "--kv-transport", "http", *sec,
                             "--pd-peers", f"127.0.0.1:{procs['p'].port}", name="decode")
         for k in ("p", "d"):
             procs[k].wait_healthy()

@@ -152,6 +152,8 @@ def main(argv=None) -> int:
         from dsflash.serve.pd.cli import trust_from_args
         try:
             pd_trust = trust_from_args(args)
+            from dsflash.serve.pd.cli import transport_from_args
+            kv_transport, why = transport_from_args(args)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -193,7 +195,9 @@ def main(argv=None) -> int:
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd
         install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,
-                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust)
+                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust,
+                   transport=kv_transport, transfer_host=args.kv_transfer_host or args.host)
+        print(f"dsflash.serve: P/D KV transport {kv_transport} ({why})", flush=True)
 
     import threading
     drain = {"timer": None, "aborted": 0}
