@@ -97,7 +97,7 @@ def _to_json(v: Any) -> str:
 
 
 # ============================================================================ input validation
-def _flatten_content(content: Any, where: str) -> str:
+def _flatten_content(content: Any, where: str, c: Callable[[str], str] = str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -117,7 +117,7 @@ def _flatten_content(content: Any, where: str) -> str:
                     raise ValueError(f"{where}[{j}].text: must be a string")
                 parts.append(text)
             elif t in _IMAGE_PART_TYPES:
-                parts.append(IMAGE)
+                parts.append(c(IMAGE))
             else:
                 raise ValueError(f"{where}[{j}].type: unsupported content part type {t!r} "
                                  "(text and image parts only)")
@@ -167,7 +167,7 @@ def _check_tools(tools: Any) -> list[dict]:
     return out
 
 
-def _normalize(messages: Any) -> list[dict]:
+def _normalize(messages: Any, c: Callable[[str], str] = str) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: must be a non-empty list")
     result = []
@@ -180,7 +180,7 @@ def _normalize(messages: Any) -> list[dict]:
             raise ValueError(f"{w}.role: unknown role {role!r} (expected one of {', '.join(ROLES)})")
         if role == "developer":  # application instructions are system messages in V4.1
             role = "system"
-        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.get("content"), f"{w}.content")}
+        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.get("content"), f"{w}.content", c)}
         if role == "assistant":
             rc = m.get("reasoning_content", m.get("reasoning"))
             if rc is not None and not isinstance(rc, str):
@@ -255,11 +255,12 @@ def resolve_reasoning_effort(effort: Any) -> int:
 
 
 # ============================================================================ rendering
-def render_tools(tools: Sequence[Mapping]) -> str:
-    """The ``## Tools`` section for function schemas (``tool['function']`` dicts)."""
+def render_tools(tools: Sequence[Mapping], c: Callable[[str], str] = str) -> str:
+    """The ``## Tools`` section for function schemas (``tool['function']`` dicts); ``c`` marks the
+    template's control tokens (see ``encode_chat``'s ``mark_control``)."""
     return TOOLS_TEMPLATE.format(
         calls_open=CALLS_OPEN, calls_close=CALLS_CLOSE, dsml=DSML, invoke=INVOKE_TAG, param=PARAMETER_TAG,
-        think_start=THINK_START, think_end=THINK_END, schemas="\n".join(_to_json(t) for t in tools))
+        think_start=c(THINK_START), think_end=c(THINK_END), schemas="\n".join(_to_json(t) for t in tools))
 
 
 def _arguments_dict(args: Any) -> dict:
@@ -301,7 +302,7 @@ def _last_user_index(msgs: list[dict]) -> int:
 def encode_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = None, thinking: bool = False,
                 reasoning_effort: str | int | None = None, add_generation_prompt: bool = True,
                 drop_thinking: bool = True, response_format: Mapping | None = None,
-                add_bos: bool = True) -> str:
+                add_bos: bool = True, mark_control: str | None = None) -> str:
     """Render an OpenAI-style conversation into the V4.1 prompt string.
 
     ``messages``: dicts with ``role`` in system / developer (= system) / user / assistant / tool /
@@ -311,11 +312,18 @@ def encode_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = N
     ``reasoning_effort``: low / high / max / int 1..100 (thinking mode only; default high), or
     ``"none"`` to switch thinking off. ``add_generation_prompt=False`` omits the final assistant
     header. Bad input raises ValueError naming the field.
+
+    ``mark_control``: a string (unguessable, absent from the input) put on both sides of every control
+    token the template itself emits, so that ``encode_chat_ids_content_as_text`` can tell them from
+    control-token text that came in with the messages or tools.
     """
+    def c(tok: str) -> str:
+        return f"{mark_control}{tok}{mark_control}" if mark_control else tok
+
     if reasoning_effort == "none":
         thinking, reasoning_effort = False, None
     effort = resolve_reasoning_effort(reasoning_effort)
-    msgs = _normalize(messages)
+    msgs = _normalize(messages, c)
     fn_tools = _check_tools(tools) if tools else []
     if response_format is not None and not isinstance(response_format, Mapping):
         raise ValueError("response_format: must be an object")
@@ -333,19 +341,19 @@ def encode_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = N
     drop = drop_thinking and not fn_tools
     last_user = _last_user_index(msgs)
 
-    out = [BOS] if add_bos else []
+    out = [c(BOS)] if add_bos else []
     n = len(msgs)
     for i, msg in enumerate(msgs):
         role = msg["role"]
         effort_prefix = REASONING_EFFORT_TEMPLATE.format(budget=effort) if i == 0 and thinking else ""
-        p = SYSTEM if i == 0 and (effort_prefix or role == "system") else ""
+        p = c(SYSTEM) if i == 0 and (effort_prefix or role == "system") else ""
         p += effort_prefix
         if role == "system":
             if i > 0:
-                p += SYSTEM
+                p += c(SYSTEM)
             p += msg["content"]
             if msg.get("tools"):
-                p += "\n\n" + render_tools(msg["tools"])
+                p += "\n\n" + render_tools(msg["tools"], c)
             if msg.get("response_format") is not None:
                 p += "\n\n" + RESPONSE_FORMAT_TEMPLATE.format(schema=_to_json(msg["response_format"]))
         elif role == "user":
@@ -355,16 +363,16 @@ def encode_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = N
                     parts.append(b["text"])
                 else:
                     parts.append(TOOL_RESULT_TEMPLATE.format(content=b["content"]))
-            p += USER + "\n\n".join(parts)
+            p += c(USER) + "\n\n".join(parts)
         elif role == "latest_reminder":
-            p += LATEST_REMINDER + msg["content"]
+            p += c(LATEST_REMINDER) + msg["content"]
         else:  # assistant
             prev_task = i > 0 and msgs[i - 1].get("task") is not None
             think = ""
             if thinking and not prev_task and (not drop or i > last_user):
-                think = msg.get("reasoning_content", "") + THINK_END
+                think = msg.get("reasoning_content", "") + c(THINK_END)
             calls = "\n\n" + render_tool_calls(msg["tool_calls"]) if msg.get("tool_calls") else ""
-            p += think + msg["content"] + calls + EOS
+            p += think + msg["content"] + calls + c(EOS)
 
         # the transition after this message
         nxt = msgs[i + 1]["role"] if i + 1 < n else None
@@ -377,15 +385,15 @@ def encode_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = N
         task = msg.get("task")
         if task is not None:
             if task != "action":
-                p += TASK_TOKENS[task]
+                p += c(TASK_TOKENS[task])
             else:
-                p += ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
+                p += c(ASSISTANT) + (c(THINK_START) if thinking else c(THINK_END)) + c(TASK_TOKENS[task])
         elif role == "user" or (role == "system" and i > 0):
-            p += ASSISTANT
+            p += c(ASSISTANT)
             if thinking and (not drop or i >= last_user):
-                p += THINK_START
+                p += c(THINK_START)
             else:
-                p += THINK_END
+                p += c(THINK_END)
         out.append(p)
     return "".join(out)
 
@@ -393,6 +401,24 @@ def encode_chat(messages: Sequence[Mapping], tools: Sequence[Mapping] | None = N
 def encode_chat_ids(tokenizer, messages: Sequence[Mapping], **kw) -> list[int]:
     """``encode_chat`` then tokenize (special-token text maps to single ids; no extra BOS)."""
     return tokenizer.encode(encode_chat(messages, **kw), add_special_tokens=False)
+
+
+def encode_chat_ids_content_as_text(tokenizer, messages: Sequence[Mapping], **kw) -> list[int]:
+    """Like ``encode_chat_ids``, but only the template's own control tokens become control ids: control-token
+    text anywhere in the messages, tools or response format (``<｜end▁of▁sentence｜>``, ``<｜Assistant｜>``,
+    ``</think>``, ...) is tokenised as plain text, so it can neither close a turn nor open one. Without such
+    text the ids equal ``encode_chat_ids``'s (the tokenizer splits at control tokens either way)."""
+    import secrets
+    mark = f"\ufdd0{secrets.token_hex(16)}\ufdd1"      # a Unicode noncharacter + 128 random bits
+    parts = encode_chat(messages, mark_control=mark, **kw).split(mark)
+    texts, controls = parts[0::2], parts[1::2]         # text, control, text, ..., text
+    out: list[int] = []
+    for k, ids in enumerate(tokenizer.encode_batch_as_text(texts)):
+        out += ids
+        if k < len(controls):
+            tid = tokenizer.token_to_id(controls[k])
+            out += [tid] if tid is not None else tokenizer.encode(controls[k])
+    return out
 
 
 # ============================================================================ output parsing

@@ -196,6 +196,21 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
+    def encode_batch_as_text(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text with every added token (special or not: ``<think>`` is not special in the
+        V4.1 file) tokenised as plain text: a twin of the file with all added tokens marked special and
+        ``encode_special_tokens`` on. Batch call, so the GIL is released (a huge chat must not stall the loop)."""
+        twin = getattr(self, "_as_text_tok", None)
+        if twin is None:
+            from tokenizers import Tokenizer as _HFTok
+            spec = json.loads(self._tok.to_str())
+            for t in spec.get("added_tokens", []):
+                t["special"] = True
+            twin = _HFTok.from_str(json.dumps(spec))
+            twin.encode_special_tokens = True
+            self._as_text_tok = twin       # a race builds two equal twins; either is fine
+        return [e.ids for e in twin.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
         n = self.vocab_size

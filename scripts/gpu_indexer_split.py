@@ -1,6 +1,8 @@
 """Where the long-context indexer's time goes (issue 19): the pieces of one index-source layer's decode call timed
 apart on the GPU -- the gather + decode of every MXFP4 index key through the page table, the Triton scorer, the
-top-512 selection (``lax.top_k`` + sort) and layer 20's candidate filter (top-2048 of 8-entry blocks). One call,
+top-512 selection (``lax.top_k`` + sort, and the sort-free threshold path of kernels/topk_select.py: ``*_radix_ms``,
+with a mismatch count that must be 0), layer 20's candidate filter (top-2048 of 8-entry blocks, both paths) and the
+paged scorer that reads the packed keys through the page table instead of the gather + scorer. One call,
 a table last, JSON in $OUT/indexer_split.json. From the repo root:
 
   python3 scripts/gpu_indexer_split.py --contexts 4096 32768 131072 --seqs 32 --rows 6 --out $OUT
@@ -27,6 +29,24 @@ def timed(fn, *args, reps=10):
         ts.append(time.perf_counter() - t0)
     ts.sort()
     return 1e3 * ts[len(ts) // 2]
+
+
+def selection_timings(score, visible, topk, reps):
+    """Both selection paths forced (lax.top_k + sort vs the sort-free threshold search, kernels/topk_select.py),
+    timed, and their outputs compared on this data (mismatching entries; 0 is the only right answer)."""
+    import jax
+    import numpy as np
+
+    from dsflash.kernels import indexer_topk as ik
+    from dsflash.kernels import topk_select as ts
+    paths = {"topk_ms": jax.jit(lambda s: ik.select_topk_sorted(s, visible, topk)),
+             "topk_radix_ms": jax.jit(lambda s: ts.select_topk_threshold(s, visible, topk)),
+             "cand_filter_ms": jax.jit(lambda s: ik.candidate_mask_sorted(s, visible, 8, 2048)),
+             "cand_filter_radix_ms": jax.jit(lambda s: ts.candidate_mask_threshold(s, visible, 8, 2048))}
+    row = {name: timed(fn, score, reps=reps) for name, fn in paths.items()}
+    for what, a, b in (("topk", "topk_ms", "topk_radix_ms"), ("cand_filter", "cand_filter_ms", "cand_filter_radix_ms")):
+        row[f"{what}_mismatch"] = int(np.sum(np.asarray(paths[a](score)) != np.asarray(paths[b](score))))
+    return row
 
 
 def main():
@@ -73,8 +93,7 @@ def main():
                "index_key_MB": sum(x.size * x.dtype.itemsize for x in pool.values()) / 1e6,
                "gathered_bf16_MB": k_all.size * 2 / 1e6}
         row["gather_ms"] = timed(gather, pool, page_table, reps=a.reps)
-        row["topk_ms"] = timed(jax.jit(lambda s: ik.select_topk(s, visible, topk)), score, reps=a.reps)
-        row["cand_filter_ms"] = timed(jax.jit(lambda s: ik.candidate_mask(s, visible, 8, 2048)), score, reps=a.reps)
+        row.update(selection_timings(score, visible, topk, a.reps))
         row["scores_xla_ms"] = timed(jax.jit(lambda q, w, k: ik.indexer_scores_reference(q, w, k, visible, valid)),
                                      q, w, k_all, reps=a.reps)
         try:
@@ -83,16 +102,30 @@ def main():
                                             q, w, k_all, reps=a.reps)
         except Exception as e:  # noqa: BLE001
             row["scores_triton_error"] = repr(e)[:300]
+        try:   # the paged scorer: keys read straight from the pool (no gather)
+            from dsflash.kernels import indexer_paged_triton as ipt
+            paged = jax.jit(lambda q, w, pool, pt: ipt.indexer_scores_paged_triton(q, w, pool, pt, per_page, visible,
+                                                                                   valid))
+            row["scores_paged_ms"] = timed(paged, q, w, pool, page_table, reps=a.reps)
+            ref = ik.indexer_scores_reference(q, w, k_all, visible, valid)
+            got = paged(q, w, pool, page_table)
+            row["paged_max_rel_diff"] = float(jnp.max(jnp.abs(got - ref) / (jnp.abs(ref) + 1e-30)))
+            del ref, got
+        except Exception as e:  # noqa: BLE001
+            row["scores_paged_error"] = repr(e)[:300]
         res["points"].append(row)
         print(json.dumps(row), flush=True)
         with open(os.path.join(a.out, "indexer_split.json"), "w") as f:
             json.dump(res, f, indent=1)
         del pool, k_all, score
-    print("\ncontext  gather  scores(xla)  scores(triton)  top-512  cand-filter   (ms; keys MB packed / gathered bf16)")
+    print("\ncontext  gather  scores(xla)  scores(triton)  paged  top-512 (sort / radix, mismatch)  cand-filter (sort / "
+          "radix, mismatch)   (ms; keys MB packed / gathered bf16)")
     for r in res["points"]:
         print(f"{r['context']:>7} {r['gather_ms']:>7.3f} {r['scores_xla_ms']:>12.3f} "
-              f"{r.get('scores_triton_ms', float('nan')):>15.3f} {r['topk_ms']:>8.3f} {r['cand_filter_ms']:>12.3f}"
-              f"   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
+              f"{r.get('scores_triton_ms', float('nan')):>15.3f} {r.get('scores_paged_ms', float('nan')):>6.3f} "
+              f"{r['topk_ms']:>8.3f} / {r['topk_radix_ms']:.3f}, "
+              f"{r['topk_mismatch']:>3}    {r['cand_filter_ms']:>12.3f} / {r['cand_filter_radix_ms']:.3f}, "
+              f"{r['cand_filter_mismatch']:>3}   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,11 @@ def fakes(monkeypatch):
         calls["indexer"].append(q.shape[0] * q.shape[1] * k.shape[1])
         return ik.indexer_scores_reference(q, w, k, visible, valid, cand)
 
+    def paged(q, w, pool, page_table, per_page, visible, valid, cand=None):
+        calls["indexer_paged"].append(q.shape[0] * q.shape[1] * page_table.shape[1] * per_page)
+        return ik.indexer_scores_reference(q, w, ik.paged_keys(pool, page_table, per_page, q.dtype), visible, valid,
+                                           cand)
+
     def mhc(X, a, fn, base, scale, expand_args=None, **kw):
         calls["mhc"].append(X.shape[0])
         return mf.mhc_fused_reference(X, a, fn, base, scale, expand_args, **kw)
@@ -72,6 +77,7 @@ def fakes(monkeypatch):
     install("moe_gemm_triton", routed_moe_triton=moe)
     install("sparse_attention_triton", sparse_sink_attention_triton=attn)
     install("indexer_topk_triton", indexer_scores_triton=scores)
+    install("indexer_paged_triton", indexer_scores_paged_triton=paged)
     install("mhc_fused_triton", mhc_fused_triton=mhc)
     return calls
 
@@ -206,6 +212,15 @@ def _indexer(B, S, T):
     return q, w, k, jnp.full((B, S), T, jnp.int32), jnp.ones((B, S), bool)
 
 
+def _paged(S, P, per_page=16, Hi=2, Di=32):
+    ks = jax.random.split(jax.random.PRNGKey(4), 4)
+    q = jax.random.normal(ks[0], (1, S, Hi, Di), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(ks[1], (1, S, Hi), jnp.float32).astype(jnp.bfloat16)
+    pool = {"x": jax.random.normal(ks[2], (P * per_page, Di), jnp.float32).astype(jnp.bfloat16)}
+    pt = jax.random.permutation(ks[3], P).reshape(1, P).astype(jnp.int32)
+    return q, w, pool, pt, per_page, jnp.full((1, S), P * per_page, jnp.int32), jnp.ones((1, S), bool)
+
+
 def _mhc(T, n=4, d=32):
     ks = jax.random.split(jax.random.PRNGKey(2), 3)
     nc = 2 * n + n * n
@@ -228,6 +243,13 @@ def test_front_ends_decide_through_dispatch(gpu, fakes):
     ik.indexer_topk(*_indexer(1, 1, 8193), topk=4, backend="auto")
     ik.indexer_topk(*_indexer(2, 3, 16), topk=4, backend="triton", force=True)
     assert fakes["indexer"] == [8193, 96]
+    fakes["indexer"].clear()
+    for S, P, backend in ((1, 1024, "triton"), (8, 128, "auto"), (9, 128, "auto"), (1, 512, "auto"), (1, 1024, "xla")):
+        q, w, pool, pt, per_page, visible, valid = _paged(S, P)
+        ik.indexer_topk_paged(q, w, pool, pt, per_page, visible, valid, topk=4, backend=backend,
+                              gather=lambda: ik.paged_keys(pool, pt, per_page))
+    # S <= 8 above 8K row-entries from the pool; 9 rows gather (the "indexer" gate); 8192 row-entries: XLA
+    assert fakes["indexer_paged"] == [16384, 16384] and fakes["indexer"] == [9 * 2048]
 
     args, kw = _mhc(3)
     mf.mhc_fused(*args, **kw, backend="auto")
@@ -285,7 +307,8 @@ def test_model_reaches_every_kernel_through_dispatch(tiny, tokens, xla_logits, g
         got = tiny.logits(tokens, backend="triton")
     finally:
         jax.clear_caches()
-    assert all(fakes[k] for k in dispatch.KERNELS), {k: len(v) for k, v in fakes.items()}
+    assert all(fakes[k] for k in dispatch.KERNELS if k != "indexer_paged"), {k: len(v) for k, v in fakes.items()}
+    assert fakes["indexer_paged"] == []             # a 32-row prefill gathers its keys (decode: the engine test)
     assert set(fakes["mhc"]) == {32} and set(fakes["moe"]) == {32 * tiny.cfg.num_experts_per_tok}
     assert set(fakes["sparse_attention"]) == {32} and set(fakes["fp8_linear"]) == {32}
     np.testing.assert_array_equal(got, xla_logits)

@@ -12,7 +12,8 @@
   connects to it (nor registers anything); a KV body flipped on the wire in a correctly signed flow is
   rejected by its MAC and registers nothing;
 * last: the prefill process is killed in the middle of a KV body; only the affected requests fail (or are
-  recomputed, per policy) and the requests already decoding complete with the aggregated server's output.
+  recomputed, per policy), the requests already decoding complete with the aggregated server's output, and the
+  decode instance stays healthy and serves the next request.
 
 Each process starts once per module (model start-up dominates)."""
 from __future__ import annotations
@@ -61,9 +62,10 @@ def cluster(tmp_path_factory):
     try:
         # the first process fills the persistent compilation cache; the others then start in seconds
         procs["agg"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()
+        # the HTTP body transport (its test hooks stall / corrupt bodies); the transfer server's is test_pd_transfer.py
         procs["p"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--kv-ttl", "8", "--pd-test-hooks",
-                            *sec, name="prefill")
-        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", *sec,
+                            "--kv-transport", "http", *sec, name="prefill")
+        procs["d"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "decode", "--kv-transport", "http", *sec,
                             "--pd-peers", f"127.0.0.1:{procs['p'].port}", name="decode")
         for k in ("p", "d"):
             procs[k].wait_healthy()
@@ -473,3 +475,8 @@ def test_kill_prefill_mid_transfer_last(cluster):
     assert st["counters"]["prefill_failures"] >= 1 and st["counters"]["failed_requests"] >= 2
     ds = httpx.get(d + "/pd/stats").json()["counters"]
     assert ds["pulls_failed"] >= 2 and ds["recomputed"] >= 1 and ds["failed_requests"] >= 1
+    # the decode instance outlives its peer: healthy, and the next request (computed locally) is right
+    assert httpx.get(d + "/health", timeout=10).json()["status"] == "ok"
+    nxt = {"prompt": _prompt(700, 40), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    (ref_s, ref_o, _), (dn_s, dn_o, _) = _run_all([(agg, "/v1/completions", nxt, {}), (d, "/v1/completions", nxt, {})])
+    assert ref_s == dn_s == 200 and dn_o[0] == ref_o[0], (dn_s, dn_o)

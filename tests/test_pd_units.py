@@ -232,3 +232,27 @@ def test_pd_state_reaches_the_engine_on_the_envelope_only_with_a_live_ticket():
     assert pd.request_of({"do_remote_prefill": True, TICKET: "t" * 32}) is req
     for forged in ({TICKET: "u" * 32}, {TICKET: 7}, {}, None, {"do_remote_prefill": True}):
         assert pd.request_of(forged) is None
+
+
+def test_device_fingerprint_sees_values_order_and_dtypes():
+    import jax
+
+    from dsflash.serve.pd.device_transfer import fingerprint
+    arrays = [(n, jax.device_put(x), i) for n, x, i in _arrays()]
+    fp = fingerprint(arrays)
+    assert fp == fingerprint([(n, jax.device_put(np.array(x)), i) for n, x, i in arrays])
+    q = np.asarray(arrays[0][1]).copy()
+    q[1, 2] ^= 1                                       # one bit
+    assert fingerprint([(arrays[0][0], jax.device_put(q), {})])[arrays[0][0]] != fp[arrays[0][0]]
+    swapped = np.asarray(arrays[0][1])[::-1].copy()   # same words, other order
+    assert fingerprint([(arrays[0][0], jax.device_put(swapped), {})])[arrays[0][0]] != fp[arrays[0][0]]
+
+
+def test_kv_transport_choice(monkeypatch):
+    from dsflash.serve.pd import device_transfer as dt
+    assert dt.choose_transport("http") == ("http", "asked for")
+    assert dt.choose_transport("auto")[0] == ("transfer" if dt.available() is None else "http")
+    monkeypatch.setattr(dt, "available", lambda: "import jax.experimental.transfer failed: ImportError: x")
+    assert dt.choose_transport("auto")[0] == "http" and "unavailable" in dt.choose_transport(None)[1]
+    with pytest.raises(ValueError, match="--kv-transport http"):
+        dt.choose_transport("transfer")

@@ -286,7 +286,7 @@ def _in_flight_zero(server):
 
 
 def test_stream_disconnect_frees_request(server, model_card):
-    body = {"model": model_card["id"], "prompt": "go", "max_tokens": model_card["max_model_len"] - 8,
+    body = {"model": model_card["id"], "prompt": "go " * 150, "max_tokens": model_card["max_model_len"] - 400,
             "ignore_eos": True, "stream": True}
     before = server.metrics().get("dsflash_request_aborted_total", 0.0)
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as r:
@@ -297,9 +297,12 @@ def test_stream_disconnect_frees_request(server, model_card):
                 n += 1
                 if n >= 2:
                     break
-    # the connection is closed mid-stream: the request must leave the engine
+        assert server.metrics()["dsflash_engine_kv_pages_used"] > 0      # mid-stream: it holds pages
+    # the connection is closed mid-stream: the request must leave the engine and give its KV pages back
     _in_flight_zero(server)
     server.wait_metric("dsflash_request_aborted_total", lambda v: v >= before + 1, timeout=10)
+    server.wait_metric("dsflash_engine_kv_pages_used", lambda v: v == 0, timeout=10)
+    server.wait_metric("dsflash_kv_cache_usage_perc", lambda v: v == 0, timeout=10)
 
 
 def test_non_stream_disconnect_frees_request(server, model_card):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -68,17 +69,32 @@ def _model(client):
     return client.models.list().data[0].id
 
 
+def _concurrently(fn, cases):
+    """``fn(case)`` for every case at once (one thread each) and the results in case order. The server decodes
+    them in one continuous batch (its decode program is compiled for ``--max-num-seqs`` 16 rows, so one request
+    costs a decode step as much as six): the same requests and checks as one after another, in about the time
+    of the slowest; each request's seed fixes its own sampling whatever shares its batch
+    (tests/test_engine_model.py::test_real_model_seed_independent_of_batch). An exception re-raises here."""
+    with ThreadPoolExecutor(len(cases)) as ex:
+        return list(ex.map(fn, cases))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_answers_validate_over_seeds(client, stream):
     rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
-    for seed in SEEDS:
-        kw = dict(model=_model(client), messages=[{"role": "user", "content": "Describe a thing as JSON."}],
+    m = _model(client)
+
+    def ask(seed):
+        kw = dict(model=m, messages=[{"role": "user", "content": "Describe a thing as JSON."}],
                   response_format=rf, max_tokens=96, temperature=1.0, seed=seed)
         if stream:
             text, _, finish = _stream_chat(client, **kw)
         else:
             r = client.chat.completions.create(**kw)
             text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        return text, finish
+
+    for seed, (text, finish) in zip(SEEDS, _concurrently(ask, SEEDS), strict=True):
         assert finish == "stop", (seed, text)
         jsonschema.validate(json.loads(text), SCHEMA)
 
@@ -125,23 +141,27 @@ def _check_calls(calls, allowed):
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_and_named_are_enforced(client, stream):
     m = _model(client)
-    cases = [("required", {"get_weather", "get_time"}),
-             ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})]
-    for choice, allowed in cases:
-        for seed in SEEDS[:3]:
-            kw = dict(model=m, messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=1.0,
-                      seed=seed, parallel_tool_calls=False)
-            if stream:
-                text, calls, finish = _stream_chat(client, **kw)
-            else:
-                r = client.chat.completions.create(**kw)
-                msg, finish = r.choices[0].message, r.choices[0].finish_reason
-                text = msg.content or ""
-                calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in msg.tool_calls or []]
-            assert finish == "tool_calls", (choice, seed, text, calls)
-            assert "DSML" not in text
-            _check_calls(calls, allowed)
-            assert len(calls) == 1
+    cases = [(choice, allowed, seed)
+             for choice, allowed in [("required", {"get_weather", "get_time"}),
+                                     ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})]
+             for seed in SEEDS[:3]]
+
+    def ask(case):
+        choice, _, seed = case
+        kw = dict(model=m, messages=MSG, tools=TOOLS, tool_choice=choice, max_tokens=200, temperature=1.0,
+                  seed=seed, parallel_tool_calls=False)
+        if stream:
+            return _stream_chat(client, **kw)
+        r = client.chat.completions.create(**kw)
+        msg, finish = r.choices[0].message, r.choices[0].finish_reason
+        calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in msg.tool_calls or []]
+        return msg.content or "", calls, finish
+
+    for (choice, allowed, seed), (text, calls, finish) in zip(cases, _concurrently(ask, cases), strict=True):
+        assert finish == "tool_calls", (choice, seed, text, calls)
+        assert "DSML" not in text
+        _check_calls(calls, allowed)
+        assert len(calls) == 1
 
 
 @pytest.mark.parametrize("body,param", [

@@ -146,7 +146,7 @@ def test_pipeline_keeps_the_best_heldout_step_and_honours_the_time_budget(pipeli
     assert np.isfinite(m["loaded_heldout_ppl"])
 
 
-def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipeline, tmp_path):
+def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipeline, tmp_path, monkeypatch):
     """``train(target_from=...)``: only DSpark trains, on the served (stored) target's taps; the exported target
     is the source's, tensor for tensor, so its perplexity is unchanged; bad requests fail before any work."""
     import dsflash
@@ -156,8 +156,18 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
     kw = PIPELINE
     src_dir, src = pipeline
     ck = str(src_dir / "checkpoint")
+    calls = []
+    real = loop.greedy_pool_served
+
+    def spy(model, rows, start, *a, **k):           # the engine's pools, as train() asks for and gets them
+        out = real(model, rows, start, *a, **k)
+        calls.append((np.array(rows), start, out))
+        return out
+
+    monkeypatch.setattr(loop, "greedy_pool_served", spy)
     m = run.train(str(tmp_path / "drf"), target_from=ck, draft_init="checkpoint", draft_steps=3, docs=docs,
                   greedy_batch=8, **kw)
+    assert len(calls) == 2                           # the training pool, then the held-out pool
     a, b = dsflash.load(ck, progress=False), dsflash.load(str(tmp_path / "drf" / "checkpoint"), progress=False)
     assert a.params.keys() == b.params.keys()
     for k in a.params:
@@ -169,10 +179,24 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
     assert m["draft_steps_run"] == 3 and m["target_step_kept"] == src["target_step_kept"]
     assert m["draft_taps"].startswith("served target") and m["draft_init"] == "checkpoint"
     # the cached target (default: taps + logits of the pools computed once) trains exactly like the in-step one:
-    # same batches, same losses, same held-out hits -- a misaligned cache row would change them
+    # same batches, same losses, same held-out hits -- a misaligned cache row would change them. The second run's
+    # pools are the first run's chains handed back (the same rows must be asked for): greedy decoding is
+    # deterministic, so they are what its own engine would decode, and what differs between the runs is only
+    # the cache (the engine's chains themselves are checked below)
     import json
+    replay = list(calls)
+
+    def replayed(model, rows, start, *a, **k):
+        rows0, start0, out0 = replay.pop(0)
+        assert start == start0 and np.array_equal(np.asarray(rows), rows0)
+        return out0.copy()
+
+    monkeypatch.setattr(loop, "greedy_pool_served", replayed)
+    monkeypatch.setattr(loop, "served_engine", lambda *a, **k: None)     # no engine to build: nothing decodes
     m2 = run.train(str(tmp_path / "nocache"), target_from=ck, draft_init="checkpoint", draft_steps=3, docs=docs,
                    greedy_batch=8, target_cache=False, **kw)
+    assert not replay                                # both pools were asked for again
+    monkeypatch.undo()
 
     def draft_log(d):
         return [r for r in map(json.loads, open(tmp_path / d / "log.jsonl")) if r["stage"] == "draft"]
@@ -181,9 +205,11 @@ def test_draft_only_stage_keeps_the_served_target_and_retrains_the_draft(pipelin
     np.testing.assert_allclose(m["loaded_draft_teacher_forced_hit_per_pos"],
                                m2["loaded_draft_teacher_forced_hit_per_pos"], atol=1e-6)
     # the chains come from the engine (KV-cached decode of the served target): each generated token is the
-    # served target's argmax given the chain so far (a full recompute at reference precision)
+    # served target's argmax given the chain so far (a full recompute at reference precision). The held-out
+    # pool the first run decoded is these held-out rows, continued from position 16
     rows = np.load(src_dir / "checkpoint" / "heldout_rows.npy").astype(np.int32)[:4]
-    chains = loop.greedy_pool_served(a, rows, 16, max_num_seqs=4)
+    held_rows, start, chains = calls[1]
+    assert start == 16 and np.array_equal(held_rows, rows)
     assert (chains[:, :16] == rows[:, :16]).all() and not (chains[:, 16:] == rows[:, 16:]).all()
     served = {k: v for k, v in a.params.items() if not k.startswith("mtp.")}
     lg = np.asarray(_target_logits(served, a.cfg, jnp.asarray(chains), "reference"))

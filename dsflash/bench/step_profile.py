@@ -51,6 +51,7 @@ SCOPES = (
     ("dsflash.model.attention", "scatter_ring", "ring_write"),
     ("dsflash.model.attention", "sparse_sink_attention", "sparse_attention"),
     ("dsflash.kernels.indexer_topk", "indexer_topk", "indexer_topk"),
+    ("dsflash.kernels.indexer_topk", "indexer_topk_paged", "indexer_topk"),
     ("dsflash.model.moe", "route", "gate"),
     ("dsflash.model.moe", "shared_expert", "shared_expert"),
     ("dsflash.kernels.moe_gemm", "routed_moe", "routed_experts"),

@@ -14,6 +14,8 @@ Stable API (the engine and the server call these; keep the names and signatures)
                                  what each kernel runs at decode / prefill sizes of ``cfg`` (startup log);
                                  ``impl`` is "xla" or "triton" (the MoE's adds its config: "triton:sw_eo_np_bm8")
   describe(cfg, backend, **sizes) -> str   the same as one log line
+  use_threshold_topk(entries) -> bool      whether the indexer's top-k runs the sort-free path (not a Triton kernel:
+                                 GATES["topk_select"], on a GPU only)
 
 The rule ``use_triton`` applies, in order:
   1. the backend: "xla" -> no; "triton" -> yes; "auto" -> ``resolve_backend("auto")``.
@@ -44,7 +46,7 @@ import dataclasses
 import functools
 
 BACKENDS = ("auto", "xla", "triton")
-KERNELS = ("moe", "sparse_attention", "indexer", "mhc", "fp8_linear")
+KERNELS = ("moe", "sparse_attention", "indexer", "indexer_paged", "mhc", "fp8_linear")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,7 @@ class Crossover:
 # (H200, commit 199278b: 1 row x 8192 entries 0.095 ms vs XLA 0.078, launch-bound; 64 x 16384 1.18x, 32 x 65536
 # 1.22x, 128 x 6 x 16384 1.11x). The crossover between 8K and 1M row-entries is unmeasured; only the losing point is.
 INDEXER_XLA_MAX_ROW_ENTRIES = 8192
+PAGED_MAX_ROWS = 8     # the paged indexer scores decode calls only (1 + drafts); prefill chunks gather the keys
 
 GATES = {
     # always, where the precision is implemented; the variant per size is moe_plan.pick_config (BM 8 decode tiles
@@ -88,6 +91,13 @@ GATES = {
     "indexer": Crossover(
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
         "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),
+    # the scorer reading MXFP4 keys straight from the paged pool (decode rows only: indexer_topk.PAGED_MAX_ROWS);
+    # replaces the bf16 gather of every key + the "indexer" scorer. H200 run 25 (32 x 6 rows): 128K entries 1.316 ms
+    # against gather 2.174 + scorer 2.836; 4K 0.220 against 0.232 + 0.257; in the 32 x 6 @ 128K step 18.57 -> 13.19 ms.
+    # The lower end copies the "indexer" gate's (one row over <= 8K entries stays on XLA, not re-measured)
+    "indexer_paged": Crossover(
+        "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
+        "indexer_split_20261202_h200_run25.json, step_profile_20261202_h200_run25_128k.json"),
     # split-d kernel: 0.099 / 0.079 / 0.085 / 0.104 / 0.586 / 1.851 ms at 1 / 16 / 64 / 256 / 4096 / 16384 tokens
     # against XLA 0.318 / 0.395 / 0.423 / 0.305 / 1.207 / 4.316 (2.1-5.0x). The tiny random model cannot judge it end
     # to end at "reference" (one fp32 ulp of coefficient noise moves its logits by 1.7e-1), so the switch was decided
@@ -103,6 +113,16 @@ GATES = {
     "mhc": Crossover(
         "tokens (T)", ((1, None),), None,
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
+    # Not a Triton kernel: the sort-free exact top-k (kernels/topk_select.py, pure JAX, same bits as lax.top_k) in
+    # indexer_topk.select_topk / candidate_mask; ``triton`` here lists the row lengths (entries, or blocks for the
+    # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). H200 run 25 (32 x 6 rows): top-512
+    # of 131,072 entries 2.149 ms vs lax.top_k 2.286 (1.06x), the candidate filter's top-2048 of 16,384 blocks 0.334
+    # vs 0.617 (1.85x); at 4,096 entries / 512 blocks it loses (0.264 vs 0.201, 0.234 vs 0.135), below the line.
+    # 16K-64K entries are unmeasured (the line is a guess between the two points). Off a GPU: lax.top_k always
+    # (on CPU the threshold path is mixed at short rows and 2-8x slower at 131072 entries: NOTES.md, 2026-12-02)
+    "topk_select": Crossover(
+        "entries per row (T)", ((16384, None),), None,
+        "indexer_split_20261202_h200_run25.json (topk_radix_ms / cand_filter_radix_ms; mismatch 0)"),
 }
 
 
@@ -151,6 +171,12 @@ def use_triton(kernel: str, backend, size: int, *, precision: str | None = None,
     return force or gate.covers(size)
 
 
+def use_threshold_topk(entries: int) -> bool:
+    """True when the indexer's top-k over rows of ``entries`` runs the sort-free path (GATES["topk_select"]): on a
+    GPU in its range, whatever the backend (both paths are plain XLA and give the same bits)."""
+    return on_gpu() and GATES["topk_select"].covers(entries)
+
+
 # ------------------------------------------------------------------------------------------ startup summary
 
 def _moe_config_name(rows: int, experts: int, precision: str) -> str:
@@ -168,7 +194,8 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     context         tokens the page table covers (the indexer scores every compressed entry of it)
     precision       the run precision (the MoE kernel has no "fp32")
     expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
-    -> {"moe" | "sparse_attention" | "indexer" | "mhc" | "fp8_linear": {"decode": impl, "prefill": impl}}"""
+    -> {"moe" | "sparse_attention" | "indexer" | "indexer_paged" | "mhc" | "fp8_linear": {"decode": impl,
+        "prefill": impl}} ("indexer_paged": only calls of <= PAGED_MAX_ROWS rows; larger ones gather the keys)"""
     if decode_tokens is None:
         decode_tokens = 1 + (cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0)
     ratios = [cfg.compress_ratios[i] for i in cfg.index_source_layer_ids if i < cfg.num_hidden_layers]
@@ -177,7 +204,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     out = {}
     for phase, t in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t,
-                 "fp8_linear": t}
+                 "fp8_linear": t, "indexer_paged": t * entries if t <= PAGED_MAX_ROWS else 0}
         for kernel, size in sizes.items():
             impl = "triton" if use_triton(kernel, backend, size, precision=precision) else "xla"
             supported = GATES[kernel].precisions is None or precision in GATES[kernel].precisions

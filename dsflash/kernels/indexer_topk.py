@@ -11,12 +11,18 @@
   cand_filter              (block_size, topk_blocks) at the candidate source (layer 20): also return its mask
   -> (idx [B, S, k] int32 ascending, -1 for empty; candidate mask [B, S, T] bool or None)
 
+``indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, *, topk, gather, ...)``
+  the same, with the keys left in the paged pool (T = pages x per_page entries, entry t at pool row
+  page_table[b, t // per_page] * per_page + t % per_page); ``gather()`` returns them as ``k`` for the reference
+  path. Decode calls (S <= PAGED_MAX_ROWS) on a GPU score straight from the pool (``indexer_paged_triton``).
+
 Numerics (the model's, SPEC §4.5; every backend must give the same bits):
   qk[h, t]  = bf16(q_h . k_t)              fp32 accumulation
   c[h, t]   = bf16(relu(qk) * w_h)         (bf16 x bf16 is exact in fp32, so this is one rounding)
   score[t]  = f32(bf16(sum_h c[h, t]))     fp32 sum over heads, rounded to bf16 (bf16 precision)
   masked to -inf where t >= visible or the row is padding (or outside ``cand``).
-Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1.
+Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1 (on a GPU at long
+rows: the same bits without a sort, kernels/topk_select.py).
 The candidate filter: max over blocks of ``block_size`` entries, the newest visible block forced in, top
 ``topk_blocks`` blocks whose score is not -inf, expanded back to entries.
 """
@@ -25,7 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsflash.kernels import dispatch
+from dsflash import quant
+from dsflash.kernels import dispatch, topk_select
 from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
 
 
@@ -44,23 +51,35 @@ def indexer_scores_reference(q, w, k, visible, valid, cand=None):
 
 
 def candidate_mask(score, visible, block_size, topk_blocks):
-    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in."""
+    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in. The sort-free
+    threshold path where ``dispatch.use_threshold_topk`` says (same bits either way: tests/test_topk_select.py)."""
+    if dispatch.use_threshold_topk(-(-score.shape[-1] // block_size)):
+        return topk_select.candidate_mask_threshold(score, visible, block_size, topk_blocks)
+    return candidate_mask_sorted(score, visible, block_size, topk_blocks)
+
+
+def select_topk(score, visible, topk):
+    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty. The sort-free
+    threshold path where ``dispatch.use_threshold_topk`` says (same bits either way: tests/test_topk_select.py)."""
+    if dispatch.use_threshold_topk(score.shape[-1]):
+        return topk_select.select_topk_threshold(score, visible, topk)
+    return select_topk_sorted(score, visible, topk)
+
+
+def candidate_mask_sorted(score, visible, block_size, topk_blocks):
+    """The reference filter through ``lax.top_k`` over the pooled blocks."""
     B, S, T = score.shape
-    cb = block_size
-    nb = -(-T // cb)
-    padded = jnp.pad(score, ((0, 0), (0, 0), (0, nb * cb - T)), constant_values=-jnp.inf)
-    block = jnp.max(padded.reshape(B, S, nb, cb), axis=-1)
-    newest = jnp.where(visible > 0, (visible - 1) // cb, -1)
-    block = jnp.where(jnp.arange(nb)[None, None] == newest[..., None], jnp.inf, block)
+    block = topk_select.block_scores(score, visible, block_size)
+    nb = block.shape[-1]
     kb = min(topk_blocks, nb)
     bval, bidx = jax.lax.top_k(block, kb)
     keep = jnp.zeros((B, S, nb), bool)
     keep = jax.vmap(jax.vmap(lambda k, i, v: k.at[i].set(v > -jnp.inf)))(keep, bidx, bval)
-    return jnp.repeat(keep, cb, axis=-1)[..., :T]
+    return jnp.repeat(keep, block_size, axis=-1)[..., :T]
 
 
-def select_topk(score, visible, topk):
-    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty."""
+def select_topk_sorted(score, visible, topk):
+    """The reference selection: ``lax.top_k``, then a sort of the kept positions."""
     T = score.shape[-1]
     k = min(topk, T)
     val, idx = jax.lax.top_k(score, k)
@@ -91,3 +110,39 @@ def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, 
     from dsflash.kernels import indexer_topk_triton  # lazy: needs a CUDA GPU and jax-triton
     score = indexer_topk_triton.indexer_scores_triton(q, w, k, visible, valid, cand)
     return select(score, visible, topk=topk, cand_filter=cand_filter)
+
+
+def paged_keys(pool, page_table, per_page, dtype=jnp.bfloat16):
+    """Every entry's index key [B, T, Di] gathered through the page table and decoded: the paged scorer's
+    reference input (the model's own gather, ``attention.gather_pool`` with ``state.decode_index_k``, gives the
+    same array: tests/test_kernels_indexer_paged.py)."""
+    B, P = page_table.shape
+    t = jnp.arange(P * per_page, dtype=jnp.int32)
+    addr = page_table[:, t // per_page] * per_page + t % per_page
+    rows = {k: v[addr] for k, v in pool.items()}
+    if "x" in rows:
+        return rows["x"].astype(dtype)
+    vals = quant.e2m1_from_codes(quant.unpack_nibbles(rows["q"]))
+    g = vals.reshape(*vals.shape[:-1], -1, 32) * quant.e8m0_to_f32(rows["s"])[..., None]
+    return g.reshape(vals.shape).astype(dtype)
+
+
+PAGED_MAX_ROWS = dispatch.PAGED_MAX_ROWS   # decode calls; a prefill chunk shares one gathered copy over its rows
+
+
+def indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, *, topk, gather, cand=None,
+                       cand_filter=None, backend="auto", force=False):
+    """``indexer_topk`` over keys still in the paged pool: the paged Triton scorer where
+    ``dispatch.use_triton("indexer_paged", ...)`` says so at B*S*T row-entries (and the rows and layout are its
+    own: ``indexer_topk_shapes.paged_supports``), else ``indexer_topk`` on ``gather()``'s keys."""
+    from dsflash.kernels.indexer_topk_shapes import paged_supports
+    B, S = q.shape[:2]
+    T = page_table.shape[1] * per_page
+    if (S <= PAGED_MAX_ROWS and paged_supports(q, pool)
+            and dispatch.use_triton("indexer_paged", backend, B * S * T, force=force)):
+        from dsflash.kernels import indexer_paged_triton  # lazy: needs a CUDA GPU and jax-triton
+        score = indexer_paged_triton.indexer_scores_paged_triton(q, w, pool, page_table, per_page, visible, valid,
+                                                                 cand)
+        return select(score, visible, topk=topk, cand_filter=cand_filter)
+    return indexer_topk(q, w, gather().astype(q.dtype), visible, valid, topk=topk, cand=cand,
+                        cand_filter=cand_filter, backend=backend, force=force)

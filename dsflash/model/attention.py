@@ -223,11 +223,13 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
             state = new_state
         if layer in cfg.index_source_layer_ids:
             isrc = str(src)
-            k_all = gather_pool(state["index_k"][isrc], addr_all, st.decode_index_k, dt)
+            pool = state["index_k"][isrc]
             q_idx, w_idx = indexer_query(params, p, x, qr, cfg, ctx, omega)
             is_cand = layer == cfg.candidate_source_layer_id
-            topk, cand = ik.indexer_topk(
-                q_idx, w_idx, k_all.astype(q_idx.dtype), (ctx.pos + 1) // ratio, ctx.valid, topk=cfg.index_topk,
+            # decode calls score straight from the pool on a GPU; the reference gathers every entry's key
+            topk, cand = ik.indexer_topk_paged(
+                q_idx, w_idx, pool, ctx.page_table, per_page, (ctx.pos + 1) // ratio, ctx.valid, topk=cfg.index_topk,
+                gather=lambda: gather_pool(pool, addr_all, st.decode_index_k, dt),
                 cand=shared["cand"] if layer > cfg.candidate_source_layer_id else None,
                 cand_filter=(cfg.candidate_block_size, cfg.candidate_topk_blocks) if is_cand else None,
                 backend=ctx.backend)

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in bytes; a larger one gets HTTP 413 while it is being read")
     s.add_argument("--tokenizer-threads", type=int, default=2,
                    help="threads that tokenise prompts and render chats off the event loop")
+    s.add_argument("--special-tokens-in-content", default="control", choices=["control", "text"],
+                   help="special-token text inside chat messages/tools (e.g. '<｜end▁of▁sentence｜>'): 'control' = "
+                        "control tokens, as vLLM/SGLang/HF chat templates do; 'text' = plain text, so user text can "
+                        "never end a turn or forge one (set it for untrusted end users; docs/server.md)")
     # --- end request hardening ---
     from dsflash.serve.pd.cli import add_cli_arguments
     add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
         from dsflash.serve.pd.cli import trust_from_args
         try:
             pd_trust = trust_from_args(args)
+            from dsflash.serve.pd.cli import transport_from_args
+            kv_transport, why = transport_from_args(args)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -188,11 +194,14 @@ def main(argv=None) -> int:
     if kernels:                    # which kernels the compiled programs use (the request for --backend)
         print(f"dsflash.serve: {kernels}", flush=True)
     app = build_app(engine, served, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                    tokenizer_threads=args.tokenizer_threads)
+                    tokenizer_threads=args.tokenizer_threads,
+                    special_tokens_in_content=args.special_tokens_in_content)
     if role != "both":
         from dsflash.serve.pd.server import install as install_pd
         install_pd(app, engine, role, default_policy=args.kv_load_failure_policy,
-                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust)
+                   pull_timeout=args.kv_pull_timeout, test_hooks=args.pd_test_hooks, trust=pd_trust,
+                   transport=kv_transport, transfer_host=args.kv_transfer_host or args.host)
+        print(f"dsflash.serve: P/D KV transport {kv_transport} ({why})", flush=True)
 
     import threading
     drain = {"timer": None, "aborted": 0}

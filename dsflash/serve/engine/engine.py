@@ -297,6 +297,9 @@ class LLMEngine:
         d = self.metrics.snapshot()
         d["num_requests_running"] = len(self.running)
         d["num_requests_waiting"] = len(self.waiting)
+        # live, not the last step's: an abort frees pages between steps and the engine may then idle
+        d["kv_pages_used"] = self.pool.num_used
+        d["kv_usage"] = self.pool.usage()
         d["kv_cached_pages"] = self.pool.num_cached
         d["kv_bytes_per_token"] = self.memory["global_kv_bytes_per_token"]
         d["kv_capacity_tokens"] = self.memory["capacity_tokens"]

@@ -23,7 +23,7 @@ from dsflash.serve.async_engine import (AsyncEngine, EngineDeadError, EngineDrai
                                        RequestStream)
 from dsflash.serve.http import chat_io, structured
 from dsflash.serve.http.body import DEFAULT_MAX_BODY_BYTES, BodyTooLarge, parse_json_object, read_limited
-from dsflash.serve.http.encode import encode_prompts, encode_text
+from dsflash.serve.http.encode import encode_chat_prompt, encode_prompts
 from dsflash.serve.http.extras import install_extras
 from dsflash.serve.http.errors import (APIError, error_body, install_error_handlers, validation_error_to_api,
                                         value_error_to_api)
@@ -39,8 +39,12 @@ _GEN_PATHS = ("/v1/completions", "/v1/chat/completions")
 class ServerState:
     def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: Optional[str],
                  disconnect_poll_s: float = 0.25, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 tokenizer_threads: int = 2):
+                 tokenizer_threads: int = 2, special_tokens_in_content: str = "control"):
         self.engine = engine
+        self.special_tokens_in_content = special_tokens_in_content
+        tok = getattr(engine, "tokenizer", None)
+        if special_tokens_in_content == "text" and hasattr(tok, "encode_batch_as_text"):
+            tok.encode_batch_as_text([""])       # build the as-text twin now, not in the first chat request
         self.model = served_model_name
         self.api_key = api_key
         self.created = int(time.time())
@@ -66,11 +70,12 @@ class ServerState:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: Optional[str] = None, *,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tokenizer_threads: int = 2) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tokenizer_threads: int = 2,
+              special_tokens_in_content: str = "control") -> FastAPI:
     app = FastAPI(title="dsflash", version="0.1.0",
                   description="OpenAI-compatible server for DeepSeek-V4.1-Flash (dsflash)")
     st = ServerState(engine, served_model_name, api_key, max_body_bytes=max_body_bytes,
-                     tokenizer_threads=tokenizer_threads)
+                     tokenizer_threads=tokenizer_threads, special_tokens_in_content=special_tokens_in_content)
     app.state.server = st
     install_error_handlers(app)
 
@@ -682,10 +687,10 @@ async def _chat(st: ServerState, req: ChatCompletionRequest, request: Request):
     messages = chat_io.to_chat_messages(req.messages)
 
     def render() -> list[int]:      # in the pool: rendering and tokenising a huge conversation is slow
-        prompt_text = chat.encode_chat(messages, tools=tools, thinking=thinking, reasoning_effort=effort,
-                                       add_generation_prompt=req.add_generation_prompt is not False,
-                                       response_format=chat_io.response_format_arg(req.response_format))
-        return encode_text(tok, prompt_text)
+        return encode_chat_prompt(chat, tok, messages, st.special_tokens_in_content, tools=tools,
+                                  thinking=thinking, reasoning_effort=effort,
+                                  add_generation_prompt=req.add_generation_prompt is not False,
+                                  response_format=chat_io.response_format_arg(req.response_format))
     try:
         ids = await st.offload(render)
     except ValueError as e:  # encode_chat names the field ("messages[2].content: ...")

@@ -17,3 +17,12 @@ def encode_prompts(tok, texts: list[str]) -> list[list[int]]:
         ids = encode_text(tok, t)
         out.append(ids if bos is None or (ids and ids[0] == bos) else [bos] + ids)
     return out
+
+
+def encode_chat_prompt(chat, tok, messages, special_tokens_in_content: str = "control", **kw) -> list[int]:
+    """A chat's prompt ids. ``special_tokens_in_content`` (``--special-tokens-in-content``): "control" maps
+    special-token text in the request to control ids, as vLLM / SGLang / HF ``apply_chat_template`` do;
+    "text" keeps it plain text, so a message cannot close its turn or forge one (docs/server.md)."""
+    if special_tokens_in_content == "text" and hasattr(tok, "encode_batch_as_text"):
+        return chat.encode_chat_ids_content_as_text(tok, messages, **kw)
+    return encode_text(tok, chat.encode_chat(messages, **kw))

@@ -17,7 +17,7 @@ from pydantic import StrictBool, StrictInt, StrictStr, ValidationError
 from dsflash.serve.http import chat_io
 from dsflash.serve.http.errors import APIError, validation_error_to_api, value_error_to_api
 from dsflash.serve.http.body import parse_json_object
-from dsflash.serve.http.encode import encode_prompts, encode_text
+from dsflash.serve.http.encode import encode_chat_prompt, encode_prompts, encode_text
 from dsflash.serve.http.protocol import ChatMessage, ToolDef, _Base
 
 
@@ -106,9 +106,9 @@ def install_extras(app, st) -> None:
             tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools] if req.tools else None
 
             def render():
-                text = chat.encode_chat(messages, tools=tools, thinking=thinking, reasoning_effort=effort,
-                                        add_generation_prompt=req.add_generation_prompt is not False)
-                return encode_text(tok, text)
+                return encode_chat_prompt(chat, tok, messages, st.special_tokens_in_content, tools=tools,
+                                          thinking=thinking, reasoning_effort=effort,
+                                          add_generation_prompt=req.add_generation_prompt is not False)
             try:
                 ids = await st.offload(render)
             except ValueError as e:

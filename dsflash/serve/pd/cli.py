@@ -20,6 +20,14 @@ def add_cli_arguments(parser) -> None:
                    help="decode role: default when a request does not say: 'fail' (error the request) or "
                         "'recompute' (prefill it locally)")
     g.add_argument("--kv-pull-timeout", type=float, default=60.0, help="decode role: seconds for one KV pull")
+    g.add_argument("--kv-transport", default="auto", choices=["auto", "transfer", "http"],
+                   help="prefill/decode roles: how KV bytes move (the control plane is HTTP either way): "
+                        "'transfer' = device to device through jax.experimental.transfer, 'http' = one host-staged "
+                        "HTTP body; 'auto' = transfer when jax.experimental.transfer is available, else http "
+                        "(the choice is logged at start)")
+    g.add_argument("--kv-transfer-host", default=None,
+                   help="prefill role, --kv-transport transfer: interface the transfer server binds (default: "
+                        "--host); decode instances connect to it at the host of the peer's URL in --pd-peers")
     g.add_argument("--pd-test-hooks", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--pd-secret-file", default=None,
                    help="prefill/decode roles (required, or --pd-secret / $DSFLASH_PD_SECRET): file holding the shared "
@@ -48,3 +56,10 @@ def trust_from_args(args):
     if role == "decode" and not peers:
         raise ValueError("--role decode needs --pd-peers host:port,... (the prefill instances it may pull KV from)")
     return PDTrust(secret, peers)
+
+
+def transport_from_args(args) -> tuple[str, str]:
+    """(``transfer`` | ``http``, why) for a prefill/decode server; ``ValueError`` if ``transfer`` was asked for
+    and cannot work here."""
+    from dsflash.serve.pd.device_transfer import choose_transport
+    return choose_transport(getattr(args, "kv_transport", "auto"))

@@ -141,12 +141,15 @@ class PDEngine(LLMEngine):
             self.pd_stats["released_notify"] += 1
         return ok
 
-    def extract(self, rid, skip_tokens=0):
+    def extract(self, rid, skip_tokens=0, on_device=False):
+        """``(meta, arrays)`` of held KV: host copies (HTTP body), or with ``on_device`` the device arrays the
+        transfer server offers."""
         h = self.held.get(rid)
         if h is None:
             raise KeyError(rid)
         skip = max(0, min(int(skip_tokens), h.num_tokens - 1))   # in tokens: the sides' page sizes may differ
-        arrays = self.pd_layout.extract(self.runner.state, h.pages, h.slot, h.num_tokens, skip)
+        cut = self.pd_layout.extract_device if on_device else self.pd_layout.extract
+        arrays = cut(self.runner.state, h.pages, h.slot, h.num_tokens, skip)
         self.pd_stats["extracts"] += 1
         meta = {"engine_id": self.engine_id, "request_id": rid, "num_tokens": h.num_tokens,
                 "prompt_digest": prompt_digest(h.prompt_ids), "first_token": h.first_token, "first_logprob": h.first_logprob,
@@ -303,7 +306,7 @@ class PDAsyncEngine(AsyncEngine):
         pd.record({"request_id": rid, "remote_request_id": rrid, "remote_engine_id": meta.get("engine_id"),
                    "prompt_tokens": size.prompt_tokens, "global_bytes": size.global_bytes,
                    "window_bytes": size.window_bytes, "wire_bytes": size.wire_bytes,
-                   "skipped_tokens": size.skipped_tokens, "pull_s": dt})
+                   "skipped_tokens": size.skipped_tokens, "pull_s": dt, "transport": pd.transport})
         self.engine.pd_remote[rid] = (meta, arrays)
         asyncio.ensure_future(pd.notify(url, rrid))
         try:

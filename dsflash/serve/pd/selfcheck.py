@@ -22,6 +22,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--decode-page-size", type=int, default=64, help="page size of the decode engine (the "
                     "transfer addresses entries by sequence position, so it may differ from the prefill side's 64)")
+    ap.add_argument("--arrays", default="host", choices=["host", "device"],
+                    help="host: through the HTTP wire bytes (pack/unpack); device: the transfer-server path's "
+                         "device arrays (Layout.extract_device, padded) handed to install as they are")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
 
@@ -58,10 +61,15 @@ def main(argv=None) -> int:
         pre.pd_hold.add(f"p{i}")
         run(pre, f"p{i}", ids, sp.replace(max_tokens=1))
         t1 = time.perf_counter()
-        meta, arrays = pre.extract(f"p{i}")
-        body = pack(meta, arrays)
+        meta, arrays = pre.extract(f"p{i}", on_device=a.arrays == "device")
+        if a.arrays == "device":
+            jax.block_until_ready([x for _, x, _ in arrays])
+            body, (meta2, arr2) = b"", (meta, arrays)
+        else:
+            body = pack(meta, arrays)
         t2 = time.perf_counter()
-        meta2, arr2 = unpack(body)
+        if a.arrays == "host":
+            meta2, arr2 = unpack(body)
         dec.pd_remote[f"d{i}"] = (meta2, arr2)
         t3 = time.perf_counter()
         dec.add_request(f"d{i}", ids, sp)

@@ -10,10 +10,13 @@ Prefill role (``--role prefill``):
   * ``GET /pd/info``: the one-time handshake (engine id, layout signature).
   * ``GET /pd/kv/{rid}?skip_tokens=k``: the held KV (global entries from token ``k`` on + in-window rows) as
     one host-staged body (``dsflash.serve.pd.transfer``).
+  * ``POST /pd/offer/{rid}?skip_tokens=k`` (``--kv-transport transfer``): the same KV kept on the device and
+    offered to ``jax.experimental.transfer`` under a fresh uuid; the answer is its header
+    (``dsflash.serve.pd.device_transfer``).
   * ``POST /pd/release/{rid}``: the decode side got it; free now (otherwise the TTL frees it).
 Decode role (``--role decode``):
   * the same OpenAI endpoints; a body with ``kv_transfer_params.do_remote_prefill`` makes the server pull the
-    KV from ``remote_url`` before the request enters the engine, then notify the prefill side. A failed pull
+    KV from ``remote_url`` (an HTTP body, or with ``--kv-transport transfer`` device to device) before the request enters the engine, then notify the prefill side. A failed pull
     is handled by the request's ``kv_load_failure_policy`` (``fail``: HTTP 502 ``kv_transfer_failed``
     naming the prefill engine and the cause; ``recompute``: prefill locally). Response headers
     ``x-dsflash-kv-*`` say what happened and how many bytes moved.
@@ -78,7 +81,8 @@ class PDState:
     """Per-process P/D state shared by the middleware, the routes and the engine wrapper."""
 
     def __init__(self, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
-                 test_hooks: bool = False, trust: Optional[PDTrust] = None):
+                 test_hooks: bool = False, trust: Optional[PDTrust] = None, transport: str = "http",
+                 transfer_host: str = "127.0.0.1"):
         if not isinstance(trust, PDTrust):
             raise ValueError("P/D roles need the shared P/D secret (PDTrust; docs/pd.md 'Deployment and trust')")
         if role == "decode" and not trust.peers:
@@ -97,6 +101,15 @@ class PDState:
         self.counters = {"pulls_ok": 0, "pulls_failed": 0, "recomputed": 0, "failed_requests": 0,
                          "bytes_received": 0, "bytes_sent": 0, "notify_failed": 0}
         self._client = None
+        self.transport = transport        # how this instance moves KV bytes: transfer | http
+        self.offer_bad_uuid = 0           # test hook: answer the next N offers with a uuid nobody offers
+        self.xfer = None                  # DeviceTransfer (transfer server + connections), transport "transfer"
+        self._pull_pool = None
+        if transport == "transfer":
+            from dsflash.serve.pd.device_transfer import DeviceTransfer
+            self.xfer = DeviceTransfer(transfer_host)
+            if role == "prefill":
+                self.xfer.port()          # start it now: a bind failure shows at start-up, not on a request
 
     @property
     def eng(self):
@@ -143,6 +156,8 @@ class PDState:
                              "kv_transfer_params.remote_prompt_digest")
         await self.handshake(url)
         skip = self.eng.peek_prefix_pages(prompt_ids, params) * self.eng.page_size
+        if self.transport == "transfer":
+            return await self._pull_transfer(url, rid, v, n, digest, skip)
         t0 = time.perf_counter()
         path = f"/pd/kv/{rid}?skip_tokens={skip}"
         r = await self.client().get(url + path, headers=self.trust.peer_headers("GET", path))
@@ -152,16 +167,68 @@ class PDState:
         self.trust.verify_body(r.headers.get(MAC_HEADER), request_id=rid, engine_id=v["remote_engine_id"],
                                num_tokens=n, prompt_digest=digest, body=data)
         meta, arrays = unpack(data)
-        want = {"request_id": rid, "engine_id": v["remote_engine_id"], "num_tokens": n, "prompt_digest": digest,
-                "first_token": v["first_token"]}
-        for k, x in want.items():
-            if meta.get(k) != x:
-                raise ValueError(f"KV payload field {k} is {meta.get(k)!r}, the signed transfer says {x!r}")
-        if not isinstance(meta.get("skip_tokens"), int) or not 0 <= meta["skip_tokens"] <= skip:
-            raise ValueError(f"KV payload skips {meta.get('skip_tokens')!r} tokens, asked for at most {skip}")
+        _check_meta(meta, v, rid, n, digest, skip)
         self.eng.pd_layout.check_payload(arrays, n)
         dt = time.perf_counter() - t0
         return url, rid, meta, arrays, len(data), dt
+
+    async def _pull_transfer(self, url, rid, v, n, digest, skip):
+        """The transfer-server data plane: ask the peer to offer (authenticated), check the MAC'd offer and
+        every array spec against this layout, pull device to device from the peer's host, check the
+        fingerprint. Same checks, same exceptions (hence the same failure policy) as the HTTP body."""
+        from concurrent.futures import ThreadPoolExecutor
+        from urllib.parse import urlsplit
+
+        from dsflash.serve.pd.device_transfer import fingerprint
+        t0 = time.perf_counter()
+        path = f"/pd/offer/{rid}?skip_tokens={skip}"
+        r = await self.client().post(url + path, headers=self.trust.peer_headers("POST", path))
+        if r.status_code != 200:
+            raise RuntimeError(f"POST /pd/offer/{rid} returned HTTP {r.status_code}: {r.text[:200]}")
+        data = r.content
+        self.trust.verify_body(r.headers.get(MAC_HEADER), request_id=rid, engine_id=v["remote_engine_id"],
+                               num_tokens=n, prompt_digest=digest, body=data)
+        head = json.loads(data)
+        uuid, port, fp, specs_in = (head.pop(k, None) for k in ("uuid", "transfer_port", "fingerprint", "arrays"))
+        if type(uuid) is not int or not 0 <= uuid < 1 << 63 or type(port) is not int or not 0 < port < 65536:
+            raise ValueError(f"KV offer: uuid {uuid!r} / transfer_port {port!r} malformed")
+        if not isinstance(specs_in, list) or not isinstance(fp, dict) or not all(
+                isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("dtype"), str)
+                and isinstance(s.get("shape"), list) and all(type(d) is int and d >= 0 for d in s["shape"])
+                for s in specs_in):
+            raise ValueError("KV offer: malformed array specs")
+        _check_meta(head, v, rid, n, digest, skip)
+        try:
+            specs = self.xfer.specs(specs_in)
+        except TypeError as e:
+            raise ValueError(f"KV offer: unknown dtype ({e})") from None
+        infos = [{k: x for k, x in s.items() if k not in ("name", "dtype", "shape")} for s in specs_in]
+        names = [s["name"] for s in specs_in]
+        lay = self.eng.pd_layout                                             # before a byte is pulled:
+        lay.check_payload(lay.unpadded_specs(list(zip(names, specs, infos))), n)
+        host = urlsplit(url).hostname       # the signed, allow-listed peer: never an address from the offer
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+        def work():
+            got = self.xfer.pull(address, uuid, specs)
+            arrays = list(zip(names, got, infos))
+            return arrays, fingerprint(arrays)
+
+        if self._pull_pool is None:
+            self._pull_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pd-pull")
+        try:
+            arrays, got_fp = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self._pull_pool, work), self.pull_timeout)
+        except asyncio.TimeoutError:
+            self.xfer.forget(address)        # that pull may stay blocked: later pulls use a new connection
+            raise TimeoutError(f"transfer-server pull of offer {uuid} from {address} did not finish in "
+                               f"{self.pull_timeout:g}s (--kv-pull-timeout; unknown uuid or stalled peer)") from None
+        if got_fp != fp:
+            bad = sorted(k for k in fp if fp.get(k) != got_fp.get(k))[:4]
+            raise ValueError(f"pulled KV does not match the offer's fingerprint (arrays {bad}): not the KV the "
+                             f"prefill peer offered for this request")
+        nbytes = len(data) + sum(int(a.nbytes) for _, a, _ in arrays)
+        return url, rid, head, arrays, nbytes, time.perf_counter() - t0
 
     async def notify(self, url: str, rid: str):
         try:
@@ -176,14 +243,26 @@ class PDState:
         del self.transfers[:-1000]
 
 
+def _check_meta(meta, v, rid, n, digest, skip):
+    """A KV payload's (or offer's) header against the signed transfer; raises ``ValueError``."""
+    want = {"request_id": rid, "engine_id": v["remote_engine_id"], "num_tokens": n, "prompt_digest": digest,
+            "first_token": v["first_token"]}
+    for k, x in want.items():
+        if meta.get(k) != x:
+            raise ValueError(f"KV payload field {k} is {meta.get(k)!r}, the signed transfer says {x!r}")
+    if not isinstance(meta.get("skip_tokens"), int) or not 0 <= meta["skip_tokens"] <= skip:
+        raise ValueError(f"KV payload skips {meta.get('skip_tokens')!r} tokens, asked for at most {skip}")
+
+
 def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeout: float = 60.0,
-            test_hooks: bool = False, trust: Optional[PDTrust] = None) -> PDState:
+            test_hooks: bool = False, trust: Optional[PDTrust] = None, transport: str = "http",
+            transfer_host: str = "127.0.0.1") -> PDState:
     """Add the P/D middleware and routes to ``app`` (built by ``dsflash.serve.http.app.build_app``). ``trust``
     (the shared secret, and for decode the prefill peers) is required."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
     pd = PDState(engine, role, default_policy=default_policy, pull_timeout=pull_timeout, test_hooks=test_hooks,
-                 trust=trust)
+                 trust=trust, transport=transport, transfer_host=transfer_host)
 
     def denied(request: Request, body: bytes = b""):
         """The peer check of ``/pd/kv`` and ``/pd/release``: a 403 response, or None if the caller is a peer."""
@@ -206,7 +285,8 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
     async def info():
         e = pd.eng
         return {"engine_id": e.engine_id, "role": role, "model": engine.model_name, "page_size": e.page_size,
-                "tp_size": 1, "layout": e.pd_layout.signature(), "sizes": e.pd_sizes, "ttl_s": e.pd_ttl}
+                "tp_size": 1, "layout": e.pd_layout.signature(), "sizes": e.pd_sizes, "ttl_s": e.pd_ttl,
+                "kv_transports": ["transfer", "http"] if pd.xfer is not None else ["http"]}
 
     @app.get("/pd/stats")
     async def stats():
@@ -245,6 +325,41 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
         return StreamingResponse(chunks(), media_type="application/octet-stream",
                                  headers={"content-length": str(len(body)), MAC_HEADER: mac})
 
+    @app.post("/pd/offer/{rid}")
+    async def offer(rid: str, request: Request, skip_tokens: int = 0):
+        """The transfer-server path: the held KV stays on the device, offered for one pull under a fresh uuid;
+        the answer is its header (MAC'd like a KV body). The pull frees it (the TTL is passed as jax's timeout;
+        not checked that jax frees an offer nobody pulls)."""
+        from fastapi.responses import Response
+
+        from dsflash.serve.pd.device_transfer import fingerprint
+        if (no := denied(request, await request.body())) is not None:
+            return no
+        if pd.xfer is None:
+            return JSONResponse({"error": {"message": "this prefill instance does not offer KV through the transfer "
+                                                      "server (--kv-transport http)", "code": "kv_transport_http"}},
+                                status_code=404)
+
+        def work(eng):                        # on the engine thread: it owns the state
+            meta, arrays = eng.extract(rid, skip_tokens, on_device=True)
+            return meta, arrays, fingerprint(arrays), pd.xfer.offer(arrays, eng.pd_ttl)
+        try:
+            meta, arrays, fp, uuid = await engine.run_on_engine(work)
+        except KeyError:
+            return JSONResponse({"error": {"message": f"no KV held for request {rid!r} (unknown, released or "
+                                                      f"expired after the TTL)", "code": "kv_not_found"}},
+                                status_code=404)
+        if pd.offer_bad_uuid > 0:             # test hook: a uuid nobody offers
+            pd.offer_bad_uuid -= 1
+            uuid ^= 1
+        specs = [{"name": name, "dtype": str(a.dtype), "shape": list(a.shape), **info} for name, a, info in arrays]
+        body = json.dumps({**meta, "arrays": specs, "uuid": uuid, "transfer_port": pd.xfer.port(),
+                           "fingerprint": fp}, separators=(",", ":")).encode()
+        mac = pd.trust.body_mac(request_id=rid, engine_id=meta["engine_id"], num_tokens=meta["num_tokens"],
+                                prompt_digest=meta["prompt_digest"], body=body)
+        pd.counters["bytes_sent"] += len(body) + sum(int(a.nbytes) for _, a, _ in arrays)
+        return Response(body, media_type="application/json", headers={MAC_HEADER: mac})
+
     @app.post("/pd/release/{rid}")
     async def release(rid: str, request: Request):
         if (no := denied(request, await request.body())) is not None:
@@ -257,6 +372,11 @@ def install(app, engine, role: str, *, default_policy: str = "fail", pull_timeou
         async def kv_delay(request: Request):
             pd.kv_delay_s = float((await request.json()).get("seconds", 0.0))
             return {"kv_delay_s": pd.kv_delay_s}
+
+        @app.post("/pd/test/offer_bad_uuid")
+        async def offer_bad_uuid(request: Request):
+            pd.offer_bad_uuid = int((await request.json()).get("count", 1))
+            return {"offer_bad_uuid": pd.offer_bad_uuid}
 
         @app.post("/pd/test/kv_corrupt")
         async def kv_corrupt(request: Request):
@@ -345,6 +465,7 @@ class PDMiddleware:
             if msg["type"] == "http.response.start":
                 h = list(msg.get("headers", []))
                 h.append((b"x-dsflash-kv-outcome", (req.outcome or "none").encode()))
+                h.append((b"x-dsflash-kv-transport", self.pd.transport.encode()))
                 if req.size is not None:
                     h.append((b"x-dsflash-kv-bytes", str(req.size.wire_bytes).encode()))
                     h.append((b"x-dsflash-kv-prompt-tokens", str(req.size.prompt_tokens).encode()))

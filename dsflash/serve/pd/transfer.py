@@ -17,6 +17,9 @@ Host-staged wire format (one HTTP body): ``b"DSKV"`` + u32 version + u64 header 
 the raw bytes of every array, concatenated in header order. Arrays keep their stored dtypes (FP4 nibbles,
 E4M3/UE8M0 bytes, fp32 compressor rows): the bytes on the wire are the bytes of the caches.
 
+The transfer-server path (``device_transfer.py``) moves the same arrays device to device instead
+(``Layout.extract_device``; ``install`` takes device arrays as well as host ones).
+
 Device work (gather on the prefill side, scatter on the decode side) is jitted with the entry count padded
 to a power of two, so a server compiles a handful of shapes, never one per prompt length.
 """
@@ -113,6 +116,8 @@ class Layout:
         self.shapes.update({"/".join(p): [list(_get(st, p).shape[2:]), str(_get(st, p).dtype)]
                             for p in self.slot_paths})
         self._gather = jax.jit(self._gather_impl, static_argnums=(2,))
+        self._offer = jax.jit(self._offer_impl)
+        self._ring = jax.jit(self._ring_impl, static_argnums=(3,))
         self._slot_rows = jax.jit(self._slot_rows_impl)
         self._scatter = jax.jit(self._scatter_impl, donate_argnums=(0,))
         self._put_slot = jax.jit(self._put_slot_impl, donate_argnums=(0,))
@@ -127,7 +132,8 @@ class Layout:
         """Every array of a received body against this instance's layout for a prompt of ``n`` tokens: known
         and unique names, none missing, this side's dtype and trailing shape, the right kind and ratio, global
         entries within ``[0, ceil(n/r))``, ring rows ending at ``n`` and no more than needed. Raises
-        ``ValueError`` (run before anything is installed)."""
+        ``ValueError`` (run before anything is installed). ``a`` may be an array or a shape/dtype spec (the
+        transfer path checks the offered specs before it pulls)."""
         kinds = {"/".join(p): ("global", r) for p, r in self.ratio.items()}
         kinds.update({"/".join(p): ("ring", self.need[p]) for p in self.slot_paths})
         seen = set()
@@ -147,11 +153,11 @@ class Layout:
                 raise ValueError(f"KV payload {name}: kind {info.get('kind')!r} first {first!r}, expected a "
                                  f"{kind} array")
             if kind == "global":
-                if info.get("ratio") != x or first + len(a) > math.ceil(n / x):
-                    raise ValueError(f"KV payload {name}: entries [{first}, {first + len(a)}) at ratio "
+                if info.get("ratio") != x or first + a.shape[0] > math.ceil(n / x):
+                    raise ValueError(f"KV payload {name}: entries [{first}, {first + a.shape[0]}) at ratio "
                                      f"{info.get('ratio')}, a {n}-token prompt has {math.ceil(n / x)} at ratio {x}")
-            elif first + len(a) != n or len(a) > x:
-                raise ValueError(f"KV payload {name}: positions [{first}, {first + len(a)}), expected at most "
+            elif first + a.shape[0] != n or a.shape[0] > x:
+                raise ValueError(f"KV payload {name}: positions [{first}, {first + a.shape[0]}), expected at most "
                                  f"the last {x} of {n}")
         if seen != set(kinds):
             raise ValueError(f"KV payload lacks {sorted(set(kinds) - seen)}")
@@ -192,6 +198,10 @@ class Layout:
         return state
 
     @staticmethod
+    def _ring_impl(a, ix, fill, R):
+        return jnp.full((R,) + a.shape[1:], fill, fill.dtype).at[ix].set(a.astype(fill.dtype), mode="drop")
+
+    @staticmethod
     def _set_row_impl(rows, slot, vals):
         return {k: (rows[k].at[slot].set(vals[k].astype(rows[k].dtype)) if k in vals else rows[k]) for k in rows}
 
@@ -226,6 +236,49 @@ class Layout:
             out.append(("/".join(p), np.ascontiguousarray(rows[p][q % R]), {"kind": "ring", "first": int(q0)}))
         return out
 
+    def extract_device(self, state, pages, slot, n, skip_tokens=0):
+        """As :meth:`extract`, but the arrays stay on the device (the transfer-server path offers them as
+        they are) and global arrays keep the gather's power-of-two padding (``info["rows"]`` are valid), so
+        the programs here and on the decode side compile per bucket, not per prompt length."""
+        P = self.page_size
+        ratios = sorted(set(self.ratio.values()))
+        rng = {r: (min(skip_tokens // r, math.ceil(n / r)), math.ceil(n / r)) for r in ratios}
+        pad = _bucket(max(hi - lo for lo, hi in rng.values()) or 1)
+        idx = {r: jnp.asarray(self._entry_index(pages, r, lo, hi, P, pad, 0)) for r, (lo, hi) in rng.items()}
+        ring = {p: jnp.asarray(np.arange(max(0, n - self.need[p]), n) % _get(state, p).shape[1], np.int32)
+                for p in self.slot_paths}
+        g, rows = self._offer(state, idx, jnp.int32(slot), ring)
+        out = []
+        for p in self.global_paths:
+            lo, hi = rng[self.ratio[p]]
+            out.append(("/".join(p), g[p], {"kind": "global", "ratio": self.ratio[p], "first": lo, "rows": hi - lo}))
+        for p in self.slot_paths:
+            out.append(("/".join(p), rows[p], {"kind": "ring", "first": max(0, n - self.need[p])}))
+        return out
+
+    def _offer_impl(self, state, idx, slot, ring):
+        return (self._gather_impl(state, idx, tuple(self.global_paths)),
+                {p: jnp.take(_get(state, p)[slot], q, axis=0) for p, q in ring.items()})
+
+    def unpadded_specs(self, arrays):
+        """The transfer path's ``[(name, spec, info)]`` as :meth:`check_payload` sees them: global arrays cut
+        to their valid ``rows``; all are padded to one power-of-two bucket of the longest, as the prefill side
+        pads (so an offer cannot make this side allocate more)."""
+        rows_of = [info.get("rows") for _, _, info in arrays if info.get("kind") == "global"]
+        if not all(type(r) is int and r >= 0 for r in rows_of):
+            raise ValueError(f"KV offer: global arrays need integer 'rows', got {rows_of}")
+        pad = _bucket(max(rows_of, default=1) or 1)
+        out = []
+        for name, a, info in arrays:
+            if info.get("kind") == "global":
+                rows = info["rows"]
+                if a.shape[0] != pad:
+                    raise ValueError(f"KV offer {name}: {a.shape[0]} rows for {rows} valid ones (expected the "
+                                     f"bucket {pad})")
+                a = jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype)
+            out.append((name, a, {k: v for k, v in info.items() if k != "rows"}))
+        return out
+
     # ------------------------------------------------------------------ decode side
     def install(self, engine, arrays, pages, slot, n, hit_pages):
         """Write received arrays into ``engine.runner.state`` for a sequence holding ``pages`` / ``slot``.
@@ -236,7 +289,7 @@ class Layout:
         state = engine.runner.state
         oob = 1 << 30
         gvals, idx = {}, {}
-        spans = {}
+        spans, dev = {}, {}
         for p in self.global_paths:
             name = "/".join(p)
             if name not in by:
@@ -245,20 +298,34 @@ class Layout:
             r, first = self.ratio[p], int(info["first"])
             need_lo = hit_pages * P // r
             hi = math.ceil(n / r)
-            if first > need_lo or first + len(a) < hi:
+            count = int(info.get("rows", len(a)))
+            if first > need_lo or first + count < hi or count > len(a):
                 raise ValueError(f"KV payload for {name} covers entries [{first}, {first + len(a)}) but this "
                                  f"instance needs [{need_lo}, {hi})")
             lo = max(first, need_lo)
             spans[r] = (lo, hi)
+            if not isinstance(a, np.ndarray):     # device array (padded rows): masked by the index, not sliced
+                dev[r] = (first, a.shape[0])
+                gvals[p] = a
+                continue
             gvals[p] = a[lo - first:hi - first]
         pad = _bucket(max((hi - lo for lo, hi in spans.values()), default=1) or 1)
         for r, (lo, hi) in spans.items():
-            idx[r] = jnp.asarray(self._entry_index(pages, r, lo, hi, P, pad, oob))
+            if r in dev:                # row i of the pulled array is entry first + i; the rest drops
+                first, rows = dev[r]
+                ix = np.full((rows,), oob, np.int32)
+                ix[lo - first:hi - first] = self._entry_index(pages, r, lo, hi, P, hi - lo, oob)
+                idx[r] = jnp.asarray(ix)
+            else:
+                idx[r] = jnp.asarray(self._entry_index(pages, r, lo, hi, P, pad, oob))
         vals = {}
         for p, v in gvals.items():
-            buf = np.zeros((pad,) + v.shape[1:], v.dtype)
-            buf[:len(v)] = v
-            vals[p] = jnp.asarray(buf)
+            if isinstance(v, np.ndarray):
+                buf = np.zeros((pad,) + v.shape[1:], v.dtype)
+                buf[:len(v)] = v
+                vals[p] = jnp.asarray(buf)
+            else:
+                vals[p] = v
         if vals:
             state = self._scatter(state, idx, vals)
         rows = {}
@@ -273,11 +340,15 @@ class Layout:
             if q0 > max(0, n - self.need[p]) or q0 + len(a) != n:
                 raise ValueError(f"KV payload for {name} holds positions [{q0}, {q0 + len(a)}), needs the last "
                                  f"{self.need[p]} of {n}")
-            buf = np.full((R,) + tuple(full.shape[2:]), self.fill[p], np.dtype(full.dtype))
             q = np.arange(q0, n)
             keep = q >= n - R
-            buf[q[keep] % R] = a[keep]
-            rows[p] = jnp.asarray(buf)
+            if isinstance(a, np.ndarray):
+                buf = np.full((R,) + tuple(full.shape[2:]), self.fill[p], np.dtype(full.dtype))
+                buf[q[keep] % R] = a[keep]
+                rows[p] = jnp.asarray(buf)
+            else:                       # device array: build the ring on the device
+                ix = np.where(keep, q % R, R).astype(np.int32)     # R: dropped (a ring shorter than the rows)
+                rows[p] = self._ring(a, jnp.asarray(ix), jnp.asarray(self.fill[p], full.dtype), R)
         state = self._put_slot(state, jnp.int32(slot), rows)
         engine.runner.state = state
 
@@ -341,8 +412,8 @@ class TransferSize:
     def of(meta, arrays, wire_bytes) -> "TransferSize":
         t = TransferSize(int(meta["num_tokens"]), wire_bytes=wire_bytes, skipped_tokens=int(meta.get("skip_tokens", 0)))
         for _, a, info in arrays:
-            if info["kind"] == "global":
-                t.global_bytes += a.nbytes
+            if info["kind"] == "global":        # padded device arrays (transfer path) count their valid rows
+                t.global_bytes += int(a.nbytes) // max(1, a.shape[0]) * int(info.get("rows", a.shape[0]))
             else:
                 t.window_bytes += a.nbytes
         return t
