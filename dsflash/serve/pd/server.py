@@ -159,18 +159,21 @@ class PDState:
         if self.transport == "transfer":
             return await self._pull_transfer(url, rid, v, n, digest, skip)
         t0 = time.perf_counter()
-        path = f"/pd/kv/{rid}?skip_tokens={skip}"
-        r = await self.client().get(url + path, headers=self.trust.peer_headers("GET", path))
-        if r.status_code != 200:
-            raise RuntimeError(f"GET /pd/kv/{rid} returned HTTP {r.status_code}: {r.text[:200]}")
-        data = r.content
-        self.trust.verify_body(r.headers.get(MAC_HEADER), request_id=rid, engine_id=v["remote_engine_id"],
-                               num_tokens=n, prompt_digest=digest, body=data)
+        data = await self._fetch_verified("GET", url, f"/pd/kv/{rid}?skip_tokens={skip}", rid, v, n, digest)
         meta, arrays = unpack(data)
         _check_meta(meta, v, rid, n, digest, skip)
         self.eng.pd_layout.check_payload(arrays, n)
         dt = time.perf_counter() - t0
         return url, rid, meta, arrays, len(data), dt
+
+    async def _fetch_verified(self, method, url, path, rid, v, n, digest):
+        """One authenticated request to the prefill peer; its body must carry the MAC of this transfer."""
+        r = await self.client().request(method, url + path, headers=self.trust.peer_headers(method, path))
+        if r.status_code != 200:
+            raise RuntimeError(f"{method} {path.split('?')[0]} returned HTTP {r.status_code}: {r.text[:200]}")
+        self.trust.verify_body(r.headers.get(MAC_HEADER), request_id=rid, engine_id=v["remote_engine_id"],
+                               num_tokens=n, prompt_digest=digest, body=r.content)
+        return r.content
 
     async def _pull_transfer(self, url, rid, v, n, digest, skip):
         """The transfer-server data plane: ask the peer to offer (authenticated), check the MAC'd offer and
@@ -181,13 +184,7 @@ class PDState:
 
         from dsflash.serve.pd.device_transfer import fingerprint
         t0 = time.perf_counter()
-        path = f"/pd/offer/{rid}?skip_tokens={skip}"
-        r = await self.client().post(url + path, headers=self.trust.peer_headers("POST", path))
-        if r.status_code != 200:
-            raise RuntimeError(f"POST /pd/offer/{rid} returned HTTP {r.status_code}: {r.text[:200]}")
-        data = r.content
-        self.trust.verify_body(r.headers.get(MAC_HEADER), request_id=rid, engine_id=v["remote_engine_id"],
-                               num_tokens=n, prompt_digest=digest, body=data)
+        data = await self._fetch_verified("POST", url, f"/pd/offer/{rid}?skip_tokens={skip}", rid, v, n, digest)
         head = json.loads(data)
         uuid, port, fp, specs_in = (head.pop(k, None) for k in ("uuid", "transfer_port", "fingerprint", "arrays"))
         if type(uuid) is not int or not 0 <= uuid < 1 << 63 or type(port) is not int or not 0 < port < 65536:
