@@ -93,7 +93,9 @@ def test_runner_and_training_programs_compile_through_here(monkeypatch):
     from dsflash.serve.engine.testing import ToyBackend
     built = []
     real = co.jit
-    monkeypatch.setattr(co, "jit", lambda fun=None, **kw: built.append(getattr(fun, "__name__", fun)) or real(fun, **kw))
+    # the decode programs are functools.partial(_decode_impl, drafting=...): one per compiled draft length
+    name = lambda fun: getattr(getattr(fun, "func", fun), "__name__", fun)  # noqa: E731
+    monkeypatch.setattr(co, "jit", lambda fun=None, **kw: built.append(name(fun)) or real(fun, **kw))
     LLMEngine(ToyBackend(), max_num_seqs=2, max_model_len=64, page_size=8, max_num_batched_tokens=32,
               decode_steps=2, compilation_cache=False)
     assert {"_prefill_impl", "_decode_impl"} <= set(built)
