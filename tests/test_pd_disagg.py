@@ -51,17 +51,22 @@ def _start(module: str, *args: str, name: str) -> ServerProcess:
     return ServerProcess(*args, startup_timeout=None, module=module, name=name)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    procs = {}
-    mp = pytest.MonkeyPatch()
-    # the server processes inherit the environment: conftest.py turns the persistent compilation cache off for the
-    # test process, so turn it back on for the servers, in a fresh folder of this module's
+def pd_env(mp, tmp_path_factory) -> tuple:
+    """The servers' environment and shared secret: conftest.py turns the persistent compilation cache off for the
+    test process and the servers inherit that, so turn it back on for them in a fresh folder of the module's;
+    returns the ``--pd-secret-file`` arguments."""
     mp.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")
     mp.setenv("DSFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("xla_cache")))
     key = tmp_path_factory.mktemp("pd") / "pd.key"
     key.write_bytes(SECRET + b"\n")
-    sec = ("--pd-secret-file", str(key))
+    return ("--pd-secret-file", str(key))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    procs = {}
+    mp = pytest.MonkeyPatch()
+    sec = pd_env(mp, tmp_path_factory)
     try:
         # the first process fills the persistent compilation cache; the others then start in seconds
         procs["agg"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "both", name="aggregated").wait_healthy()

@@ -18,7 +18,7 @@ import signal
 import httpx
 import pytest
 
-from test_pd_disagg import SECRET, TRUST, _prompt, _start
+from test_pd_disagg import TRUST, _prompt, _start, pd_env
 
 # speculation pinned on: under the adaptive default a call drafts or not by measured timings, and the verify
 # program's numerics may flip a near-tie token at this precision (docs/engine.md), so two servers would not be
@@ -31,11 +31,7 @@ PULL_TIMEOUT = "10"
 def pd(tmp_path_factory):
     procs = {}
     mp = pytest.MonkeyPatch()
-    mp.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")
-    mp.setenv("DSFLASH_CACHE_DIR", str(tmp_path_factory.mktemp("xla_cache")))
-    key = tmp_path_factory.mktemp("pd") / "pd.key"
-    key.write_bytes(SECRET + b"\n")
-    sec = ("--pd-secret-file", str(key))
+    sec = pd_env(mp, tmp_path_factory)
     try:
         procs["p"] = _start("dsflash.serve", *ENGINE_ARGS, "--role", "prefill", "--pd-test-hooks",
                             "--kv-transport", "transfer", *sec, name="prefill").wait_healthy()
