@@ -1,7 +1,8 @@
 """Where the long-context indexer's time goes (issue 19): the pieces of one index-source layer's decode call timed
 apart on the GPU -- the gather + decode of every MXFP4 index key through the page table, the Triton scorer, the
 top-512 selection (``lax.top_k`` + sort, and the sort-free threshold path of kernels/topk_select.py: ``*_radix_ms``,
-with a mismatch count that must be 0), layer 20's candidate filter (top-2048 of 8-entry blocks, both paths) and the
+with a mismatch count that must be 0; the Triton radix top-k of kernels/topk_triton.py: ``*_triton{32,16}_ms``),
+layer 20's candidate filter (top-2048 of 8-entry blocks, both paths) and the
 paged scorer that reads the packed keys through the page table instead of the gather + scorer. One call,
 a table last, JSON in $OUT/indexer_split.json. From the repo root:
 
@@ -43,9 +44,26 @@ def selection_timings(score, visible, topk, reps):
              "topk_radix_ms": jax.jit(lambda s: ts.select_topk_threshold(s, visible, topk)),
              "cand_filter_ms": jax.jit(lambda s: ik.candidate_mask_sorted(s, visible, 8, 2048)),
              "cand_filter_radix_ms": jax.jit(lambda s: ts.candidate_mask_threshold(s, visible, 8, 2048))}
-    row = {name: timed(fn, score, reps=reps) for name, fn in paths.items()}
-    for what, a, b in (("topk", "topk_ms", "topk_radix_ms"), ("cand_filter", "cand_filter_ms", "cand_filter_radix_ms")):
-        row[f"{what}_mismatch"] = int(np.sum(np.asarray(paths[a](score)) != np.asarray(paths[b](score))))
+    pairs = [("topk", "topk_ms", "topk_radix_ms"), ("cand_filter", "cand_filter_ms", "cand_filter_radix_ms")]
+    try:   # the Triton radix top-k (kernels/topk_triton.py), 32-bit keys and 16-bit ones (the scores are bf16-valued)
+        from dsflash.kernels import topk_triton as tt
+        for bits in (32, 16):
+            paths[f"topk_triton{bits}_ms"] = jax.jit(lambda s, b=bits: tt.select_topk_triton(s, visible, topk, key_bits=b))
+            paths[f"cand_filter_triton{bits}_ms"] = jax.jit(
+                lambda s, b=bits: tt.candidate_mask_triton(s, visible, 8, 2048, key_bits=b))
+            pairs += [(f"topk_triton{bits}", "topk_ms", f"topk_triton{bits}_ms"),
+                      (f"cand_filter_triton{bits}", "cand_filter_ms", f"cand_filter_triton{bits}_ms")]
+    except Exception as e:  # noqa: BLE001
+        print("no Triton top-k:", repr(e)[:300], flush=True)
+    row = {}
+    for name, fn in paths.items():
+        try:
+            row[name] = timed(fn, score, reps=reps)
+        except Exception as e:  # noqa: BLE001
+            row[name.replace("_ms", "_error")] = repr(e)[:300]
+    for what, a, b in pairs:
+        if a in row and b in row:
+            row[f"{what}_mismatch"] = int(np.sum(np.asarray(paths[a](score)) != np.asarray(paths[b](score))))
     return row
 
 
@@ -126,6 +144,13 @@ def main():
               f"{r['topk_ms']:>8.3f} / {r['topk_radix_ms']:.3f}, "
               f"{r['topk_mismatch']:>3}    {r['cand_filter_ms']:>12.3f} / {r['cand_filter_radix_ms']:.3f}, "
               f"{r['cand_filter_mismatch']:>3}   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
+    print("\ncontext  Triton top-512 32-bit / 16-bit keys (mismatch)  Triton cand-filter 32 / 16 (mismatch)   (ms)")
+    nan = float("nan")
+    for r in res["points"]:
+        print(f"{r['context']:>7} {r.get('topk_triton32_ms', nan):>10.3f} / {r.get('topk_triton16_ms', nan):.3f} "
+              f"({r.get('topk_triton32_mismatch', '-')}, {r.get('topk_triton16_mismatch', '-')})"
+              f" {r.get('cand_filter_triton32_ms', nan):>14.3f} / {r.get('cand_filter_triton16_ms', nan):.3f} "
+              f"({r.get('cand_filter_triton32_mismatch', '-')}, {r.get('cand_filter_triton16_mismatch', '-')})")
 
 
 if __name__ == "__main__":

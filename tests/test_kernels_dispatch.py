@@ -73,6 +73,15 @@ def fakes(monkeypatch):
         xg = x.reshape(*x.shape[:-1], groups, -1)
         return layers.linear_fp8_grouped(xg, p, "w", precision).reshape(*x.shape[:-1], -1)
 
+    def topk(score, visible, topk, *, key_bits=32):
+        calls["topk"].append(score.shape[-1])
+        return ik.select_topk_sorted(score, visible, topk)
+
+    def cand_mask(score, visible, block_size, topk_blocks, *, key_bits=32):
+        calls["topk"].append(-(-score.shape[-1] // block_size))
+        return ik.candidate_mask_sorted(score, visible, block_size, topk_blocks)
+
+    install("topk_triton", select_topk_triton=topk, candidate_mask_triton=cand_mask)
     install("fp8_linear_triton", fp8_linear_triton=fp8)
     install("moe_gemm_triton", routed_moe_triton=moe)
     install("sparse_attention_triton", sparse_sink_attention_triton=attn)
@@ -300,7 +309,7 @@ def test_model_reaches_every_kernel_through_dispatch(tiny, tokens, xla_logits, g
     """The whole forward with a GPU pretended: every kernel's front-end takes the Triton path where the tables say
     (attention and the indexer opened to every size here: a 32-token prompt of the tiny model is below both
     crossovers), and the (fake = reference) kernels give the XLA logits exactly."""
-    for k in ("sparse_attention", "indexer"):
+    for k in ("sparse_attention", "indexer", "topk"):
         monkeypatch.setitem(dispatch.GATES, k, dispatch.GATES[k].replace(triton=((1, None),)))
     jax.clear_caches()
     try:
@@ -319,7 +328,7 @@ def test_contract_doc_states_the_tables():
     import os
     import re
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "model-contract.md")).read()
-    quoted = dict(re.findall(r'\| `"(\w+)"`: [^,|]+, `(\(\(.*?\),\))`', doc))
+    quoted = dict(re.findall(r'\| `"(\w+)"`: [^,|]+, `(\(\(.*?\),\)|\(\))`', doc))
     assert quoted == {k: repr(g.triton) for k, g in dispatch.GATES.items()}
 
 

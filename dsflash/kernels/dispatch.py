@@ -1,6 +1,6 @@
 """The one kernel dispatch seam: which implementation each hot op runs, the pure-JAX reference (``"xla"``) or its
 Triton kernel (``"triton"``). Every kernel front-end (``moe_gemm.routed_moe``, ``sparse_attention.
-sparse_sink_attention``, ``indexer_topk.indexer_topk``, ``mhc_fused.mhc_fused``) decides here and nowhere else.
+sparse_sink_attention``, ``indexer_topk.indexer_topk`` / ``select_topk``, ``mhc_fused.mhc_fused``) decides here and nowhere else.
 
 Stable API (the engine and the server call these; keep the names and signatures):
 
@@ -46,7 +46,7 @@ import dataclasses
 import functools
 
 BACKENDS = ("auto", "xla", "triton")
-KERNELS = ("moe", "sparse_attention", "indexer", "indexer_paged", "mhc", "fp8_linear")
+KERNELS = ("moe", "sparse_attention", "indexer", "indexer_paged", "mhc", "fp8_linear", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +113,11 @@ GATES = {
     "mhc": Crossover(
         "tokens (T)", ((1, None),), None,
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
+    # the Triton radix top-k (topk_triton.py; the indexer's top-512 and the candidate filter's top blocks, same bits
+    # as lax.top_k): one program per row, 8 key bits a pass. Off until a GPU run measures it (CPU: the interpreter)
+    "topk": Crossover(
+        "entries per row (T; blocks for the candidate filter)", (), None,
+        "not yet measured on a GPU"),
     # Not a Triton kernel: the sort-free exact top-k (kernels/topk_select.py, pure JAX, same bits as lax.top_k) in
     # indexer_topk.select_topk / candidate_mask; ``triton`` here lists the row lengths (entries, or blocks for the
     # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). H200 run 25 (32 x 6 rows): top-512
@@ -194,7 +199,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     context         tokens the page table covers (the indexer scores every compressed entry of it)
     precision       the run precision (the MoE kernel has no "fp32")
     expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
-    -> {"moe" | "sparse_attention" | "indexer" | "indexer_paged" | "mhc" | "fp8_linear": {"decode": impl,
+    -> {"moe" | "sparse_attention" | "indexer" | "indexer_paged" | "mhc" | "fp8_linear" | "topk": {"decode": impl,
         "prefill": impl}} ("indexer_paged": only calls of <= PAGED_MAX_ROWS rows; larger ones gather the keys)"""
     if decode_tokens is None:
         decode_tokens = 1 + (cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0)
@@ -204,7 +209,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     out = {}
     for phase, t in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t,
-                 "fp8_linear": t, "indexer_paged": t * entries if t <= PAGED_MAX_ROWS else 0}
+                 "fp8_linear": t, "indexer_paged": t * entries if t <= PAGED_MAX_ROWS else 0, "topk": entries}
         for kernel, size in sizes.items():
             impl = "triton" if use_triton(kernel, backend, size, precision=precision) else "xla"
             supported = GATES[kernel].precisions is None or precision in GATES[kernel].precisions

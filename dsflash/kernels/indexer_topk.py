@@ -21,8 +21,9 @@ Numerics (the model's, SPEC §4.5; every backend must give the same bits):
   c[h, t]   = bf16(relu(qk) * w_h)         (bf16 x bf16 is exact in fp32, so this is one rounding)
   score[t]  = f32(bf16(sum_h c[h, t]))     fp32 sum over heads, rounded to bf16 (bf16 precision)
   masked to -inf where t >= visible or the row is padding (or outside ``cand``).
-Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1 (on a GPU at long
-rows: the same bits without a sort, kernels/topk_select.py).
+Selection: ``jax.lax.top_k`` (ties go to the lowest index), re-sorted ascending, unreachable -> -1 (on a GPU the
+same bits without a sort: the Triton radix top-k, kernels/topk_triton.py, or the XLA threshold search,
+kernels/topk_select.py, as the dispatch gates say).
 The candidate filter: max over blocks of ``block_size`` entries, the newest visible block forced in, top
 ``topk_blocks`` blocks whose score is not -inf, expanded back to entries.
 """
@@ -50,17 +51,27 @@ def indexer_scores_reference(q, w, k, visible, valid, cand=None):
     return jnp.where(ok, score, -jnp.inf)
 
 
-def candidate_mask(score, visible, block_size, topk_blocks):
-    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in. The sort-free
-    threshold path where ``dispatch.use_threshold_topk`` says (same bits either way: tests/test_topk_select.py)."""
-    if dispatch.use_threshold_topk(-(-score.shape[-1] // block_size)):
+def candidate_mask(score, visible, block_size, topk_blocks, *, backend="xla", bf16_scores=False):
+    """Layer-20 level-1 filter: top blocks of max-pooled scores, newest visible block forced in. The Triton radix
+    top-k where ``dispatch.use_triton("topk", ...)`` says (at the blocks per row), else the sort-free threshold
+    path where ``dispatch.use_threshold_topk`` says; the same bits every way (tests/test_topk_select.py,
+    tests/test_kernels_topk_triton.py). ``bf16_scores``: every score is bf16-valued (16-bit keys suffice)."""
+    blocks = -(-score.shape[-1] // block_size)
+    if dispatch.use_triton("topk", backend, blocks):
+        from dsflash.kernels import topk_triton  # lazy: needs a CUDA GPU and jax-triton
+        return topk_triton.candidate_mask_triton(score, visible, block_size, topk_blocks,
+                                                 key_bits=16 if bf16_scores else 32)
+    if dispatch.use_threshold_topk(blocks):
         return topk_select.candidate_mask_threshold(score, visible, block_size, topk_blocks)
     return candidate_mask_sorted(score, visible, block_size, topk_blocks)
 
 
-def select_topk(score, visible, topk):
-    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty. The sort-free
-    threshold path where ``dispatch.use_threshold_topk`` says (same bits either way: tests/test_topk_select.py)."""
+def select_topk(score, visible, topk, *, backend="xla", bf16_scores=False):
+    """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty. The Triton radix
+    top-k, the sort-free threshold path or lax.top_k, as ``candidate_mask`` chooses (same bits every way)."""
+    if dispatch.use_triton("topk", backend, score.shape[-1]):
+        from dsflash.kernels import topk_triton  # lazy: needs a CUDA GPU and jax-triton
+        return topk_triton.select_topk_triton(score, visible, topk, key_bits=16 if bf16_scores else 32)
     if dispatch.use_threshold_topk(score.shape[-1]):
         return topk_select.select_topk_threshold(score, visible, topk)
     return select_topk_sorted(score, visible, topk)
@@ -89,10 +100,11 @@ def select_topk_sorted(score, visible, topk):
     return jnp.where(idx < T, idx, -1).astype(jnp.int32)
 
 
-def select(score, visible, *, topk, cand_filter=None):
+def select(score, visible, *, topk, cand_filter=None, backend="xla", bf16_scores=False):
     """The shared selection stage: (top-k list, candidate mask or None) from written scores."""
-    mask = None if cand_filter is None else candidate_mask(score, visible, *cand_filter)
-    return select_topk(score, visible, topk), mask
+    kw = dict(backend=backend, bf16_scores=bf16_scores)
+    mask = None if cand_filter is None else candidate_mask(score, visible, *cand_filter, **kw)
+    return select_topk(score, visible, topk, **kw), mask
 
 
 def indexer_topk_reference(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None):
@@ -105,11 +117,12 @@ def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, 
     row-entries (the kernel on a GPU above 8K: one decode row over <= 8K entries stays on XLA; ``force``: at any
     size, for tests and the bench); the selection stage is shared."""
     B, S = q.shape[:2]
+    kw = dict(topk=topk, cand_filter=cand_filter, backend=backend, bf16_scores=q.dtype == jnp.bfloat16)
     if not dispatch.use_triton("indexer", backend, B * S * k.shape[1], force=force):
-        return indexer_topk_reference(q, w, k, visible, valid, topk=topk, cand=cand, cand_filter=cand_filter)
+        return select(indexer_scores_reference(q, w, k, visible, valid, cand), visible, **kw)
     from dsflash.kernels import indexer_topk_triton  # lazy: needs a CUDA GPU and jax-triton
     score = indexer_topk_triton.indexer_scores_triton(q, w, k, visible, valid, cand)
-    return select(score, visible, topk=topk, cand_filter=cand_filter)
+    return select(score, visible, **kw)
 
 
 def paged_keys(pool, page_table, per_page, dtype=jnp.bfloat16):
@@ -143,6 +156,6 @@ def indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, *, topk
         from dsflash.kernels import indexer_paged_triton  # lazy: needs a CUDA GPU and jax-triton
         score = indexer_paged_triton.indexer_scores_paged_triton(q, w, pool, page_table, per_page, visible, valid,
                                                                  cand)
-        return select(score, visible, topk=topk, cand_filter=cand_filter)
+        return select(score, visible, topk=topk, cand_filter=cand_filter, backend=backend, bf16_scores=True)
     return indexer_topk(q, w, gather().astype(q.dtype), visible, valid, topk=topk, cand=cand,
                         cand_filter=cand_filter, backend=backend, force=force)

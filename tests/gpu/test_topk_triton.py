@@ -1,0 +1,56 @@
+"""The Triton radix top-k (kernels/topk_triton.py) on the GPU: the same bits as the lax.top_k references on the fuzz
+rows of tests/test_topk_select.py (ties, +-NaN, +-0.0, +-inf, -inf masks, visible limits, T < topk, partial tiles),
+at the indexer's real shape (32 x 6 rows x 131,072 entries, top-512; the candidate filter's 16,384 blocks), with
+32-bit keys and, on bf16-valued rows, 16-bit keys; and through the front end with its gate open."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from test_topk_select import _batch  # noqa: E402
+
+from dsflash.kernels import dispatch, indexer_topk as ik  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _eq(a, b):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("T,topk,bits,kinds", [
+    (1, 1, 32, ("ties", "bf16", "normal")), (37, 8, 32, ("ties", "bf16", "normal")),
+    (300, 40, 32, ("ties", "bf16", "normal")), (3000, 512, 32, ("ties",)),
+    (5000, 512, 32, ("ties", "bf16", "normal")), (5000, 512, 16, ("bf16",)), (16384, 2048, 16, ("bf16", "ties"))])
+def test_select_and_mask_match_lax_top_k(T, topk, bits, kinds):
+    from dsflash.kernels import topk_select as ts, topk_triton as tt
+    score, visible = _batch(T + bits, T, B=8, S=3, kinds=kinds)
+    k = min(topk, T)
+    _eq(jax.jit(lambda s, v: tt.select_topk_triton(s, v, topk, key_bits=bits))(score, visible),
+        jax.jit(lambda s, v: ik.select_topk_sorted(s, v, topk))(score, visible))
+    _eq(jax.jit(lambda s: tt.topk_mask_triton(s, k, key_bits=bits))(score), jax.jit(lambda s: ts.topk_mask(s, k))(score))
+
+
+@pytest.mark.parametrize("bits", [32, 16])
+def test_real_shape(bits):
+    from dsflash.kernels import topk_triton as tt
+    B, S, T = 32, 6, 131072
+    score = jax.random.normal(jax.random.PRNGKey(bits), (B, S, T)).astype(jnp.bfloat16).astype(jnp.float32)
+    visible = jnp.full((B, S), T, jnp.int32).at[:, -1].set(T // 3)
+    score = jnp.where(jnp.arange(T)[None, None] < visible[..., None], score, -jnp.inf)
+    _eq(jax.jit(lambda s, v: tt.select_topk_triton(s, v, 512, key_bits=bits))(score, visible),
+        jax.jit(lambda s, v: ik.select_topk_sorted(s, v, 512))(score, visible))
+    _eq(jax.jit(lambda s, v: tt.candidate_mask_triton(s, v, 8, 2048, key_bits=bits))(score, visible),
+        jax.jit(lambda s, v: ik.candidate_mask_sorted(s, v, 8, 2048))(score, visible))
+
+
+def test_front_end_with_the_gate_open(monkeypatch):
+    monkeypatch.setitem(dispatch.GATES, "topk", dispatch.GATES["topk"].replace(triton=((1, None),)))
+    score, visible = _batch(7, 4096, B=4, S=6, kinds=("bf16",))
+    _eq(jax.jit(lambda s, v: ik.select_topk(s, v, 512, backend="triton", bf16_scores=True))(score, visible),
+        jax.jit(lambda s, v: ik.select_topk_sorted(s, v, 512))(score, visible))
