@@ -114,10 +114,14 @@ GATES = {
         "tokens (T)", ((1, None),), None,
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
     # the Triton radix top-k (topk_triton.py; the indexer's top-512 and the candidate filter's top blocks, same bits
-    # as lax.top_k): one program per row, 8 key bits a pass. Off until a GPU run measures it (CPU: the interpreter)
+    # as lax.top_k), taking precedence over "topk_select" where on. H200 run 26 (32 x 6 rows, ms, kernel 16-bit keys /
+    # 32-bit keys vs lax.top_k + sort): top-512 of 4,096 entries 0.144 / 0.212 vs 0.193, 32,768: 0.371 / 0.417 vs
+    # 0.905, 131,072: 1.008 / 1.286 vs 2.642; candidate filter over 512 blocks 0.180 vs 0.151 (loses), 4,096 blocks
+    # 0.158 vs 0.246, 16,384: 0.234 vs 0.592. Mismatch 0 everywhere. So from 4,096 (16-bit keys, the bf16 indexer's
+    # case; 32-bit keys lose 10 % there: fp32-precision runs only); below 4,096 unmeasured
     "topk": Crossover(
-        "entries per row (T; blocks for the candidate filter)", (), None,
-        "not yet measured on a GPU"),
+        "entries per row (T; blocks for the candidate filter)", ((4096, None),), None,
+        "indexer_split_20261202_h200_run26.json (topk_triton{16,32}_ms, cand_filter_triton{16,32}_ms; mismatch 0)"),
     # Not a Triton kernel: the sort-free exact top-k (kernels/topk_select.py, pure JAX, same bits as lax.top_k) in
     # indexer_topk.select_topk / candidate_mask; ``triton`` here lists the row lengths (entries, or blocks for the
     # candidate filter) where it replaces lax.top_k on a GPU (use_threshold_topk). H200 run 25 (32 x 6 rows): top-512

@@ -13,7 +13,8 @@ Same contract as ``topk_select.select_topk_threshold`` / ``topk_mask`` (the refe
      MODE 0 (``select_topk``): the selected entries with score > -inf and t < visible, written ascending to
      out[row, :k] by a running count + an in-block cumsum, -1 after. MODE 1 (``topk_mask``): the mask as int8.
 A row is read PASSES + 1 times (4 KB tiles; one 512 KB row per program at 131,072 entries).
-STATUS: checked in Triton's interpreter on CPU (tests/test_kernels_topk_triton.py); GPU: tests/gpu/test_topk_triton.py.
+STATUS: interpreter on CPU (tests/test_kernels_topk_triton.py); H200 run 26 (2026-12-02): tests/gpu/test_topk_triton.py 10
+passed; 32 x 6 rows x 131,072 entries 1.01 ms (16-bit keys) / 1.29 (32-bit) against lax.top_k + sort 2.64.
 """
 from __future__ import annotations
 
