@@ -3,7 +3,11 @@ dense linears are 1.4 ms of the 10.3 ms step at 11-20 % of their floors). Per V4
 of ``fp8_linear_triton`` (named ones + candidates for the 64-384-row band) and XLA's path (the reference:
 dequantised bf16 copy + cuBLAS) are timed as 16 unrolled calls on distinct inputs in one program (so the host's
 dispatch is paid once, not per call), checked against the reference (max |diff| / max |ref|), and set against the
-call's floor (weight bytes / read bandwidth, 2 M N K / bf16 GEMM rate). Table last, JSON in $OUT/fp8_sweep.json:
+call's floor (weight bytes / read bandwidth, 2 M N K / bf16 GEMM rate). Each of the 16 calls has its own weight
+(separate arguments: with one shared weight XLA computes its dequantised copy once for all 16 calls, which
+flattered XLA 2-3x in the first run of this script, run 28), and the time is the kernels' busy time in a
+``jax.profiler`` trace (``bench.step_profile.profile_step``) per call, beside the wall time per call. Table last,
+JSON in $OUT/fp8_sweep.json:
 
   python3 scripts/gpu_fp8_linear_sweep.py --rows 6 192 --out $OUT
 """
@@ -48,6 +52,7 @@ def main():
     import numpy as np
 
     from dsflash import quant
+    from dsflash.bench import step_profile as SP
     from dsflash.kernels import fp8_linear as fl, fp8_linear_triton as flt
 
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(a), "points": []}
@@ -55,31 +60,39 @@ def main():
     key = jax.random.PRNGKey(0)
     for name in a.shapes:
         N, K = SHAPES[name]
-        w32 = jax.random.normal(jax.random.fold_in(key, N * K), (N, K), jnp.float32) * 0.02
-        w8, s8 = quant.quantize_fp8_weight(w32)
+        quantize = jax.jit(quant.quantize_fp8_weight)
+        wts = [quantize(jax.random.normal(jax.random.fold_in(key, N * K + i), (N, K), jnp.float32) * 0.02)
+               for i in range(CALLS)]
+        ws, ss = [w for w, _ in wts], [s_ for _, s_ in wts]
         for M in a.rows:
-            xs = jax.random.normal(jax.random.fold_in(key, M), (CALLS, M, K), jnp.float32).astype(jnp.bfloat16)
-            ref = jax.jit(lambda x: fl.fp8_linear_reference(x, w8, s8))(xs[0]).astype(jnp.float32)
+            xs = [jax.random.normal(jax.random.fold_in(key, M * 100 + i), (M, K), jnp.float32).astype(jnp.bfloat16)
+                  for i in range(CALLS)]
+            ref = jax.jit(lambda x, w, s_: fl.fp8_linear_reference(x, w, s_))(xs[0], ws[0], ss[0]).astype(jnp.float32)
             floor = max(N * K * (1 + 1 / 1024) / (a.read_tbs * 1e12), 2 * M * N * K / (a.gemm_tflops * 1e12)) * 1e3
-            fns = {"xla": lambda x: fl.fp8_linear_reference(x, w8, s8)}
+            fns = {"xla": lambda x, w, s_: fl.fp8_linear_reference(x, w, s_)}
             for cn, cfg in cfgs.items():
-                fns[cn] = lambda x, cfg=cfg: flt.fp8_linear_triton(x, w8, s8, config=cfg)
+                fns[cn] = lambda x, w, s_, cfg=cfg: flt.fp8_linear_triton(x, w, s_, config=cfg)
             for fn_name, fn in fns.items():
                 if M <= 16 and fn_name not in ("xla", "decode", "decode_bn128"):
                     continue          # the 64-384-row candidates only where they differ from "decode"
                 row = {"shape": name, "N": N, "K": K, "M": M, "impl": fn_name, "floor_ms": floor}
                 try:
-                    many = jax.jit(lambda xs, fn=fn: [fn(xs[i]) for i in range(CALLS)])
-                    out = many(xs)
+                    many = jax.jit(lambda xs, ws, ss, fn=fn: [fn(x, w, s_) for x, w, s_ in zip(xs, ws, ss)])
+                    compiled = many.lower(xs, ws, ss).compile()
+                    out = compiled(xs, ws, ss)
                     jax.block_until_ready(out)
                     got = out[0].astype(jnp.float32)
                     row["rel_err"] = float(jnp.max(jnp.abs(got - ref)) / (jnp.max(jnp.abs(ref)) + 1e-30))
                     ts = []
                     for _ in range(a.reps):
                         t0 = time.perf_counter()
-                        jax.block_until_ready(many(xs))
+                        jax.block_until_ready(compiled(xs, ws, ss))
                         ts.append(time.perf_counter() - t0)
-                    row["ms"] = 1e3 * sorted(ts)[len(ts) // 2] / CALLS
+                    row["wall_ms"] = 1e3 * sorted(ts)[len(ts) // 2] / CALLS
+                    prof = SP.profile_step(lambda: jax.block_until_ready(compiled(xs, ws, ss)), compiled.as_text(),
+                                           calls=2)
+                    row["ms"] = prof["busy_ms"] / CALLS
+                    row["kernels_per_call"] = prof["kernels_per_step"] / CALLS
                     row["pct_floor"] = 100 * floor / row["ms"]
                     if fn_name in cfgs:
                         row["plan"] = {k: v for k, v in flt.plan(cfgs[fn_name], M, N, K).items()}
@@ -89,7 +102,7 @@ def main():
                 print(json.dumps(row), flush=True)
             with open(os.path.join(a.out, "fp8_sweep.json"), "w") as f:
                 json.dump(res, f, indent=1, default=str)
-    print(f"\n{'shape':<11}{'M':>5}  " + "".join(f"{n:>14}" for n in ["floor", "xla", *cfgs]) + "   (us per call)")
+    print(f"\n{'shape':<11}{'M':>5}  " + "".join(f"{n:>14}" for n in ["floor", "xla", *cfgs]) + "   (us per call: kernel busy time)")
     for name in a.shapes:
         for M in a.rows:
             rows = {r["impl"]: r for r in res["points"] if r["shape"] == name and r["M"] == M}
