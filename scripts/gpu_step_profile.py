@@ -12,7 +12,8 @@ weights of >= 16 M elements (wq_b, wo_b) at <= 384 rows; ``fp8off`` = none of th
 launch (``fp8_linear.GROUPED``); ``moe32`` = the default with ``sw_eo_np_bm32`` (BM 32 token tiles) as the MoE decode
 config above 384 slots; ``grp32`` = both; ``gather`` = the default with the paged indexer off (decode calls gather every
 index key to bf16 and score with the "indexer" kernel, the path before 2026-12-02); ``topk`` = the default with the
-Triton radix top-k (kernels/topk_triton.py) at every row length; ``notopk`` = the default with it off.
+Triton radix top-k (kernels/topk_triton.py) at every row length; ``notopk`` = the default with it off; ``fp8bn64`` =
+the FP8 linears' decode band on the "decode" config (BN 64, the default before run 29) instead of "decode_bn128".
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def main():
     real_moe = moe_plan.DECODE_CONFIG
     real_paged = dispatch.GATES["indexer_paged"]
     real_topk = dispatch.GATES["topk"]
+    from dsflash.kernels import fp8_linear_triton
+    real_fp8cfg = fp8_linear_triton.DECODE_CONFIG
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0)}
@@ -91,6 +94,7 @@ def main():
             fp8_linear.GROUPED = var in ("fp8grp", "grp32") or real_grouped
             moe_plan.DECODE_CONFIG = moe_plan.named_config("sw_eo_np_bm32") if var in ("moe32", "grp32") else real_moe
             dispatch.GATES["indexer_paged"] = real_paged.replace(triton=()) if var == "gather" else real_paged
+            fp8_linear_triton.DECODE_CONFIG = "decode" if var == "fp8bn64" else real_fp8cfg
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
             try:
@@ -158,6 +162,7 @@ def main():
     moe_plan.DECODE_CONFIG = real_moe
     dispatch.GATES["indexer_paged"] = real_paged
     dispatch.GATES["topk"] = real_topk
+    fp8_linear_triton.DECODE_CONFIG = real_fp8cfg
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"

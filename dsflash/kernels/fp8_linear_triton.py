@@ -180,10 +180,16 @@ NAMED_CONFIGS = {
     "prefill": Fp8LinearConfig(BM=128, BN=128, BK=64, KS=1, swap=False, warps=8, stages=3),
 }
 DECODE_MAX_ROWS = 384
+# The config of the decode band (M <= DECODE_MAX_ROWS). "decode_bn128" since H200 run 29 (2026-12-02, kernel busy
+# time per call in a trace, a weight per call; benchmarks/results/fp8_sweep_20261202_h200_run29.json): against
+# "decode" (BN 64) wq_b 25.6 -> 23.6 us at 6 rows and 71.7 -> 61.9 at 192, wo_b 29.6 -> 23.3 and 91.8 -> 71.5, the
+# shared expert's 2-5 % faster; wq_a / wkv within +-2 us either way. None of the 64-384-row candidates tried there
+# (BM 128 / 256 swapped tiles, unswapped BM 64 / 128) beat it.
+DECODE_CONFIG = "decode_bn128"
 
 
 def pick_config(rows: int) -> Fp8LinearConfig:
-    return NAMED_CONFIGS["decode" if rows <= DECODE_MAX_ROWS else "prefill"]
+    return NAMED_CONFIGS[DECODE_CONFIG if rows <= DECODE_MAX_ROWS else "prefill"]
 
 
 def _pow2_divisor(n, cap):
