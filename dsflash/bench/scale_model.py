@@ -62,8 +62,9 @@ normals]``, sigma = the step-time spread of one GPU ((p90 - median) / 1.2816 at 
     T_step = sum_o T_o + L T_moe + L (1 - overlap) T_comm + T_gap + host_ms + T_strag
     tokens/s/GPU = b * tokens_per_step / T_step,   tokens/s/user = tokens_per_step / T_step
 
-TP (``mode="tp"``, one sequence): dense ops, head and every expert's slices split ``1 / tp`` (perfect split:
-optimistic), ``h`` over all 384 experts, two all-reduces of ``t d`` bf16 per layer, the same gaps.
+TP (``predict(..., dep=1, tp=4)``, one sequence): dense ops and head split ``1 / tp`` (a perfect split:
+optimistic), every expert's slices too: ``T_moe = max((a h + c s) / tp + o, F)`` with ``h`` over all 384
+experts; two ring all-reduces of ``t d`` bf16 per layer; the same gaps; tokens/s/GPU divides by ``tp``.
 
 **What it cannot know** (also in ``ASSUMPTIONS`` / the docs): collective bandwidth and latency beyond one GPU
 (vendor figures), how the kernels behave at shapes never timed (t > 192 decode rows, other contexts: linear
