@@ -1,4 +1,5 @@
-"""``python -m dsflash.bench <subcommand> [args]``: dispatch to dsflash/bench/<subcommand>.py ``main(argv)``."""
+"""``python -m dsflash.bench <subcommand> [args]``: dispatch to dsflash/bench/<subcommand>.py ``main(argv)``
+(a hyphen in the subcommand is an underscore in the module: ``scale-model`` -> ``scale_model.py``)."""
 from __future__ import annotations
 
 import importlib
@@ -7,7 +8,7 @@ import sys
 from dsflash.bench import SUBCOMMANDS as _LISTED
 
 # subcommands with a module that dsflash/bench/__init__.py does not list yet
-SUBCOMMANDS = tuple(_LISTED) + tuple(n for n in ("forward", "eplb") if n not in _LISTED)
+SUBCOMMANDS = tuple(_LISTED) + tuple(n for n in ("forward", "eplb", "scale-model") if n not in _LISTED)
 
 
 def main(argv=None):
@@ -19,11 +20,12 @@ def main(argv=None):
     if name not in SUBCOMMANDS:
         print(f"unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
         return 2
+    modname = f"dsflash.bench.{name.replace('-', '_')}"
     try:
-        mod = importlib.import_module(f"dsflash.bench.{name}")
+        mod = importlib.import_module(modname)
     except ModuleNotFoundError as e:
-        if e.name == f"dsflash.bench.{name}":
-            print(f"subcommand {name!r} is not implemented yet (no dsflash/bench/{name}.py)", file=sys.stderr)
+        if e.name == modname:
+            print(f"subcommand {name!r} is not implemented yet (no {modname.replace('.', '/')}.py)", file=sys.stderr)
             return 2
         raise
     rc = mod.main(rest)
