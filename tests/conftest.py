@@ -37,3 +37,22 @@ def _drop_compiled_programs_after_each_module():
     if n is not None and n > 50_000:
         raise RuntimeError(f"{n} memory mappings after this module (limit vm.max_map_count, usually 65,530): a "
                            "module keeps compiled programs alive; the next compile may segfault")
+
+
+@pytest.fixture
+def interpreter_script():
+    """Run scripts/<name> in Triton's interpreter in a fresh process (TRITON_INTERPRET must be set before triton is
+    imported) and assert it printed "all ok" and exited 0; returns its stdout."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(name: str, timeout: int = 900) -> str:
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
+        r = subprocess.run([sys.executable, os.path.join(root, "scripts", name)], env=env, cwd=root,
+                           capture_output=True, text=True, timeout=timeout)
+        print(r.stdout)
+        assert r.returncode == 0 and "all ok" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+        return r.stdout
+    return run
