@@ -53,6 +53,13 @@ def selection_timings(score, visible, topk, reps):
                 lambda s, b=bits: tt.candidate_mask_triton(s, visible, 8, 2048, key_bits=b))
             pairs += [(f"topk_triton{bits}", "topk_ms", f"topk_triton{bits}_ms"),
                       (f"cand_filter_triton{bits}", "cand_filter_ms", f"cand_filter_triton{bits}_ms")]
+        from dsflash.kernels import topk_split_triton as tst   # rows over several programs
+        for bits in (32, 16):
+            paths[f"topk_split{bits}_ms"] = jax.jit(lambda s, b=bits: tst.select_topk_split(s, visible, topk, key_bits=b))
+            paths[f"cand_filter_split{bits}_ms"] = jax.jit(
+                lambda s, b=bits: tst.candidate_mask_split(s, visible, 8, 2048, key_bits=b))
+            pairs += [(f"topk_split{bits}", "topk_ms", f"topk_split{bits}_ms"),
+                      (f"cand_filter_split{bits}", "cand_filter_ms", f"cand_filter_split{bits}_ms")]
     except Exception as e:  # noqa: BLE001
         print("no Triton top-k:", repr(e)[:300], flush=True)
     row = {}
@@ -151,6 +158,12 @@ def main():
               f"({r.get('topk_triton32_mismatch', '-')}, {r.get('topk_triton16_mismatch', '-')})"
               f" {r.get('cand_filter_triton32_ms', nan):>14.3f} / {r.get('cand_filter_triton16_ms', nan):.3f} "
               f"({r.get('cand_filter_triton32_mismatch', '-')}, {r.get('cand_filter_triton16_mismatch', '-')})")
+    print("\ncontext  split top-512 32-bit / 16-bit keys (mismatch)  split cand-filter 32 / 16 (mismatch)   (ms)")
+    for r in res["points"]:
+        print(f"{r['context']:>7} {r.get('topk_split32_ms', nan):>10.3f} / {r.get('topk_split16_ms', nan):.3f} "
+              f"({r.get('topk_split32_mismatch', '-')}, {r.get('topk_split16_mismatch', '-')})"
+              f" {r.get('cand_filter_split32_ms', nan):>14.3f} / {r.get('cand_filter_split16_ms', nan):.3f} "
+              f"({r.get('cand_filter_split32_mismatch', '-')}, {r.get('cand_filter_split16_mismatch', '-')})")
 
 
 if __name__ == "__main__":

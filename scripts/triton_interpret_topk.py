@@ -1,24 +1,27 @@
-"""CPU check of the Triton exact top-k (``topk_triton._topk_kernel``) in Triton's interpreter.
+"""CPU check of the Triton exact top-k (``topk_triton._topk_kernel``, and ``topk_split_triton``'s launch sequence
+with rows split over several chunks) in Triton's interpreter.
 
 Runs the kernel on numpy buffers with the launch's own arguments (``kernel_args``) and compares, bit for bit, with
 the lax.top_k references (``indexer_topk.select_topk_sorted``, and ``topk_select.topk_mask`` for the mask mode) on
 the fuzz rows of tests/test_topk_select.py (ties, bf16 values, -inf masks, +-NaN, +-0.0, +-inf, all-masked rows,
 visible limits, T < topk, T not a multiple of the 4K tile), 32- and 16-bit keys (16: bf16-valued rows only).
-Usage: python scripts/triton_interpret_topk.py   (needs `pip install triton`; exits 1 on a mismatch)"""
+Usage: python scripts/triton_interpret_topk.py [--list | --check NAME]   (needs `pip install triton`; exits 1 on a
+mismatch; every check in a fresh process, a failed one re-run once: interpret_isolation)"""
+import functools
 import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import interpret_isolation  # noqa: E402
 from triton_interpret_moe import Fake  # noqa: E402
 from test_topk_select import _batch  # noqa: E402
-from dsflash.kernels import indexer_topk as ik, topk_select as ts, topk_triton as tt  # noqa: E402
+from dsflash.kernels import indexer_topk as ik, topk_select as ts, topk_split_triton as tst, topk_triton as tt  # noqa: E402
 
 
 def run(score, visible, k, key_bits, mode):
@@ -28,6 +31,24 @@ def run(score, visible, k, key_bits, mode):
     out = np.zeros((R, k) if mode == 0 else (R, T), np.int32 if mode == 0 else np.int8)
     tt._topk_kernel[grid](Fake(np.asarray(rows)), Fake(vis), Fake(out), **const)
     return out.reshape(*score.shape[:-1], -1)
+
+
+def np_call(kernel, grid, args, outs, aliases, num_warps, **const):
+    """topk_split_triton's launch on numpy buffers. An aliased output starts as a copy of its input (the kernels
+    read and write only the output pointer): handing the interpreter one buffer twice corrupts it, as it copies
+    every argument in and back out separately."""
+    ins = [np.array(a) for a in args]
+    bufs = [ins[next(i for i, o in aliases.items() if o == j)].copy() if j in aliases.values()
+            else np.zeros(o.shape, o.dtype) for j, o in enumerate(outs)]
+    kernel[grid](*[Fake(a) for a in ins], *[Fake(b) for b in bufs], **const)
+    return bufs
+
+
+def run_split(score, visible, k, key_bits, mode, chunk):
+    T = score.shape[-1]
+    rows = np.asarray(score, np.float32).reshape(-1, T)
+    vis = np.broadcast_to(np.asarray(visible), score.shape[:-1]).reshape(-1).astype(np.int32)
+    return np.asarray(tst._launches(np_call, rows, vis, k, key_bits, mode, chunk)).reshape(*score.shape[:-1], -1)
 
 
 CASES = [  # T, topk, key_bits, kinds, B
@@ -43,24 +64,34 @@ CASES = [  # T, topk, key_bits, kinds, B
 ]
 
 
-def main():
-    bad = 0
-    for i, (T, topk, kb, kinds, B) in enumerate(CASES):
-        score, visible = _batch(1000 + i, T, B=B, S=2, kinds=kinds)
-        k = min(topk, T)
-        want = np.asarray(ik.select_topk_sorted(score, visible, topk))
-        got = run(score, visible, k, kb, 0)
-        ok_sel = np.array_equal(got, want)
-        want_m = np.asarray(ts.topk_mask(score, k))
-        got_m = run(score, visible, k, kb, 1) != 0
-        ok_mask = np.array_equal(got_m, want_m)
-        print(f"{'ok  ' if ok_sel and ok_mask else 'FAIL'} case {i} T{T} k{k} key_bits {kb} {kinds} B{B}: "
-              f"select {'equal' if ok_sel else f'{int((got != want).sum())} slots differ'}, "
-              f"mask {'equal' if ok_mask else f'{int((got_m != want_m).sum())} entries differ'}", flush=True)
-        bad += not (ok_sel and ok_mask)
-    print("FAILED" if bad else "all ok")
-    sys.exit(1 if bad else 0)
+def check(i: int, split: bool):
+    """Case ``i`` through one launcher, asserting bit equality with the references."""
+    T, topk, kb, kinds, B = CASES[i]
+    score, visible = _batch(1000 + i, T, B=B, S=2, kinds=kinds)
+    k = min(topk, T)
+    want = np.asarray(ik.select_topk_sorted(score, visible, topk))
+    want_m = np.asarray(ts.topk_mask(score, k))
+    chunk = 1024 if T >= 3000 else 64        # several chunks a row, the last partial
+    if split:
+        got, got_m = run_split(score, visible, k, kb, 0, chunk), run_split(score, visible, k, kb, 1, chunk) != 0
+        what = f"split over {tst.plan(T, k, key_bits=kb, chunk=chunk)['C']} chunks"
+    else:
+        got, got_m = run(score, visible, k, kb, 0), run(score, visible, k, kb, 1) != 0
+        what = "one program a row"
+    ok_sel, ok_mask = np.array_equal(got, want), np.array_equal(got_m, want_m)
+    print(f"{'ok  ' if ok_sel and ok_mask else 'FAIL'} case {i} T{T} k{k} key_bits {kb} {kinds} B{B}, {what}: "
+          f"select {'equal' if ok_sel else f'{int((got != want).sum())} slots differ'}, "
+          f"mask {'equal' if ok_mask else f'{int((got_m != want_m).sum())} entries differ'}", flush=True)
+    assert ok_sel and ok_mask
+
+
+# each in its own process (interpret_isolation: repeated interpreter launches in one process return garbage now and
+# then, NOTES.md "Known flake"; seen here too); the split launcher only where a row has several chunks
+CHECKS = {**{f"one-{i}": functools.partial(check, i, False) for i in range(len(CASES))},
+          **{f"split-{i}": functools.partial(check, i, True) for i in range(len(CASES)) if CASES[i][0] > 64}}
 
 
 if __name__ == "__main__":
-    main()
+    interpret_isolation.main(__file__, CHECKS)
+    if not sys.argv[1:]:
+        print("all ok")

@@ -32,12 +32,34 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _next_digit(hist, krem, pre, p: tl.constexpr):
+    """One radix step: from byte ``p``'s histogram [256] of the keys matching ``pre``, the k-th largest key's byte
+    (the largest whose suffix count still reaches ``krem``) -> (prefix with that byte, k left among its ties)."""
+    bins = tl.arange(0, 256)
+    suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys >= each byte; falls with the byte
+    digit = tl.sum((suffix >= krem).to(tl.int32), 0) - 1
+    krem -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+    if p == 0:
+        pre = (digit ^ 128) << 24                                  # back to the signed key's top byte
+    else:
+        pre = pre | (digit << (24 - 8 * p))
+    return pre, krem
+
+
+@triton.jit
+def _byte(key, p: tl.constexpr):
+    """Byte ``p`` (0 = top) of the key in unsigned order."""
+    if p == 0:
+        return ((key >> 24) & 255) ^ 128
+    return (key >> (24 - 8 * p)) & 255
+
+
+@triton.jit
 def _topk_kernel(score_ptr, vis_ptr, out_ptr, T: tl.constexpr, stride: tl.constexpr, K: tl.constexpr, PASSES: tl.constexpr,
                  BLOCK: tl.constexpr, MODE: tl.constexpr):
     r = tl.program_id(0)
     row = score_ptr + r.to(tl.int64) * stride
     lanes = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
     pre = tl.zeros([], tl.int32)       # the threshold's bits found so far (signed-key representation)
     krem = tl.full([], K, tl.int32)    # how many of the k are still to find among the keys matching ``pre``
     for p in tl.static_range(PASSES):
@@ -46,20 +68,9 @@ def _topk_kernel(score_ptr, vis_ptr, out_ptr, T: tl.constexpr, stride: tl.conste
             offs = start + lanes
             inb = offs < T
             key = _ordered_key(tl.load(row + offs, mask=inb, other=0.0))
-            if p == 0:
-                match = inb
-                d = ((key >> 24) & 255) ^ 128          # the top byte in unsigned order
-            else:
-                match = inb & ((key >> (32 - 8 * p)) == (pre >> (32 - 8 * p)))
-                d = (key >> (24 - 8 * p)) & 255
-            hist += tl.histogram(d, 256, mask=match)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist          # keys >= each byte; falls with the byte
-        digit = tl.sum((suffix >= krem).to(tl.int32), 0) - 1
-        krem -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-        if p == 0:
-            pre = (digit ^ 128) << 24
-        else:
-            pre = pre | (digit << (24 - 8 * p))
+            match = inb if p == 0 else inb & ((key >> (32 - 8 * p)) == (pre >> (32 - 8 * p)))
+            hist += tl.histogram(_byte(key, p), 256, mask=match)
+        pre, krem = _next_digit(hist, krem, pre, p)
     low: tl.constexpr = 32 - 8 * PASSES                # key bits below the search: ignored
     thr = pre >> low
     if MODE == 0:

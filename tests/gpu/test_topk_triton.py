@@ -36,16 +36,29 @@ def test_select_and_mask_match_lax_top_k(T, topk, bits, kinds):
     _eq(jax.jit(lambda s: tt.topk_mask_triton(s, k, key_bits=bits))(score), jax.jit(lambda s: ts.topk_mask(s, k))(score))
 
 
-@pytest.mark.parametrize("bits", [32, 16])
-def test_real_shape(bits):
-    from dsflash.kernels import topk_triton as tt
+@pytest.mark.parametrize("T,topk,bits,kinds", [
+    (3000, 512, 32, ("ties",)), (20000, 512, 32, ("ties", "bf16", "normal")), (20000, 512, 16, ("bf16", "ties"))])
+def test_split_rows_match_lax_top_k(T, topk, bits, kinds):
+    from dsflash.kernels import topk_select as ts, topk_split_triton as tst
+    score, visible = _batch(T + bits + 1, T, B=4, S=3, kinds=kinds)
+    _eq(jax.jit(lambda s, v: tst.select_topk_split(s, v, topk, key_bits=bits, chunk=1024))(score, visible),
+        jax.jit(lambda s, v: ik.select_topk_sorted(s, v, topk))(score, visible))
+    _eq(jax.jit(lambda s: tst.topk_mask_split(s, min(topk, T), key_bits=bits, chunk=1024))(score),
+        jax.jit(lambda s: ts.topk_mask(s, min(topk, T)))(score))
+
+
+@pytest.mark.parametrize("bits,split", [(32, False), (16, False), (16, True)])
+def test_real_shape(bits, split):
+    from dsflash.kernels import topk_split_triton as tst, topk_triton as tt
+    select, cand = ((tst.select_topk_split, tst.candidate_mask_split) if split else
+                    (tt.select_topk_triton, tt.candidate_mask_triton))
     B, S, T = 32, 6, 131072
     score = jax.random.normal(jax.random.PRNGKey(bits), (B, S, T)).astype(jnp.bfloat16).astype(jnp.float32)
     visible = jnp.full((B, S), T, jnp.int32).at[:, -1].set(T // 3)
     score = jnp.where(jnp.arange(T)[None, None] < visible[..., None], score, -jnp.inf)
-    _eq(jax.jit(lambda s, v: tt.select_topk_triton(s, v, 512, key_bits=bits))(score, visible),
+    _eq(jax.jit(lambda s, v: select(s, v, 512, key_bits=bits))(score, visible),
         jax.jit(lambda s, v: ik.select_topk_sorted(s, v, 512))(score, visible))
-    _eq(jax.jit(lambda s, v: tt.candidate_mask_triton(s, v, 8, 2048, key_bits=bits))(score, visible),
+    _eq(jax.jit(lambda s, v: cand(s, v, 8, 2048, key_bits=bits))(score, visible),
         jax.jit(lambda s, v: ik.candidate_mask_sorted(s, v, 8, 2048))(score, visible))
 
 
