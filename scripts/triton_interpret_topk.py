@@ -5,7 +5,7 @@ Runs the kernel on numpy buffers with the launch's own arguments (``kernel_args`
 the lax.top_k references (``indexer_topk.select_topk_sorted``, and ``topk_select.topk_mask`` for the mask mode) on
 the fuzz rows of tests/test_topk_select.py (ties, bf16 values, -inf masks, +-NaN, +-0.0, +-inf, all-masked rows,
 visible limits, T < topk, T not a multiple of the 4K tile), 32- and 16-bit keys (16: bf16-valued rows only).
-Usage: python scripts/triton_interpret_topk.py [--list | --check NAME]   (needs `pip install triton`; exits 1 on a
+Usage: python scripts/triton_interpret_topk.py [--list | --check NAME | --only one|split]   (needs `pip install triton`; exits 1 on a
 mismatch; every check in a fresh process, a failed one re-run once: interpret_isolation)"""
 import functools
 import os
@@ -92,6 +92,10 @@ CHECKS = {**{f"one-{i}": functools.partial(check, i, False) for i in range(len(C
 
 
 if __name__ == "__main__":
-    interpret_isolation.main(__file__, CHECKS)
-    if not sys.argv[1:]:
+    if sys.argv[1:2] == ["--only"]:            # --only one | split: the checks of one launcher
+        interpret_isolation.run_checks(__file__, [n for n in CHECKS if n.startswith(sys.argv[2] + "-")])
         print("all ok")
+    else:
+        interpret_isolation.main(__file__, CHECKS)
+        if not sys.argv[1:]:
+            print("all ok")

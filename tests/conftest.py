@@ -48,9 +48,9 @@ def interpreter_script():
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    def run(name: str, timeout: int = 900) -> str:
+    def run(name: str, *args: str, timeout: int = 900) -> str:
         env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
-        r = subprocess.run([sys.executable, os.path.join(root, "scripts", name)], env=env, cwd=root,
+        r = subprocess.run([sys.executable, os.path.join(root, "scripts", name), *args], env=env, cwd=root,
                            capture_output=True, text=True, timeout=timeout)
         print(r.stdout)
         assert r.returncode == 0 and "all ok" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]

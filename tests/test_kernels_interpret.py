@@ -26,10 +26,12 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("script", ["triton_interpret_moe.py", "triton_interpret_sparse_attention.py",
-                                    "triton_interpret_indexer.py", "triton_interpret_mhc.py"])
+                                    "triton_interpret_indexer.py", "triton_interpret_mhc.py",
+                                    "triton_interpret_topk.py --only split"])
 def test_interpreter_script(script):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script)], env=env, cwd=ROOT,
+    name, *args = script.split()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
     print(r.stdout)
     retries = [ln for ln in r.stdout.splitlines()
