@@ -263,10 +263,13 @@ def test_engine_rejects_a_bad_grammar_naming_the_field(eng):
         eng.add_request("bad", PROMPT, SamplingParams(guided=GuidedDecoding(regex="(", field="guided_regex")))
 
 
-def test_engine_async_scheduling_keeps_guided_rows_exact(eng):
-    """With async scheduling a guided row is never dispatched while its previous token is in flight."""
+def test_engine_async_scheduling_keeps_guided_rows_exact(eng_always):
+    """With async scheduling a guided row is never dispatched while its previous token is in flight (both
+    engines draft every call: a sampled row's tokens depend on whether its call verified drafts)."""
     from dsflash.serve.engine.engine import LLMEngine
-    a = LLMEngine("demo", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, async_scheduling=True)
+    eng = eng_always
+    a = LLMEngine("demo", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, async_scheduling=True,
+                  speculative_mode="always")
     reqs = {f"s{i}": (PROMPT, SamplingParams(max_tokens=96, temperature=1.0, seed=i,
                                              guided=GuidedDecoding(json=SCHEMA))) for i in range(3)}
     reqs["u"] = (PROMPT, SamplingParams(max_tokens=40, temperature=0))
