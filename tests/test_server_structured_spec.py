@@ -1,6 +1,6 @@
 """Structured output under speculative decoding through the real server: drafts verified against the grammar.
-Two servers (``--speculative-mode always`` and ``off``, both started here): greedy answers under a schema /
-regex are identical, and sampled ``json_schema`` answers on chat and completions validate over seeds,
+Two servers (``--speculative-mode always`` and ``off``, both started here, fp32: at the serving precisions the
+verify and plain programs may round a near-tie differently): greedy answers under a schema / regex are identical, and sampled ``json_schema`` answers on chat and completions validate over seeds,
 streamed and not (test_server_structured.py covers the fields and errors on the default server)."""
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ MSG = [{"role": "user", "content": "Describe a thing as JSON."}]
 @pytest.fixture(scope="module")
 def servers():
     extra = [] if MODEL == "demo" else ["--model", MODEL]
-    srv = {m: ServerProcess(*extra, "--speculative-mode", m, startup_timeout=None, name=f"spec-{m}")
+    srv = {m: ServerProcess(*extra, "--speculative-mode", m, "--precision", "fp32", startup_timeout=None,
+                            name=f"spec-{m}")
            for m in ("always", "off")}
     try:
         for s in srv.values():
