@@ -176,7 +176,7 @@ class Guide:
                 else:
                     if self.failed or not self.matcher.validate_tokens(out[j:j + 1]):
                         ff = ff or (self.matcher.compute_ff_tokens() if not self.failed else [])
-                        if not ff:
+                        if not ff or not self.matcher.validate_tokens(ff[:1]):   # (an error state is final)
                             rows[j + 1:] = rows[j]
                             return out
                         out[j] = ff[0]
