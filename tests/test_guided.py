@@ -136,6 +136,63 @@ def test_no_draft_rows_emit_one_target_token():
             assert int(n[1]) == k + 1 and int(toks[0, 0]) == int(jnp.argmax(tl[0, 0]))
 
 
+def _allowed(row, t):
+    return bool((row[t // 32] >> (t % 32)) & 1)
+
+
+def test_fill_block_masks_each_draft_position_and_rolls_back(tok):
+    V = len(tok)
+    ids = tok.encode('{"name":"ab","ok":true,"n":7}')
+    gd = G.Guide(GuidedDecoding(json=SCHEMA), tok, V)
+    ref = G.Guide(GuidedDecoding(json=SCHEMA), tok, V)
+    rows = np.zeros((len(ids) + 1, G.mask_words(V)), np.int32)
+    assert gd.fill_block(rows, ids) == ids                     # valid drafts are kept
+    one = np.zeros((G.mask_words(V),), np.int32)
+    for j, t in enumerate(ids):                                # row j = the mask after ids[:j]
+        ref.fill(one)
+        np.testing.assert_array_equal(rows[j], one)
+        ref.accept(t)
+    _walk(gd, ids, V)                                          # the matcher was rolled back: the walk is valid
+    assert gd.done
+
+
+def test_fill_block_repairs_or_ends_at_a_rejected_draft(tok):
+    V = len(tok)
+    gd = G.Guide(GuidedDecoding(json=SCHEMA), tok, V)
+    bad = tok.encode("xyz")
+    rows = np.zeros((len(bad) + 1, G.mask_words(V)), np.int32)
+    out = gd.fill_block(rows, bad)                 # '{"name":"' is forced: the grammar's tokens replace them
+    assert out != bad and tok.decode(out).startswith('{"')
+    gd2 = G.Guide(GuidedDecoding(choice=["yes", "yellow"]), tok, V)
+    first = tok.encode("ye")[:1]
+    rows = np.zeros((3, G.mask_words(V)), np.int32)
+    out = gd2.fill_block(rows, first + [tok.eos_id, tok.eos_id])
+    assert not _allowed(rows[1], tok.eos_id)       # EOS is rejected and nothing is forced: the block ends there
+    assert out[1] == tok.eos_id and (rows[2] == rows[1]).all()
+    _walk(gd2, tok.encode("yes"), V)               # untouched by the look-ahead
+    assert gd2.done
+    think = G.Guide(GuidedDecoding(choice=["yes"], after_think=True), tok, V)    # dormant until </think>
+    d = tok.encode("ab") + [tok.think_end_id] + tok.encode("zz")
+    rows = np.zeros((len(d) + 1, G.mask_words(V)), np.int32)
+    out = think.fill_block(rows, d)
+    k = d.index(tok.think_end_id)
+    assert (rows[:k + 1] == -1).all() and tok.decode(out[k + 1:]).startswith("y")   # then the grammar, repaired
+    assert not think.active
+
+
+def test_device_mask_per_position():
+    V, B, P = 40, 2, 3
+    rng = np.random.default_rng(2)
+    logits = rng.standard_normal((B, P, V)).astype(np.float32)
+    allowed = rng.random((B, P, V)) < 0.4
+    mask = np.zeros((B, P, G.mask_words(V)), np.uint32)
+    for b, p, v in zip(*np.nonzero(allowed)):
+        mask[b, p, v // 32] |= np.uint32(1 << (v % 32))
+    guided = np.array([True, False])
+    out = np.asarray(S.apply_token_mask(jnp.asarray(logits), jnp.asarray(mask.view(np.int32)), jnp.asarray(guided)))
+    np.testing.assert_array_equal(out, np.where(allowed | ~guided[:, None, None], logits, -np.inf))
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 PROMPT = "<｜begin▁of▁sentence｜><｜User｜>Give me a JSON object.<｜Assistant｜></think>"
 
@@ -206,10 +263,10 @@ def test_engine_rejects_a_bad_grammar_naming_the_field(eng):
         eng.add_request("bad", PROMPT, SamplingParams(guided=GuidedDecoding(regex="(", field="guided_regex")))
 
 
-def test_engine_async_scheduling_keeps_guided_rows_exact(eng):
-    """With async scheduling a guided row is never dispatched while its previous token is in flight."""
-    from dsflash.serve.engine.engine import LLMEngine
-    a = LLMEngine("demo", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, async_scheduling=True)
+def test_engine_async_scheduling_keeps_guided_rows_exact(eng_always):
+    """With async scheduling a guided row is never dispatched while its previous token is in flight (both
+    engines draft every call: a sampled row's tokens depend on whether its call verified drafts)."""
+    eng, a = eng_always, _engine("always", async_scheduling=True)
     reqs = {f"s{i}": (PROMPT, SamplingParams(max_tokens=96, temperature=1.0, seed=i,
                                              guided=GuidedDecoding(json=SCHEMA))) for i in range(3)}
     reqs["u"] = (PROMPT, SamplingParams(max_tokens=40, temperature=0))
@@ -219,3 +276,50 @@ def test_engine_async_scheduling_keeps_guided_rows_exact(eng):
     for i in range(3):
         jsonschema.validate(json.loads(outs[f"s{i}"].text), SCHEMA)
     assert a.compiles_after_warmup == 0
+
+
+# ------------------------------------------------------------------- speculative decoding with constrained rows
+def _engine(mode, **kw):
+    """fp32: at the serving precisions the verify (1 + block rows) and plain (1 row) programs may round a
+    near-tie differently, for free rows as for guided ones (docs/engine.md "Adaptive speculation")."""
+    from dsflash.serve.engine.engine import LLMEngine
+    return LLMEngine("demo", max_num_seqs=4, max_model_len=512, max_num_batched_tokens=128, speculative_mode=mode,
+                     precision="fp32", **kw)
+
+
+@pytest.fixture(scope="module")
+def eng_off():
+    return _engine("off")
+
+
+@pytest.fixture(scope="module")
+def eng_always():
+    return _engine("always")
+
+
+def test_speculative_guided_greedy_equals_plain_and_accepts_drafts(eng_always, eng_off):
+    """Drafts verified against the grammar: greedy output under a schema / regex / choice is the same with and
+    without speculation, and guided rows do accept drafts (more than one token per verification)."""
+    cases = {"json": GuidedDecoding(json=SCHEMA), "obj": GuidedDecoding(json_object=True),
+             "re": GuidedDecoding(regex=r"[a-z]{3,8}( [a-z]{2,6}){0,3}"), "ch": GuidedDecoding(choice=["yes", "no"])}
+    reqs = {k: (PROMPT, SamplingParams(max_tokens=96, temperature=0, guided=g)) for k, g in cases.items()}
+    d0, a0 = eng_always.metrics.spec_num_drafts, eng_always.metrics.spec_num_accepted_tokens
+    spec, plain = _run(eng_always, reqs), _run(eng_off, reqs)
+    for k in cases:
+        assert spec[k].token_ids == plain[k].token_ids, k
+    jsonschema.validate(json.loads(spec["json"].text), SCHEMA)
+    assert eng_always.metrics.spec_num_drafts > d0
+    assert eng_always.metrics.spec_num_accepted_tokens > a0
+    assert eng_always.compiles_after_warmup == 0 and eng_off.compiles_after_warmup == 0
+
+
+def test_speculative_guided_sampled_answers_validate_over_seeds(eng_always):
+    reqs = {f"s{i}": (PROMPT, SamplingParams(max_tokens=96, temperature=1.0, seed=i, guided=GuidedDecoding(json=SCHEMA)))
+            for i in range(12)}
+    reqs["free"] = (PROMPT, SamplingParams(max_tokens=40, temperature=0))
+    outs = _run(eng_always, reqs)
+    for i in range(12):
+        assert outs[f"s{i}"].finish_reason == "stop", outs[f"s{i}"].text
+        jsonschema.validate(json.loads(outs[f"s{i}"].text), SCHEMA)
+    assert outs["free"].token_ids == _run(eng_always, {"u": reqs["free"]})["u"].token_ids   # batch-mates change nothing
+    assert eng_always.compiles_after_warmup == 0

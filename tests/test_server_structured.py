@@ -164,6 +164,47 @@ def test_tool_choice_required_and_named_are_enforced(client, stream):
         assert len(calls) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_response_format_over_seeds(client, stream):
+    """``response_format`` on /v1/completions is enforced too (a raw prompt: nothing is rendered into it)."""
+    m = _model(client)
+    rf = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+
+    def ask(seed):
+        kw = dict(model=m, prompt=f"Item {seed}:", max_tokens=96, temperature=1.0, seed=seed,
+                  extra_body={"response_format": rf})
+        if not stream:
+            c = client.completions.create(**kw).choices[0]
+            return c.text, c.finish_reason
+        text, finish = "", None
+        for ch in client.completions.create(stream=True, **kw):
+            if ch.choices:
+                text, finish = text + (ch.choices[0].text or ""), ch.choices[0].finish_reason or finish
+        return text, finish
+
+    for seed, (text, finish) in zip(SEEDS, _concurrently(ask, SEEDS), strict=True):
+        assert finish == "stop", (seed, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    r = client.completions.create(model=m, prompt="x", max_tokens=120, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    c = r.choices[0]
+    assert isinstance(json.loads(c.text), dict) if c.finish_reason == "stop" else c.text.startswith("{")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"guided_json": "{not json"}, "guided_json"),
+])
+def test_completions_bad_constraints_are_400_naming_the_field(server, body, param):
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == param
+
+
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format.json_schema.schema"),

@@ -5,9 +5,11 @@
    full-size (129,280-id) synthetic tokenizer.
 2. **Engine tokens/s** on the same closed batch of chat prompts: ``free`` (no constraint, ``ignore_eos``),
    ``json`` (every request under a JSON schema), ``mixed`` (half of them): generated tokens / wall time after
-   warm-up, steps, ms per step and the host mask time per guided token. Guided rows decode one token per
-   device call without drafts (docs/server.md "Structured output"), which is most of the difference.
-``--json PATH`` writes the numbers.
+   warm-up, steps, ms per step, the host mask time per guided token and the drafts accepted per verification,
+   once per ``--speculative-modes`` engine (``off`` / ``always`` / ``adaptive``): guided rows decode one device
+   iteration per call, verifying drafts against the grammar when speculating (docs/server.md "Structured
+   output").
+``--json PATH`` writes the numbers (with the commit, date and load average).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def parse(argv):
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     p.add_argument("--modes", default="free,json,mixed")
+    p.add_argument("--speculative-modes", default="off,always", help="one engine each (adaptive, always, off)")
+    p.add_argument("--passes", type=int, default=1, help="runs of every mode per engine (the best is kept)")
     p.add_argument("--no-full-vocab", action="store_true", help="skip the 129,280-id tokenizer's mask timing")
     p.add_argument("--json", default=None, help="write results here")
     return p.parse_args(argv)
@@ -66,7 +70,8 @@ def run_mode(eng, mode: str, args) -> dict:
     from dsflash.serve.types import GuidedDecoding, SamplingParams
     prompt = "<｜begin▁of▁sentence｜><｜User｜>Describe module {i} as JSON.<｜Assistant｜></think>"
     m0 = G.STATS["masks"], G.STATS["mask_s"]
-    steps0 = eng.metrics.num_steps
+    met = eng.metrics
+    steps0, d0, a0 = met.num_steps, met.spec_num_drafts, met.spec_num_accepted_tokens
     t0 = time.perf_counter()
     for i in range(args.num_prompts):
         guided = mode == "json" or (mode == "mixed" and i % 2 == 0)
@@ -83,21 +88,26 @@ def run_mode(eng, mode: str, args) -> dict:
                 guided_toks += n if mode == "json" or (mode == "mixed" and i % 2 == 0) else 0
     dt = time.perf_counter() - t0
     masks, mask_s = G.STATS["masks"] - m0[0], G.STATS["mask_s"] - m0[1]
-    steps = eng.metrics.num_steps - steps0
+    steps, drafts = met.num_steps - steps0, met.spec_num_drafts - d0
     return {"mode": mode, "generated_tokens": toks, "guided_tokens": guided_toks, "elapsed_s": dt,
             "tokens_per_s": toks / dt, "steps": steps, "ms_per_step": 1e3 * dt / max(steps, 1),
-            "masks": masks, "mask_ms_per_guided_token": 1e3 * mask_s / max(masks, 1)}
+            "masks": masks, "mask_ms_per_guided_token": 1e3 * mask_s / max(masks, 1), "verifications": drafts,
+            "accepted_per_verification": (met.spec_num_accepted_tokens - a0) / drafts if drafts else None}
 
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
+    import os
+    from dsflash.bench.serve import git_commit
     from dsflash.serve.engine.engine import LLMEngine
-    t = time.perf_counter()
-    eng = LLMEngine(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                    max_num_batched_tokens=args.max_num_batched_tokens)
-    print(f"model {args.model}: engine ready in {time.perf_counter() - t:.1f}s; {args.num_prompts} prompts, max_tokens "
-          f"{args.max_tokens}, temperature {args.temperature}, max_num_seqs {args.max_num_seqs}, speculative "
-          f"{eng.speculative}")
+    engines = {}
+    for sm in [x.strip() for x in args.speculative_modes.split(",") if x.strip()]:
+        t = time.perf_counter()
+        engines[sm] = eng = LLMEngine(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                      max_num_batched_tokens=args.max_num_batched_tokens, speculative_mode=sm)
+        print(f"model {args.model}, speculative {sm}: engine ready in {time.perf_counter() - t:.1f}s; "
+              f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+              f"max_num_seqs {args.max_num_seqs}")
     costs = [mask_cost(eng.tokenizer, eng.backend.vocab_size)]
     if not args.no_full_vocab:
         import tempfile
@@ -110,18 +120,27 @@ def main(argv=None) -> int:
         print(f"mask cost, vocab {c['vocab']:6d}: median {c['mask_ms_median']:.3f} ms, mean {c['mask_ms_mean']:.3f}, "
               f"p90 {c['mask_ms_p90']:.3f}, max {c['mask_ms_max']:.3f} per token ({c['tokens']} tokens x 5); "
               f"matcher build {c['matcher_build_ms_median']:.2f} ms")
-    results = []
-    run_mode(eng, "json", argparse.Namespace(**{**vars(args), "num_prompts": 2}))     # warm the host paths
-    for mode in [x.strip() for x in args.modes.split(",") if x.strip()]:
-        r = run_mode(eng, mode, args)
-        results.append(r)
-        print(f"[{mode:5s}] {r['tokens_per_s']:7.1f} tok/s ({r['generated_tokens']} tokens, {r['guided_tokens']} "
-              f"guided, in {r['elapsed_s']:.2f}s, {r['steps']} steps, {r['ms_per_step']:.1f} ms/step; host mask "
-              f"{r['mask_ms_per_guided_token']:.3f} ms per guided token)")
-        sys.stdout.flush()
+    results, load = [], [os.getloadavg()[0]]
+    for eng in engines.values():
+        run_mode(eng, "json", argparse.Namespace(**{**vars(args), "num_prompts": 2}))     # warm the host paths
+    for p in range(args.passes):     # engines interleaved per mode: the shared CPU's load drifts
+        for mode in [x.strip() for x in args.modes.split(",") if x.strip()]:
+            for sm, eng in engines.items():
+                r = {"speculative": sm, "pass": p, **run_mode(eng, mode, args)}
+                results.append(r)
+                load.append(os.getloadavg()[0])
+                acc = r["accepted_per_verification"]
+                print(f"[{sm:8s} {mode:5s}] {r['tokens_per_s']:7.1f} tok/s ({r['generated_tokens']} tokens, "
+                      f"{r['guided_tokens']} guided, in {r['elapsed_s']:.2f}s, {r['steps']} steps, "
+                      f"{r['ms_per_step']:.1f} ms/step; host mask {r['mask_ms_per_guided_token']:.3f} ms per guided "
+                      f"token; accepted per verification {'-' if acc is None else f'{acc:.2f}'})")
+                sys.stdout.flush()
     if args.json:
+        import jax
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "mask_cost": costs, "results": results}, f, indent=2)
+            json.dump({"args": vars(args), **git_commit(), "date": time.strftime("%Y%m%d"), "device": "cpu",
+                       "jax": jax.__version__, "load_average_1m": load, "mask_cost": costs, "results": results},
+                      f, indent=2)
     return 0
 
 

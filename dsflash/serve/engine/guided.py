@@ -6,8 +6,11 @@ per token on the host (measured on the demo tokenizer: docs/server.md "Structure
 
 Flow per sequence: ``Guide.fill(row)`` writes the mask of the next token into the step's input row; the
 output processor calls ``Guide.accept(token)`` for each appended token. Because the mask depends on the
-previous token, a guided row decodes one token per device call and never drafts (``scheduler``/``runner``).
-With ``after_think`` the guide is dormant (all tokens allowed) until the first ``</think>`` token.
+previous token, a guided row decodes one device iteration per call (``scheduler``). Under speculation it
+verifies ``Guide.drafts`` (proposed at the end of its previous call): ``fill_block`` writes the mask of every
+draft position, consuming the drafts in turn and rolling the matcher back, so a draft the grammar rejects
+ends the accepted prefix on the device. With ``after_think`` the guide is dormant (all tokens allowed) until
+the first ``</think>`` token.
 """
 from __future__ import annotations
 
@@ -140,13 +143,14 @@ class Guide:
         if self.matcher.is_error():
             raise ValueError(f"{spec.field}: {self.matcher.get_error()}")
         self.failed = False
+        self.drafts = None           # the next call's drafts (the runner's ``next_drafts``), or None
 
     def fill(self, row: np.ndarray) -> None:
         """The allowed-token bitmask of the next token into ``row`` (int32 [W], bit set = allowed)."""
         if not self.active:
             row[:] = -1
             return
-        if self.failed or self.matcher.is_error():
+        if self.failed or self.matcher.is_stopped():     # stopped: complete or in error; only EOS
             row[:] = 0
             row[self.eos // 32] = np.int32(np.uint32(1 << (self.eos % 32)).view(np.int32))
             return
@@ -157,6 +161,34 @@ class Guide:
         n = min(self.W, m.shape[0])
         row[:n] = m[:n]
         row[n:] = 0
+
+    def fill_block(self, rows: np.ndarray, drafts=()) -> list[int]:
+        """Masks of a verify block into ``rows`` [len(drafts) + 1, W]: row j is the mask after the first j
+        drafts. A draft the grammar rejects is replaced by the grammar's forced (fast-forward) tokens when
+        there are any; otherwise it ends the accepted prefix and the rows past it repeat the last mask
+        (unused). Returns the drafts to verify; the matcher is left as it was."""
+        self.fill(rows[0])
+        out, ff, active, n = [int(d) for d in drafts], [], self.active, 0
+        try:
+            for j in range(len(out)):
+                if not self.active:
+                    self.active = out[j] == self.think_end
+                else:
+                    if self.failed or not self.matcher.validate_tokens(out[j:j + 1]):
+                        ff = ff or (self.matcher.compute_ff_tokens() if not self.failed else [])
+                        if not ff or not self.matcher.validate_tokens(ff[:1]):   # (an error state is final)
+                            rows[j + 1:] = rows[j]
+                            return out
+                        out[j] = ff[0]
+                    ff = ff[1:] if ff and ff[0] == out[j] else []
+                    self.matcher.consume_token(out[j])
+                    n += 1
+                self.fill(rows[j + 1])
+            return out
+        finally:
+            if n:
+                self.matcher.rollback(n)
+            self.active = active
 
     def accept(self, token: int) -> None:
         if not self.active:

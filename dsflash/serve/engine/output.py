@@ -119,6 +119,9 @@ class OutputProcessor:
                 s.metrics.num_accepted_tokens += int(acc.sum())
                 if nd:
                     m.acceptance_length.append(n / nd)
+            if s.guide is not None:         # the drafts its next call verifies (proposed after this call)
+                nxt = res.get("next_drafts")
+                s.guide.drafts = [int(t) for t in nxt[i]] if nxt is not None else None
             if n == 0:
                 continue
             toks = [int(t) for t in res["tok"][i, :n]]

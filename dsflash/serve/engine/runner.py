@@ -308,7 +308,7 @@ class Runner:
         K1 = k + 1 if spec else 1
         sp = inp["sp"]
         greedy = sp["temp"] <= 0
-        guided = inp["guided"]           # rows under a grammar: masked, one token per call, drafts not used
+        guided = inp["guided"]           # rows under a grammar: masked, one iteration per call
         slots = jnp.arange(S_, dtype=jnp.int32)
         floor = inp["floor"]
         row_steps = inp["row_steps"]
@@ -338,7 +338,10 @@ class Runner:
             if spec:
                 dkeys = S.purpose(S.request_keys(sp["seed_lo"], sp["seed_hi"], nidx), S.DRAFT)
                 drafts, dlogits, _ = be.propose(params, state, y, p, slots, floor, sp["draft_temp"], dkeys)
-                drafts = drafts.astype(jnp.int32)
+                # guided rows verify the host's drafts (its masks are for those); none: no draft
+                have = inp["has_drafts"] & (i == 0)
+                drafts = jnp.where(have[:, None], inp["drafts"], drafts.astype(jnp.int32))
+                no_draft = guided & ~have
                 tokens = jnp.concatenate([y[:, None], drafts], axis=1)
             else:
                 tokens = y[:, None]
@@ -348,7 +351,7 @@ class Runner:
             if ctx:
                 state = be.update_context(params, out, batch, state)
             raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
-            masked = S.apply_token_mask(raw, inp["mask"], guided)
+            masked = S.apply_token_mask(raw, inp["mask"][:, :K1], guided)
             counts = rows["counts"][:, None, :]
             seen = rows["seen"][:, None, :]
             if spec:
@@ -366,7 +369,7 @@ class Runner:
                 q_g = jnp.where(jnp.arange(V) == drafts[..., None], 0.0, -jnp.inf)
                 q = jnp.where((sp["draft_temp"] > 0)[:, None, None], q_s, q_g)
                 emitted, n = S.rejection_sample(logp, pen, q, drafts, greedy, S.purpose(keys, S.ACCEPT),
-                                                S.purpose(keys, S.SAMPLE), no_draft=guided)
+                                                S.purpose(keys, S.SAMPLE), no_draft=no_draft)
             else:
                 emitted = S.sample(logp[:, 0], pen[:, 0], greedy, S.purpose(keys[:, 0], S.SAMPLE))[:, None]
                 n = jnp.ones((S_,), jnp.int32)
@@ -388,7 +391,7 @@ class Runner:
             nb["n_out"] = off + n
             nb["stop"] = buf["stop"] | (run & has_stop)
             if spec:
-                nb["drafts"] = buf["drafts"] + (run & ~guided).astype(jnp.int32)
+                nb["drafts"] = buf["drafts"] + (run & ~no_draft).astype(jnp.int32)
                 nb["acc_pos"] = buf["acc_pos"] + (run[:, None] & (jnp.arange(k)[None] < (n - 1)[:, None])).astype(jnp.int32)
             nb["iters"] = buf["iters"] + 1
             if self.eplb_shape is not None:
@@ -406,13 +409,20 @@ class Runner:
         _, state, rows, buf = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, rows, buf))
         res = dict(buf)
         res["y"], res["pos"], res["n_gen"], res["active"] = rows["y"], rows["pos"], rows["n_gen"], rows["active"]
+        if spec:     # the next call's drafts for guided rows (greedy), so the host can mask their positions
+            def propose_next():
+                keys = S.purpose(S.request_keys(sp["seed_lo"], sp["seed_hi"], rows["n_gen"]), S.DRAFT)
+                d, _, _ = be.propose(params, state, rows["y"], rows["pos"], slots, floor,
+                                     jnp.zeros_like(sp["draft_temp"]), keys)
+                return d.astype(jnp.int32)
+            res["next_drafts"] = lax.cond(jnp.any(guided), propose_next, lambda: jnp.zeros((S_, k), jnp.int32))
         return state, rows, res
 
     # ------------------------------------------------------------------ one step's inputs and launch
     def step_inputs(self, plan):
         """Host inputs of a ``StepPlan``'s calls, built from the sequences *before* the plan is committed."""
         pf = self._prefill_inputs(*plan.prefill) if plan.prefill is not None else None
-        dc = self._decode_inputs(plan.decode) if plan.decode else None
+        dc = self._decode_inputs(plan.decode, plan.K1 - 1) if plan.decode else None
         return pf, dc
 
     def _prefill_inputs(self, bucket, chunks, rows):
@@ -448,7 +458,7 @@ class Runner:
                 sp[f][r] = m.sp[f][s.slot]
         return inp
 
-    def _decode_inputs(self, decode):
+    def _decode_inputs(self, decode, draft_len=0):
         inp = self.empty_decode_inputs()
         m = self.mirror
         inp["page_table"] = m.pt.copy()
@@ -457,15 +467,24 @@ class Runner:
         for s, h in decode:
             inp["row_steps"][s.slot] = h
             if s.guide is not None:
-                self._guide_row(inp, s.slot, s)
+                self._guide_row(inp, s.slot, s, s.guide.drafts if draft_len and s.guide.drafts is not None else ())
         return inp
 
-    def _guide_row(self, inp, r, s):
-        """Row ``r`` samples under ``s``'s grammar: its bitmask of the next token (host, llguidance)."""
-        if not inp["guided"].any():      # the shared all-zero mask is read-only: this call gets its own
-            inp["mask"] = np.zeros_like(inp["mask"])
+    def _guide_row(self, inp, r, s, drafts=()):
+        """Row ``r`` samples under ``s``'s grammar: its bitmask of the next token (host, llguidance); a decode
+        row with ``drafts`` gets one mask per verified position and verifies those drafts (greedy q)."""
+        if not inp["guided"].any():      # the shared all-zero inputs are read-only: this call gets its own
+            inp.update({f: np.zeros_like(inp[f]) for f in ("mask", "drafts", "has_drafts") if f in inp})
         inp["guided"][r] = True
-        s.guide.fill(inp["mask"][r])
+        if inp["mask"].ndim == 2:
+            s.guide.fill(inp["mask"][r])
+            return
+        m, n = inp["mask"][r], len(drafts) + 1
+        drafts = s.guide.fill_block(m[:n], drafts)
+        m[n:] = m[n - 1]
+        if len(drafts):
+            inp["drafts"][r], inp["has_drafts"][r] = drafts, True
+            inp["sp"]["draft_temp"][r] = 0.0
 
     def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=(), draft_len=None):
         """Dispatch a step's calls; returns a handle whose ``result()`` is ``(prefill, decode)`` results on the host.
@@ -524,16 +543,22 @@ class Runner:
         return {"page_table": np.zeros((S_, self.P), np.int32), "floor": np.zeros((S_,), np.int32),
                 "row_steps": np.zeros((S_,), np.int32), "deactivate": np.zeros((S_,), bool),
                 "max_iters": np.int32(self.max_iters), "sp": empty_sampling(S_, self.max_stop_ids),
-                **self._no_guides(S_)}
+                **self._no_guides(S_, self.K1)}
 
-    def _no_guides(self, n):
-        """Guided-decoding inputs of a call without guided rows: one shared read-only zero mask per row count
-        (no allocation per step), ``guided`` all False (the device skips the masking)."""
-        m = self._mask0.get(n)
-        if m is None:
-            m = self._mask0[n] = np.zeros((n, (self.V + 31) // 32), np.int32)
-            m.flags.writeable = False
-        return {"mask": m, "guided": np.zeros((n,), bool)}
+    def _no_guides(self, n, positions=0):
+        """Guided-decoding inputs of a call without guided rows: shared read-only zeros per shape (no allocation
+        per step), ``guided`` all False (the device skips the masking). ``positions``: a decode call's masks
+        per verified position, with the host's ``drafts`` for guided rows."""
+        z = self._mask0.get((n, positions))
+        if z is None:
+            W = (self.V + 31) // 32
+            z = {"mask": np.zeros((n, positions, W) if positions else (n, W), np.int32)}
+            if positions:
+                z.update(drafts=np.zeros((n, max(self.k, 1)), np.int32), has_drafts=np.zeros((n,), bool))
+            for a in z.values():
+                a.flags.writeable = False
+            self._mask0[(n, positions)] = z
+        return {**z, "guided": np.zeros((n,), bool)}
 
     def pick_bucket(self, n_rows: int, max_len: int):
         for b in self.prefill_buckets:

@@ -108,15 +108,17 @@ def process_logits(logits, temperature, top_k, top_p, min_p):
 
 def apply_token_mask(logits, mask, guided):
     """Guided decoding: logits [B, ..., V] -> the same with tokens outside row b's bitmask at -inf where
-    ``guided[b]``. ``mask`` [B, W] int32 (bit ``v % 32`` of word ``v // 32`` set = allowed, llguidance's layout).
-    Runs only when some row is guided (``lax.cond``), so unconstrained batches pay nothing."""
+    ``guided[b]``. ``mask`` [B, W] int32 (bit ``v % 32`` of word ``v // 32`` set = allowed, llguidance's layout),
+    or [B, P, W] for logits [B, P, V] (one mask per position: a verify block). Runs only when some row is guided
+    (``lax.cond``), so unconstrained batches pay nothing."""
     V = logits.shape[-1]
 
     def masked(x):
         v = jnp.arange(V, dtype=jnp.int32)
-        bits = (mask[:, v // 32] >> (v % 32)) & 1                               # [B, V]
-        allowed = (bits == 1) | ~guided[:, None]
-        allowed = allowed.reshape(allowed.shape[:1] + (1,) * (x.ndim - 2) + allowed.shape[1:])
+        bits = (mask[..., v // 32] >> (v % 32)) & 1                             # [B, (P,) V]
+        g = guided.reshape(guided.shape + (1,) * (bits.ndim - 1))
+        allowed = (bits == 1) | ~g
+        allowed = allowed.reshape(allowed.shape[:-1] + (1,) * (x.ndim - allowed.ndim) + allowed.shape[-1:])
         return jnp.where(allowed, x, NEG_INF)
 
     return lax.cond(jnp.any(guided), masked, lambda x: x, logits)

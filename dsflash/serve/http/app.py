@@ -548,7 +548,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     requested = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS  # null = default
     max_toks = [_max_tokens(st, requested, len(p), "max_tokens", "prompt") for p in prompts]
     params0 = _sampling_params(req, max_toks[0], req.logprobs, tok.vocab_size if tok is not None else 0)
-    params0 = structured.attach(params0, req)            # guided_* / structured_outputs (400 naming the field)
+    params0 = structured.attach(params0, req)   # response_format / guided_* / structured_outputs (400 naming the field)
     prompt_lps = None
     if req.echo and req.logprobs is not None:     # the prompt tokens' logprobs too (log-likelihood evaluation)
         from dsflash.serve.http.prompt_logprobs import prompt_logprobs

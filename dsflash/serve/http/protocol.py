@@ -25,6 +25,18 @@ class StreamOptions(_Base):
     continuous_usage_stats: Optional[StrictBool] = False
 
 
+class JsonSchemaSpec(_Base):
+    name: Optional[StrictStr] = None
+    description: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = None
+
+
 class _SamplingFields(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: Optional[StrictStr] = None
@@ -49,7 +61,9 @@ class _SamplingFields(_Base):
     skip_special_tokens: Optional[StrictBool] = None
     min_tokens: Optional[StrictInt] = 0
     request_id: Optional[StrictStr] = None
-    # structured output (dsflash/serve/http/structured.py): vLLM's structured_outputs and guided_* fields
+    # structured output (dsflash/serve/http/structured.py): OpenAI's response_format (chat: also rendered into
+    # the prompt), vLLM's structured_outputs and guided_* fields
+    response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
     guided_regex: Optional[StrictStr] = None
@@ -122,18 +136,6 @@ class ChatMessage(_Base):
         return self
 
 
-class JsonSchemaSpec(_Base):
-    name: Optional[StrictStr] = None
-    description: Optional[StrictStr] = None
-    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[StrictBool] = None
-
-
-class ResponseFormat(_Base):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaSpec] = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[StrictInt] = None
@@ -143,7 +145,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = True
-    response_format: Optional[ResponseFormat] = None
     reasoning_effort: Optional[Union[StrictStr, StrictInt]] = None
     # DeepSeek / vLLM ways of switching thinking on
     thinking: Optional[Union[StrictBool, dict[str, Any]]] = None

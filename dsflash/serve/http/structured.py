@@ -1,6 +1,6 @@
 """Structured-output request fields -> ``SamplingParams.guided`` (docs/server.md "Structured output").
 
-Sources, at most one per request: ``response_format`` json_object / json_schema (chat), vLLM's
+Sources, at most one per request: ``response_format`` json_object / json_schema (chat and completions), vLLM's
 ``structured_outputs`` {json, regex, choice, grammar, json_object} and the older ``guided_json`` /
 ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, and ``tool_choice`` ``"required"`` / a named
 function (chat with tools: the DSML tool-call grammar). The constraint is compiled here once, so a bad
@@ -21,8 +21,10 @@ def _sources(req, tools) -> list[GuidedDecoding]:
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type == "json_object":
         out.append(GuidedDecoding(json_object=True, field="response_format"))
-    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None \
-            and rf.json_schema.schema_ is not None:
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema: required when type is 'json_schema'",
+                           param="response_format.json_schema")
         out.append(GuidedDecoding(json=rf.json_schema.schema_, field="response_format.json_schema.schema"))
     so = req.structured_outputs
     if so is not None:
