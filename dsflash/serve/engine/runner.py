@@ -202,13 +202,15 @@ class Runner:
             self._row_sharding = NamedSharding(mesh, PartitionSpec(ax))
             self._replicated = NamedSharding(mesh, PartitionSpec())
             self.rows = jax.device_put(self.rows, self._row_sharding)
+            # several processes (multi-controller): results replicated, so the leader can read all rows
             out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
-                   None)
+                   self._replicated if jax.process_count() > 1 else None)
             self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
             self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2), out_shardings=out)
                              for d, f in impls.items()}
         self._compiled: dict = {}
         self._mask0: dict = {}
+        self.link = None      # multihost.PlanLink of a multi-controller job (the engine binds it)
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
         self.dp, self.eplb, self._executor = dp, eplb, None
         pt_fill = np.repeat(np.arange(dp, dtype=np.int32) * (geo.num_pages // dp), max_num_seqs // dp)
@@ -477,21 +479,11 @@ class Runner:
         run before / after the prefill (``snapshots.StatePool``). ``draft_len``: which decode program runs (None:
         the engine's block). The decode result carries ``elapsed_s``, its wall time (the cost model's sample;
         the prefill is finished first so it is not counted in)."""
-        def run():   # dispatch, then bring the (small) results to the host on the same thread
-            if restores:
-                self.state = self.snap.restore(self.state, list(restores))
-            pf = self.prefill(pf_inp) if pf_inp is not None else None
-            if saves:          # before the decode call, which writes rows past the boundary
-                self.state = self.snap.save(self.state, list(saves))
-            dc = None
-            if dc_inp is not None:
-                pf = jax.device_get(pf)
-                jax.block_until_ready(self.state)
-                t = time.perf_counter()
-                dc = jax.device_get(self.decode(dc_inp, draft_len))
-                dc["elapsed_s"] = time.perf_counter() - t
-                dc["draft_len"] = self.k if draft_len is None else draft_len
-            return jax.device_get(pf), dc
+        def run():
+            step = lambda: self.run_step(pf_inp, dc_inp, restores, saves, draft_len)   # noqa: E731
+            if self.link is not None:      # multi-controller leader: broadcast first, the followers run the same
+                return self.link.lead(step, pf_inp, dc_inp, draft_len)
+            return step()
 
         if not asynchronous:
             return _Deferred(run)          # run (and waited for) when the engine reads the results
@@ -499,6 +491,23 @@ class Runner:
             from concurrent.futures import ThreadPoolExecutor
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dsflash-dispatch")
         return self._executor.submit(run)
+
+    def run_step(self, pf_inp, dc_inp, restores=(), saves=(), draft_len=None):
+        """Dispatch one step's calls, then bring the (small) results to the host on the same thread."""
+        if restores:
+            self.state = self.snap.restore(self.state, list(restores))
+        pf = self.prefill(pf_inp) if pf_inp is not None else None
+        if saves:          # before the decode call, which writes rows past the boundary
+            self.state = self.snap.save(self.state, list(saves))
+        dc = None
+        if dc_inp is not None:
+            pf = jax.device_get(pf)
+            jax.block_until_ready(self.state)
+            t = time.perf_counter()
+            dc = jax.device_get(self.decode(dc_inp, draft_len))
+            dc["elapsed_s"] = time.perf_counter() - t
+            dc["draft_len"] = self.k if draft_len is None else draft_len
+        return jax.device_get(pf), dc
 
     def after_step(self, pf, dc):
         """EPLB hook: one ``[L, P]`` load per engine step (valid rows of every forward) into the balancer,
@@ -553,8 +562,13 @@ class Runner:
         """Host inputs -> device arrays with the row axis over the DP axes (identity without a DP mesh)."""
         if self.mesh is None:
             return inp
-        return jax.device_put(inp, jax.tree.map(
-            lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp))
+        shardings = jax.tree.map(lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp)
+        if jax.process_count() == 1:
+            return jax.device_put(inp, shardings)
+        # several processes hold the same host value (the leader's plan, broadcast): each builds its own shards
+        # (device_put would first all-gather every input to check that the processes agree)
+        return jax.tree.map(lambda a, sh: jax.make_array_from_callback(np.shape(a), sh, lambda i: np.asarray(a)[i]),
+                            inp, shardings)
 
     def prefill(self, inp):
         inp = self.place(inp)
