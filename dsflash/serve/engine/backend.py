@@ -138,8 +138,9 @@ class ModelBackend:
         self.bind_geometry(geo)
         state = init_state(self.cfg, geo, self.precision)
         if self.mesh is not None:
+            from dsflash.model.params import place_value
             from dsflash.sharding.rules import state_shardings
-            state = jax.device_put(state, state_shardings(state, self.mesh, self.strategy))
+            state = jax.tree.map(place_value, state, state_shardings(state, self.mesh, self.strategy))
         return state
 
     def forward(self, params, batch, state, *, logits="last", taps=False):

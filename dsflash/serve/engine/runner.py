@@ -201,7 +201,8 @@ class Runner:
             ax = token_axes(mesh, getattr(backend, "strategy", "dep"))
             self._row_sharding = NamedSharding(mesh, PartitionSpec(ax))
             self._replicated = NamedSharding(mesh, PartitionSpec())
-            self.rows = jax.device_put(self.rows, self._row_sharding)
+            from dsflash.model.params import place_value
+            self.rows = jax.tree.map(lambda a: place_value(a, self._row_sharding), self.rows)
             # several processes (multi-controller): results replicated, so the leader can read all rows
             out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
                    self._replicated if jax.process_count() > 1 else None)
@@ -566,9 +567,8 @@ class Runner:
         if jax.process_count() == 1:
             return jax.device_put(inp, shardings)
         # several processes hold the same host value (the leader's plan, broadcast): each builds its own shards
-        # (device_put would first all-gather every input to check that the processes agree)
-        return jax.tree.map(lambda a, sh: jax.make_array_from_callback(np.shape(a), sh, lambda i: np.asarray(a)[i]),
-                            inp, shardings)
+        from dsflash.model.params import place_value
+        return jax.tree.map(place_value, inp, shardings)
 
     def prefill(self, inp):
         inp = self.place(inp)
