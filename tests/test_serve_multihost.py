@@ -84,6 +84,34 @@ def _complete(base, prompt, max_tokens=8):
     return c["choices"][0]["text"], c["usage"]["completion_tokens"]
 
 
+def test_dead_follower_fails_requests_and_the_leader_exits(job_env, tmp_path):
+    # first in the module: it fills the compilation cache the next job starts from
+    job = Job(job_env, tmp_path)
+    try:
+        job.wait_healthy()
+        events, t_kill = [], None
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 56, "temperature": 0, "stream": True}
+        with httpx.stream("POST", job.base + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if t_kill is None:                          # mid-request: the first chunk is out
+                    job.procs[1].kill()
+                    t_kill = time.time()
+        assert t_kill is not None, events
+        errors = [json.loads(e)["error"]["message"] for e in events if e != "[DONE]" and '"error"' in e]
+        print(f"\n[multihost] the stream's error event: {errors[:1]}")
+        assert errors and "multi-controller step" in errors[0] and "process of the job is gone" in errors[0], events
+        rc = job.procs[0].wait(60)                          # never hangs
+        assert rc == 1, (rc, job.output(0))
+        assert "FollowerLostError" in job.output(0) or "multi-controller" in job.output(0)
+        print(f"\n[multihost] leader failed the stream and exited {time.time() - t_kill:.1f}s after the kill")
+    finally:
+        job.kill()
+
+
 def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path):
     job = Job(job_env, tmp_path)
     try:
@@ -107,32 +135,6 @@ def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path):
         assert rcs == [0, 0], (rcs, job.output(0), job.output(1))
         assert "the leader stopped after" in job.output(1)
         print(f"\n[multihost] 2-process job up in {job.startup_s:.1f}s")
-    finally:
-        job.kill()
-
-
-def test_dead_follower_fails_requests_and_the_leader_exits(job_env, tmp_path):
-    job = Job(job_env, tmp_path)
-    try:
-        job.wait_healthy()
-        events, t_kill = [], None
-        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 56, "temperature": 0, "stream": True}
-        with httpx.stream("POST", job.base + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if t_kill is None:                          # mid-request: the first chunk is out
-                    job.procs[1].kill()
-                    t_kill = time.time()
-        assert t_kill is not None, events
-        errors = [json.loads(e)["error"]["message"] for e in events if e != "[DONE]" and '"error"' in e]
-        assert errors and "multi-controller step" in errors[0] and "process of the job is gone" in errors[0], events
-        rc = job.procs[0].wait(60)                          # never hangs
-        assert rc == 1, (rc, job.output(0))
-        assert "FollowerLostError" in job.output(0) or "multi-controller" in job.output(0)
-        print(f"\n[multihost] leader failed the stream and exited {time.time() - t_kill:.1f}s after the kill")
     finally:
         job.kill()
 
