@@ -139,6 +139,54 @@ def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path):
         job.kill()
 
 
+def llm_child(port: int, pid: int) -> None:
+    """One process of a two-process ``dsflash.LLM`` job (the same script on both): the leader generates and
+    prints the outputs as JSON, the follower follows."""
+    import dsflash
+    from dsflash.serve.types import SamplingParams
+    from dsflash.sharding.rules import get_strategy
+    llm = dsflash.LLM("tiny", coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid, mesh="dep=8",
+                      load_options={"strategy": get_strategy("dep", draft_expert_parallel=False)}, **ENGINE)
+    if llm.is_leader:
+        with llm:
+            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+        print(json.dumps({"out": [[o.outputs[0].text, len(o.outputs[0].token_ids)] for o in outs],
+                          "compiles": llm.engine.compiles_after_warmup}), flush=True)
+    else:
+        with pytest.raises(RuntimeError, match="follower"):
+            llm.generate(PROMPTS[:1])
+        print(json.dumps({"steps": llm.follow()}), flush=True)
+
+
+def test_llm_across_two_processes(job_env):
+    """``dsflash.LLM(coordinator=..., num_processes=2, process_id=i, mesh="dep=8")``: process 0 generates the
+    single-device engine's greedy outputs, process 1 follows until process 0 closes."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--llm-child", str(port), str(i)],
+                              env=job_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    import dsflash
+    from dsflash.serve.types import SamplingParams
+    ref = dsflash.LLM("tiny", **ENGINE)
+    want = [[o.outputs[0].text, len(o.outputs[0].token_ids)] for o in
+            ref.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))]
+    del ref
+    outs = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=150)
+            outs.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rc, o, e in outs:
+        assert rc == 0, e[-3000:]
+    lead, follow = (json.loads(o.strip().splitlines()[-1]) for _, o, _ in outs)
+    assert lead["out"] == want and lead["compiles"] == 0
+    assert follow["steps"] > 0
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--num-processes", "2", "--process-id", "2", "--coordinator", "127.0.0.1:1234"], "--process-id"),
     (["--num-processes", "0"], "--num-processes"),
@@ -207,3 +255,7 @@ def test_watchdog_fires_once_on_a_stuck_step():
     time.sleep(0.8)
     w.close()
     assert len(fired) == 1 and isinstance(fired[0], FollowerLostError) and "--step-timeout" in str(fired[0])
+
+
+if __name__ == "__main__" and "--llm-child" in sys.argv:
+    llm_child(int(sys.argv[2]), int(sys.argv[3]))

@@ -152,6 +152,14 @@ def _listen(host: str, port: int) -> tuple[socket.socket, str] | None:
     return sock, f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
+def _exit_now(status: int):
+    """End a process of a broken multi-controller job now: a normal exit would wait at jax.distributed's shutdown
+    barrier for the peers that are gone (minutes)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _follow(args) -> int:
     """A follower process of a multi-controller job: the same engine, no HTTP; runs the leader's steps until
     the leader stops (status 0) or the job breaks (status 1, without waiting on the lost peers)."""
@@ -165,8 +173,7 @@ def _follow(args) -> int:
         steps = engine.follow()
     except Exception as e:  # noqa: BLE001
         print(f"error: follower {pid}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)          # the job is broken: do not wait at jax.distributed's shutdown barrier for lost peers
+        _exit_now(1)
     print(f"dsflash.serve: process {pid}: the leader stopped after {steps} steps; exiting", flush=True)
     return 0
 
@@ -186,8 +193,7 @@ def _guard_leader(engine, step_timeout: float, log) -> None:
         engine.fail_now(err)
         time.sleep(1.0)               # let the event loop write the error events
         print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
+        _exit_now(1)
 
     link = engine.engine.runner.link
     if link is None:
@@ -243,6 +249,8 @@ def main(argv=None) -> int:
     # Bind first: a busy port fails in a second, not after the model has compiled.
     bound = _listen(args.host, args.port)
     if bound is None:
+        if multi:
+            _exit_now(1)
         return 1
     sock, url = bound
 
@@ -266,6 +274,8 @@ def main(argv=None) -> int:
         engine.start()
     except Exception as e:  # noqa: BLE001
         print(f"error: the engine failed to start: {type(e).__name__}: {e}", file=sys.stderr)
+        if multi:
+            _exit_now(1)
         return 1
     if multi:
         _guard_leader(engine, args.step_timeout, log)

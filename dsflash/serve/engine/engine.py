@@ -91,7 +91,8 @@ class LLMEngine:
         self.memory["capacity_tokens"] = lay.num_pages * c.page_size
         self.memory["num_pages"] = lay.num_pages
         t1 = time.perf_counter()
-        self.runner.warmup(threads=c.compile_threads)
+        link = self.runner.link
+        self.runner.warmup(threads=c.compile_threads, sync=(lambda: link.barrier("warmup")) if link else None)
         if self.runner.link is not None:
             self.runner.link.warmup()
         self.warmup_time = time.perf_counter() - t1

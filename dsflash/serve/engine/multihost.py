@@ -6,13 +6,16 @@ same inputs, so all processes enter every collective of the global mesh in the s
 
 What crosses is the runner's host inputs of one step (``Runner.step_inputs``: token ids, positions, page tables,
 slots, sampling rows, stop ids, row horizons, guided masks) plus the decode program's draft length: everything a
-compiled call reads that is not already device state. It travels through JAX itself, as two
-``multihost_utils.broadcast_one_to_all`` collectives per step over the global devices:
+compiled call reads that is not already device state. Per step:
 
-1. a fixed ``HEADER`` of ``int32`` words: command (step / stop), a sequence number, the prefill bucket's index
-   (-1: no prefill), whether a decode call follows, its draft length and whether each call carries a guided
-   mask;
-2. the payload: the raw bytes of every input array, in the pytree order of the runner's own empty inputs
+1. a fixed ``HEADER`` of ``int32`` words -- command (step / stop), sequence number, the prefill bucket's index
+   (-1: no prefill), whether a decode call follows, its draft length, whether each call carries a guided mask --
+   through the ``jax.distributed`` coordination service's key-value store (key ``dsflash/plan/<seq>``). A
+   follower blocks on the next key for as long as the leader idles (a device collective cannot wait that long:
+   gloo's CPU collectives give up after 30 s); the leader deletes key ``seq - 1`` when it writes ``seq`` (every
+   follower read it before it joined step ``seq - 1``'s broadcast, which completed);
+2. the payload through JAX's own collective, ``multihost_utils.broadcast_one_to_all`` over the global devices:
+   the raw bytes of every input array, in the pytree order of the runner's own empty inputs
    (``empty_prefill_inputs(bucket)`` / ``empty_decode_inputs()``), as ``int32`` words. The header fixes its
    length, so a follower builds the same template, receives exactly that many words and reads the arrays back
    out of them (no pickling, no shapes on the wire). A call without guided rows leaves its mask out (the
@@ -21,11 +24,13 @@ compiled call reads that is not already device state. It travels through JAX its
 Each payload length compiles one tiny broadcast program; ``PlanLink.warmup`` compiles every length the
 buckets allow (with and without masks) at start-up, on all processes in the same order, so serving compiles
 nothing. The broadcast is issued on the thread that then launches the step (the runner's dispatch thread with
-async scheduling), so it is ordered with the step's own collectives.
+async scheduling), so it is ordered with the step's own collectives. ``barrier`` (the coordination service's)
+lines the processes up before the first run of each compiled program (their compile times differ; a gloo
+context waits only 30 s for its peers).
 
-Shutdown: the leader's ``close()`` sends a stop header; a follower's ``follow()`` returns on it. A follower
-that dies makes the leader's next collective fail (or stall): ``Watchdog`` turns either into
-``FollowerLostError`` on the leader within ``step_timeout`` seconds (docs/multihost.md).
+Shutdown: the leader's ``close()`` writes a stop header; a follower's ``follow()`` returns on it. A follower
+that dies makes the leader's next collective fail (or stall): ``lead`` turns a failure into
+``FollowerLostError``, and ``Watchdog`` a stall past ``step_timeout`` seconds (docs/multihost.md).
 """
 from __future__ import annotations
 
@@ -89,14 +94,32 @@ def _decode(words: np.ndarray, template, guided: bool):
     return tree
 
 
-class PlanLink:
-    """The leader's and the followers' end of the per-step broadcast (one per process, bound to its Runner)."""
+def _client():
+    """The ``jax.distributed`` coordination-service client of this process."""
+    from jax._src import distributed
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("multihost: jax.distributed is not initialised in this process")
+    return client
 
-    def __init__(self, runner):
+
+KEY = "dsflash/plan/{}"
+
+
+class PlanLink:
+    """The leader's and the followers' end of the per-step broadcast (one per process, bound to its Runner).
+    ``poll_s``: how long a follower's key-value wait lasts before it waits again (an idle leader is no error);
+    ``barrier_timeout_s``: how long ``barrier`` waits for the slowest process."""
+
+    def __init__(self, runner, poll_s: float = 10.0, barrier_timeout_s: float = 1800.0):
         self.runner = runner
         self.leader = jax.process_index() == 0
+        self.client = _client()
+        self.poll_ms = int(poll_s * 1000)
+        self.barrier_ms = int(barrier_timeout_s * 1000)
+        self._barriers = 0
         self.seq = 0
-        self.broadcasts = 0          # collectives issued (two per step: header, payload)
+        self.broadcasts = 0          # payload collectives issued (one per step)
         self.watchdog = None         # the leader's Watchdog (set by the server / LLM), None: none
 
     # ------------------------------------------------------------------ the collective
@@ -104,6 +127,26 @@ class PlanLink:
         from jax.experimental import multihost_utils
         self.broadcasts += 1
         return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(words, np.int32), is_source=self.leader))
+
+    def barrier(self, name: str = "sync") -> None:
+        """Every process of the job waits here for the others (the coordination service's barrier, no device)."""
+        self._barriers += 1
+        self.client.wait_at_barrier(f"dsflash/{name}/{self._barriers}", self.barrier_ms)
+
+    def _put_header(self, header) -> None:
+        self.client.key_value_set_bytes(KEY.format(int(header[1])), np.asarray(header, np.int32).tobytes())
+        if header[1] > 1:
+            self.client.key_value_delete(KEY.format(int(header[1]) - 1))
+
+    def _get_header(self, seq: int) -> np.ndarray:
+        while True:
+            try:
+                raw = self.client.blocking_key_value_get_bytes(KEY.format(seq), self.poll_ms)
+            except Exception as e:  # noqa: BLE001 - the leader idles (deadline) or is gone (anything else)
+                if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+                    continue
+                raise
+            return np.frombuffer(raw, np.int32).copy()
 
     def _bucket_index(self, pf_inp) -> int:
         if pf_inp is None:
@@ -135,7 +178,7 @@ class PlanLink:
         want = self._payload_words(header)
         if payload.size != want:      # the leader's inputs must have the layout the followers rebuild
             raise RuntimeError(f"multihost: step inputs encode to {payload.size} words, the template to {want}")
-        self._bcast(header)
+        self._put_header(header)
         if payload.size:
             self._bcast(payload)
 
@@ -159,12 +202,12 @@ class PlanLink:
     def stop(self) -> None:
         """Tell the followers to leave ``follow()`` (leader only)."""
         self.seq += 1
-        self._bcast(np.array([STOP, self.seq, -1, 0, 0, 0, 0, 0], np.int32))
+        self._put_header(np.array([STOP, self.seq, -1, 0, 0, 0, 0, 0], np.int32))
 
     # ------------------------------------------------------------------ follower
     def receive(self):
         """The next step's ``(pf_inp, dc_inp, draft_len)``, or None when the leader stopped (followers only)."""
-        header = self._bcast(np.zeros((HEADER,), np.int32))
+        header = self._get_header(self.seq + 1)
         if int(header[0]) == STOP:
             return None
         if int(header[0]) != STEP:
@@ -189,7 +232,7 @@ class PlanLink:
                 for pg in ((0, 1) if b >= 0 else (0,)):
                     for dg in ((0, 1) if has_dc else (0,)):
                         sizes.add(self._payload_words([STEP, 0, b, has_dc, 0, pg, dg, 0]))
-        self._bcast(np.zeros((HEADER,), np.int32))
+        self.barrier("broadcast-warmup")
         for n in sorted(sizes - {0}):
             self._bcast(np.zeros((n,), np.int32))
 

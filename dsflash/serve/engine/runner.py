@@ -585,11 +585,13 @@ class Runner:
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
-    def warmup(self, threads: int | None = None):
+    def warmup(self, threads: int | None = None, sync=None):
         """Compile every bucket ahead of time (concurrently: XLA compiles release the GIL), then run each
         once with dummy rows (which write nothing). Serving calls the compiled executables directly, so a
         shape outside the buckets is an error, never a silent recompile. ``threads``: compile threads (None:
-        ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``)."""
+        ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``). ``sync``: called
+        between compiling and the first runs (a multi-controller job's barrier: every process compiles at its own
+        pace, the first run of a program's collectives needs all of them)."""
         from concurrent.futures import ThreadPoolExecutor
         jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
         jobs += [(("decode", d), self._decodes[d], self.empty_decode_inputs()) for d in self.draft_lengths]
@@ -598,6 +600,8 @@ class Runner:
         with ThreadPoolExecutor(threads) as ex:
             compiled = list(ex.map(lambda kl: (kl[0], kl[1].compile()), lowered))
         self._compiled = dict(compiled)
+        if sync is not None:
+            sync()
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
         for d in self.draft_lengths:
