@@ -11,9 +11,9 @@ compiled call reads that is not already device state. Per step:
 1. a fixed ``HEADER`` of ``int32`` words -- command (step / stop), sequence number, the prefill bucket's index
    (-1: no prefill), whether a decode call follows, its draft length, whether each call carries a guided mask --
    through the ``jax.distributed`` coordination service's key-value store (key ``dsflash/plan/<seq>``). A
-   follower blocks on the next key for as long as the leader idles (a device collective cannot wait that long:
-   gloo's CPU collectives give up after 30 s); the leader deletes key ``seq - 1`` when it writes ``seq`` (every
-   follower read it before it joined step ``seq - 1``'s broadcast, which completed);
+   follower blocks on the next key for as long as the leader idles, off the devices (no collective held open
+   on them for hours); the leader deletes key ``seq - 1`` when it writes ``seq`` (every follower read it before
+   it joined step ``seq - 1``'s broadcast, which completed);
 2. the payload through JAX's own collective, ``multihost_utils.broadcast_one_to_all`` over the global devices:
    the raw bytes of every input array, in the pytree order of the runner's own empty inputs
    (``empty_prefill_inputs(bucket)`` / ``empty_decode_inputs()``), as ``int32`` words. The header fixes its
