@@ -93,8 +93,10 @@ class LLMEngine:
         t1 = time.perf_counter()
         link = self.runner.link
         self.runner.warmup(threads=c.compile_threads, sync=(lambda: link.barrier("warmup")) if link else None)
-        if self.runner.link is not None:
-            self.runner.link.warmup()
+        if link is not None:
+            t2 = time.perf_counter()
+            n = link.warmup()
+            log.info("multi-controller: %d plan broadcasts compiled in %.1fs", n, time.perf_counter() - t2)
         self.warmup_time = time.perf_counter() - t1
         self.startup_time = time.perf_counter() - t0
         self._compiles_in_steps = 0

@@ -21,8 +21,8 @@ compiled call reads that is not already device state. Per step:
    out of them (no pickling, no shapes on the wire). A call without guided rows leaves its mask out (the
    follower uses the runner's shared zero mask).
 
-Each payload length compiles one tiny broadcast program; ``PlanLink.warmup`` compiles every length the
-buckets allow (with and without masks) at start-up, on all processes in the same order, so serving compiles
+Each payload length (padded to a power of two: ``padded_words``) compiles one tiny broadcast program;
+``PlanLink.warmup`` compiles every length the buckets allow (with and without masks) at start-up, on all processes in the same order, so serving compiles
 nothing. The broadcast is issued on the thread that then launches the step (the runner's dispatch thread with
 async scheduling), so it is ordered with the step's own collectives. ``barrier`` (the coordination service's)
 lines the processes up before the first run of each compiled program (their compile times differ; a gloo
@@ -106,6 +106,18 @@ def _client():
 KEY = "dsflash/plan/{}"
 
 
+def padded_words(n: int) -> int:
+    """The broadcast length of an ``n``-word payload: the next power of two (at least 1024 words), so a handful of
+    compiled broadcasts cover every bucket / decode / mask combination (at most 2x the bytes)."""
+    return max(1024, 1 << (int(n) - 1).bit_length())
+
+
+def _padded(words: np.ndarray) -> np.ndarray:
+    out = np.zeros((padded_words(words.size),), np.int32)
+    out[:words.size] = words
+    return out
+
+
 class PlanLink:
     """The leader's and the followers' end of the per-step broadcast (one per process, bound to its Runner).
     ``poll_s``: how long a follower's key-value wait lasts before it waits again (an idle leader is no error);
@@ -180,7 +192,7 @@ class PlanLink:
             raise RuntimeError(f"multihost: step inputs encode to {payload.size} words, the template to {want}")
         self._put_header(header)
         if payload.size:
-            self._bcast(payload)
+            self._bcast(_padded(payload))
 
     def lead(self, step, pf_inp, dc_inp, draft_len):
         """The leader's step: broadcast its inputs, then ``step()`` (the device calls). Any failure is the job's
@@ -215,16 +227,16 @@ class PlanLink:
         self.seq = int(header[1])
         pf_t, dc_t, pg, dg = self._templates(header)
         n = self._payload_words(header)
-        words = self._bcast(np.zeros((n,), np.int32)) if n else np.zeros((0,), np.int32)
+        words = self._bcast(np.zeros((padded_words(n),), np.int32)) if n else np.zeros((0,), np.int32)
         npf = _nwords(pf_t, pg) if pf_t is not None else 0
         pf = _decode(words[:npf], pf_t, pg) if pf_t is not None else None
         dc = _decode(words[npf:], dc_t, dg) if dc_t is not None else None
         return pf, dc, int(header[4])
 
     # ------------------------------------------------------------------ start-up
-    def warmup(self) -> None:
-        """Compile the broadcast of the header and of every payload length the buckets allow (all processes, in
-        the same order); serving then compiles nothing."""
+    def warmup(self) -> int:
+        """Compile the broadcast of every (padded) payload length the buckets allow, on all processes in the same
+        order, so serving compiles nothing; returns how many."""
         run = self.runner
         sizes = set()
         for b in [-1] + list(range(len(run.prefill_buckets))):
@@ -233,8 +245,9 @@ class PlanLink:
                     for dg in ((0, 1) if has_dc else (0,)):
                         sizes.add(self._payload_words([STEP, 0, b, has_dc, 0, pg, dg, 0]))
         self.barrier("broadcast-warmup")
-        for n in sorted(sizes - {0}):
+        for n in sorted({padded_words(n) for n in sizes - {0}}):
             self._bcast(np.zeros((n,), np.int32))
+        return len({padded_words(n) for n in sizes - {0}})
 
 
 def follow(engine) -> int:
