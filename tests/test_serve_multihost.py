@@ -4,7 +4,8 @@ job on this machine (2 CPU processes x 4 faked devices, dep=8 over both, gloo co
 * the job answers greedy completions exactly as one process does (the single-device engine, fp32), and a
   SIGTERM to the leader stops both processes cleanly (status 0);
 * a follower killed mid-request: the leader fails the in-flight stream with an error event that says why and
-  exits with status 1, within a timeout (never hangs);
+  exits with status 1, within a timeout (never hangs); a follower stopped (SIGSTOP) trips --step-timeout the same
+  way;
 * bad flags fail at start-up naming the flag; the plan encoding round-trips; the watchdog fires.
 """
 from __future__ import annotations
@@ -28,6 +29,10 @@ ARGS = ["--model", "tiny", "--mesh", "dep=8", "--replicate-draft-experts", "--pr
         "--no-speculative", "--max-num-seqs", "8", "--max-model-len", "64", "--page-size", "16",
         "--max-num-batched-tokens", "64"]
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5], [100, 200, 300, 400, 17, 18, 19]]
+# a job compiles the engine's programs in every process (the follower always from scratch on CPU: JAX keeps the
+# device assignment in CPU cache keys and only process 0 writes the cache): ~45-75 s on an idle 2-core machine,
+# up to ~180 s measured while other jobs loaded it (load average 6)
+STARTUP_TIMEOUT = 400.0
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +44,16 @@ def job_env(tmp_path_factory):
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return env
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy (text, token count) of each prompt from one process on one device, same engine settings."""
+    import dsflash
+    from dsflash.serve.types import SamplingParams
+    ref = dsflash.LLM("tiny", **ENGINE)
+    outs = ref.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
 
 
 class Job:
@@ -59,7 +74,8 @@ class Job:
         with open(self.logs[i].name, encoding="utf-8", errors="replace") as f:
             return "".join(ln for ln in f if "[Gloo]" not in ln)[-6000:]
 
-    def wait_healthy(self, timeout=150.0):
+    def wait_healthy(self, timeout=None):
+        timeout = STARTUP_TIMEOUT if timeout is None else timeout
         wait_healthy(self.base, timeout, self.procs[0], "leader", lambda: self.output(0) + self.output(1))
         self.startup_s = time.time() - self.t0
 
@@ -112,16 +128,33 @@ def test_dead_follower_fails_requests_and_the_leader_exits(job_env, tmp_path):
         job.kill()
 
 
-def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path):
+def test_stuck_follower_trips_the_step_timeout(job_env, tmp_path):
+    """A follower that stops answering without dying (SIGSTOP: its sockets stay open, so no collective fails):
+    the leader's watchdog fails the stream after --step-timeout and the leader exits with status 1."""
+    job = Job(job_env, tmp_path, extra=("--step-timeout", "8"))
+    try:
+        job.wait_healthy()
+        events, t_stop = [], None
+        body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 56, "temperature": 0, "stream": True}
+        with httpx.stream("POST", job.base + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if t_stop is None:
+                        job.procs[1].send_signal(signal.SIGSTOP)
+                        t_stop = time.time()
+        errors = [json.loads(e)["error"]["message"] for e in events if e != "[DONE]" and '"error"' in e]
+        assert errors and "--step-timeout" in errors[0], events
+        assert job.procs[0].wait(60) == 1, job.output(0)
+        print(f"\n[multihost] stuck follower: leader exited {time.time() - t_stop:.1f}s after SIGSTOP")
+    finally:
+        job.kill()
+
+
+def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path, request):
     job = Job(job_env, tmp_path)
     try:
-        # the reference while the job compiles: one process, one device, same engine settings
-        import dsflash
-        from dsflash.serve.types import SamplingParams
-        ref = dsflash.LLM("tiny", **ENGINE)
-        outs = ref.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
-        want = [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
-        del ref
+        want = request.getfixturevalue("reference")     # computed while the job compiles
         job.wait_healthy()
         got = [_complete(job.base, p) for p in PROMPTS]
         assert got == want, (got, want)
@@ -158,23 +191,18 @@ def llm_child(port: int, pid: int) -> None:
         print(json.dumps({"steps": llm.follow()}), flush=True)
 
 
-def test_llm_across_two_processes(job_env):
+def test_llm_across_two_processes(job_env, request):
     """``dsflash.LLM(coordinator=..., num_processes=2, process_id=i, mesh="dep=8")``: process 0 generates the
     single-device engine's greedy outputs, process 1 follows until process 0 closes."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--llm-child", str(port), str(i)],
                               env=job_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    import dsflash
-    from dsflash.serve.types import SamplingParams
-    ref = dsflash.LLM("tiny", **ENGINE)
-    want = [[o.outputs[0].text, len(o.outputs[0].token_ids)] for o in
-            ref.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))]
-    del ref
+    want = [list(w) for w in request.getfixturevalue("reference")]
     outs = []
     try:
         for p in procs:
-            o, e = p.communicate(timeout=150)
+            o, e = p.communicate(timeout=STARTUP_TIMEOUT)
             outs.append((p.returncode, o, e))
     finally:
         for p in procs:
