@@ -262,7 +262,9 @@ def test_plan_encoding_round_trips():
         words = MH._encode(tree, guided)
         tmpl = run.empty_prefill_inputs(run.prefill_buckets[0]) if tree is pf else run.empty_decode_inputs()
         assert words.size == MH._nwords(tmpl, guided)
-        back = MH._decode(words, tmpl, guided)
+        padded = MH._padded(words)                           # what goes on the wire: a power-of-two length
+        assert padded.size == MH.padded_words(words.size) >= words.size and padded.size & (padded.size - 1) == 0
+        back = MH._decode(padded, tmpl, guided)
         flat_a, tdef_a = MH._leaves(tree)
         flat_b, tdef_b = MH._leaves(back)
         assert tdef_a == tdef_b
