@@ -92,7 +92,8 @@ class LLMEngine:
         self.memory["num_pages"] = lay.num_pages
         t1 = time.perf_counter()
         link = self.runner.link
-        self.runner.warmup(threads=c.compile_threads, sync=(lambda: link.barrier("warmup")) if link else None)
+        sync = {"sync": lambda: link.barrier("warmup")} if link is not None else {}   # multi-controller only
+        self.runner.warmup(threads=c.compile_threads, **sync)
         if link is not None:
             t2 = time.perf_counter()
             n = link.warmup()
