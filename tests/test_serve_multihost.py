@@ -38,7 +38,8 @@ STARTUP_TIMEOUT = 400.0
 @pytest.fixture(scope="module")
 def job_env(tmp_path_factory):
     """The processes' environment: 4 faked CPU devices each, and one persistent compilation cache for the module
-    (conftest.py turns it off for the test process; the second job then starts from the first one's cache)."""
+    (conftest.py turns it off for the test process; later jobs' leaders load from it, the followers compile anyway:
+    see STARTUP_TIMEOUT)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                JAX_ENABLE_COMPILATION_CACHE="true", DSFLASH_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -101,7 +102,7 @@ def _complete(base, prompt, max_tokens=8):
 
 
 def test_dead_follower_fails_requests_and_the_leader_exits(job_env, tmp_path):
-    # first in the module: it fills the compilation cache the next job starts from
+    # first in the module: it fills the compilation cache later jobs' leaders load from
     job = Job(job_env, tmp_path)
     try:
         job.wait_healthy()
