@@ -28,9 +28,39 @@ def _is_single_prompt(prompts) -> bool:
 
 
 class LLM:
-    def __init__(self, model="demo", **engine_options):
+    def __init__(self, model="demo", *, coordinator: str | None = None, num_processes: int | None = None,
+                 process_id: int | None = None, **engine_options):
+        """``coordinator`` / ``num_processes`` / ``process_id``: join a ``jax.distributed`` job first (None: what
+        JAX finds itself, e.g. ``JAX_COORDINATOR_ADDRESS``; or call ``dsflash.sharding.mesh.init_distributed``
+        before). In a multi-controller job every process builds the same ``LLM`` (``mesh`` over all processes'
+        devices); process 0 generates, the others call ``follow()``; process 0's ``close()`` (or the end of a
+        ``with`` block) releases them (docs/multihost.md)."""
+        if coordinator is not None or num_processes is not None or process_id is not None:
+            from dsflash.sharding.mesh import init_distributed
+            init_distributed(coordinator, num_processes, process_id)
         self.engine = LLMEngine(model, **engine_options)
         self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ multi-controller jobs
+    @property
+    def is_leader(self) -> bool:
+        """True in one process, and in process 0 of a multi-controller job."""
+        return self.engine.is_leader
+
+    def follow(self) -> int:
+        """A follower's part: run process 0's steps until it closes; returns the number of steps."""
+        return self.engine.follow()
+
+    def close(self) -> None:
+        """Release a multi-controller job's followers (process 0; a no-op elsewhere and when done already)."""
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":

@@ -202,3 +202,23 @@ def test_tiny_dep2_equals_single_device():
     assert check_dummy_rank(eng, calls, idle=1) > 0
     snap = eng.metrics_snapshot()
     assert snap["dp_dummy_rows"] > 0 and snap["dp_ranks"]["1"]["dummy_calls"] > 0
+
+
+def test_tiny_dep8_replicated_draft_equals_single_device():
+    """dep=8 with the draft's 4 experts replicated (draft_expert_parallel=False, the server's
+    --replicate-draft-experts): the DSpark proposer runs the plain routed MoE, not the EP hook; drafting greedy
+    tokens equal the single-device engine's."""
+    if rerun_in_child(__file__, "test_tiny_dep8_replicated_draft_equals_single_device"):
+        return
+    from dsflash.sharding.mesh import make_mesh
+    from dsflash.sharding.rules import get_strategy
+    opts = {**MODEL, "max_num_seqs": 8}
+    ps = prompts(4, seed=6, lo=5, hi=30, vocab=512)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    items = [(f"r{i}", p, sp, None) for i, p in enumerate(ps)]
+    want = run_all(LLMEngine("tiny", speculative_mode="always", **opts), items, check=False)
+    eng = LLMEngine("tiny", mesh=make_mesh("dep=8"), speculative_mode="always",
+                    load_options={"strategy": get_strategy("dep", draft_expert_parallel=False)}, **opts)
+    assert eng.speculative and eng.backend.draft_routed_fn is None and eng.backend.routed_fn is not None
+    assert run_all(eng, items, check=False) == want
+    assert eng.metrics.spec_num_drafts > 0

@@ -33,6 +33,7 @@ opts in, the default is the exact 32-bit search.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # Bits fixed per pass (16 passes of 3 compares). H200 run 25: 2.149 ms at 32 x 6 x 131072 against lax.top_k's 2.286
@@ -40,8 +41,10 @@ from jax import lax
 # 3 compares re-reading the row from DRAM: 16 x 3 x ~25 us at 32 x 6 x 131072) still beats the sort's 2.55 ms,
 # while 4 bits (8 passes of 15) wins only if XLA reads the row once per pass (NOTES.md, "Exact threshold top-k")
 DIGIT_BITS = 2
-_SIGN = jnp.uint32(0x80000000)
-_ONES = jnp.uint32(0xFFFFFFFF)
+# numpy scalars, not jnp: a jnp constant at import time would start the XLA backend, and a jax.distributed
+# process must import dsflash before that (jax.distributed.initialize comes first)
+_SIGN = np.uint32(0x80000000)
+_ONES = np.uint32(0xFFFFFFFF)
 
 
 def total_order_key(x):

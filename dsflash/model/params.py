@@ -212,6 +212,17 @@ def init_params(cfg: ModelConfig, seed: int = 0, include_host: bool = True,
     return out if as_numpy else {k: jnp.asarray(v) for k, v in out.items()}
 
 
+def place_value(value, target):
+    """``jax.device_put(value, target)``, except for a host value bound for a sharding that spans several
+    processes (a ``jax.distributed`` job, where every process holds the same value): each process then builds
+    its own shards from it (``device_put`` would first all-gather the value to check that the processes agree,
+    one collective and one compile per shape)."""
+    if jax.process_count() > 1 and isinstance(target, jax.sharding.Sharding) and not target.is_fully_addressable:
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, target, lambda i: host[i])
+    return jax.device_put(value, target)
+
+
 def init_params_placed(cfg: ModelConfig, seed: int = 0, shardings: dict | None = None, device=None,
                        host_tables: bool = False, progress: bool = False, on_device: bool = False) -> tuple[dict, dict]:
     """:func:`init_params`'s values, each tensor placed (``shardings[name]``, else ``device``, else the default
@@ -240,10 +251,10 @@ def init_params_placed(cfg: ModelConfig, seed: int = 0, shardings: dict | None =
         elif on_device:
             params[s.name] = _device_tensor(s.init, s.shape, np.dtype(s.dtype).name, _std(s),
                                             place(s.name))(jax.random.fold_in(key, i))
-            params.update({k: jax.device_put(v, place(k)) for k, v in _scale(s).items()})
+            params.update({k: place_value(v, place(k)) for k, v in _scale(s).items()})
         else:
             drawn = _draw(s, seed)
-            params.update({k: jax.device_put(v, place(k)) for k, v in drawn.items()})
+            params.update({k: place_value(v, place(k)) for k, v in drawn.items()})
             jax.block_until_ready([params[k] for k in drawn])      # before the host copy is dropped
         bar.update(1)
     bar.close()

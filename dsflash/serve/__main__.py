@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send and /v1/models lists (default: the engine's model name)")
     g.add_argument("--mesh", default=None,
                    help="device mesh spec passed to the engine, e.g. 'dep=2', 'dep=8,tp=2' (default: one device)")
+    g.add_argument("--replicate-draft-experts", action="store_true",
+                   help="with --mesh: keep the DSpark draft's routed experts whole on every device (a data-parallel "
+                        "draft MoE) instead of expert-parallel; needed when the draft's experts do not divide the "
+                        "EP group (the demo / tiny models' 4 draft experts on dep=8)")
     g.add_argument("--max-model-len", type=int, default=2048,
                    help="longest sequence (prompt + completion) in tokens; longer requests get HTTP 400")
     g.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together in one batch")
@@ -98,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     # --- end request hardening ---
     from dsflash.serve.pd.cli import add_cli_arguments
     add_cli_arguments(p)          # --role prefill|decode|both and the P/D options (docs/pd.md)
+    from dsflash.serve import multihost_cli
+    multihost_cli.add_cli_arguments(p)   # --coordinator / --num-processes / --process-id (docs/multihost.md)
     return p
 
 
@@ -112,7 +118,11 @@ def make_engine_factory(args):
 
     def factory():
         from dsflash.serve.engine import EngineConfig, LLMEngine
-        config = EngineConfig.from_namespace(args, mesh=args.mesh or None)   # every option named like a field
+        over = {}
+        if getattr(args, "replicate_draft_experts", False):
+            from dsflash.sharding.rules import get_strategy
+            over["load_options"] = {"strategy": get_strategy("dep", draft_expert_parallel=False)}
+        config = EngineConfig.from_namespace(args, mesh=args.mesh or None, **over)   # every option named like a field
         if getattr(args, "role", "both") != "both":
             from dsflash.serve.pd.engine import PDEngine
             return PDEngine(args.model, config, pd_role=args.role, pd_ttl=args.kv_ttl)
@@ -142,6 +152,61 @@ def _listen(host: str, port: int) -> tuple[socket.socket, str] | None:
     return sock, f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
+def _exit_now(status: int):
+    """End a process of a broken multi-controller job now: a normal exit would wait at jax.distributed's shutdown
+    barrier for the peers that are gone (minutes)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _follow(args) -> int:
+    """A follower process of a multi-controller job: the same engine, no HTTP; runs the leader's steps until
+    the leader stops (status 0) or the job breaks (status 1, without waiting on the lost peers)."""
+    import jax
+    pid = jax.process_index()
+    print(f"dsflash.serve: process {pid} of {jax.process_count()}: follower; loading model {args.model!r} "
+          f"(mesh={args.mesh}) ...", flush=True)
+    try:
+        engine = make_engine_factory(args)()
+        print(f"dsflash.serve: process {pid}: follower ready; following process 0", flush=True)
+        steps = engine.follow()
+    except Exception as e:  # noqa: BLE001
+        print(f"error: follower {pid}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        _exit_now(1)
+    print(f"dsflash.serve: process {pid}: the leader stopped after {steps} steps; exiting", flush=True)
+    return 0
+
+
+def _guard_leader(engine, step_timeout: float, log) -> None:
+    """Leader of a multi-controller job: a lost follower (a failed step, or one that does not return within
+    ``step_timeout`` s) fails every in-flight request with that error, then ends this process with status 1."""
+    import threading
+    from dsflash.serve.engine.multihost import Watchdog
+
+    once = threading.Lock()
+
+    def lost(err):
+        if not once.acquire(blocking=False):
+            return
+        log.error("multi-controller job lost a process: %s; failing in-flight requests and exiting", err)
+        engine.fail_now(err)
+        time.sleep(1.0)               # let the event loop write the error events
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        _exit_now(1)
+
+    link = engine.engine.runner.link
+    if link is None:
+        return
+    link.watchdog = Watchdog(step_timeout, lost)
+
+    def watch_engine():              # a step that raised: the engine thread has failed the requests already
+        while engine.error is None:
+            time.sleep(0.1)
+        lost(engine.error)
+    threading.Thread(target=watch_engine, name="dsflash-multihost-guard", daemon=True).start()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(logging, args.log_level.upper())
@@ -150,6 +215,25 @@ def main(argv=None) -> int:
     if args.max_model_len < 2:
         print("error: --max-model-len must be >= 2", file=sys.stderr)
         return 2
+
+    # a jax.distributed job first (before any other JAX call); followers run no HTTP
+    from dsflash.serve import multihost_cli
+    try:
+        multi = multihost_cli.join(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if multi:
+        import jax
+        if jax.process_count() > 1 and getattr(args, "role", "both") != "both":
+            print("error: --role prefill/decode: not with multi-controller serving (--coordinator ...)",
+                  file=sys.stderr)
+            return 2
+        if jax.process_count() > 1 and args.model == "dummy":
+            print("error: --model dummy: multi-controller serving needs a real model", file=sys.stderr)
+            return 2
+        if jax.process_index() > 0:
+            return _follow(args)
 
     pd_trust = None
     if getattr(args, "role", "both") != "both":     # the P/D secret (and decode's --pd-peers) before anything else
@@ -165,6 +249,8 @@ def main(argv=None) -> int:
     # Bind first: a busy port fails in a second, not after the model has compiled.
     bound = _listen(args.host, args.port)
     if bound is None:
+        if multi:
+            _exit_now(1)
         return 1
     sock, url = bound
 
@@ -188,7 +274,11 @@ def main(argv=None) -> int:
         engine.start()
     except Exception as e:  # noqa: BLE001
         print(f"error: the engine failed to start: {type(e).__name__}: {e}", file=sys.stderr)
+        if multi:
+            _exit_now(1)
         return 1
+    if multi:
+        _guard_leader(engine, args.step_timeout, log)
     served = args.served_model_name or engine.model_name or args.model
     kernels = getattr(engine.engine, "kernels_line", None)
     if kernels:                    # which kernels the compiled programs use (the request for --backend)

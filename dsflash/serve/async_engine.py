@@ -190,6 +190,19 @@ class AsyncEngine:
             self._cv.notify_all()
         return len(self._live)
 
+    def fail_now(self, exc: BaseException) -> int:
+        """Fail every in-flight request with ``exc`` at once, from any thread, without the engine thread (which
+        may be stuck in a collective of a broken multi-controller job); new requests are refused. Returns how
+        many were in flight."""
+        n = len(self._live)
+        self.error = self.error or exc
+        self._fail_all(exc)
+        with self._cv:
+            adds, self._inbox_add = self._inbox_add, []
+        for s in adds:
+            s.loop.call_soon_threadsafe(_set_exc, s.future, EngineDeadError(f"engine failed: {exc}"))
+        return n
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort everything still in flight and stop the engine thread."""
         self._draining = True
@@ -281,6 +294,9 @@ class AsyncEngine:
         self._ready.set()
         try:
             self._loop_forever(eng)
+            close = getattr(eng, "close", None)      # a multi-controller leader releases its followers
+            if close is not None:
+                close()
         except BaseException as e:  # noqa: BLE001
             log.exception("engine loop failed; failing all in-flight requests")
             self.error = e

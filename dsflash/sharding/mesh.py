@@ -106,7 +106,7 @@ def mesh_spec(mesh) -> str:
     return ",".join(f"{a}={n}" for a, n in mesh_sizes(mesh).items())
 
 
-def init_distributed(coordinator: str, num_processes: int, process_id: int,
+def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None,
                      local_device_ids: Sequence[int] | int | None = None, **kwargs) -> None:
     """Join a multi-process JAX job (one process per host, or several CPU processes on one machine).
 
@@ -119,12 +119,14 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int,
 
     On CPU, cross-process collectives need ``jax.config.update("jax_cpu_collectives_implementation",
     "gloo")`` before this call (done here when the platform is forced to CPU). Calling again with the
-    same arguments is a no-op.
+    same arguments is a no-op. ``None`` leaves a value to ``jax.distributed.initialize``'s own lookup
+    (``JAX_COORDINATOR_ADDRESS``, or what a launcher such as SLURM / Open MPI / mpi4py sets).
     """
-    if not 0 <= process_id < num_processes:
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"init_distributed: process_id {process_id} not in [0, {num_processes})")
     if jax.distributed.is_initialized():
-        if jax.process_count() != num_processes or jax.process_index() != process_id:
+        if (num_processes is not None and jax.process_count() != num_processes) or \
+                (process_id is not None and jax.process_index() != process_id):
             raise RuntimeError("init_distributed: already initialised with a different process layout "
                                f"(process {jax.process_index()} of {jax.process_count()})")
         return

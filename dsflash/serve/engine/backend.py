@@ -95,6 +95,10 @@ class ModelBackend:
         self.mesh = getattr(model, "mesh", None) if self.dp > 1 else None
         self.strategy = getattr(model, "strategy", "dep")
         self.routed_fn = getattr(model, "routed_fn", None) if self.dp > 1 else None
+        # the draft's routed experts go through the EP hook only when the strategy splits them (a replicated
+        # draft MoE, draft_expert_parallel=False, runs the plain routed MoE on its whole expert stack)
+        from dsflash.sharding.rules import get_strategy
+        self.draft_routed_fn = self.routed_fn if get_strategy(self.strategy).draft_expert_parallel else None
         # XLA on one CPU device: dequantise the FP8 / MXFP4 weights once instead of in every call (bit-identical
         # outputs; dsflash.model.params.dequantized_weights). None = that case; True / False force it.
         if dequantize is None:
@@ -134,8 +138,9 @@ class ModelBackend:
         self.bind_geometry(geo)
         state = init_state(self.cfg, geo, self.precision)
         if self.mesh is not None:
+            from dsflash.model.params import place_value
             from dsflash.sharding.rules import state_shardings
-            state = jax.device_put(state, state_shardings(state, self.mesh, self.strategy))
+            state = jax.tree.map(place_value, state, state_shardings(state, self.mesh, self.strategy))
         return state
 
     def forward(self, params, batch, state, *, logits="last", taps=False):
@@ -162,7 +167,7 @@ class ModelBackend:
     def propose(self, params, state, y, pos, slots, floor, temperature, keys):
         from dsflash.model import dspark
         from dsflash.model.draft_sampler import draft_sampler, draft_temperature
-        kw = {"routed_fn": self.routed_fn} if self.routed_fn is not None else {}
+        kw = {"routed_fn": self.draft_routed_fn} if self.draft_routed_fn is not None else {}
         out = dspark.propose(params, self.cfg, state, y, pos + 1, slots, self._opts(),
                              sampler=draft_sampler(temperature, keys), ring_floor=floor, **kw)
         # the distribution each draft was drawn from (what the verifier's rejection sampling compares against)

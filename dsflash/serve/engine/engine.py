@@ -86,15 +86,66 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler, self.metrics, tokenizer=self.tokenizer,
                                        eos_token_id=be.eos_token_id, block=self.k)
         self._inflight = None                   # async scheduling: the step dispatched last, not yet processed
+        self._bind_multihost(c)
         self.memory = self.runner.state_nbytes()
         self.memory["capacity_tokens"] = lay.num_pages * c.page_size
         self.memory["num_pages"] = lay.num_pages
         t1 = time.perf_counter()
-        self.runner.warmup(threads=c.compile_threads)
+        link = self.runner.link
+        sync = {"sync": lambda: link.barrier("warmup")} if link is not None else {}   # multi-controller only
+        self.runner.warmup(threads=c.compile_threads, **sync)
+        if link is not None:
+            t2 = time.perf_counter()
+            n = link.warmup()
+            log.info("multi-controller: %d plan broadcasts compiled in %.1fs", n, time.perf_counter() - t2)
         self.warmup_time = time.perf_counter() - t1
         self.startup_time = time.perf_counter() - t0
         self._compiles_in_steps = 0
         log.info("engine %s: programs compiled in %.1fs; %s", self.model_name, self.warmup_time, self.kernels_line)
+
+    # ------------------------------------------------------------------ multi-controller (multihost.py)
+    def _bind_multihost(self, c):
+        """Several processes (``jax.distributed``): process 0 leads, the others replay its steps (``follow``)."""
+        from dsflash.serve.engine import multihost as MH
+        if not MH.is_multi_controller():
+            return
+        if self.runner.mesh is None:
+            raise ValueError("mesh: multi-controller serving needs a DP mesh over every process's devices "
+                             "(e.g. mesh='dep=8' for 2 processes x 4 devices)")
+        if self.eplb is not None:
+            raise ValueError("eplb: not supported in multi-controller serving yet (docs/multihost.md)")
+        self.runner.link = MH.PlanLink(self.runner)
+
+    @property
+    def is_leader(self) -> bool:
+        """True in a single-process engine and in process 0 of a multi-controller job."""
+        return self.runner.link is None or self.runner.link.leader
+
+    def follow(self) -> int:
+        """A follower's whole life: run the leader's steps until it closes (returns the number of steps)."""
+        from dsflash.serve.engine.multihost import follow
+        return follow(self)
+
+    def close(self) -> None:
+        """Release the followers of a multi-controller job (the leader's last call; idempotent)."""
+        link = self.runner.link
+        if link is None or not link.leader or getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self._inflight is not None:
+            self._inflight[1].result()
+            self._inflight = None
+        ex = self.runner._executor
+        if ex is not None:            # after every step already dispatched on that thread
+            ex.submit(link.stop).result()
+        else:
+            link.stop()
+
+    def _leader_only(self, what: str):
+        if not self.is_leader:
+            import jax
+            raise RuntimeError(f"{what}: process {jax.process_index()} is a follower of a multi-controller job; "
+                               "only process 0 takes requests (a follower calls follow())")
 
     # ------------------------------------------------------------------ the parts' state, by its usual names
     waiting = property(lambda self: self.scheduler.waiting)
@@ -142,6 +193,7 @@ class LLMEngine:
 
     def add(self, req: EngineRequest) -> None:
         """Queue one request envelope (the HTTP server's and the offline API's)."""
+        self._leader_only("add_request")
         params, dp_rank, request_id = req.params, req.dp_rank, req.request_id
         if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer))
                                     or not 0 <= dp_rank < self.dp):

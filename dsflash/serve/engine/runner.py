@@ -201,14 +201,17 @@ class Runner:
             ax = token_axes(mesh, getattr(backend, "strategy", "dep"))
             self._row_sharding = NamedSharding(mesh, PartitionSpec(ax))
             self._replicated = NamedSharding(mesh, PartitionSpec())
-            self.rows = jax.device_put(self.rows, self._row_sharding)
+            from dsflash.model.params import place_value
+            self.rows = jax.tree.map(lambda a: place_value(a, self._row_sharding), self.rows)
+            # several processes (multi-controller): results replicated, so the leader can read all rows
             out = (jax.tree.map(lambda a: a.sharding, self.state), jax.tree.map(lambda a: a.sharding, self.rows),
-                   None)
+                   self._replicated if jax.process_count() > 1 else None)
             self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2), out_shardings=out)
             self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2), out_shardings=out)
                              for d, f in impls.items()}
         self._compiled: dict = {}
         self._mask0: dict = {}
+        self.link = None      # multihost.PlanLink of a multi-controller job (the engine binds it)
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
         self.dp, self.eplb, self._executor = dp, eplb, None
         pt_fill = np.repeat(np.arange(dp, dtype=np.int32) * (geo.num_pages // dp), max_num_seqs // dp)
@@ -496,21 +499,11 @@ class Runner:
         run before / after the prefill (``snapshots.StatePool``). ``draft_len``: which decode program runs (None:
         the engine's block). The decode result carries ``elapsed_s``, its wall time (the cost model's sample;
         the prefill is finished first so it is not counted in)."""
-        def run():   # dispatch, then bring the (small) results to the host on the same thread
-            if restores:
-                self.state = self.snap.restore(self.state, list(restores))
-            pf = self.prefill(pf_inp) if pf_inp is not None else None
-            if saves:          # before the decode call, which writes rows past the boundary
-                self.state = self.snap.save(self.state, list(saves))
-            dc = None
-            if dc_inp is not None:
-                pf = jax.device_get(pf)
-                jax.block_until_ready(self.state)
-                t = time.perf_counter()
-                dc = jax.device_get(self.decode(dc_inp, draft_len))
-                dc["elapsed_s"] = time.perf_counter() - t
-                dc["draft_len"] = self.k if draft_len is None else draft_len
-            return jax.device_get(pf), dc
+        def run():
+            step = lambda: self.run_step(pf_inp, dc_inp, restores, saves, draft_len)   # noqa: E731
+            if self.link is not None:      # multi-controller leader: broadcast first, the followers run the same
+                return self.link.lead(step, pf_inp, dc_inp, draft_len)
+            return step()
 
         if not asynchronous:
             return _Deferred(run)          # run (and waited for) when the engine reads the results
@@ -518,6 +511,23 @@ class Runner:
             from concurrent.futures import ThreadPoolExecutor
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dsflash-dispatch")
         return self._executor.submit(run)
+
+    def run_step(self, pf_inp, dc_inp, restores=(), saves=(), draft_len=None):
+        """Dispatch one step's calls, then bring the (small) results to the host on the same thread."""
+        if restores:
+            self.state = self.snap.restore(self.state, list(restores))
+        pf = self.prefill(pf_inp) if pf_inp is not None else None
+        if saves:          # before the decode call, which writes rows past the boundary
+            self.state = self.snap.save(self.state, list(saves))
+        dc = None
+        if dc_inp is not None:
+            pf = jax.device_get(pf)
+            jax.block_until_ready(self.state)
+            t = time.perf_counter()
+            dc = jax.device_get(self.decode(dc_inp, draft_len))
+            dc["elapsed_s"] = time.perf_counter() - t
+            dc["draft_len"] = self.k if draft_len is None else draft_len
+        return jax.device_get(pf), dc
 
     def after_step(self, pf, dc):
         """EPLB hook: one ``[L, P]`` load per engine step (valid rows of every forward) into the balancer,
@@ -578,8 +588,12 @@ class Runner:
         """Host inputs -> device arrays with the row axis over the DP axes (identity without a DP mesh)."""
         if self.mesh is None:
             return inp
-        return jax.device_put(inp, jax.tree.map(
-            lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp))
+        shardings = jax.tree.map(lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp)
+        if jax.process_count() == 1:
+            return jax.device_put(inp, shardings)
+        # several processes hold the same host value (the leader's plan, broadcast): each builds its own shards
+        from dsflash.model.params import place_value
+        return jax.tree.map(place_value, inp, shardings)
 
     def prefill(self, inp):
         inp = self.place(inp)
@@ -596,11 +610,13 @@ class Runner:
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
-    def warmup(self, threads: int | None = None):
+    def warmup(self, threads: int | None = None, sync=None):
         """Compile every bucket ahead of time (concurrently: XLA compiles release the GIL), then run each
         once with dummy rows (which write nothing). Serving calls the compiled executables directly, so a
         shape outside the buckets is an error, never a silent recompile. ``threads``: compile threads (None:
-        ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``)."""
+        ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``). ``sync``: called
+        between compiling and the first runs (a multi-controller job's barrier: every process compiles at its own
+        pace, the first run of a program's collectives needs all of them)."""
         from concurrent.futures import ThreadPoolExecutor
         jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
         jobs += [(("decode", d), self._decodes[d], self.empty_decode_inputs()) for d in self.draft_lengths]
@@ -609,6 +625,8 @@ class Runner:
         with ThreadPoolExecutor(threads) as ex:
             compiled = list(ex.map(lambda kl: (kl[0], kl[1].compile()), lowered))
         self._compiled = dict(compiled)
+        if sync is not None:
+            sync()
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
         for d in self.draft_lengths:
