@@ -11,6 +11,7 @@ a table last, JSON in $OUT/indexer_split.json. From the repo root:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,21 +46,18 @@ def selection_timings(score, visible, topk, reps):
              "cand_filter_ms": jax.jit(lambda s: ik.candidate_mask_sorted(s, visible, 8, 2048)),
              "cand_filter_radix_ms": jax.jit(lambda s: ts.candidate_mask_threshold(s, visible, 8, 2048))}
     pairs = [("topk", "topk_ms", "topk_radix_ms"), ("cand_filter", "cand_filter_ms", "cand_filter_radix_ms")]
-    try:   # the Triton radix top-k (kernels/topk_triton.py), 32-bit keys and 16-bit ones (the scores are bf16-valued)
-        from dsflash.kernels import topk_triton as tt
-        for bits in (32, 16):
-            paths[f"topk_triton{bits}_ms"] = jax.jit(lambda s, b=bits: tt.select_topk_triton(s, visible, topk, key_bits=b))
-            paths[f"cand_filter_triton{bits}_ms"] = jax.jit(
-                lambda s, b=bits: tt.candidate_mask_triton(s, visible, 8, 2048, key_bits=b))
-            pairs += [(f"topk_triton{bits}", "topk_ms", f"topk_triton{bits}_ms"),
-                      (f"cand_filter_triton{bits}", "cand_filter_ms", f"cand_filter_triton{bits}_ms")]
-        from dsflash.kernels import topk_split_triton as tst   # rows over several programs
-        for bits in (32, 16):
-            paths[f"topk_split{bits}_ms"] = jax.jit(lambda s, b=bits: tst.select_topk_split(s, visible, topk, key_bits=b))
-            paths[f"cand_filter_split{bits}_ms"] = jax.jit(
-                lambda s, b=bits: tst.candidate_mask_split(s, visible, 8, 2048, key_bits=b))
-            pairs += [(f"topk_split{bits}", "topk_ms", f"topk_split{bits}_ms"),
-                      (f"cand_filter_split{bits}", "cand_filter_ms", f"cand_filter_split{bits}_ms")]
+    try:   # the Triton radix top-k (kernels/topk_triton.py: one program a row; topk_split_triton: a row over several),
+        # 32-bit keys and 16-bit ones (the scores are bf16-valued)
+        from dsflash.kernels import topk_split_triton as tst, topk_triton as tt
+        impls = {"triton": (functools.partial(tt.select_topk_triton, split=False), tt.candidate_mask_triton),
+                 "split": (tst.select_topk_split, tst.candidate_mask_split)}
+        for tag, (sel, cand) in impls.items():
+            for bits in (32, 16):
+                paths[f"topk_{tag}{bits}_ms"] = jax.jit(lambda s, b=bits, f=sel: f(s, visible, topk, key_bits=b))
+                paths[f"cand_filter_{tag}{bits}_ms"] = jax.jit(lambda s, b=bits, f=cand: f(s, visible, 8, 2048,
+                                                                                             key_bits=b))
+                pairs += [(f"topk_{tag}{bits}", "topk_ms", f"topk_{tag}{bits}_ms"),
+                          (f"cand_filter_{tag}{bits}", "cand_filter_ms", f"cand_filter_{tag}{bits}_ms")]
     except Exception as e:  # noqa: BLE001
         print("no Triton top-k:", repr(e)[:300], flush=True)
     row = {}
@@ -88,7 +86,6 @@ def main():
     import jax
     import jax.numpy as jnp
 
-    from dsflash import quant
     from dsflash.kernels import indexer_topk as ik
     from dsflash.model import state as st
     from dsflash.model.attention import gather_pool, pool_addresses

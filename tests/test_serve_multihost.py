@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from test_server_util import REPO, free_port, wait_healthy
+from test_server_util import REPO, communicate_all, free_port, wait_healthy
 
 ENGINE = dict(max_num_seqs=8, max_model_len=64, page_size=16, max_num_batched_tokens=64, precision="fp32",
               speculative=False)
@@ -200,15 +200,7 @@ def test_llm_across_two_processes(job_env, request):
                               env=job_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     want = [list(w) for w in request.getfixturevalue("reference")]
-    outs = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=STARTUP_TIMEOUT)
-            outs.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = communicate_all(procs, STARTUP_TIMEOUT)
     for rc, o, e in outs:
         assert rc == 0, e[-3000:]
     lead, follow = (json.loads(o.strip().splitlines()[-1]) for _, o, _ in outs)

@@ -172,3 +172,18 @@ def error_of(resp: httpx.Response) -> dict:
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"], err
     return err
+
+
+def communicate_all(procs, timeout: float) -> list:
+    """[(returncode, stdout, stderr)] of each process in turn (``timeout`` seconds each); any still running after
+    (a timeout, an error) is killed."""
+    outs = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            outs.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from test_server_util import communicate_all
+
 
 def child(port, pid):
     import numpy as np
@@ -59,15 +61,7 @@ def test_two_processes_dep8():
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", str(port), str(i)], env=env,
                               cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=240)
-            outs.append((p.returncode, o, e))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = communicate_all(procs, 240)
     for rc, o, e in outs:
         if rc != 0 and ("gloo" in e.lower() or "collectives" in e.lower()) and "Unimplemented" in e:
             pytest.skip("cross-process CPU collectives unavailable in this jaxlib: " + e[-300:])

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.kernels.topk_triton import _byte, _next_digit, _ordered_key, _block
+from dsflash.kernels.topk_triton import _block, _byte, _next_digit, _ordered_key, _tile_selection
 
 CHUNK = 8192          # entries per program (2 tiles of 4,096): 16 programs a row at 131,072 entries
 
@@ -81,10 +81,8 @@ def _select_kernel(score_ptr, vis_ptr, hrow_ptr, hchunk_ptr, out_ptr, count_ptr,
         offs = c * CHUNK + start + lanes
         inb = offs < T
         x = tl.load(row + offs, mask=inb, other=0.0)
-        key = _ordered_key(x) >> low
-        tie = (inb & (key == thr)).to(tl.int32)
-        sel = (inb & (key > thr)) | ((tie > 0) & (ties + tl.cumsum(tie, 0) <= krem))
-        ties += tl.sum(tie, 0)
+        sel, nt = _tile_selection(x, inb, thr, ties, krem, low)
+        ties += nt
         if MODE == 0:
             ok = (sel & (x > float("-inf")) & (offs < vis)).to(tl.int32)
             # masked-off lanes aim at the spare slot K, never at another lane's slot or outside the buffer

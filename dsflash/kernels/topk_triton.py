@@ -56,6 +56,16 @@ def _byte(key, p: tl.constexpr):
 
 
 @triton.jit
+def _tile_selection(x, inb, thr, ties, krem, low: tl.constexpr):
+    """A tile's selection: every key above the threshold ``thr`` and the ties whose rank (``ties`` seen before the
+    tile + in-tile count) is within the ``krem`` to take -> (mask, ties in the tile)."""
+    key = _ordered_key(x) >> low
+    tie = (inb & (key == thr)).to(tl.int32)
+    sel = (inb & (key > thr)) | ((tie > 0) & (ties + tl.cumsum(tie, 0) <= krem))
+    return sel, tl.sum(tie, 0)
+
+
+@triton.jit
 def _topk_kernel(score_ptr, vis_ptr, out_ptr, T: tl.constexpr, stride: tl.constexpr, K: tl.constexpr, PASSES: tl.constexpr,
                  BLOCK: tl.constexpr, MODE: tl.constexpr):
     r = tl.program_id(0)
@@ -85,10 +95,8 @@ def _topk_kernel(score_ptr, vis_ptr, out_ptr, T: tl.constexpr, stride: tl.conste
         offs = start + lanes
         inb = offs < T
         x = tl.load(row + offs, mask=inb, other=0.0)
-        key = _ordered_key(x) >> low
-        tie = (inb & (key == thr)).to(tl.int32)
-        sel = (inb & (key > thr)) | ((tie > 0) & (ties + tl.cumsum(tie, 0) <= krem))
-        ties += tl.sum(tie, 0)
+        sel, nt = _tile_selection(x, inb, thr, ties, krem, low)
+        ties += nt
         if MODE == 0:
             ok = (sel & (x > float("-inf")) & (offs < vis)).to(tl.int32)
             tl.store(out_row + count + tl.cumsum(ok, 0) - 1, offs, mask=ok > 0)
@@ -123,12 +131,13 @@ def kernel_args(score, k: int, *, key_bits: int = 32, mode: int = 0):
 SPLIT_MIN_ENTRIES = 131072
 
 
-def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32):
+def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32, split: bool | None = None):
     """== topk_select.select_topk_threshold (== indexer_topk.select_topk_sorted): [..., T] -> [..., min(topk, T)]
-    int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores."""
+    int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores. ``split``: rows over several
+    programs (topk_split_triton); None: from SPLIT_MIN_ENTRIES entries."""
     import jax_triton as jt  # lazy: GPU only
     T = score.shape[-1]
-    if T >= SPLIT_MIN_ENTRIES:
+    if split or (split is None and T >= SPLIT_MIN_ENTRIES):
         from dsflash.kernels import topk_split_triton
         return topk_split_triton.select_topk_split(score, visible, topk, key_bits=key_bits)
     k = min(topk, T)
