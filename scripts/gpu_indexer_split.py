@@ -11,7 +11,6 @@ a table last, JSON in $OUT/indexer_split.json. From the repo root:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -49,7 +48,7 @@ def selection_timings(score, visible, topk, reps):
     try:   # the Triton radix top-k (kernels/topk_triton.py: one program a row; topk_split_triton: a row over several),
         # 32-bit keys and 16-bit ones (the scores are bf16-valued)
         from dsflash.kernels import topk_split_triton as tst, topk_triton as tt
-        impls = {"triton": (functools.partial(tt.select_topk_triton, split=False), tt.candidate_mask_triton),
+        impls = {"triton": (tt.select_topk_triton, tt.candidate_mask_triton),
                  "split": (tst.select_topk_split, tst.candidate_mask_split)}
         for tag, (sel, cand) in impls.items():
             for bits in (32, 16):

@@ -74,6 +74,11 @@ class Crossover:
 # 1.22x, 128 x 6 x 16384 1.11x). The crossover between 8K and 1M row-entries is unmeasured; only the losing point is.
 INDEXER_XLA_MAX_ROW_ENTRIES = 8192
 PAGED_MAX_ROWS = 8     # the paged indexer scores decode calls only (1 + drafts); prefill chunks gather the keys
+# The Triton top-k ("topk" gate) splits rows of at least this many entries over several programs
+# (topk_split_triton). H200 run 32 (kernel busy time in a trace, 32 x 6 rows x 131,072 entries, 16-bit keys): 0.329 ms
+# split vs 0.442 one program a row; shorter rows are not measured split (so the candidate filter's 16,384 blocks stay
+# on one program a row). JSON benchmarks/results/topk_trace_20261202_h200_run32.json
+TOPK_SPLIT_MIN_ENTRIES = 131072
 
 GATES = {
     # always, where the precision is implemented; the variant per size is moe_plan.pick_config (BM 8 decode tiles

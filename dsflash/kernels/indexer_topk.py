@@ -70,8 +70,12 @@ def select_topk(score, visible, topk, *, backend="xla", bf16_scores=False):
     """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty. The Triton radix
     top-k, the sort-free threshold path or lax.top_k, as ``candidate_mask`` chooses (same bits every way)."""
     if dispatch.use_triton("topk", backend, score.shape[-1]):
+        bits = 16 if bf16_scores else 32
+        if score.shape[-1] >= dispatch.TOPK_SPLIT_MIN_ENTRIES:       # a row over several programs
+            from dsflash.kernels import topk_split_triton  # lazy: needs a CUDA GPU and jax-triton
+            return topk_split_triton.select_topk_split(score, visible, topk, key_bits=bits)
         from dsflash.kernels import topk_triton  # lazy: needs a CUDA GPU and jax-triton
-        return topk_triton.select_topk_triton(score, visible, topk, key_bits=16 if bf16_scores else 32)
+        return topk_triton.select_topk_triton(score, visible, topk, key_bits=bits)
     if dispatch.use_threshold_topk(score.shape[-1]):
         return topk_select.select_topk_threshold(score, visible, topk)
     return select_topk_sorted(score, visible, topk)

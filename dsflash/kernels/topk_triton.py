@@ -15,7 +15,8 @@ Same contract as ``topk_select.select_topk_threshold`` / ``topk_mask`` (the refe
 A row is read PASSES + 1 times (4 KB tiles; one 512 KB row per program at 131,072 entries).
 STATUS: interpreter on CPU (tests/test_kernels_topk_triton.py); H200 run 26 (2026-12-02): tests/gpu/test_topk_triton.py 10
 passed; 32 x 6 rows x 131,072 entries 1.01 ms (16-bit keys) / 1.29 (32-bit) against lax.top_k + sort 2.64 (host wall
-time per call; kernel busy time 0.44 ms, run 32). Rows of >= SPLIT_MIN_ENTRIES go to ``topk_split_triton``.
+time per call; kernel busy time 0.44 ms, run 32). The front end sends rows of >= ``dispatch.TOPK_SPLIT_MIN_ENTRIES``
+to ``topk_split_triton``.
 """
 from __future__ import annotations
 
@@ -125,21 +126,11 @@ def kernel_args(score, k: int, *, key_bits: int = 32, mode: int = 0):
     return rows, const, (rows.shape[0],), 8 if T >= 4096 else 4
 
 
-# Rows of at least this many entries go to topk_split_triton (a row over several programs). H200 run 32 (kernel busy
-# time in a trace, 32 x 6 rows x 131,072 entries, 16-bit keys): 0.329 ms split vs 0.442 one program a row; shorter
-# rows are not measured split (the candidate filter's 16,384 blocks stay on one program a row)
-SPLIT_MIN_ENTRIES = 131072
-
-
-def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32, split: bool | None = None):
+def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32):
     """== topk_select.select_topk_threshold (== indexer_topk.select_topk_sorted): [..., T] -> [..., min(topk, T)]
-    int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores. ``split``: rows over several
-    programs (topk_split_triton); None: from SPLIT_MIN_ENTRIES entries."""
+    int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores."""
     import jax_triton as jt  # lazy: GPU only
     T = score.shape[-1]
-    if split or (split is None and T >= SPLIT_MIN_ENTRIES):
-        from dsflash.kernels import topk_split_triton
-        return topk_split_triton.select_topk_split(score, visible, topk, key_bits=key_bits)
     k = min(topk, T)
     rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=0)
     vis = jnp.broadcast_to(visible, score.shape[:-1]).reshape(-1).astype(jnp.int32)

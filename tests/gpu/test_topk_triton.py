@@ -2,7 +2,6 @@
 rows of tests/test_topk_select.py (ties, +-NaN, +-0.0, +-inf, -inf masks, visible limits, T < topk, partial tiles),
 at the indexer's real shape (32 x 6 rows x 131,072 entries, top-512; the candidate filter's 16,384 blocks), with
 32-bit keys and, on bf16-valued rows, 16-bit keys; and through the front end with its gate open."""
-import functools
 import os
 import sys
 
@@ -52,7 +51,7 @@ def test_split_rows_match_lax_top_k(T, topk, bits, kinds):
 def test_real_shape(bits, split):
     from dsflash.kernels import topk_split_triton as tst, topk_triton as tt
     select, cand = ((tst.select_topk_split, tst.candidate_mask_split) if split else
-                    (functools.partial(tt.select_topk_triton, split=False), tt.candidate_mask_triton))
+                    (tt.select_topk_triton, tt.candidate_mask_triton))
     B, S, T = 32, 6, 131072
     score = jax.random.normal(jax.random.PRNGKey(bits), (B, S, T)).astype(jnp.bfloat16).astype(jnp.float32)
     visible = jnp.full((B, S), T, jnp.int32).at[:, -1].set(T // 3)
