@@ -68,7 +68,8 @@ class LLMEngine:
                                max_iters=c.decode_steps, max_logprobs=c.max_logprobs, max_stop_ids=c.max_stop_ids,
                                dp=dp, eplb=self.eplb,
                                snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
-                               max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths)
+                               max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths,
+                               lazy_draft_context=c.lazy_draft_context)
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
             num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,

@@ -157,7 +157,7 @@ class Runner:
 
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
                  max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
-                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None):
+                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None, lazy_draft_context=True):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -169,11 +169,16 @@ class Runner:
         # programs of speculative and plain engines are the same (one compile, shared via the cache)
         self.draft_ctx = backend.block > 0
         self.K1 = self.k + 1
-        # the decode programs compiled: one per draft length (adaptive speculation: (0, k), adaptive.py); the
-        # plain one of a speculative engine keeps the draft context current, so drafting can resume
+        # the decode programs compiled: one per draft length (adaptive speculation: (0, k), adaptive.py)
         self.draft_lengths = tuple(sorted(set(draft_lengths))) if draft_lengths is not None else (self.k,)
         if any(d not in (0, self.k) for d in self.draft_lengths):
             raise ValueError(f"draft_lengths: {self.draft_lengths} (only 0 and the draft block {self.k})")
+        # lazy draft context: the plain program of a speculative engine skips the draft's update_context and
+        # records the target's taps in a per-slot ring of the last W positions; the drafting program first
+        # catches the draft context up from it (rows["ctx_pos"]: the draft context is current through there).
+        # Off: the plain program updates the draft context every step (as before).
+        self.lazy_ctx = self.spec and 0 in self.draft_lengths and bool(lazy_draft_context)
+        self.tap_window = backend.sliding_window
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
         self.max_stop_ids = max_stop_ids
@@ -184,6 +189,7 @@ class Runner:
             backend.bind_geometry(geo)
         self.params = backend.params
         self.state = backend.init_state(geo)
+        self.tap_spec = self._tap_spec() if self.lazy_ctx else None
         self.rows = self._init_rows()
         # EPLB: forwards return out["expert_load"] [L, P]; each call returns its sum as res["eplb_load"]
         self.eplb_shape = getattr(backend, "eplb_shape", None)
@@ -226,9 +232,43 @@ class Runner:
     # ------------------------------------------------------------------ state
     def _init_rows(self):
         S, V = self.S, self.V
-        return {"y": jnp.zeros((S,), jnp.int32), "pos": jnp.zeros((S,), jnp.int32),
+        rows = {"y": jnp.zeros((S,), jnp.int32), "pos": jnp.zeros((S,), jnp.int32),
                 "n_gen": jnp.zeros((S,), jnp.int32), "active": jnp.zeros((S,), bool),
                 "counts": jnp.zeros((S, V), jnp.int32), "seen": jnp.zeros((S, V), bool)}
+        if self.lazy_ctx:      # the draft context's catch-up (lazy draft context, __init__)
+            rows["ctx_pos"] = jnp.zeros((S,), jnp.int32)
+            rows["taps"] = jnp.zeros((S, self.tap_window) + self.tap_spec.shape[2:], self.tap_spec.dtype)
+        return rows
+
+    def _tap_spec(self):
+        """Shape / dtype of a one-row decode forward's taps ``[S, 1, D]`` (traced, not run)."""
+        S_ = self.S
+        z = jnp.zeros((S_,), jnp.int32)
+        batch = Batch(jnp.zeros((S_, 1), jnp.int32), z, z, jnp.arange(S_, dtype=jnp.int32),
+                      jnp.zeros((S_, self.P), jnp.int32), z, z, z)
+        out = jax.eval_shape(lambda p, st: self.backend.forward(p, batch, st, logits="all", taps=True)[0]["taps"],
+                             self.params, self.state)
+        return out
+
+    def _catch_up_context(self, params, state, rows, page_table):
+        """Drafting resumes: the draft context of every active slot for the positions after ``ctx_pos`` (at
+        most the last W, all the draft reads) from the recorded taps; returns (state, rows)."""
+        S_, W = self.S, self.tap_window
+        slots = jnp.arange(S_, dtype=jnp.int32)
+        pos, cp = rows["pos"], rows["ctx_pos"]
+        need = rows["active"] & (pos > cp)
+        n = jnp.where(need, jnp.minimum(pos - cp, W), 0).astype(jnp.int32)
+        start = (pos - n + 1).astype(jnp.int32)
+
+        def run(state):
+            q = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None]
+            taps = rows["taps"][slots[:, None], jnp.mod(q, W)]
+            z = jnp.zeros((S_,), jnp.int32)
+            batch = Batch(jnp.zeros((S_, W), jnp.int32), start, n, slots, page_table, z, z, z)
+            return self.backend.update_context(params, {"taps": taps}, batch, state)
+
+        state = lax.cond(jnp.any(need), run, lambda st: st, state)
+        return state, {**rows, "ctx_pos": jnp.where(need, pos, cp)}
 
     def state_nbytes(self) -> dict:
         glob = sum(a.nbytes for a in self.backend.global_kv_arrays(self.state))
@@ -255,6 +295,7 @@ class Runner:
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params, state, rows, inp):
         be, spec, S_ = self.backend, self.draft_ctx, self.S
+        rows_in = rows
         tokens = inp["tokens"]
         Bp, T = tokens.shape
         floor = inp["floor"]
@@ -294,6 +335,9 @@ class Runner:
             "counts": rows["counts"].at[tgt].set(counts, mode="drop"),
             "seen": rows["seen"].at[tgt].set(seen, mode="drop"),
         }
+        if self.lazy_ctx:      # the prefill keeps the draft context current
+            rows["ctx_pos"] = rows_in["ctx_pos"].at[tgt].set(inp["start"] + inp["lengths"] - 1, mode="drop")
+            rows["taps"] = rows_in["taps"]
         chosen, ti, tv = self._logprob_outputs(raw, tok)
         res = {"tok": tok, "done": done, "stop": is_stop, "lp": chosen, "top_ids": ti, "top_lp": tv}
         if self.eplb_shape is not None:
@@ -304,7 +348,9 @@ class Runner:
     def _decode_impl(self, params, state, rows, inp, drafting=True):
         be, V, S_, k = self.backend, self.V, self.S, self.k
         spec = self.spec and drafting
-        ctx = spec or (self.spec and self.draft_ctx)   # the plain program of a speculative engine: context too
+        # the draft context: updated by the drafting program; by the plain one too unless it is lazy (__init__)
+        ctx = spec or (self.spec and self.draft_ctx and not self.lazy_ctx)
+        record = self.lazy_ctx and not spec        # the plain program records the taps instead
         K1 = k + 1 if spec else 1
         sp = inp["sp"]
         greedy = sp["temp"] <= 0
@@ -313,6 +359,9 @@ class Runner:
         floor = inp["floor"]
         row_steps = inp["row_steps"]
         rows = {**rows, "active": rows["active"] & ~inp["deactivate"]}
+        if self.lazy_ctx and spec:     # drafting resumes after plain calls: catch the draft context up first
+            state, rows = self._catch_up_context(params, state, rows, inp["page_table"])
+            current0 = rows["ctx_pos"] >= rows["pos"]
         Tb = self.T_out + self.K1                       # the same buffers for every draft length
         L = self.max_logprobs
         buf = {"tok": jnp.full((S_, Tb), -1, jnp.int32), "lp": jnp.zeros((S_, Tb), jnp.float32),
@@ -344,9 +393,14 @@ class Runner:
                 tokens = y[:, None]
             batch = Batch(tokens, p + 1, jnp.where(run, K1, 0).astype(jnp.int32), slots, inp["page_table"],
                           floor, floor, jnp.zeros_like(p))
-            out, state = be.forward(params, batch, state, logits="all", taps=ctx)
+            out, state = be.forward(params, batch, state, logits="all", taps=ctx or record)
             if ctx:
                 state = be.update_context(params, out, batch, state)
+            taps_ring = None
+            if record:     # this row's taps at position p + 1 (W: dropped for rows not running)
+                W = self.tap_window
+                taps_ring = rows["taps"].at[slots, jnp.where(run, jnp.mod(p + 1, W), W)].set(
+                    out["taps"][:, 0].astype(rows["taps"].dtype), mode="drop")
             raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
             masked = S.apply_token_mask(raw, inp["mask"], guided)
             counts = rows["counts"][:, None, :]
@@ -398,12 +452,16 @@ class Runner:
             n_gen = nidx + n
             ohe = jax.nn.one_hot(jnp.where(keep, emitted, -1), V, dtype=jnp.int32).sum(1)   # -1 -> zero row
             finished = run & (has_stop | (n_gen >= sp["max_gen"]))
-            rows = {"y": jnp.where(n > 0, last_tok, y), "pos": p + n, "n_gen": n_gen,
+            rows = {**rows, "y": jnp.where(n > 0, last_tok, y), "pos": p + n, "n_gen": n_gen,
                     "active": rows["active"] & ~finished, "counts": rows["counts"] + ohe,
                     "seen": rows["seen"] | (ohe > 0)}
+            if taps_ring is not None:
+                rows["taps"] = taps_ring
             return i + 1, state, rows, nb
 
         _, state, rows, buf = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, rows, buf))
+        if self.lazy_ctx and spec:     # a context current at the start stays current through every step
+            rows["ctx_pos"] = jnp.where(current0, rows["pos"], rows["ctx_pos"])
         res = dict(buf)
         res["y"], res["pos"], res["n_gen"], res["active"] = rows["y"], rows["pos"], rows["n_gen"], rows["active"]
         return state, rows, res
