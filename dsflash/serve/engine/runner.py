@@ -157,7 +157,8 @@ class Runner:
 
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
                  max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
-                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None, lazy_draft_context=True):
+                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None, lazy_draft_context=True,
+                 sequential_verify=False):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -179,6 +180,8 @@ class Runner:
         # Off: the plain program updates the draft context every step (as before).
         self.lazy_ctx = self.spec and 0 in self.draft_lengths and bool(lazy_draft_context)
         self.tap_window = backend.sliding_window
+        # verify as block + 1 one-row forwards (_target_forward): rows bit-identical across draft lengths
+        self.sequential_verify = bool(sequential_verify) and self.spec
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
         self.max_stop_ids = max_stop_ids
@@ -393,7 +396,7 @@ class Runner:
                 tokens = y[:, None]
             batch = Batch(tokens, p + 1, jnp.where(run, K1, 0).astype(jnp.int32), slots, inp["page_table"],
                           floor, floor, jnp.zeros_like(p))
-            out, state = be.forward(params, batch, state, logits="all", taps=ctx or record)
+            out, state = self._target_forward(params, batch, state, ctx or record)
             if ctx:
                 state = be.update_context(params, out, batch, state)
             taps_ring = None
@@ -465,6 +468,32 @@ class Runner:
         res = dict(buf)
         res["y"], res["pos"], res["n_gen"], res["active"] = rows["y"], rows["pos"], rows["n_gen"], rows["active"]
         return state, rows, res
+
+    def _target_forward(self, params, batch, state, taps):
+        """The decode iteration's target forward over ``batch.tokens [S, K1]``. With ``sequential_verify`` it runs
+        as K1 one-row forwards in a ``lax.scan`` (the plain program: a scan of one), so every row is computed by
+        the same one-row program whatever the draft length: XLA's CPU dots and reductions round a row differently
+        at different row counts (scripts/plain_vs_verify_rows.py), and greedy output then follows the draft length."""
+        be = self.backend
+        if not self.sequential_verify:
+            return be.forward(params, batch, state, logits="all", taps=taps)
+        K1 = batch.tokens.shape[1]
+        one = (batch.lengths > 0).astype(jnp.int32)
+
+        def row(state, j):
+            b = Batch(lax.dynamic_slice_in_dim(batch.tokens, j, 1, axis=1), batch.start + j, one, batch.slots,
+                      batch.page_table, batch.enc_floor, batch.dec_floor, batch.kv_write_from)
+            o, state = be.forward(params, b, state, logits="all", taps=taps)
+            keep = {k: o[k][:, 0] for k in ("logits", "taps") if k in o}
+            if "expert_load" in o:
+                keep["expert_load"] = o["expert_load"]
+            return state, keep
+
+        state, ys = lax.scan(row, state, jnp.arange(K1, dtype=jnp.int32))
+        out = {k: jnp.swapaxes(v, 0, 1) for k, v in ys.items() if k != "expert_load"}
+        if "expert_load" in ys:
+            out["expert_load"] = ys["expert_load"].sum(0)
+        return out, state
 
     # ------------------------------------------------------------------ one step's inputs and launch
     def step_inputs(self, plan):
