@@ -45,3 +45,30 @@ def test_fp32_switching_with_lazy_draft_context_equals_plain(model):
     m = eng.metrics_snapshot()
     assert m["spec_num_drafts"] > 0 and 0.2 < m["spec_drafted_call_fraction"] < 0.5
     assert m["compiles_after_warmup"] == 0
+
+
+def _greedy(eng, items, draft_len):
+    """Every decode call with draft length ``draft_len``: token ids and logprobs (chosen + top) per request."""
+    eng.speculation._decide = lambda accepted: draft_len
+    out = run_all(eng, [(f"{draft_len}-{rid}", p, sp) for rid, p, sp in items])
+    return {k.split("-", 1)[1]: (o.outputs[0].token_ids, o.outputs[0].logprobs) for k, o in out.items()}
+
+
+@pytest.mark.slow
+def test_reference_greedy_identical_with_drafting_forced_on_and_off():
+    """At "reference" the verify forward used to round some rows differently from the plain one (demo model, 8 slots:
+    3 of these 16 requests changed with the draft length); with sequential verify (the CPU default of adaptive
+    speculation) each row is the plain program's, so token ids and logprobs are bitwise the same."""
+    import dsflash
+    import numpy as np
+    from dsflash.api import SHIPPED
+    eng = LLMEngine(dsflash.load("demo"), max_num_seqs=8, max_model_len=256, page_size=64,
+                    max_num_batched_tokens=256, enable_prefix_caching=False)
+    assert eng.config.speculative_mode == "adaptive" and eng.runner.sequential_verify
+    rows = np.load(SHIPPED["demo"] + "/heldout_rows.npy")
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    items = [(str(i), [int(x) for x in rows[i, :40 + (i * 7) % 60]], sp) for i in range(16)]
+    plain = _greedy(eng, items, 0)
+    drafted = _greedy(eng, items, eng.k)
+    assert eng.metrics_snapshot()["spec_num_accepted_tokens"] > 0
+    assert drafted == plain
