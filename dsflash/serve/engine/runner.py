@@ -471,13 +471,13 @@ class Runner:
 
     def _target_forward(self, params, batch, state, taps):
         """The decode iteration's target forward over ``batch.tokens [S, K1]``. With ``sequential_verify`` it runs
-        as K1 one-row forwards in a ``lax.scan`` (the plain program: a scan of one), so every row is computed by
-        the same one-row program whatever the draft length: XLA's CPU dots and reductions round a row differently
+        as K1 one-row forwards in a ``lax.scan`` (each the plain program's one-row forward), so every row rounds the
+        same whatever the draft length (tested bitwise): XLA's CPU dots and reductions round a row differently
         at different row counts (scripts/plain_vs_verify_rows.py), and greedy output then follows the draft length."""
         be = self.backend
-        if not self.sequential_verify:
-            return be.forward(params, batch, state, logits="all", taps=taps)
         K1 = batch.tokens.shape[1]
+        if not self.sequential_verify or K1 == 1:
+            return be.forward(params, batch, state, logits="all", taps=taps)
         one = (batch.lengths > 0).astype(jnp.int32)
 
         def row(state, j):
