@@ -10,7 +10,9 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
   forward, the rejection sampler keeps an exact-match (greedy) or lossless (sampled) prefix plus a
   correction/bonus token. Rollback is by length only (``pos`` advances by the emitted count; rows
   written past it are never read). Without drafts each step is a single-token forward. Rows stop on
-  their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up.
+  their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up. Adaptive
+  speculation compiles it for draft lengths ``block`` and 0; the plain one records taps instead of updating the
+  draft context (lazy draft context) and, with ``sequential_verify``, the verify is ``block + 1`` one-row forwards.
 
 The Runner owns these programs, the state they donate and the host mirrors of what a decode call reads
 (``SlotMirror``: page tables, sampling rows, window floors per slot; the scheduler updates them as it admits,
