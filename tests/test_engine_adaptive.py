@@ -152,3 +152,30 @@ def test_new_requests_start_from_the_engine_wide_acceptance():
     assert pol.estimate(b) < 0.25 and pol.choose([b]) == 0
     pol.observe(0, 1.0, 4, [])
     assert pol.choose([b]) == 5                         # reprobe_every calls without drafts: the workload is probed
+
+
+# ------------------------------------------------------------------ the lazy draft context (runner.lazy_ctx)
+def _flip_run(eng, prompts, tag, period=3):
+    """Draft on one call in ``period`` (plain otherwise): drafting resumes after plain calls again and again."""
+    eng.speculation = pol = SpeculationPolicy(eng.k, "adaptive")
+    calls = iter(range(10**6))
+    pol._decide = lambda accepted: eng.k if next(calls) % period == 0 else 0
+    return _run(eng, prompts, tag=tag)
+
+
+def test_lazy_draft_context_drafts_as_the_eager_one():
+    """The plain program skips the draft's context update; the drafting one catches it up from the recorded taps.
+    The toy's drafts read its draft ring, so equal acceptance means the caught-up context is the eager one's."""
+    prompts = PROMPTS + [[int(x) for x in np.random.default_rng(9).integers(2, 63, size=20)]]
+    res = {}
+    for lazy in (True, False):
+        eng = LLMEngine(ToyBackend(), lazy_draft_context=lazy, **COMMON)
+        assert eng.runner.lazy_ctx == lazy and ("taps" in eng.runner.rows) == lazy
+        out = _flip_run(eng, prompts, "z")
+        m = eng.metrics_snapshot()
+        assert m["compiles_after_warmup"] == 0
+        res[lazy] = (out, m["spec_num_drafts"], m["spec_num_accepted_tokens"])
+    assert res[True] == res[False]
+    assert res[True][2] > 0
+    plain = _run(LLMEngine(ToyBackend(), speculative_mode="off", **COMMON), prompts, tag="z")
+    assert res[True][0] == plain

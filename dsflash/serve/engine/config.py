@@ -82,6 +82,11 @@ class EngineConfig:
     # "adaptive": per decode call, draft or not by a measured cost model and each request's acceptance
     # (adaptive.py); "always": draft every call; "off": never (as speculative=False)
     speculative_mode: str = "adaptive"
+    # adaptive: the plain program skips the draft's context update; drafting catches it up from recorded taps
+    lazy_draft_context: bool = True
+    # verify as block + 1 one-row forwards, so a row rounds the same whatever the draft length (reproducible
+    # adaptive output); None: on for adaptive speculation on CPU, where it costs little (docs/engine.md)
+    sequential_verify: Optional[bool] = None
     draft_sampling: Optional[bool] = None      # sampled drafts at temperature > 0; None: when the backend can
     seed: int = 0                              # unseeded requests draw their seeds from this
     # the model's run options: None = the loaded model's own ("reference" / "auto" / exact for a name)

@@ -68,7 +68,9 @@ class LLMEngine:
                                max_iters=c.decode_steps, max_logprobs=c.max_logprobs, max_stop_ids=c.max_stop_ids,
                                dp=dp, eplb=self.eplb,
                                snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
-                               max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths)
+                               max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths,
+                               lazy_draft_context=c.lazy_draft_context,
+                               sequential_verify=self._sequential_verify(c))
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
             num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
@@ -161,6 +163,13 @@ class LLMEngine:
     # "exact" | "replay"; may change between steps ("exact" needs the snapshot pool built at start-up)
     prefix_cache_mode = property(lambda self: self.scheduler.prefix_cache_mode,
                                  lambda self, mode: setattr(self.scheduler, "prefix_cache_mode", mode))
+
+    def _sequential_verify(self, c) -> bool:
+        """EngineConfig.sequential_verify resolved: None = on for adaptive speculation on a CPU backend."""
+        if c.sequential_verify is not None:
+            return bool(c.sequential_verify)
+        import jax
+        return self.speculation.mode == "adaptive" and jax.default_backend() == "cpu"
 
     @staticmethod
     def _wants_snapshots(c) -> bool:
@@ -366,6 +375,7 @@ class LLMEngine:
         d["prefix_snapshot_bytes_each"] = self.memory["prefix_snapshot_bytes_each"]
         d["draft_block"] = self.k
         d.update(self.speculation.metrics())
+        d["spec_sequential_verify"] = self.runner.sequential_verify
         d["warmup_time_s"] = self.warmup_time
         if self.eplb is not None:
             d.update(self.eplb.metrics())

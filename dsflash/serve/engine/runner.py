@@ -10,7 +10,9 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
   forward, the rejection sampler keeps an exact-match (greedy) or lossless (sampled) prefix plus a
   correction/bonus token. Rollback is by length only (``pos`` advances by the emitted count; rows
   written past it are never read). Without drafts each step is a single-token forward. Rows stop on
-  their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up.
+  their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up. Adaptive
+  speculation compiles it for draft lengths ``block`` and 0; the plain one records taps instead of updating the
+  draft context (lazy draft context) and, with ``sequential_verify``, the verify is ``block + 1`` one-row forwards.
 
 The Runner owns these programs, the state they donate and the host mirrors of what a decode call reads
 (``SlotMirror``: page tables, sampling rows, window floors per slot; the scheduler updates them as it admits,
@@ -157,7 +159,8 @@ class Runner:
 
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
                  max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
-                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None):
+                 snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None, lazy_draft_context=True,
+                 sequential_verify=False):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -169,11 +172,18 @@ class Runner:
         # programs of speculative and plain engines are the same (one compile, shared via the cache)
         self.draft_ctx = backend.block > 0
         self.K1 = self.k + 1
-        # the decode programs compiled: one per draft length (adaptive speculation: (0, k), adaptive.py); the
-        # plain one of a speculative engine keeps the draft context current, so drafting can resume
+        # the decode programs compiled: one per draft length (adaptive speculation: (0, k), adaptive.py)
         self.draft_lengths = tuple(sorted(set(draft_lengths))) if draft_lengths is not None else (self.k,)
         if any(d not in (0, self.k) for d in self.draft_lengths):
             raise ValueError(f"draft_lengths: {self.draft_lengths} (only 0 and the draft block {self.k})")
+        # lazy draft context: the plain program of a speculative engine skips the draft's update_context and
+        # records the target's taps in a per-slot ring of the last W positions; the drafting program first
+        # catches the draft context up from it (rows["ctx_pos"]: the draft context is current through there).
+        # Off: the plain program updates the draft context every step (as before).
+        self.lazy_ctx = self.spec and 0 in self.draft_lengths and bool(lazy_draft_context)
+        self.tap_window = backend.sliding_window
+        # verify as block + 1 one-row forwards (_target_forward): rows bit-identical across draft lengths
+        self.sequential_verify = bool(sequential_verify) and self.spec
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
         self.max_stop_ids = max_stop_ids
@@ -184,6 +194,7 @@ class Runner:
             backend.bind_geometry(geo)
         self.params = backend.params
         self.state = backend.init_state(geo)
+        self.tap_spec = self._tap_spec() if self.lazy_ctx else None
         self.rows = self._init_rows()
         # EPLB: forwards return out["expert_load"] [L, P]; each call returns its sum as res["eplb_load"]
         self.eplb_shape = getattr(backend, "eplb_shape", None)
@@ -229,9 +240,43 @@ class Runner:
     # ------------------------------------------------------------------ state
     def _init_rows(self):
         S, V = self.S, self.V
-        return {"y": jnp.zeros((S,), jnp.int32), "pos": jnp.zeros((S,), jnp.int32),
+        rows = {"y": jnp.zeros((S,), jnp.int32), "pos": jnp.zeros((S,), jnp.int32),
                 "n_gen": jnp.zeros((S,), jnp.int32), "active": jnp.zeros((S,), bool),
                 "counts": jnp.zeros((S, V), jnp.int32), "seen": jnp.zeros((S, V), bool)}
+        if self.lazy_ctx:      # the draft context's catch-up (lazy draft context, __init__)
+            rows["ctx_pos"] = jnp.zeros((S,), jnp.int32)
+            rows["taps"] = jnp.zeros((S, self.tap_window) + self.tap_spec.shape[2:], self.tap_spec.dtype)
+        return rows
+
+    def _tap_spec(self):
+        """Shape / dtype of a one-row decode forward's taps ``[S, 1, D]`` (traced, not run)."""
+        S_ = self.S
+        z = jnp.zeros((S_,), jnp.int32)
+        batch = Batch(jnp.zeros((S_, 1), jnp.int32), z, z, jnp.arange(S_, dtype=jnp.int32),
+                      jnp.zeros((S_, self.P), jnp.int32), z, z, z)
+        out = jax.eval_shape(lambda p, st: self.backend.forward(p, batch, st, logits="all", taps=True)[0]["taps"],
+                             self.params, self.state)
+        return out
+
+    def _catch_up_context(self, params, state, rows, page_table):
+        """Drafting resumes: the draft context of every active slot for the positions after ``ctx_pos`` (at
+        most the last W, all the draft reads) from the recorded taps; returns (state, rows)."""
+        S_, W = self.S, self.tap_window
+        slots = jnp.arange(S_, dtype=jnp.int32)
+        pos, cp = rows["pos"], rows["ctx_pos"]
+        need = rows["active"] & (pos > cp)
+        n = jnp.where(need, jnp.minimum(pos - cp, W), 0).astype(jnp.int32)
+        start = (pos - n + 1).astype(jnp.int32)
+
+        def run(state):
+            q = start[:, None] + jnp.arange(W, dtype=jnp.int32)[None]
+            taps = rows["taps"][slots[:, None], jnp.mod(q, W)]
+            z = jnp.zeros((S_,), jnp.int32)
+            batch = Batch(jnp.zeros((S_, W), jnp.int32), start, n, slots, page_table, z, z, z)
+            return self.backend.update_context(params, {"taps": taps}, batch, state)
+
+        state = lax.cond(jnp.any(need), run, lambda st: st, state)
+        return state, {**rows, "ctx_pos": jnp.where(need, pos, cp)}
 
     def state_nbytes(self) -> dict:
         glob = sum(a.nbytes for a in self.backend.global_kv_arrays(self.state))
@@ -258,6 +303,7 @@ class Runner:
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params, state, rows, inp):
         be, spec, S_ = self.backend, self.draft_ctx, self.S
+        rows_in = rows
         tokens = inp["tokens"]
         Bp, T = tokens.shape
         floor = inp["floor"]
@@ -297,6 +343,9 @@ class Runner:
             "counts": rows["counts"].at[tgt].set(counts, mode="drop"),
             "seen": rows["seen"].at[tgt].set(seen, mode="drop"),
         }
+        if self.lazy_ctx:      # the prefill keeps the draft context current
+            rows["ctx_pos"] = rows_in["ctx_pos"].at[tgt].set(inp["start"] + inp["lengths"] - 1, mode="drop")
+            rows["taps"] = rows_in["taps"]
         chosen, ti, tv = self._logprob_outputs(raw, tok)
         res = {"tok": tok, "done": done, "stop": is_stop, "lp": chosen, "top_ids": ti, "top_lp": tv}
         if self.eplb_shape is not None:
@@ -307,7 +356,9 @@ class Runner:
     def _decode_impl(self, params, state, rows, inp, drafting=True):
         be, V, S_, k = self.backend, self.V, self.S, self.k
         spec = self.spec and drafting
-        ctx = spec or (self.spec and self.draft_ctx)   # the plain program of a speculative engine: context too
+        # the draft context: updated by the drafting program; by the plain one too unless it is lazy (__init__)
+        ctx = spec or (self.spec and self.draft_ctx and not self.lazy_ctx)
+        record = self.lazy_ctx and not spec        # the plain program records the taps instead
         K1 = k + 1 if spec else 1
         sp = inp["sp"]
         greedy = sp["temp"] <= 0
@@ -316,6 +367,9 @@ class Runner:
         floor = inp["floor"]
         row_steps = inp["row_steps"]
         rows = {**rows, "active": rows["active"] & ~inp["deactivate"]}
+        if self.lazy_ctx and spec:     # drafting resumes after plain calls: catch the draft context up first
+            state, rows = self._catch_up_context(params, state, rows, inp["page_table"])
+            current0 = rows["ctx_pos"] >= rows["pos"]
         Tb = self.T_out + self.K1                       # the same buffers for every draft length
         L = self.max_logprobs
         buf = {"tok": jnp.full((S_, Tb), -1, jnp.int32), "lp": jnp.zeros((S_, Tb), jnp.float32),
@@ -350,9 +404,14 @@ class Runner:
                 tokens = y[:, None]
             batch = Batch(tokens, p + 1, jnp.where(run, K1, 0).astype(jnp.int32), slots, inp["page_table"],
                           floor, floor, jnp.zeros_like(p))
-            out, state = be.forward(params, batch, state, logits="all", taps=ctx)
+            out, state = self._target_forward(params, batch, state, ctx or record)
             if ctx:
                 state = be.update_context(params, out, batch, state)
+            taps_ring = None
+            if record:     # this row's taps at position p + 1 (W: dropped for rows not running)
+                W = self.tap_window
+                taps_ring = rows["taps"].at[slots, jnp.where(run, jnp.mod(p + 1, W), W)].set(
+                    out["taps"][:, 0].astype(rows["taps"].dtype), mode="drop")
             raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
             masked = S.apply_token_mask(raw, inp["mask"][:, :K1], guided)
             counts = rows["counts"][:, None, :]
@@ -404,12 +463,16 @@ class Runner:
             n_gen = nidx + n
             ohe = jax.nn.one_hot(jnp.where(keep, emitted, -1), V, dtype=jnp.int32).sum(1)   # -1 -> zero row
             finished = run & (has_stop | (n_gen >= sp["max_gen"]))
-            rows = {"y": jnp.where(n > 0, last_tok, y), "pos": p + n, "n_gen": n_gen,
+            rows = {**rows, "y": jnp.where(n > 0, last_tok, y), "pos": p + n, "n_gen": n_gen,
                     "active": rows["active"] & ~finished, "counts": rows["counts"] + ohe,
                     "seen": rows["seen"] | (ohe > 0)}
+            if taps_ring is not None:
+                rows["taps"] = taps_ring
             return i + 1, state, rows, nb
 
         _, state, rows, buf = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, rows, buf))
+        if self.lazy_ctx and spec:     # a context current at the start stays current through every step
+            rows["ctx_pos"] = jnp.where(current0, rows["pos"], rows["ctx_pos"])
         res = dict(buf)
         res["y"], res["pos"], res["n_gen"], res["active"] = rows["y"], rows["pos"], rows["n_gen"], rows["active"]
         if spec:     # the next call's drafts for guided rows (greedy), so the host can mask their positions
@@ -420,6 +483,32 @@ class Runner:
                 return d.astype(jnp.int32)
             res["next_drafts"] = lax.cond(jnp.any(guided), propose_next, lambda: jnp.zeros((S_, k), jnp.int32))
         return state, rows, res
+
+    def _target_forward(self, params, batch, state, taps):
+        """The decode iteration's target forward over ``batch.tokens [S, K1]``. With ``sequential_verify`` it runs
+        as K1 one-row forwards in a ``lax.scan`` (each the plain program's one-row forward), so every row rounds the
+        same whatever the draft length (tested bitwise): XLA's CPU dots and reductions round a row differently
+        at different row counts (scripts/plain_vs_verify_rows.py), and greedy output then follows the draft length."""
+        be = self.backend
+        K1 = batch.tokens.shape[1]
+        if not self.sequential_verify or K1 == 1:
+            return be.forward(params, batch, state, logits="all", taps=taps)
+        one = (batch.lengths > 0).astype(jnp.int32)
+
+        def row(state, j):
+            b = Batch(lax.dynamic_slice_in_dim(batch.tokens, j, 1, axis=1), batch.start + j, one, batch.slots,
+                      batch.page_table, batch.enc_floor, batch.dec_floor, batch.kv_write_from)
+            o, state = be.forward(params, b, state, logits="all", taps=taps)
+            keep = {k: o[k][:, 0] for k in ("logits", "taps") if k in o}
+            if "expert_load" in o:
+                keep["expert_load"] = o["expert_load"]
+            return state, keep
+
+        state, ys = lax.scan(row, state, jnp.arange(K1, dtype=jnp.int32))
+        out = {k: jnp.swapaxes(v, 0, 1) for k, v in ys.items() if k != "expert_load"}
+        if "expert_load" in ys:
+            out["expert_load"] = ys["expert_load"].sum(0)
+        return out, state
 
     # ------------------------------------------------------------------ one step's inputs and launch
     def step_inputs(self, plan):

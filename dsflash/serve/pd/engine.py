@@ -225,8 +225,11 @@ class PDPolicy:
         seen[np.asarray(s.prompt_ids, np.int64)] = True
         seen[tok] = True
         done = tok in s.stop_ids or s.params.max_tokens <= 1
-        e.pd_layout.set_row(e, s.slot, {"y": np.int32(tok), "pos": np.int32(n - 1), "n_gen": np.int32(1),
-                                        "active": np.bool_(not done), "counts": counts, "seen": seen})
+        row = {"y": np.int32(tok), "pos": np.int32(n - 1), "n_gen": np.int32(1), "active": np.bool_(not done),
+               "counts": counts, "seen": seen}
+        if "ctx_pos" in e.runner.rows:       # the transferred draft context is current through the prompt
+            row["ctx_pos"] = np.int32(n - 1)
+        e.pd_layout.set_row(e, s.slot, row)
         e.pd_stats["installs"] += 1
         lp = meta.get("first_logprob")
         finished = e.outputs.append(s, [tok], None, time.time())

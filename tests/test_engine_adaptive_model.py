@@ -1,0 +1,74 @@
+"""Adaptive speculation on the real tiny model: switching between the drafting and the plain program (lazy draft
+context: the plain one skips the draft's context update, drafting catches it up) keeps greedy output plain
+decoding's at fp32 and compiles nothing after warm-up."""
+import pytest
+
+from dsflash.serve.engine import LLMEngine
+from dsflash.serve.engine.adaptive import SpeculationPolicy
+from dsflash.serve.engine.backend import ModelBackend
+from dsflash.serve.types import SamplingParams
+from test_engine_model import prompts
+from test_engine_scheduler import run_all
+
+OPTS = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_tokens=64, decode_steps=2,
+            prefill_buckets=[(2, 32)], enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from dsflash.api import Model, _synthetic_tokenizer
+    from dsflash.checkpoint.synth import fast_init_params
+    from dsflash.config import preset
+    cfg = preset("tiny")
+    return Model(cfg, fast_init_params(cfg, 0), _synthetic_tokenizer(cfg), name="tiny")
+
+
+def flip(eng, period):
+    """Draft on one decode call in ``period``: drafting resumes after plain calls again and again."""
+    eng.speculation = pol = SpeculationPolicy(eng.k, "adaptive")
+    calls = iter(range(10**6))
+    pol._decide = lambda accepted: eng.k if next(calls) % period == 0 else 0
+
+
+@pytest.mark.slow
+def test_fp32_switching_with_lazy_draft_context_equals_plain(model):
+    be = ModelBackend(model, precision="fp32")
+    items = [(f"a{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(prompts(6, seed=3, lo=3, hi=50))]
+    want = run_all(LLMEngine(be, speculative_mode="off", **OPTS), items)
+    eng = LLMEngine(be, **OPTS)
+    assert eng.runner.lazy_ctx and eng.runner.draft_lengths == (0, eng.k)
+    flip(eng, 3)
+    got = run_all(eng, items)
+    for rid in want:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    m = eng.metrics_snapshot()
+    assert m["spec_num_drafts"] > 0 and 0.2 < m["spec_drafted_call_fraction"] < 0.5
+    assert m["compiles_after_warmup"] == 0
+
+
+def _greedy(eng, items, draft_len):
+    """Every decode call with draft length ``draft_len``: token ids and logprobs (chosen + top) per request."""
+    eng.speculation._decide = lambda accepted: draft_len
+    out = run_all(eng, [(f"{draft_len}-{rid}", p, sp) for rid, p, sp in items])
+    return {k.split("-", 1)[1]: (o.outputs[0].token_ids, o.outputs[0].logprobs) for k, o in out.items()}
+
+
+@pytest.mark.slow
+def test_reference_greedy_identical_with_drafting_forced_on_and_off():
+    """At "reference" the verify forward used to round some rows differently from the plain one (demo model, 8 slots:
+    3 of these 16 requests changed with the draft length); with sequential verify (the CPU default of adaptive
+    speculation) each row is the plain program's, so token ids and logprobs are bitwise the same."""
+    import dsflash
+    import numpy as np
+    from dsflash.api import SHIPPED
+    eng = LLMEngine(dsflash.load("demo"), max_num_seqs=8, max_model_len=256, page_size=64,
+                    max_num_batched_tokens=256, enable_prefix_caching=False)
+    assert eng.config.speculative_mode == "adaptive" and eng.runner.sequential_verify
+    rows = np.load(SHIPPED["demo"] + "/heldout_rows.npy")
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
+    items = [(str(i), [int(x) for x in rows[i, :40 + (i * 7) % 60]], sp) for i in range(16)]
+    plain = _greedy(eng, items, 0)
+    drafted = _greedy(eng, items, eng.k)
+    assert eng.metrics_snapshot()["spec_num_accepted_tokens"] > 0
+    assert drafted == plain
