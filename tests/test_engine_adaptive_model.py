@@ -72,3 +72,34 @@ def test_reference_greedy_identical_with_drafting_forced_on_and_off():
     drafted = _greedy(eng, items, eng.k)
     assert eng.metrics_snapshot()["spec_num_accepted_tokens"] > 0
     assert drafted == plain
+
+
+def _outputs(eng, items, draft_len):
+    eng.speculation._decide = lambda accepted: draft_len
+    out = run_all(eng, [(f"{draft_len}-{rid}", p, sp) for rid, p, sp in items])
+    return {k.split("-", 1)[1]: (o.outputs[0].token_ids, o.outputs[0].logprobs) for k, o in out.items()}
+
+
+@pytest.mark.slow
+def test_seeded_sampling_identical_with_drafting_forced_on_and_off():
+    """A request with a ``seed`` promises its sample whatever else runs; under adaptive speculation the draft
+    length follows timings and a verified row's tokens come from the rejection sampler's other draws, so seeded
+    sampled rows never draft there (CI caught two P/D servers disagreeing on such a request). Unseeded rows in
+    the same calls keep drafting."""
+    import dsflash
+    import numpy as np
+    from dsflash.api import SHIPPED
+    eng = LLMEngine(dsflash.load("demo"), max_num_seqs=8, max_model_len=256, page_size=64,
+                    max_num_batched_tokens=256, enable_prefix_caching=False)
+    rows = np.load(SHIPPED["demo"] + "/heldout_rows.npy")
+    items = []
+    for i in range(8):
+        seeded = i % 2 == 0
+        sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, ignore_eos=True, logprobs=1,
+                            seed=1234 + i if seeded else None)
+        items.append((str(i), [int(x) for x in rows[i, :40 + (i * 7) % 60]], sp))
+    plain = _outputs(eng, items, 0)
+    drafted = _outputs(eng, items, eng.k)
+    assert eng.metrics_snapshot()["spec_num_drafts"] > 0        # the unseeded rows drafted
+    for i in range(0, 8, 2):
+        assert drafted[str(i)] == plain[str(i)], i

@@ -184,6 +184,9 @@ class Runner:
         self.tap_window = backend.sliding_window
         # verify as block + 1 one-row forwards (_target_forward): rows bit-identical across draft lengths
         self.sequential_verify = bool(sequential_verify) and self.spec
+        # a seeded sampled row promises its sample whatever else runs; when the draft length follows timings
+        # (more than one decode program) its drafts would change which draws it uses, so it never drafts
+        self.plain_seeded = self.spec and len(self.draft_lengths) > 1
         self.max_iters = max_iters
         self.max_logprobs = max_logprobs
         self.max_stop_ids = max_stop_ids
@@ -398,7 +401,7 @@ class Runner:
                 # guided rows verify the host's drafts (its masks are for those); none: no draft
                 have = inp["has_drafts"] & (i == 0)
                 drafts = jnp.where(have[:, None], inp["drafts"], drafts.astype(jnp.int32))
-                no_draft = guided & ~have
+                no_draft = (guided & ~have) | inp["plain_row"]
                 tokens = jnp.concatenate([y[:, None], drafts], axis=1)
             else:
                 tokens = y[:, None]
@@ -558,6 +561,8 @@ class Runner:
         inp["sp"] = {f: a.copy() for f, a in m.sp.items()}
         for s, h in decode:
             inp["row_steps"][s.slot] = h
+            if draft_len and self.plain_seeded and s.params.seed is not None and s.params.temperature > 0:
+                inp["plain_row"][s.slot] = True
             if s.guide is not None:
                 self._guide_row(inp, s.slot, s, s.guide.drafts if draft_len and s.guide.drafts is not None else ())
         return inp
@@ -642,7 +647,7 @@ class Runner:
         return {"page_table": np.zeros((S_, self.P), np.int32), "floor": np.zeros((S_,), np.int32),
                 "row_steps": np.zeros((S_,), np.int32), "deactivate": np.zeros((S_,), bool),
                 "max_iters": np.int32(self.max_iters), "sp": empty_sampling(S_, self.max_stop_ids),
-                **self._no_guides(S_, self.K1)}
+                "plain_row": np.zeros((S_,), bool), **self._no_guides(S_, self.K1)}
 
     def _no_guides(self, n, positions=0):
         """Guided-decoding inputs of a call without guided rows: shared read-only zeros per shape (no allocation

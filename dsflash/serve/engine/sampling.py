@@ -172,7 +172,10 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
         q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]
         resid = jnp.maximum(jnp.exp(p_a) - jnp.exp(q_a), 0.0)
         has_resid = jnp.sum(resid, axis=-1, keepdims=True) > 0
-        logr = jnp.where(has_resid, jnp.log(resid), p_a)                    # residual (or p if p == q)
+        # no draft mass here (no_draft rows, the bonus position): the residual is p itself, taken as is so the
+        # token is bitwise plain sampling's (log(exp(p)) differs from p by an ulp and could flip a near tie)
+        has_q = jnp.any(q_a > NEG_INF, axis=-1, keepdims=True)
+        logr = jnp.where(has_resid & has_q, jnp.log(resid), p_a)            # residual (or p if p == q / q = 0)
         k_a = jnp.take_along_axis(keys_sample, a[:, None, None], axis=1)[:, 0]
         return gumbel_argmax(k_a, logr)
 
