@@ -108,16 +108,16 @@ def repack(w, s, src=SRC):
 def _repack(w, s, src):
     *lead, n, kh = w.shape
     K = 2 * kh
-    c = _unpack_codes(w).astype(jnp.uint32)
+    c = _unpack_codes(w).astype(jnp.uint16)                        # 16-bit throughout: half the memory on device
     # K = 128 slab + 32 kk + 16 h + 4 c + 2 q + p
     c = c.reshape(*lead, n, K // BK, 4, 2, 4, 2, 2)                # [.., slab, kk, h, c, q, p]
-    hw = jnp.zeros(c.shape[:-5] + (4, 4, 2), jnp.uint32)           # [.., slab, c, kk, q]
+    hw = jnp.zeros(c.shape[:-5] + (4, 4, 2), jnp.uint16)           # [.., slab, c, kk, q]
     for h in range(2):
         for p in range(2):
             code = jnp.moveaxis(c[..., h, :, :, p], -3, -2)        # [.., slab, c, kk, q]
             for role, pos in enumerate(src[OUT[h][p]]):
-                hw = hw | (((code >> role) & 1) << pos)
-    wh = hw.reshape(*lead, n, K // 4).astype(jnp.uint16)
+                hw = hw | (((code >> role) & 1) << pos).astype(jnp.uint16)
+    wh = hw.reshape(*lead, n, K // 4)
     sp = s.astype(jnp.uint32)
     sp = jnp.where(sp == 0, 0, jnp.where(sp > MAX_SCALE, 255, sp + 126))
     sp = sp.reshape(*lead, n, K // BK, 4)
