@@ -9,7 +9,8 @@
 # Settings as arguments: MODEL (default bench-4l-96e: real widths, 4 layers, 96 experts, random weights),
 # SWEEP (concurrencies), IN / OUTLEN (tokens), SEQS (--max-num-seqs), LEN (--max-model-len), SPEC (adaptive |
 # always | off), NREQ (requests per point), VOCAB (token-id prompts
-# drawn below it; needed for small-vocabulary models, e.g. 512 for tiny). Results: $OUT/serve_*.json (bench serve's own file) + server.log + bench.log.
+# drawn below it; needed for small-vocabulary models, e.g. 512 for tiny), SERVER_ARGS (more server flags, e.g.
+# "--moe-weight-layout il"). Results: $OUT/serve_*.json (bench serve's own file) + server.log + bench.log.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 MODEL=${MODEL:-bench-4l-96e}; SWEEP=${SWEEP:-1,8,32}; IN=${IN:-1024}; OUTLEN=${OUTLEN:-128}
@@ -21,7 +22,7 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} JAX_PLATFORMS=${JAX_PLATFORMS:-
 python3 -c "import fastapi, uvicorn, pydantic" || { echo "fastapi/uvicorn/pydantic missing: carry .whl"; exit 2; }
 PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 python3 -m dsflash.serve --model "$MODEL" --port "$PORT" --max-num-seqs "$SEQS" --max-model-len "$LEN" \
-    --speculative-mode "$SPEC" --backend auto > "$OUT/server.log" 2>&1 &
+    --speculative-mode "$SPEC" --backend auto ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
 SRV=$!
 trap 'kill $SRV 2>/dev/null; wait $SRV 2>/dev/null' EXIT
 for _ in $(seq 1 300); do      # start-up compiles the engine's programs: minutes at bench width

@@ -99,6 +99,7 @@ class StreamingClient:
                             est_prompt_tokens=spec.est_prompt_tokens)
         texts: list[str] = []
         cums: list[Optional[int]] = []     # cumulative completion tokens reported with each content chunk
+        n_ids = 0                          # token ids streamed so far (servers that return "token_ids")
         st = time.perf_counter()
         rec.start_time = st
         last = None
@@ -128,7 +129,10 @@ class StreamingClient:
                     if usage:
                         _apply_usage(rec, usage)
                     text = _chunk_text(obj)
-                    if text:
+                    ids = _chunk_ids(obj)
+                    if ids:
+                        n_ids += len(ids)
+                    if text or ids:       # a model without tokenizer streams token ids and no text
                         if last is None:
                             rec.ttft = now - st
                         else:
@@ -137,6 +141,8 @@ class StreamingClient:
                         rec.num_chunks += 1
                         texts.append(text)
                         ct = usage.get("completion_tokens") if usage else None
+                        if not isinstance(ct, (int, float)) and ids is not None:
+                            ct = n_ids
                         cums.append(int(ct) if isinstance(ct, (int, float)) else None)
         except asyncio.CancelledError:
             rec.error = "cancelled (drain timeout)"
@@ -219,6 +225,13 @@ def _chunk_text(obj: dict) -> str:
     if not out and d.get("tool_calls"):
         out = json.dumps(d["tool_calls"])
     return out
+
+
+def _chunk_ids(obj: dict) -> Optional[list]:
+    """The chunk's ``token_ids`` (vLLM's ``return_token_ids``; a server without tokenizer), None if absent."""
+    choices = obj.get("choices") or []
+    ids = choices[0].get("token_ids") if choices else None
+    return ids if isinstance(ids, list) else None
 
 
 def _apply_usage(rec: RequestRecord, usage: dict) -> None:

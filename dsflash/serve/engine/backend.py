@@ -45,6 +45,9 @@ def make_backend(model, c):
             if have and want[name] != have[name]:
                 raise ValueError(f"EngineConfig.{name}: {getattr(c, name)!r}, but the engine backend passed in "
                                  f"was built with {have[name]!r}; pass the Model (or set it on ModelBackend)")
+        if c.moe_weight_layout != have.get("moe_weight_layout", "checkpoint"):
+            raise ValueError(f"EngineConfig.moe_weight_layout: {c.moe_weight_layout!r}, but the engine backend passed "
+                             f"in was built with {have.get('moe_weight_layout', 'checkpoint')!r}; pass the Model")
         return model
     if isinstance(model, str):
         ro = c.run_options(None)
@@ -57,17 +60,20 @@ def make_backend(model, c):
     elif c.mesh is not None or c.load_options:
         raise ValueError("EngineConfig.mesh / load_options: apply to model names; the Model passed in is loaded")
     ro = c.run_options(model.opts)
-    return ModelBackend(model, precision=ro["precision"], backend=ro["backend"], bounded_replay=ro["bounded_replay"])
+    return ModelBackend(model, precision=ro["precision"], backend=ro["backend"], bounded_replay=ro["bounded_replay"],
+                        moe_weight_layout=c.moe_weight_layout)
 
 
 class ModelBackend:
     supports_row_keys = True
 
     def __init__(self, model, *, precision: str | None = None, bounded_replay="model", backend: str | None = None,
-                 dequantize: bool | None = None):
+                 dequantize: bool | None = None, moe_weight_layout: str = "checkpoint"):
         """``precision`` / ``backend`` default to the model's own ``RunOptions`` (``model.opts``), never to a
         second default of their own; so does ``bounded_replay`` unless given (None = exact; the engine passes
-        what ``EngineConfig.run_options`` resolved). ``backend`` "auto" is resolved here (``config.resolve_backend``)."""
+        what ``EngineConfig.run_options`` resolved). ``backend`` "auto" is resolved here (``config.resolve_backend``).
+        ``moe_weight_layout`` "il": the routed experts' weights are repacked once here (``model.params.moe_il_weights``)
+        for the Triton MoE decode; the outputs are bit-identical to the checkpoint layout's."""
         from dsflash.serve.engine.config import resolve_backend
         self.model = model
         self.cfg = model.cfg
@@ -102,13 +108,27 @@ class ModelBackend:
         # XLA on one CPU device: dequantise the FP8 / MXFP4 weights once instead of in every call (bit-identical
         # outputs; dsflash.model.params.dequantized_weights). None = that case; True / False force it.
         if dequantize is None:
-            dequantize = self.backend == "xla" and self.mesh is None and jax.default_backend() == "cpu"
+            dequantize = (self.backend == "xla" and self.mesh is None and jax.default_backend() == "cpu"
+                          and moe_weight_layout == "checkpoint")     # "il" asked for: keep the packed experts
+        if moe_weight_layout not in ("checkpoint", "il"):
+            raise ValueError(f"moe_weight_layout: must be 'checkpoint' or 'il', got {moe_weight_layout!r}")
+        if moe_weight_layout == "il" and (self.mesh is not None or dequantize):
+            raise ValueError("moe_weight_layout: 'il' is single-device only for now (the expert-parallel path reads "
+                             "the checkpoint layout) and keeps the experts packed (not with dequantize=True)")
         self.dequantized = False
         if dequantize:
             from dsflash.model.params import dequantized_weights
             dq = dequantized_weights(self.cfg, self.params)
             if dq is not None:
                 self.params, self.dequantized = dq, True
+        self.moe_weight_layout = moe_weight_layout
+        if moe_weight_layout == "il":
+            if cfg.hidden_size % 128 or cfg.moe_intermediate_size % 128:
+                raise ValueError(f"moe_weight_layout: 'il' needs hidden_size and moe_intermediate_size divisible by "
+                                 f"128 (its 128-wide slabs); this model has {cfg.hidden_size} and "
+                                 f"{cfg.moe_intermediate_size}")
+            from dsflash.model.params import moe_il_weights
+            self.params = moe_il_weights(self.cfg, self.params)
         # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params;
         # (L, P) of the per-physical load every forward then returns, None = EPLB off
         self.eplb_shape = None
@@ -116,7 +136,7 @@ class ModelBackend:
     def run_options(self) -> dict:
         """What the compiled programs run with (the engine's startup log line and metrics)."""
         return {"precision": self.precision, "backend": self.backend, "bounded_replay": self.bounded_replay,
-                "dequantized_weights": self.dequantized}
+                "dequantized_weights": self.dequantized, "moe_weight_layout": self.moe_weight_layout}
 
     def bind_geometry(self, geo):
         self.page_size = geo.page_size

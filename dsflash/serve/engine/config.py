@@ -22,6 +22,7 @@ BACKENDS = ("auto", "xla", "triton")
 PRECISIONS = ("reference", "bf16", "fp32")
 BOUNDED_REPLAY = ("exact", "report", "layer20_full")   # "exact" = off (RunOptions' None)
 PREFIX_CACHE_MODES = ("exact", "replay")
+MOE_WEIGHT_LAYOUTS = ("checkpoint", "il")
 
 
 def resolve_backend(name: str) -> str:
@@ -93,6 +94,9 @@ class EngineConfig:
     precision: Optional[str] = None
     backend: Optional[str] = None              # "auto" | "xla" | "triton"
     bounded_replay: Optional[str] = None       # "exact" | "report" | "layer20_full"
+    # routed-expert weights as stored ("checkpoint") or repacked once at load into the "il" layout the Triton MoE
+    # decode reads with half the instructions (dsflash/kernels/moe_layout.py; other paths convert back per call)
+    moe_weight_layout: str = "checkpoint"
     # prefix cache
     enable_prefix_caching: bool = True
     # "exact": hits restore the per-slot state snapshotted at the block boundary (snapshots.py) and equal
@@ -113,6 +117,7 @@ class EngineConfig:
     mesh: Any = None                           # a spec such as "dep=2" or a Mesh (model names only)
     load_options: Optional[dict] = None        # more dsflash.load keywords (model names only)
     model_name: Optional[str] = None
+    skip_tokenizer_init: bool = False          # run without the model's tokenizer: token-id prompts, token-id outputs
     compilation_cache: bool = True             # persistent XLA cache (unless JAX's own cache dir is configured)
     compilation_cache_dir: Optional[str] = None  # its folder; None: $DSFLASH_CACHE_DIR, else ~/.cache/dsflash/jax
     compile_threads: Optional[int] = None      # threads compiling the programs at start-up; None: $DSFLASH_COMPILE_THREADS, else 1
@@ -167,6 +172,11 @@ class EngineConfig:
         if self.bounded_replay is not None and self.bounded_replay not in BOUNDED_REPLAY:
             bad("bounded_replay", f"must be one of {', '.join(BOUNDED_REPLAY)} (or None: the model's), "
                                   f"got {self.bounded_replay!r}")
+        if self.moe_weight_layout not in MOE_WEIGHT_LAYOUTS:
+            bad("moe_weight_layout", f"must be one of {', '.join(MOE_WEIGHT_LAYOUTS)}, got {self.moe_weight_layout!r}")
+        if self.moe_weight_layout == "il" and (self.mesh is not None or self.eplb):
+            bad("moe_weight_layout", "'il' is single-device only for now (the expert-parallel and EPLB paths read "
+                                     "the checkpoint layout)")
         from dsflash.serve.engine.adaptive import SPECULATIVE_MODES
         if self.speculative_mode not in SPECULATIVE_MODES:
             bad("speculative_mode", f"must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative_mode!r}")

@@ -43,7 +43,7 @@ class LLMEngine:
         R.install_compile_listener()
         self.backend = be = make_backend(model, c)
         self.run_options = be.run_options() if hasattr(be, "run_options") else {}
-        self.tokenizer = getattr(be, "tokenizer", None)
+        self.tokenizer = None if c.skip_tokenizer_init else getattr(be, "tokenizer", None)
         self.model_name = c.model_name or (model if isinstance(model, str) else be.name)
         self.max_num_seqs, self.max_model_len, self.page_size = c.max_num_seqs, c.max_model_len, c.page_size
         self.max_logprobs, self.max_stop_ids = c.max_logprobs, c.max_stop_ids

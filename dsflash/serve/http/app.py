@@ -516,6 +516,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, f"logprobs: must be an integer in [0, 20], got {req.logprobs}", param="logprobs")
     tok = st.tokenizer
+    with_ids = tok is None or bool(req.return_token_ids)     # without a tokenizer the ids are the only output
     # normalise prompts -> token ids (text prompts get BOS, as the DeepSeek tokenizer adds it)
     raw = req.prompt
     if isinstance(raw, str):
@@ -614,6 +615,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
 
         sent_text = [0] * len(streams)
         sent_lp = [0] * len(streams)
+        sent_ids = [0] * len(streams)
         offsets = [0] * len(streams)
 
         def echo():
@@ -633,13 +635,18 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
             delta = c.text[sent_text[idx]:]
             lp = choice_logprobs(out, sent_lp[idx], offsets[idx])
             sent_lp[idx] = len(c.token_ids)
-            if not delta and not out.finished and not (lp and lp["tokens"]):
+            new_ids = list(c.token_ids[sent_ids[idx]:]) if with_ids else []
+            if not delta and not out.finished and not (lp and lp["tokens"]) and not new_ids:
                 return
             sent_text[idx] = len(c.text)
+            sent_ids[idx] = len(c.token_ids)
             offsets[idx] += len(delta)
+            choice = {"index": idx, "text": delta, "logprobs": lp,
+                      "finish_reason": c.finish_reason if out.finished else None}
+            if with_ids:
+                choice["token_ids"] = new_ids
             chunk = {"id": base, "object": "text_completion", "created": created, "model": st.model,
-                     "choices": [{"index": idx, "text": delta, "logprobs": lp,
-                                  "finish_reason": c.finish_reason if out.finished else None}]}
+                     "choices": [choice]}
             if include_usage:  # continuous_usage_stats: cumulative counts of this choice (as vLLM)
                 chunk["usage"] = _usage(len(prompts[idx // n]), len(c.token_ids)) if continuous else None
             yield _sse(chunk)
@@ -658,6 +665,8 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         choices.append({"index": idx, "text": et + c.text,
                         "logprobs": echo_logprobs(idx, choice_logprobs(out, 0, len(et))),
                         "finish_reason": c.finish_reason, "stop_reason": _stop_reason(c.stop_reason)})
+        if with_ids:
+            choices[-1]["token_ids"] = list(c.token_ids)
     return {"id": base, "object": "text_completion", "created": created, "model": st.model,
             "choices": choices, "usage": _usage(prompt_tokens, completion_tokens, finals, n)}
 

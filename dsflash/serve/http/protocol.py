@@ -81,6 +81,8 @@ class CompletionRequest(_SamplingFields):
     echo: Optional[StrictBool] = False
     suffix: Optional[StrictStr] = None
     best_of: Optional[StrictInt] = None
+    # vLLM's extra: each choice also carries its generated "token_ids" (always so for a model without tokenizer)
+    return_token_ids: Optional[StrictBool] = None
 
 
 # ---------------------------------------------------------------------- chat
