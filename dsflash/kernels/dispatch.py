@@ -193,14 +193,15 @@ def use_threshold_topk(entries: int) -> bool:
 
 # ------------------------------------------------------------------------------------------ startup summary
 
-def _moe_config_name(rows: int, experts: int, precision: str) -> str:
+def _moe_config_name(rows: int, experts: int, precision: str, layout: str = "checkpoint") -> str:
     from dsflash.kernels import moe_plan
-    cfg = moe_plan.pick_config(rows, experts, act_fp8=precision == "reference")
-    return next((n for n, c in moe_plan.NAMED_CONFIGS.items() if c is cfg), "unnamed")
+    cfg = moe_plan.pick_config(rows, experts, act_fp8=precision == "reference", layout=layout)
+    return next((n for n, c in moe_plan.named_configs().items() if c is cfg), "unnamed")
 
 
 def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_tokens: int = 2048,
-                   context: int = 8192, precision: str = "reference", expert_shards: int = 1) -> dict:
+                   context: int = 8192, precision: str = "reference", expert_shards: int = 1,
+                   moe_layout: str = "checkpoint") -> dict:
     """What each kernel runs at one decode step and one prefill chunk of ``cfg`` (a ModelConfig).
 
     decode_tokens   query rows of a decode step (default: one sequence's verification, 1 + DSpark block)
@@ -208,6 +209,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     context         tokens the page table covers (the indexer scores every compressed entry of it)
     precision       the run precision (the MoE kernel has no "fp32")
     expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
+    moe_layout      the routed experts' weight layout ("checkpoint", or "il" repacked at load: its decode config)
     -> {"moe" | "sparse_attention" | "indexer" | "indexer_paged" | "mhc" | "fp8_linear" | "topk": {"decode": impl,
         "prefill": impl}} ("indexer_paged": only calls of <= PAGED_MAX_ROWS rows; larger ones gather the keys)"""
     if decode_tokens is None:
@@ -225,7 +227,7 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
             if impl == "triton" and not supported:
                 impl += f":no-{precision}(raises)"
             elif kernel == "moe" and impl == "triton":
-                impl += ":" + _moe_config_name(size, experts, precision)
+                impl += ":" + _moe_config_name(size, experts, precision, moe_layout)
             out.setdefault(kernel, {})[phase] = impl
     return out
 

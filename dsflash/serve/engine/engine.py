@@ -184,7 +184,8 @@ class LLMEngine:
         cfg = getattr(self.backend, "cfg", None)
         c = self.config
         sizes = {"decode_tokens": c.max_num_seqs * self.runner.K1, "context": c.max_model_len,
-                 "prefill_tokens": c.max_num_batched_tokens, "precision": ro["precision"]} if cfg is not None else {}
+                 "prefill_tokens": c.max_num_batched_tokens, "precision": ro["precision"],
+                 "moe_layout": ro.get("moe_weight_layout", "checkpoint")} if cfg is not None else {}
         return (f"{kernels_summary(ro['backend'], cfg, **sizes)}; precision={ro['precision']}, "
                 f"bounded_replay={ro['bounded_replay'] or 'exact'}")
 
