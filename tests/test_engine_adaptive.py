@@ -47,7 +47,8 @@ class _Seq:
 
 
 def test_policy_measures_both_then_stops_a_failing_request_and_reprobes_it():
-    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6, remeasure_plain_every=10**6)
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6,
+                            remeasure_plain_every=10**6, cold_calls=0)
     good, bad = _Seq("good"), _Seq("bad")
     assert pol.choose([good, bad]) == 5                 # each program is timed first
     pol.observe(5, 1.2, 4, [(good, 4, 12), (bad, 4, 0)])
@@ -62,6 +63,19 @@ def test_policy_measures_both_then_stops_a_failing_request_and_reprobes_it():
     pol.choose([bad])
     pol.choose([bad])                                   # third call without a verification: re-probed
     assert bad.spec_drafting and pol.requests_reprobed == 1
+
+
+def test_a_programs_cold_first_call_is_not_averaged_in():
+    """The first call of each decode program is a cold run (3-5x on CPU): it counts as a probe but its time is
+    dropped, so one slow sample cannot keep a rarely run drafting program looking expensive."""
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=2, remeasure_every=10**6, remeasure_plain_every=10**6)
+    a = _Seq("a")
+    a.spec_accepted_ema = 2.0
+    for d, t in ((5, 9.0), (5, 1.2), (0, 5.0), (0, 1.0)):   # each program: a cold call, then a warm one
+        assert pol.choose([a]) == d
+        pol.observe(d, t, 1, [(a, 1, 2)] if d else [])
+    assert pol.costs[5].seconds == pytest.approx(1.2) and pol.costs[0].seconds == pytest.approx(1.0)
+    assert pol.choose([a]) == 5          # 3 tokens at 1.2x beat 1 (the cold 9.0 would have said plain)
 
 
 def test_always_and_off_never_adapt():
@@ -142,7 +156,8 @@ def test_switching_programs_keeps_greedy_output_and_compiles_nothing(adaptive_en
 
 
 def test_new_requests_start_from_the_engine_wide_acceptance():
-    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6, remeasure_plain_every=10**6)
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6,
+                            remeasure_plain_every=10**6, cold_calls=0)
     a = _Seq("a")
     pol.choose([a])
     pol.observe(5, 1.6, 4, [(a, 4, 0)])               # drafts fail; verify costs 1.6 plain iterations
@@ -179,3 +194,50 @@ def test_lazy_draft_context_drafts_as_the_eager_one():
     assert res[True][2] > 0
     plain = _run(LLMEngine(ToyBackend(), speculative_mode="off", **COMMON), prompts, tag="z")
     assert res[True][0] == plain
+
+
+# ------------------------------------------------------------------ the sequential verify's early exit
+class CountingToy(ToyBackend):
+    """The toy with a counter of target forwards in its state."""
+
+    def init_state(self, geo):
+        return {**super().init_state(geo), "n_fwd": jnp.zeros((), jnp.int32)}
+
+    def forward(self, params, batch, state, *, logits="last", taps=False):
+        out, state = super().forward(params, batch, state, logits=logits, taps=taps)
+        return out, {**state, "n_fwd": state["n_fwd"] + 1}
+
+
+@pytest.mark.parametrize("accept_until,forwards", [((0, 0, 0, 0), 1), ((2, 0, 1, 0), 3), ((9, 9, 9, 9), 4),
+                                                   ((0, 3, 0, 0), 4)])
+def test_sequential_verify_stops_at_the_last_first_rejection(accept_until, forwards):
+    """Row j + 1 is verified only while some row accepted drafts 0 .. j: with none accepted a drafting iteration
+    runs one forward; the rows it runs equal the full sequential verify's and the rest are zeros."""
+    import types
+
+    import jax
+    from dsflash.model.state import Batch, CacheGeometry
+    from dsflash.serve.engine.runner import Runner
+    be = CountingToy()
+    geo = CacheGeometry(num_slots=4, num_pages=8, page_size=8, ring_slack=16)
+    be.bind_geometry(geo)
+    S_, K1 = 4, be.block + 1
+    rng = np.random.default_rng(0)
+    z = jnp.zeros((S_,), jnp.int32)
+    batch = Batch(jnp.asarray(rng.integers(2, 60, size=(S_, K1)), jnp.int32), jnp.full((S_,), 5, jnp.int32),
+                  jnp.full((S_,), K1, jnp.int32), jnp.arange(S_, dtype=jnp.int32),
+                  jnp.asarray(np.arange(S_ * 2).reshape(S_, 2), jnp.int32), z, z, z)
+    until = jnp.asarray(accept_until, jnp.int32)
+    runner = types.SimpleNamespace(backend=be, sequential_verify=True)
+
+    def run(until):
+        def verify_row(j, logits):
+            return j < until, {"seen": jnp.full((S_,), j + 1, jnp.int32)}
+        return Runner._target_forward(runner, be.params, batch, be.init_state(geo), True, verify_row)
+
+    out, state = jax.jit(run)(until)
+    full, _ = jax.jit(run)(jnp.full((S_,), 99, jnp.int32))
+    assert int(state["n_fwd"]) == forwards
+    np.testing.assert_array_equal(np.asarray(out["logits"][:, :forwards]), np.asarray(full["logits"][:, :forwards]))
+    assert not np.asarray(out["logits"][:, forwards:]).any()
+    np.testing.assert_array_equal(np.asarray(out["seen"]), np.where(np.arange(K1) < forwards, np.arange(K1) + 1, 0)[None].repeat(S_, 0))

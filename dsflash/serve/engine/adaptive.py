@@ -6,9 +6,11 @@ Two things are measured while serving:
 * the **cost** of one decode iteration of each compiled program (draft length ``block``: propose + verify
   ``block + 1`` rows; draft length 0: one row), as an exponential moving average of the decode call's wall time
   divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
-  length covers every batch size. Each length is run ``probe_calls`` times first, and a length not chosen for
-  ``remeasure_plain_every`` (plain) / ``remeasure_every`` (drafting) calls is run once again so a stale cost
-  cannot lock the choice.
+  length covers every batch size. Each length is run ``probe_calls`` times first (the first ``cold_calls`` of
+  them not averaged in: a cold run), and a length not chosen for ``remeasure_plain_every`` (plain) /
+  ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice. With the
+  sequential verify (runner) a drafting iteration stops verifying at the batch's last first rejection, so its
+  cost grows with the acceptance: at none it is about one plain iteration plus the proposal.
 * the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at the
   engine-wide EMA (``prior`` until anything was verified, and again after ``reprobe_every`` calls without a
   draft, so a workload that changed is noticed): new requests of a workload whose drafts fail do not pay a
@@ -54,18 +56,23 @@ def choose_draft_length(costs: Mapping[int, float], accepted: Sequence[float], m
 
 
 class IterationCost:
-    """EMA of seconds per decode iteration of one program."""
+    """EMA of seconds per decode iteration of one program. The first ``cold`` calls are counted but not averaged
+    in: a program's first call with running rows is a cold run (the engine's warm-up runs no iteration; on CPU
+    the first call of either tiny-model decode program took 3-5x the next ones, docs/engine.md), and one such
+    sample would hold a rarely run program's cost up for a long time."""
 
-    def __init__(self, alpha: float):
-        self.alpha, self.seconds, self.samples, self.since = alpha, None, 0, 0
+    def __init__(self, alpha: float, cold: int = 0):
+        self.alpha, self.cold, self.seconds, self.samples, self.since = alpha, cold, None, 0, 0
 
     def observe(self, seconds: float, iters: int):
         if iters <= 0:
             return
-        s = seconds / iters
-        self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
         self.samples += 1
         self.since = 0
+        if self.samples <= self.cold:
+            return
+        s = seconds / iters
+        self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
 
 
 class SpeculationPolicy:
@@ -73,7 +80,8 @@ class SpeculationPolicy:
 
     def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, ema: float = 0.3,
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
-                 remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02):
+                 remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02,
+                 cold_calls: int = 1):
         if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
         self.block = block if mode != "off" else 0
@@ -83,7 +91,7 @@ class SpeculationPolicy:
         # re-measure a program not run for this many calls: plain often (cheap, and a stale plain cost is what
         # could keep a losing draft length), the drafting one rarely (each re-measure costs a verify)
         self.remeasure = {0: remeasure_plain_every, block: remeasure_every}
-        self.costs = {0: IterationCost(ema), self.block: IterationCost(ema)} if self.block else {}
+        self.costs = {0: IterationCost(ema, cold_calls), self.block: IterationCost(ema, cold_calls)} if self.block else {}
         self.draft_len = self.block if self.mode == "always" else 0   # the last decision
         self.calls = self.drafted_calls = 0
         self.requests_stopped = self.requests_reprobed = 0
@@ -132,8 +140,9 @@ class SpeculationPolicy:
         return d
 
     def _decide(self, accepted: list) -> int:
-        for d in (self.block, 0):               # measure each program first
-            if self.costs[d].samples < self.probe_calls:
+        for d in (self.block, 0):               # measure each program first (a cold call does not count)
+            c = self.costs[d]
+            if c.seconds is None or c.samples < self.probe_calls:
                 return d
         for d in (self.block, 0):               # re-measure the one not chosen for a while
             if self.costs[d].since >= self.remeasure[d] and (d == 0 or any(accepted)):

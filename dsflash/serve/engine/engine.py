@@ -347,7 +347,7 @@ class LLMEngine:
     def _observe_speculation(self, plan, dc):
         """The decode call's cost and each sequence's verifications / accepted drafts, for the next choice."""
         per_seq = []
-        for s, _ in plan.decode:
+        for s, _ in (plan.decode if dc["draft_len"] else ()):     # a plain call verifies nothing
             i = s.slot if s.slot is not None else s.last_slot
             if i is not None:
                 per_seq.append((s, int(dc["drafts"][i]), int(dc["acc_pos"][i].sum())))
