@@ -78,6 +78,22 @@ def test_a_programs_cold_first_call_is_not_averaged_in():
     assert pol.choose([a]) == 5          # 3 tokens at 1.2x beat 1 (the cold 9.0 would have said plain)
 
 
+def test_drafting_cost_is_remeasured_only_while_drafting_could_pay():
+    """A drafting cost not measured for ``remeasure_every`` calls is re-measured only if the acceptance estimates
+    could make drafting win at a plain iteration's cost (its floor): drafts that never verify are not probed."""
+    for est, want in ((0.001, 0), (0.5, 5)):
+        pol = SpeculationPolicy(5, "adaptive", probe_calls=1, remeasure_every=3, remeasure_plain_every=10**6,
+                                cold_calls=0)
+        pol.costs[5].observe(3.0, 1)
+        pol.costs[0].observe(1.0, 1)
+        a = _Seq("a")
+        a.spec_accepted_ema = est
+        for _ in range(3):
+            assert pol.choose([a]) == 0
+            pol.observe(0, 1.0, 1, [])
+        assert pol.choose([a]) == want, est
+
+
 def test_always_and_off_never_adapt():
     assert SpeculationPolicy(5, "always").choose([_Seq("a")]) == 5
     off = SpeculationPolicy(5, "off")

@@ -8,7 +8,8 @@ Two things are measured while serving:
   divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
   length covers every batch size. Each length is run ``probe_calls`` times first (the first ``cold_calls`` of
   them not averaged in: a cold run), and a length not chosen for ``remeasure_plain_every`` (plain) /
-  ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice. With the
+  ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice (drafting only
+  while the acceptance estimates say it could pay at a plain iteration's cost, its floor). With the
   sequential verify (runner) a drafting iteration stops verifying at the batch's last first rejection, so its
   cost grows with the acceptance: at none it is about one plain iteration plus the proposal.
 * the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at the
@@ -145,9 +146,15 @@ class SpeculationPolicy:
             if c.seconds is None or c.samples < self.probe_calls:
                 return d
         for d in (self.block, 0):               # re-measure the one not chosen for a while
-            if self.costs[d].since >= self.remeasure[d] and (d == 0 or any(accepted)):
+            if self.costs[d].since >= self.remeasure[d] and (d == 0 or self._could_pay(accepted)):
                 return d
         return choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
+
+    def _could_pay(self, accepted: list) -> bool:
+        """Whether drafting could win at these acceptance estimates if it cost no more than a plain iteration (its
+        floor: a drafting iteration runs the plain one's forward and more). If not, re-measuring its cost cannot
+        change the choice (the tiny model's random drafts: the estimates decay to ~0), so it is not probed."""
+        return expected_tokens(self.block, accepted) > expected_tokens(0, accepted) * (1.0 + self.margin)
 
     def observe(self, draft_len: int, seconds: Optional[float], iters: int, per_seq: Iterable = ()):
         """A decode call's results: its wall time over ``iters`` iterations and, per sequence, ``(s, verifies,
