@@ -29,6 +29,13 @@ def test_drafts_when_acceptance_high_and_verify_cheap():
     assert choose_draft_length({0: 1.0, 5: 1.3}, [2.0] + [0.0] * 7) == 0   # one good row does not pay for 8
 
 
+def test_drafting_never_counts_as_cheaper_than_plain():
+    """A drafting iteration includes the plain one's forward: a measured drafting cost below the plain cost is
+    noise and must not make drafts that never verify look worth it."""
+    assert choose_draft_length({0: 1.0, 3: 0.8}, [0.0] * 8) == 0
+    assert choose_draft_length({0: 1.0, 3: 0.8}, [0.5] * 8) == 3      # (1.5 tokens at 1.0) still wins
+
+
 def test_no_rows_or_unknown_plain_cost_means_plain():
     assert choose_draft_length({0: 1.0, 5: 0.5}, []) == 0
     assert choose_draft_length({5: 0.5}, [3.0]) == 0

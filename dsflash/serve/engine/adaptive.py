@@ -44,13 +44,16 @@ def expected_tokens(draft_len: int, accepted: Sequence[float]) -> float:
 def choose_draft_length(costs: Mapping[int, float], accepted: Sequence[float], margin: float = 0.0) -> int:
     """The draft length in ``costs`` (seconds per iteration; 0 = no drafts) with the most expected tokens per
     second for rows expecting ``accepted`` drafts each per verification. Drafting must beat plain decoding by
-    the fraction ``margin`` (ties and unknowns go to 0: plain decoding is never slower than itself)."""
+    the fraction ``margin`` (ties and unknowns go to 0: plain decoding is never slower than itself). A drafting
+    cost below the plain one counts as the plain one: a drafting iteration runs the plain iteration's forward and
+    more, so such a sample is noise (one noisy plain sample on a loaded CPU had 8 calls in a row draft for drafts
+    that never verify)."""
     if not accepted or 0 not in costs:
         return 0
     best, best_rate = 0, expected_tokens(0, accepted) / costs[0] * (1.0 + margin)
     for d, c in sorted(costs.items()):
         if d and c > 0:
-            rate = expected_tokens(d, accepted) / c
+            rate = expected_tokens(d, accepted) / max(c, costs[0])
             if rate > best_rate:
                 best, best_rate = d, rate
     return best
