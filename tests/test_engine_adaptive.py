@@ -101,6 +101,24 @@ def test_drafting_cost_is_remeasured_only_while_drafting_could_pay():
         assert pol.choose([a]) == want, est
 
 
+def test_probes_back_off_while_drafts_never_verify_and_drafting_resumes_once_they_do():
+    """A stream of new requests whose drafts never verify: the engine-wide reprobe and the drafting re-measure come
+    ever more rarely (without the back-off: one every reprobe_every calls, ~45 in 3,000); when the drafts start
+    verifying, a probe finds it within reprobe_every * max_backoff calls and drafting stays on."""
+    pol = SpeculationPolicy(3, "adaptive", cold_calls=0)
+
+    def call(i, accepted):
+        s = _Seq(str(i))
+        d = pol.choose([s])
+        pol.observe(d, 1.3 if d else 1.0, 1, [(s, 1, accepted)] if d else [])
+        return d
+
+    drafted = sum(bool(call(i, 0)) for i in range(3000))
+    assert drafted <= 2 * pol.probe_calls + 8 and pol.backoff == pol.max_backoff
+    later = [bool(call(i, 3)) for i in range(pol.reprobe_every * pol.max_backoff + 100)]
+    assert sum(later[-100:]) >= 80 and pol.backoff == 1
+
+
 def test_always_and_off_never_adapt():
     assert SpeculationPolicy(5, "always").choose([_Seq("a")]) == 5
     off = SpeculationPolicy(5, "off")

@@ -19,6 +19,11 @@ Two things are measured while serving:
   (counts 0), and is re-probed (its estimate reset to ``prior``) after ``reprobe_every`` decode calls without a
   verification (a call that drafts for other requests verifies its drafts too, for free).
 
+Exploration (the engine-wide reprobe, the drafting re-measure) backs off: after each probe whose result still
+says plain, both come twice as rarely (up to ``max_backoff`` x), and at the base rate again once a probe pays, so
+a workload whose drafts never verify stops paying for probes (a changed one is noticed within
+``reprobe_every * max_backoff`` calls).
+
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
 lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
 drafted: verification decides which are emitted, so greedy output equals plain decoding's.
@@ -85,7 +90,7 @@ class SpeculationPolicy:
     def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, ema: float = 0.3,
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
                  remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02,
-                 cold_calls: int = 1):
+                 cold_calls: int = 1, max_backoff: int = 16):
         if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
         self.block = block if mode != "off" else 0
@@ -101,6 +106,10 @@ class SpeculationPolicy:
         self.requests_stopped = self.requests_reprobed = 0
         self.engine_ema = prior            # accepted drafts per verification over every request
         self.calls_since_draft = 0
+        # exploration back-off: the engine-wide reprobe and the drafting re-measure come backoff x less often after
+        # each probe that found nothing (doubling up to max_backoff), and at the base rate again once one pays
+        self.backoff, self.max_backoff = 1, max(1, max_backoff)
+        self._reprobing = self._probed = False
 
     @property
     def lengths(self) -> tuple:
@@ -132,8 +141,9 @@ class SpeculationPolicy:
         if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log)
             return self.draft_len
         self._reprobe(seqs)
-        if self.calls_since_draft >= self.reprobe_every:     # nothing drafted for a while: probe the workload
+        if self.calls_since_draft >= self.reprobe_every * self.backoff:   # nothing drafted for a while: probe
             self.engine_ema, self.calls_since_draft = max(self.engine_ema, self.prior), 0
+            self._reprobing = True
         d = self._decide([self.estimate(s) for s in seqs])
         if d != self.draft_len:
             c = {k: (None if v.seconds is None else round(1e3 * v.seconds, 2)) for k, v in self.costs.items()}
@@ -148,10 +158,20 @@ class SpeculationPolicy:
             c = self.costs[d]
             if c.seconds is None or c.samples < self.probe_calls:
                 return d
-        for d in (self.block, 0):               # re-measure the one not chosen for a while
-            if self.costs[d].since >= self.remeasure[d] and (d == 0 or self._could_pay(accepted)):
-                return d
-        return choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
+        best = choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
+        if self._probed:        # the call before was an exploration probe: back off while probes find nothing
+            self.backoff = 1 if best else min(2 * self.backoff, self.max_backoff)
+            self._probed = False
+        reprobing, self._reprobing = self._reprobing, False
+        # re-measure the one not chosen for a while (drafting: only if it could pay, and backed off)
+        if not best and self.costs[self.block].since >= self.remeasure[self.block] * self.backoff \
+                and self._could_pay(accepted):
+            self._probed = True
+            return self.block
+        if self.costs[0].since >= self.remeasure[0]:
+            return 0
+        self._probed = bool(best) and reprobing       # drafting on the reprobe's prior: a probe too
+        return best
 
     def _could_pay(self, accepted: list) -> bool:
         """Whether drafting could win at these acceptance estimates if it cost no more than a plain iteration (its
