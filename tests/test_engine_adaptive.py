@@ -119,6 +119,21 @@ def test_probes_back_off_while_drafts_never_verify_and_drafting_resumes_once_the
     assert sum(later[-100:]) >= 80 and pol.backoff == 1
 
 
+def test_a_due_probe_waits_while_prompts_wait_for_prefill():
+    """A drafting call takes block + 1 tokens per decode row of the step's budget: an exploration probe that is due
+    waits while prefill is pending, up to twice its interval."""
+    for prefilling, want in ((False, 3), (True, 6)):
+        pol = SpeculationPolicy(3, "adaptive", probe_calls=1, cold_calls=0, reprobe_every=3, remeasure_every=10**6)
+        pol.costs[3].observe(1.3, 1)
+        pol.costs[0].observe(1.0, 1)
+        pol.engine_ema = 0.0
+        calls = 0
+        while pol.choose([_Seq(str(calls))], prefilling=prefilling) == 0:
+            pol.observe(0, 1.0, 1, [])
+            calls += 1
+        assert calls == want, prefilling
+
+
 def test_always_and_off_never_adapt():
     assert SpeculationPolicy(5, "always").choose([_Seq("a")]) == 5
     off = SpeculationPolicy(5, "off")

@@ -22,7 +22,9 @@ Two things are measured while serving:
 Exploration (the engine-wide reprobe, the drafting re-measure) backs off: after each probe whose result still
 says plain, both come twice as rarely (up to ``max_backoff`` x), and at the base rate again once a probe pays, so
 a workload whose drafts never verify stops paying for probes (a changed one is noticed within
-``reprobe_every * max_backoff`` calls).
+``reprobe_every * max_backoff`` calls, twice that under constant prefill). A due probe also waits while prompts
+wait for prefill (up to twice its interval): a drafting call's rows take ``block + 1`` tokens each of the step's
+token budget.
 
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
 lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
@@ -110,6 +112,7 @@ class SpeculationPolicy:
         # each probe that found nothing (doubling up to max_backoff), and at the base rate again once one pays
         self.backoff, self.max_backoff = 1, max(1, max_backoff)
         self._reprobing = self._probed = False
+        self._wait = 1                     # 2 while prompts wait for prefill (choose)
 
     @property
     def lengths(self) -> tuple:
@@ -134,14 +137,18 @@ class SpeculationPolicy:
                 self.requests_reprobed += 1
 
     # ------------------------------------------------------------------ per decode call
-    def choose(self, seqs: Sequence) -> int:
-        """Draft length of the next decode call over ``seqs`` (its sequences)."""
+    def choose(self, seqs: Sequence, prefilling: bool = False) -> int:
+        """Draft length of the next decode call over ``seqs`` (its sequences). ``prefilling``: prompts wait for
+        prefill this step; an exploration probe then waits (up to twice its interval), since a drafting call's
+        decode rows take ``block + 1`` tokens each of the step's token budget and so slow the prefill down too
+        (batch 32 of the tiny model: a probe left 16 of 128 tokens to prefill)."""
         if self.mode != "adaptive":
             return self.block
         if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log)
             return self.draft_len
         self._reprobe(seqs)
-        if self.calls_since_draft >= self.reprobe_every * self.backoff:   # nothing drafted for a while: probe
+        self._wait = 2 if prefilling else 1
+        if self.calls_since_draft >= self.reprobe_every * self.backoff * self._wait:   # nothing drafted: probe
             self.engine_ema, self.calls_since_draft = max(self.engine_ema, self.prior), 0
             self._reprobing = True
         d = self._decide([self.estimate(s) for s in seqs])
@@ -164,7 +171,7 @@ class SpeculationPolicy:
             self._probed = False
         reprobing, self._reprobing = self._reprobing, False
         # re-measure the one not chosen for a while (drafting: only if it could pay, and backed off)
-        if not best and self.costs[self.block].since >= self.remeasure[self.block] * self.backoff \
+        if not best and self.costs[self.block].since >= self.remeasure[self.block] * self.backoff * self._wait \
                 and self._could_pay(accepted):
             self._probed = True
             return self.block

@@ -305,7 +305,9 @@ class LLMEngine:
         c0 = R.compile_count()
         # the draft length first: the scheduler grows pages and splits the token budget for draft length + 1
         # tokens per decode iteration (a plain call leaves more of the budget to prefill)
-        self.scheduler.K1 = self.speculation.choose([s for s in self.running if s.status == DECODE]) + 1
+        decoding = [s for s in self.running if s.status == DECODE]
+        prefilling = bool(self.waiting) or len(decoding) < len(self.running)
+        self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling) + 1
         plan = self.scheduler.schedule()
         rec = None
         if plan:
