@@ -134,6 +134,23 @@ def test_a_due_probe_waits_while_prompts_wait_for_prefill():
         assert calls == want, prefilling
 
 
+def test_drafting_cost_follows_the_plain_cost_as_a_ratio():
+    """The drafting cost is its measured ratio to the plain cost around it: when the machine's load doubles the plain
+    cost later, drafting is not left looking cheap at its old absolute cost."""
+    pol = SpeculationPolicy(3, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)
+    a = _Seq("a")
+    a.spec_accepted_ema = 0.3
+    pol.costs[3].observe(1.3, 1)        # the start-up probes
+    pol.costs[0].observe(1.0, 1)
+    pol.observe(3, 1.3, 1, [])          # drafting at 1.3x the plain cost around it
+    assert pol.costs[3].ratio == pytest.approx(1.3)
+    for _ in range(6):                  # the load doubles: plain now takes 2.0
+        pol.observe(0, 2.0, 1, [])
+    assert pol.current_costs()[3] == pytest.approx(1.3 * pol.costs[0].seconds)
+    assert pol.choose([a]) == 0         # 1.3 tokens at 1.3x plain: no (at the stale 1.3 s vs 2.0 s it was yes)
+    assert choose_draft_length({d: c.seconds for d, c in pol.costs.items()}, [0.3]) == 3
+
+
 def test_always_and_off_never_adapt():
     assert SpeculationPolicy(5, "always").choose([_Seq("a")]) == 5
     off = SpeculationPolicy(5, "off")

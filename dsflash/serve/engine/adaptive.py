@@ -5,7 +5,8 @@ Two things are measured while serving:
 
 * the **cost** of one decode iteration of each compiled program (draft length ``block``: propose + verify
   ``block + 1`` rows; draft length 0: one row), as an exponential moving average of the decode call's wall time
-  divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
+  divided by its iterations (drafting's also as a ratio to the plain EMA current when it ran, which is what the
+  decision uses: load on a shared machine moves both). The decode program has one shape (every slot, every call), so one cost per draft
   length covers every batch size. Each length is run ``probe_calls`` times first (the first ``cold_calls`` of
   them not averaged in: a cold run), and a length not chosen for ``remeasure_plain_every`` (plain) /
   ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice (drafting only
@@ -74,8 +75,9 @@ class IterationCost:
 
     def __init__(self, alpha: float, cold: int = 0):
         self.alpha, self.cold, self.seconds, self.samples, self.since = alpha, cold, None, 0, 0
+        self.ratio = None      # EMA of the sample over the reference (plain) cost current when it was taken
 
-    def observe(self, seconds: float, iters: int):
+    def observe(self, seconds: float, iters: int, ref: Optional[float] = None):
         if iters <= 0:
             return
         self.samples += 1
@@ -84,6 +86,9 @@ class IterationCost:
             return
         s = seconds / iters
         self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
+        if ref:
+            r = s / ref
+            self.ratio = r if self.ratio is None else (1 - self.alpha) * self.ratio + self.alpha * r
 
 
 class SpeculationPolicy:
@@ -165,7 +170,7 @@ class SpeculationPolicy:
             c = self.costs[d]
             if c.seconds is None or c.samples < self.probe_calls:
                 return d
-        best = choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
+        best = choose_draft_length(self.current_costs(), accepted, self.margin)
         if self._probed:        # the call before was an exploration probe: back off while probes find nothing
             self.backoff = 1 if best else min(2 * self.backoff, self.max_backoff)
             self._probed = False
@@ -179,6 +184,17 @@ class SpeculationPolicy:
             return 0
         self._probed = bool(best) and reprobing       # drafting on the reprobe's prior: a probe too
         return best
+
+    def current_costs(self) -> dict:
+        """Seconds per iteration by draft length as of now: plain's EMA (re-measured every few calls), drafting's as
+        its measured ratio to the plain cost around it times that. On a shared machine the load moves both, and a
+        rarely run drafting program's absolute EMA is from another load than the plain one's (tiny model, CPU,
+        batch 1: EMAs 9.6 / 9.3 ms, so drafts were chosen at 0.06 expected accepted drafts, when the programs'
+        ratio was 1.34)."""
+        c0, ck = self.costs[0], self.costs[self.block]
+        if ck.ratio is None or c0.seconds is None:
+            return {d: c.seconds for d, c in self.costs.items()}
+        return {0: c0.seconds, self.block: c0.seconds * ck.ratio}
 
     def _could_pay(self, accepted: list) -> bool:
         """Whether drafting could win at these acceptance estimates if it cost no more than a plain iteration (its
@@ -196,7 +212,7 @@ class SpeculationPolicy:
         for d, c in self.costs.items():
             c.since += 1
         if seconds is not None and draft_len in self.costs:
-            self.costs[draft_len].observe(seconds, iters)
+            self.costs[draft_len].observe(seconds, iters, ref=self.costs[0].seconds if draft_len else None)
         self.calls_since_draft = 0 if draft_len else self.calls_since_draft + 1
         if not draft_len:
             return
@@ -232,4 +248,5 @@ class SpeculationPolicy:
                 "spec_requests_reprobed": self.requests_reprobed,
                 "spec_engine_accepted_per_verify": self.engine_ema,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
-                   for d, c in self.costs.items()}}
+                   for d, c in self.costs.items()},
+                **({"spec_draft_cost_ratio": self.costs[self.block].ratio or 0.0} if self.costs else {})}
