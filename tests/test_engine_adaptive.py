@@ -140,8 +140,9 @@ def test_drafting_cost_follows_the_plain_cost_as_a_ratio():
     pol = SpeculationPolicy(3, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)
     a = _Seq("a")
     a.spec_accepted_ema = 0.3
-    pol.costs[3].observe(1.3, 1)        # the start-up probes
-    pol.costs[0].observe(1.0, 1)
+    pol.observe(3, 1.3, 1, [])          # the start-up probes: drafting first, at 1.3x the plain cost after it
+    pol.observe(0, 1.0, 1, [])
+    assert pol.costs[3].ratio == pytest.approx(1.3)
     pol.observe(3, 1.3, 1, [])          # drafting at 1.3x the plain cost around it
     assert pol.costs[3].ratio == pytest.approx(1.3)
     for _ in range(6):                  # the load doubles: plain now takes 2.0

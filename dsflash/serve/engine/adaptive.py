@@ -213,6 +213,9 @@ class SpeculationPolicy:
             c.since += 1
         if seconds is not None and draft_len in self.costs:
             self.costs[draft_len].observe(seconds, iters, ref=self.costs[0].seconds if draft_len else None)
+            ck = self.costs[self.block]
+            if not draft_len and ck.ratio is None and ck.seconds and self.costs[0].seconds:
+                ck.ratio = ck.seconds / self.costs[0].seconds   # the start-up probes: drafting ran first
         self.calls_since_draft = 0 if draft_len else self.calls_since_draft + 1
         if not draft_len:
             return
