@@ -29,6 +29,13 @@ def test_drafts_when_acceptance_high_and_verify_cheap():
     assert choose_draft_length({0: 1.0, 5: 1.3}, [2.0] + [0.0] * 7) == 0   # one good row does not pay for 8
 
 
+def test_drafting_never_counts_as_cheaper_than_plain():
+    """A drafting iteration includes the plain one's forward: a measured drafting cost below the plain cost is
+    noise and must not make drafts that never verify look worth it."""
+    assert choose_draft_length({0: 1.0, 3: 0.8}, [0.0] * 8) == 0
+    assert choose_draft_length({0: 1.0, 3: 0.8}, [0.5] * 8) == 3      # (1.5 tokens at 1.0) still wins
+
+
 def test_no_rows_or_unknown_plain_cost_means_plain():
     assert choose_draft_length({0: 1.0, 5: 0.5}, []) == 0
     assert choose_draft_length({5: 0.5}, [3.0]) == 0
@@ -47,7 +54,8 @@ class _Seq:
 
 
 def test_policy_measures_both_then_stops_a_failing_request_and_reprobes_it():
-    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6, remeasure_plain_every=10**6)
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, min_verifies=4, reprobe_every=3, remeasure_every=10**6,
+                            remeasure_plain_every=10**6, cold_calls=0)
     good, bad = _Seq("good"), _Seq("bad")
     assert pol.choose([good, bad]) == 5                 # each program is timed first
     pol.observe(5, 1.2, 4, [(good, 4, 12), (bad, 4, 0)])
@@ -62,6 +70,86 @@ def test_policy_measures_both_then_stops_a_failing_request_and_reprobes_it():
     pol.choose([bad])
     pol.choose([bad])                                   # third call without a verification: re-probed
     assert bad.spec_drafting and pol.requests_reprobed == 1
+
+
+def test_a_programs_cold_first_call_is_not_averaged_in():
+    """The first call of each decode program is a cold run (3-5x on CPU): it counts as a probe but its time is
+    dropped, so one slow sample cannot keep a rarely run drafting program looking expensive."""
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=2, remeasure_every=10**6, remeasure_plain_every=10**6)
+    a = _Seq("a")
+    a.spec_accepted_ema = 2.0
+    for d, t in ((5, 9.0), (5, 1.2), (0, 5.0), (0, 1.0)):   # each program: a cold call, then a warm one
+        assert pol.choose([a]) == d
+        pol.observe(d, t, 1, [(a, 1, 2)] if d else [])
+    assert pol.costs[5].seconds == pytest.approx(1.2) and pol.costs[0].seconds == pytest.approx(1.0)
+    assert pol.choose([a]) == 5          # 3 tokens at 1.2x beat 1 (the cold 9.0 would have said plain)
+
+
+def test_drafting_cost_is_remeasured_only_while_drafting_could_pay():
+    """A drafting cost not measured for ``remeasure_every`` calls is re-measured only if the acceptance estimates
+    could make drafting win at a plain iteration's cost (its floor): drafts that never verify are not probed."""
+    for est, want in ((0.001, 0), (0.5, 5)):
+        pol = SpeculationPolicy(5, "adaptive", probe_calls=1, remeasure_every=3, remeasure_plain_every=10**6,
+                                cold_calls=0)
+        pol.costs[5].observe(3.0, 1)
+        pol.costs[0].observe(1.0, 1)
+        a = _Seq("a")
+        a.spec_accepted_ema = est
+        for _ in range(3):
+            assert pol.choose([a]) == 0
+            pol.observe(0, 1.0, 1, [])
+        assert pol.choose([a]) == want, est
+
+
+def test_probes_back_off_while_drafts_never_verify_and_drafting_resumes_once_they_do():
+    """A stream of new requests whose drafts never verify: the engine-wide reprobe and the drafting re-measure come
+    ever more rarely (without the back-off: one every reprobe_every calls, ~45 in 3,000); when the drafts start
+    verifying, a probe finds it within reprobe_every * max_backoff calls and drafting stays on."""
+    pol = SpeculationPolicy(3, "adaptive", cold_calls=0)
+
+    def call(i, accepted):
+        s = _Seq(str(i))
+        d = pol.choose([s])
+        pol.observe(d, 1.3 if d else 1.0, 1, [(s, 1, accepted)] if d else [])
+        return d
+
+    drafted = sum(bool(call(i, 0)) for i in range(3000))
+    assert drafted <= 2 * pol.probe_calls + 8 and pol.backoff == pol.max_backoff
+    later = [bool(call(i, 3)) for i in range(pol.reprobe_every * pol.max_backoff + 100)]
+    assert sum(later[-100:]) >= 80 and pol.backoff == 1
+
+
+def test_a_due_probe_waits_while_prompts_wait_for_prefill():
+    """A drafting call takes block + 1 tokens per decode row of the step's budget: an exploration probe that is due
+    waits while prefill is pending, up to twice its interval."""
+    for prefilling, want in ((False, 3), (True, 6)):
+        pol = SpeculationPolicy(3, "adaptive", probe_calls=1, cold_calls=0, reprobe_every=3, remeasure_every=10**6)
+        pol.costs[3].observe(1.3, 1)
+        pol.costs[0].observe(1.0, 1)
+        pol.engine_ema = 0.0
+        calls = 0
+        while pol.choose([_Seq(str(calls))], prefilling=prefilling) == 0:
+            pol.observe(0, 1.0, 1, [])
+            calls += 1
+        assert calls == want, prefilling
+
+
+def test_drafting_cost_follows_the_plain_cost_as_a_ratio():
+    """The drafting cost is its measured ratio to the plain cost around it: when the machine's load doubles the plain
+    cost later, drafting is not left looking cheap at its old absolute cost."""
+    pol = SpeculationPolicy(3, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)
+    a = _Seq("a")
+    a.spec_accepted_ema = 0.3
+    pol.observe(3, 1.3, 1, [])          # the start-up probes: drafting first, at 1.3x the plain cost after it
+    pol.observe(0, 1.0, 1, [])
+    assert pol.costs[3].ratio == pytest.approx(1.3)
+    pol.observe(3, 1.3, 1, [])          # drafting at 1.3x the plain cost around it
+    assert pol.costs[3].ratio == pytest.approx(1.3)
+    for _ in range(6):                  # the load doubles: plain now takes 2.0
+        pol.observe(0, 2.0, 1, [])
+    assert pol.current_costs()[3] == pytest.approx(1.3 * pol.costs[0].seconds)
+    assert pol.choose([a]) == 0         # 1.3 tokens at 1.3x plain: no (at the stale 1.3 s vs 2.0 s it was yes)
+    assert choose_draft_length({d: c.seconds for d, c in pol.costs.items()}, [0.3]) == 3
 
 
 def test_always_and_off_never_adapt():
@@ -142,7 +230,8 @@ def test_switching_programs_keeps_greedy_output_and_compiles_nothing(adaptive_en
 
 
 def test_new_requests_start_from_the_engine_wide_acceptance():
-    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6, remeasure_plain_every=10**6)
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, reprobe_every=2, remeasure_every=10**6,
+                            remeasure_plain_every=10**6, cold_calls=0)
     a = _Seq("a")
     pol.choose([a])
     pol.observe(5, 1.6, 4, [(a, 4, 0)])               # drafts fail; verify costs 1.6 plain iterations
@@ -179,3 +268,50 @@ def test_lazy_draft_context_drafts_as_the_eager_one():
     assert res[True][2] > 0
     plain = _run(LLMEngine(ToyBackend(), speculative_mode="off", **COMMON), prompts, tag="z")
     assert res[True][0] == plain
+
+
+# ------------------------------------------------------------------ the sequential verify's early exit
+class CountingToy(ToyBackend):
+    """The toy with a counter of target forwards in its state."""
+
+    def init_state(self, geo):
+        return {**super().init_state(geo), "n_fwd": jnp.zeros((), jnp.int32)}
+
+    def forward(self, params, batch, state, *, logits="last", taps=False):
+        out, state = super().forward(params, batch, state, logits=logits, taps=taps)
+        return out, {**state, "n_fwd": state["n_fwd"] + 1}
+
+
+@pytest.mark.parametrize("accept_until,forwards", [((0, 0, 0, 0), 1), ((2, 0, 1, 0), 3), ((9, 9, 9, 9), 4),
+                                                   ((0, 3, 0, 0), 4)])
+def test_sequential_verify_stops_at_the_last_first_rejection(accept_until, forwards):
+    """Row j + 1 is verified only while some row accepted drafts 0 .. j: with none accepted a drafting iteration
+    runs one forward; the rows it runs equal the full sequential verify's and the rest are zeros."""
+    import types
+
+    import jax
+    from dsflash.model.state import Batch, CacheGeometry
+    from dsflash.serve.engine.runner import Runner
+    be = CountingToy()
+    geo = CacheGeometry(num_slots=4, num_pages=8, page_size=8, ring_slack=16)
+    be.bind_geometry(geo)
+    S_, K1 = 4, be.block + 1
+    rng = np.random.default_rng(0)
+    z = jnp.zeros((S_,), jnp.int32)
+    batch = Batch(jnp.asarray(rng.integers(2, 60, size=(S_, K1)), jnp.int32), jnp.full((S_,), 5, jnp.int32),
+                  jnp.full((S_,), K1, jnp.int32), jnp.arange(S_, dtype=jnp.int32),
+                  jnp.asarray(np.arange(S_ * 2).reshape(S_, 2), jnp.int32), z, z, z)
+    until = jnp.asarray(accept_until, jnp.int32)
+    runner = types.SimpleNamespace(backend=be, sequential_verify=True)
+
+    def run(until):
+        def verify_row(j, logits):
+            return j < until, {"seen": jnp.full((S_,), j + 1, jnp.int32)}
+        return Runner._target_forward(runner, be.params, batch, be.init_state(geo), True, verify_row)
+
+    out, state = jax.jit(run)(until)
+    full, _ = jax.jit(run)(jnp.full((S_,), 99, jnp.int32))
+    assert int(state["n_fwd"]) == forwards
+    np.testing.assert_array_equal(np.asarray(out["logits"][:, :forwards]), np.asarray(full["logits"][:, :forwards]))
+    assert not np.asarray(out["logits"][:, forwards:]).any()
+    np.testing.assert_array_equal(np.asarray(out["seen"]), np.where(np.arange(K1) < forwards, np.arange(K1) + 1, 0)[None].repeat(S_, 0))

@@ -5,16 +5,27 @@ Two things are measured while serving:
 
 * the **cost** of one decode iteration of each compiled program (draft length ``block``: propose + verify
   ``block + 1`` rows; draft length 0: one row), as an exponential moving average of the decode call's wall time
-  divided by its iterations. The decode program has one shape (every slot, every call), so one cost per draft
-  length covers every batch size. Each length is run ``probe_calls`` times first, and a length not chosen for
-  ``remeasure_plain_every`` (plain) / ``remeasure_every`` (drafting) calls is run once again so a stale cost
-  cannot lock the choice.
+  divided by its iterations (drafting's also as a ratio to the plain EMA current when it ran, which is what the
+  decision uses: load on a shared machine moves both). The decode program has one shape (every slot, every call), so one cost per draft
+  length covers every batch size. Each length is run ``probe_calls`` times first (the first ``cold_calls`` of
+  them not averaged in: a cold run), and a length not chosen for ``remeasure_plain_every`` (plain) /
+  ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice (drafting only
+  while the acceptance estimates say it could pay at a plain iteration's cost, its floor). With the
+  sequential verify (runner) a drafting iteration stops verifying at the batch's last first rejection, so its
+  cost grows with the acceptance: at none it is about one plain iteration plus the proposal.
 * the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at the
   engine-wide EMA (``prior`` until anything was verified, and again after ``reprobe_every`` calls without a
   draft, so a workload that changed is noticed): new requests of a workload whose drafts fail do not pay a
   probe each; one whose estimate falls below ``stop_below`` after ``min_verifies`` verifications stops drafting
   (counts 0), and is re-probed (its estimate reset to ``prior``) after ``reprobe_every`` decode calls without a
   verification (a call that drafts for other requests verifies its drafts too, for free).
+
+Exploration (the engine-wide reprobe, the drafting re-measure) backs off: after each probe whose result still
+says plain, both come twice as rarely (up to ``max_backoff`` x), and at the base rate again once a probe pays, so
+a workload whose drafts never verify stops paying for probes (a changed one is noticed within
+``reprobe_every * max_backoff`` calls, twice that under constant prefill). A due probe also waits while prompts
+wait for prefill (up to twice its interval): a drafting call's rows take ``block + 1`` tokens each of the step's
+token budget.
 
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
 lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
@@ -41,31 +52,43 @@ def expected_tokens(draft_len: int, accepted: Sequence[float]) -> float:
 def choose_draft_length(costs: Mapping[int, float], accepted: Sequence[float], margin: float = 0.0) -> int:
     """The draft length in ``costs`` (seconds per iteration; 0 = no drafts) with the most expected tokens per
     second for rows expecting ``accepted`` drafts each per verification. Drafting must beat plain decoding by
-    the fraction ``margin`` (ties and unknowns go to 0: plain decoding is never slower than itself)."""
+    the fraction ``margin`` (ties and unknowns go to 0: plain decoding is never slower than itself). A drafting
+    cost below the plain one counts as the plain one: a drafting iteration runs the plain iteration's forward and
+    more, so such a sample is noise (one noisy plain sample on a loaded CPU had 8 calls in a row draft for drafts
+    that never verify)."""
     if not accepted or 0 not in costs:
         return 0
     best, best_rate = 0, expected_tokens(0, accepted) / costs[0] * (1.0 + margin)
     for d, c in sorted(costs.items()):
         if d and c > 0:
-            rate = expected_tokens(d, accepted) / c
+            rate = expected_tokens(d, accepted) / max(c, costs[0])
             if rate > best_rate:
                 best, best_rate = d, rate
     return best
 
 
 class IterationCost:
-    """EMA of seconds per decode iteration of one program."""
+    """EMA of seconds per decode iteration of one program. The first ``cold`` calls are counted but not averaged
+    in: a program's first call with running rows is a cold run (the engine's warm-up runs no iteration; on CPU
+    the first call of either tiny-model decode program took 3-5x the next ones, docs/engine.md), and one such
+    sample would hold a rarely run program's cost up for a long time."""
 
-    def __init__(self, alpha: float):
-        self.alpha, self.seconds, self.samples, self.since = alpha, None, 0, 0
+    def __init__(self, alpha: float, cold: int = 0):
+        self.alpha, self.cold, self.seconds, self.samples, self.since = alpha, cold, None, 0, 0
+        self.ratio = None      # EMA of the sample over the reference (plain) cost current when it was taken
 
-    def observe(self, seconds: float, iters: int):
+    def observe(self, seconds: float, iters: int, ref: Optional[float] = None):
         if iters <= 0:
+            return
+        self.samples += 1
+        self.since = 0
+        if self.samples <= self.cold:
             return
         s = seconds / iters
         self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
-        self.samples += 1
-        self.since = 0
+        if ref:
+            r = s / ref
+            self.ratio = r if self.ratio is None else (1 - self.alpha) * self.ratio + self.alpha * r
 
 
 class SpeculationPolicy:
@@ -73,7 +96,8 @@ class SpeculationPolicy:
 
     def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, ema: float = 0.3,
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
-                 remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02):
+                 remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02,
+                 cold_calls: int = 1, max_backoff: int = 16):
         if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
         self.block = block if mode != "off" else 0
@@ -83,12 +107,17 @@ class SpeculationPolicy:
         # re-measure a program not run for this many calls: plain often (cheap, and a stale plain cost is what
         # could keep a losing draft length), the drafting one rarely (each re-measure costs a verify)
         self.remeasure = {0: remeasure_plain_every, block: remeasure_every}
-        self.costs = {0: IterationCost(ema), self.block: IterationCost(ema)} if self.block else {}
+        self.costs = {0: IterationCost(ema, cold_calls), self.block: IterationCost(ema, cold_calls)} if self.block else {}
         self.draft_len = self.block if self.mode == "always" else 0   # the last decision
         self.calls = self.drafted_calls = 0
         self.requests_stopped = self.requests_reprobed = 0
         self.engine_ema = prior            # accepted drafts per verification over every request
         self.calls_since_draft = 0
+        # exploration back-off: the engine-wide reprobe and the drafting re-measure come backoff x less often after
+        # each probe that found nothing (doubling up to max_backoff), and at the base rate again once one pays
+        self.backoff, self.max_backoff = 1, max(1, max_backoff)
+        self._reprobing = self._probed = False
+        self._wait = 1                     # 2 while prompts wait for prefill (choose)
 
     @property
     def lengths(self) -> tuple:
@@ -113,15 +142,20 @@ class SpeculationPolicy:
                 self.requests_reprobed += 1
 
     # ------------------------------------------------------------------ per decode call
-    def choose(self, seqs: Sequence) -> int:
-        """Draft length of the next decode call over ``seqs`` (its sequences)."""
+    def choose(self, seqs: Sequence, prefilling: bool = False) -> int:
+        """Draft length of the next decode call over ``seqs`` (its sequences). ``prefilling``: prompts wait for
+        prefill this step; an exploration probe then waits (up to twice its interval), since a drafting call's
+        decode rows take ``block + 1`` tokens each of the step's token budget and so slow the prefill down too
+        (batch 32 of the tiny model: a probe left 16 of 128 tokens to prefill)."""
         if self.mode != "adaptive":
             return self.block
         if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log)
             return self.draft_len
         self._reprobe(seqs)
-        if self.calls_since_draft >= self.reprobe_every:     # nothing drafted for a while: probe the workload
+        self._wait = 2 if prefilling else 1
+        if self.calls_since_draft >= self.reprobe_every * self.backoff * self._wait:   # nothing drafted: probe
             self.engine_ema, self.calls_since_draft = max(self.engine_ema, self.prior), 0
+            self._reprobing = True
         d = self._decide([self.estimate(s) for s in seqs])
         if d != self.draft_len:
             c = {k: (None if v.seconds is None else round(1e3 * v.seconds, 2)) for k, v in self.costs.items()}
@@ -132,13 +166,41 @@ class SpeculationPolicy:
         return d
 
     def _decide(self, accepted: list) -> int:
-        for d in (self.block, 0):               # measure each program first
-            if self.costs[d].samples < self.probe_calls:
+        for d in (self.block, 0):               # measure each program first (a cold call does not count)
+            c = self.costs[d]
+            if c.seconds is None or c.samples < self.probe_calls:
                 return d
-        for d in (self.block, 0):               # re-measure the one not chosen for a while
-            if self.costs[d].since >= self.remeasure[d] and (d == 0 or any(accepted)):
-                return d
-        return choose_draft_length({d: c.seconds for d, c in self.costs.items()}, accepted, self.margin)
+        best = choose_draft_length(self.current_costs(), accepted, self.margin)
+        if self._probed:        # the call before was an exploration probe: back off while probes find nothing
+            self.backoff = 1 if best else min(2 * self.backoff, self.max_backoff)
+            self._probed = False
+        reprobing, self._reprobing = self._reprobing, False
+        # re-measure the one not chosen for a while (drafting: only if it could pay, and backed off)
+        if not best and self.costs[self.block].since >= self.remeasure[self.block] * self.backoff * self._wait \
+                and self._could_pay(accepted):
+            self._probed = True
+            return self.block
+        if self.costs[0].since >= self.remeasure[0]:
+            return 0
+        self._probed = bool(best) and reprobing       # drafting on the reprobe's prior: a probe too
+        return best
+
+    def current_costs(self) -> dict:
+        """Seconds per iteration by draft length as of now: plain's EMA (re-measured every few calls), drafting's as
+        its measured ratio to the plain cost around it times that. On a shared machine the load moves both, and a
+        rarely run drafting program's absolute EMA is from another load than the plain one's (tiny model, CPU,
+        batch 1: EMAs 9.6 / 9.3 ms, so drafts were chosen at 0.06 expected accepted drafts, when the programs'
+        ratio was 1.34)."""
+        c0, ck = self.costs[0], self.costs[self.block]
+        if ck.ratio is None or c0.seconds is None:
+            return {d: c.seconds for d, c in self.costs.items()}
+        return {0: c0.seconds, self.block: c0.seconds * ck.ratio}
+
+    def _could_pay(self, accepted: list) -> bool:
+        """Whether drafting could win at these acceptance estimates if it cost no more than a plain iteration (its
+        floor: a drafting iteration runs the plain one's forward and more). If not, re-measuring its cost cannot
+        change the choice (the tiny model's random drafts: the estimates decay to ~0), so it is not probed."""
+        return expected_tokens(self.block, accepted) > expected_tokens(0, accepted) * (1.0 + self.margin)
 
     def observe(self, draft_len: int, seconds: Optional[float], iters: int, per_seq: Iterable = ()):
         """A decode call's results: its wall time over ``iters`` iterations and, per sequence, ``(s, verifies,
@@ -150,7 +212,10 @@ class SpeculationPolicy:
         for d, c in self.costs.items():
             c.since += 1
         if seconds is not None and draft_len in self.costs:
-            self.costs[draft_len].observe(seconds, iters)
+            self.costs[draft_len].observe(seconds, iters, ref=self.costs[0].seconds if draft_len else None)
+            ck = self.costs[self.block]
+            if not draft_len and ck.ratio is None and ck.seconds and self.costs[0].seconds:
+                ck.ratio = ck.seconds / self.costs[0].seconds   # the start-up probes: drafting ran first
         self.calls_since_draft = 0 if draft_len else self.calls_since_draft + 1
         if not draft_len:
             return
@@ -186,4 +251,5 @@ class SpeculationPolicy:
                 "spec_requests_reprobed": self.requests_reprobed,
                 "spec_engine_accepted_per_verify": self.engine_ema,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
-                   for d, c in self.costs.items()}}
+                   for d, c in self.costs.items()},
+                **({"spec_draft_cost_ratio": self.costs[self.block].ratio or 0.0} if self.costs else {})}

@@ -306,7 +306,9 @@ class LLMEngine:
         c0 = R.compile_count()
         # the draft length first: the scheduler grows pages and splits the token budget for draft length + 1
         # tokens per decode iteration (a plain call leaves more of the budget to prefill)
-        self.scheduler.K1 = self.speculation.choose([s for s in self.running if s.status == DECODE]) + 1
+        decoding = [s for s in self.running if s.status == DECODE]
+        prefilling = bool(self.waiting) or len(decoding) < len(self.running)
+        self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling) + 1
         plan = self.scheduler.schedule()
         rec = None
         if plan:
@@ -348,7 +350,7 @@ class LLMEngine:
     def _observe_speculation(self, plan, dc):
         """The decode call's cost and each sequence's verifications / accepted drafts, for the next choice."""
         per_seq = []
-        for s, _ in plan.decode:
+        for s, _ in (plan.decode if dc["draft_len"] else ()):     # a plain call verifies nothing
             i = s.slot if s.slot is not None else s.last_slot
             if i is not None:
                 per_seq.append((s, int(dc["drafts"][i]), int(dc["acc_pos"][i].sum())))

@@ -106,7 +106,7 @@ class OutputProcessor:
                 continue
             i = s.slot if s.slot is not None else s.last_slot
             n = int(res["n_out"][i])
-            if self.k:
+            if self.k and K1 > 1:         # (a plain call of an adaptive engine drafts nothing)
                 nd = int(res["drafts"][i])
                 acc = res["acc_pos"][i]
                 m.spec_num_drafts += nd

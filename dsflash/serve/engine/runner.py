@@ -12,7 +12,8 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
   written past it are never read). Without drafts each step is a single-token forward. Rows stop on
   their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up. Adaptive
   speculation compiles it for draft lengths ``block`` and 0; the plain one records taps instead of updating the
-  draft context (lazy draft context) and, with ``sequential_verify``, the verify is ``block + 1`` one-row forwards.
+  draft context (lazy draft context) and, with ``sequential_verify``, the verify is up to ``block + 1`` one-row
+  forwards, stopping once every row has rejected a draft (early exit).
 
 The Runner owns these programs, the state they donate and the host mirrors of what a decode call reads
 (``SlotMirror``: page tables, sampling rows, window floors per slot; the scheduler updates them as it admits,
@@ -407,7 +408,55 @@ class Runner:
                 tokens = y[:, None]
             batch = Batch(tokens, p + 1, jnp.where(run, K1, 0).astype(jnp.int32), slots, inp["page_table"],
                           floor, floor, jnp.zeros_like(p))
-            out, state = self._target_forward(params, batch, state, ctx or record)
+            keys = S.request_keys(sp["seed_lo"][:, None], sp["seed_hi"][:, None], nidx[:, None] + j[None, :])
+            counts0, seen0 = rows["counts"][:, None, :], rows["seen"][:, None, :]
+            if spec:
+                oh = jax.nn.one_hot(drafts, V, dtype=jnp.int32)
+                extra = jnp.concatenate([jnp.zeros((S_, 1, V), jnp.int32), jnp.cumsum(oh, axis=1)], axis=1)
+                dl = dlogits.astype(jnp.float32)
+                q_s = jax.nn.log_softmax(dl, axis=-1)
+                q_g = jnp.where(jnp.arange(V) == drafts[..., None], 0.0, -jnp.inf)
+                q = jnp.where((sp["draft_temp"] > 0)[:, None, None], q_s, q_g)
+
+            def process(raw, lo, n):
+                """Masked, penalised logits and the sampling log-probabilities [S, n, V] of verified positions
+                ``lo .. lo + n - 1`` (``lo`` traced: one row of the sequential verify)."""
+                sl = (lambda a: a[:, lo:lo + n]) if isinstance(lo, int) else \
+                    (lambda a: lax.dynamic_slice_in_dim(a, lo, n, axis=1))
+                masked = S.apply_token_mask(raw, sl(inp["mask"]) if spec else inp["mask"][:, :K1], guided)
+                counts, seen = counts0, seen0
+                if spec:
+                    e = sl(extra)
+                    counts, seen = counts + e, seen | (e > 0)
+                bc = lambda a: jnp.broadcast_to(a[:, None], (S_, n))     # noqa: E731
+                pen = S.apply_penalties(masked, counts, seen, bc(sp["pres"]), bc(sp["freq"]), bc(sp["rep"]))
+                return pen, S.process_logits(pen, bc(sp["temp"]), bc(sp["top_k"]), bc(sp["top_p"]), bc(sp["min_p"]))
+
+            accepted = None
+            if spec and self.sequential_verify:
+                # early exit: row j + 1 is verified only while some row accepted drafts 0 .. j (rows past a
+                # row's first rejection are never emitted, and the loop stops when every row has one)
+                u = S.uniforms(S.purpose(keys, S.ACCEPT)[:, :k])
+                q_d = jnp.exp(jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0])
+
+                def verify_row(jj, logits):
+                    pen_j, logp_j = process(logits.astype(jnp.float32), jj, 1)
+                    jd = jnp.minimum(jj, k - 1)       # (the bonus row jj = k has no draft: its test is unused)
+                    d_j = lax.dynamic_index_in_dim(drafts, jd, axis=1, keepdims=False)
+                    acc_g = d_j == jnp.argmax(pen_j[:, 0], axis=-1).astype(jnp.int32)
+                    p_d = jnp.exp(jnp.take_along_axis(logp_j[:, 0], d_j[:, None], axis=-1)[:, 0])
+                    acc_s = lax.dynamic_index_in_dim(u, jd, axis=1, keepdims=False) * \
+                        lax.dynamic_index_in_dim(q_d, jd, axis=1, keepdims=False) < p_d
+                    acc = jnp.where(greedy, acc_g, acc_s) & ~no_draft
+                    return acc, {"pen": pen_j[:, 0], "logp": logp_j[:, 0], "acc": acc}
+
+                out, state = self._target_forward(params, batch, state, ctx or record, verify_row)
+                raw = out["logits"].astype(jnp.float32)                              # [S, K1, V]
+                pen, logp, accepted = out["pen"], out["logp"], out["acc"][:, :k]
+            else:
+                out, state = self._target_forward(params, batch, state, ctx or record)
+                raw = out["logits"].astype(jnp.float32)                              # [S, K1, V]
+                pen, logp = process(raw, 0, K1)
             if ctx:
                 state = be.update_context(params, out, batch, state)
             taps_ring = None
@@ -415,26 +464,9 @@ class Runner:
                 W = self.tap_window
                 taps_ring = rows["taps"].at[slots, jnp.where(run, jnp.mod(p + 1, W), W)].set(
                     out["taps"][:, 0].astype(rows["taps"].dtype), mode="drop")
-            raw = out["logits"].astype(jnp.float32)                                  # [S, K1, V]
-            masked = S.apply_token_mask(raw, inp["mask"][:, :K1], guided)
-            counts = rows["counts"][:, None, :]
-            seen = rows["seen"][:, None, :]
             if spec:
-                oh = jax.nn.one_hot(drafts, V, dtype=jnp.int32)
-                extra = jnp.concatenate([jnp.zeros((S_, 1, V), jnp.int32), jnp.cumsum(oh, axis=1)], axis=1)
-                counts = counts + extra
-                seen = seen | (extra > 0)
-            bc = lambda a: jnp.broadcast_to(a[:, None], (S_, K1))
-            pen = S.apply_penalties(masked, counts, seen, bc(sp["pres"]), bc(sp["freq"]), bc(sp["rep"]))
-            logp = S.process_logits(pen, bc(sp["temp"]), bc(sp["top_k"]), bc(sp["top_p"]), bc(sp["min_p"]))
-            keys = S.request_keys(sp["seed_lo"][:, None], sp["seed_hi"][:, None], nidx[:, None] + j[None, :])
-            if spec:
-                dl = dlogits.astype(jnp.float32)
-                q_s = jax.nn.log_softmax(dl, axis=-1)
-                q_g = jnp.where(jnp.arange(V) == drafts[..., None], 0.0, -jnp.inf)
-                q = jnp.where((sp["draft_temp"] > 0)[:, None, None], q_s, q_g)
                 emitted, n = S.rejection_sample(logp, pen, q, drafts, greedy, S.purpose(keys, S.ACCEPT),
-                                                S.purpose(keys, S.SAMPLE), no_draft=no_draft)
+                                                S.purpose(keys, S.SAMPLE), no_draft=no_draft, accepted=accepted)
             else:
                 emitted = S.sample(logp[:, 0], pen[:, 0], greedy, S.purpose(keys[:, 0], S.SAMPLE))[:, None]
                 n = jnp.ones((S_,), jnp.int32)
@@ -487,13 +519,19 @@ class Runner:
             res["next_drafts"] = lax.cond(jnp.any(guided), propose_next, lambda: jnp.zeros((S_, k), jnp.int32))
         return state, rows, res
 
-    def _target_forward(self, params, batch, state, taps):
+    def _target_forward(self, params, batch, state, taps, verify_row=None):
         """The decode iteration's target forward over ``batch.tokens [S, K1]``. With ``sequential_verify`` it runs
-        as K1 one-row forwards in a ``lax.scan`` (each the plain program's one-row forward), so every row rounds the
-        same whatever the draft length (tested bitwise): XLA's CPU dots and reductions round a row differently
-        at different row counts (scripts/plain_vs_verify_rows.py), and greedy output then follows the draft length."""
+        as one-row forwards in a ``lax.while_loop`` (each the plain program's one-row forward), so every row rounds
+        the same whatever the draft length (tested bitwise): XLA's CPU dots and reductions round a row differently
+        at different row counts (scripts/plain_vs_verify_rows.py), and greedy output then follows the draft length.
+
+        ``verify_row(j, logits [S, 1, V]) -> (accepted [S] bool, extras {name: [S, ...]})`` (sequential only): row
+        ``j + 1`` runs only while some row accepted drafts ``0 .. j`` (early exit; at low acceptance a drafting
+        iteration then costs about one forward plus the proposal). Rows not run are zeros in ``out`` (logits,
+        taps and the extras, stacked ``[S, K1, ...]``); they lie past every row's first rejection, so they are
+        never emitted, and their KV / context positions are past the committed length (rollback by length)."""
         be = self.backend
-        K1 = batch.tokens.shape[1]
+        S_, K1 = batch.tokens.shape
         if not self.sequential_verify or K1 == 1:
             return be.forward(params, batch, state, logits="all", taps=taps)
         one = (batch.lengths > 0).astype(jnp.int32)
@@ -503,14 +541,34 @@ class Runner:
                       batch.page_table, batch.enc_floor, batch.dec_floor, batch.kv_write_from)
             o, state = be.forward(params, b, state, logits="all", taps=taps)
             keep = {k: o[k][:, 0] for k in ("logits", "taps") if k in o}
-            if "expert_load" in o:
-                keep["expert_load"] = o["expert_load"]
-            return state, keep
+            go = batch.lengths > 0
+            if verify_row is not None:
+                acc, extras = verify_row(j, o["logits"])
+                go = go & acc
+                keep.update(extras)
+            load = o.get("expert_load")
+            return state, keep, go, load
 
-        state, ys = lax.scan(row, state, jnp.arange(K1, dtype=jnp.int32))
-        out = {k: jnp.swapaxes(v, 0, 1) for k, v in ys.items() if k != "expert_load"}
-        if "expert_load" in ys:
-            out["expert_load"] = ys["expert_load"].sum(0)
+        shapes = jax.eval_shape(row, state, jnp.zeros((), jnp.int32))[1:]
+        ys = {k: jnp.zeros((S_, K1) + v.shape[1:], v.dtype) for k, v in shapes[0].items()}
+        load = None if shapes[2] is None else jnp.zeros(shapes[2].shape, shapes[2].dtype)
+
+        def cond(c):
+            j, alive = c[0], c[1]
+            return (j < K1) & jnp.any(alive)
+
+        def body(c):
+            j, alive, state, ys, load = c
+            state, keep, go, ld = row(state, j)
+            ys = {k: lax.dynamic_update_index_in_dim(ys[k], keep[k].astype(ys[k].dtype), j, axis=1) for k in ys}
+            return j + 1, alive & go, state, ys, (None if load is None else load + ld)
+
+        # row 0 (the last sampled token) runs whenever a row runs; without verify_row every row runs
+        alive = batch.lengths > 0
+        _, _, state, ys, load = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), alive, state, ys, load))
+        out = dict(ys)
+        if load is not None:
+            out["expert_load"] = load
         return out, state
 
     # ------------------------------------------------------------------ one step's inputs and launch

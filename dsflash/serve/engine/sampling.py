@@ -133,7 +133,7 @@ def sample(logp, greedy_logits, greedy, keys):
 
 
 def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, greedy, keys_accept, keys_sample,
-                     no_draft=None):
+                     no_draft=None, accepted=None):
     """Verify ``k`` drafts against ``k + 1`` target distributions (Leviathan et al.; vLLM's rejection sampler).
 
     target_logp [B, k+1, V]     processed log p (the target's sampling distribution at each position)
@@ -144,6 +144,8 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
     no_draft [B] bool or None   rows whose drafts are all rejected and whose first token is a plain sample of
                                 the target (guided rows: their drafts were not checked against the grammar)
     keys_accept, keys_sample    [B, k+1, 2] keys for the acceptance uniforms / residual-or-bonus samples
+    accepted [B, k] bool or None  each draft's acceptance test, already made (the sequential verify makes it row by
+                                row, by the same rule, to stop early; positions it did not reach are False)
 
     Returns ``tokens [B, k+1]`` (accepted drafts then the correction or bonus token; entries past
     ``num [B]`` are padding) and ``num`` in 1..k+1. Sampled rows accept ``o_i`` with probability
@@ -154,13 +156,16 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
     """
     B, k1, V = target_logp.shape
     k = k1 - 1
-    p_d = jnp.exp(jnp.take_along_axis(target_logp[:, :k], drafts[..., None], axis=-1)[..., 0])
-    q_d = jnp.exp(jnp.take_along_axis(draft_logp, drafts[..., None], axis=-1)[..., 0])
-    u = uniforms(keys_accept[:, :k])
-    acc_s = u * q_d < p_d                                                   # u < p/q, q > 0 for sampled drafts
     tgt_arg = jnp.argmax(target_greedy_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
-    acc_g = drafts == tgt_arg[:, :k]
-    acc = jnp.where(greedy[:, None], acc_g, acc_s)
+    if accepted is None:
+        p_d = jnp.exp(jnp.take_along_axis(target_logp[:, :k], drafts[..., None], axis=-1)[..., 0])
+        q_d = jnp.exp(jnp.take_along_axis(draft_logp, drafts[..., None], axis=-1)[..., 0])
+        u = uniforms(keys_accept[:, :k])
+        acc_s = u * q_d < p_d                                               # u < p/q, q > 0 for sampled drafts
+        acc_g = drafts == tgt_arg[:, :k]
+        acc = jnp.where(greedy[:, None], acc_g, acc_s)
+    else:
+        acc = accepted
     if no_draft is not None:
         acc = acc & ~no_draft[:, None]
         draft_logp = jnp.where(no_draft[:, None, None], NEG_INF, draft_logp)   # q = 0: the residual is p
