@@ -13,7 +13,9 @@ launch (``fp8_linear.GROUPED``); ``moe32`` = the default with ``sw_eo_np_bm32`` 
 config above 384 slots; ``grp32`` = both; ``gather`` = the default with the paged indexer off (decode calls gather every
 index key to bf16 and score with the "indexer" kernel, the path before 2026-12-02); ``topk`` = the default with the
 Triton radix top-k (kernels/topk_triton.py) at every row length; ``notopk`` = the default with it off; ``fp8bn64`` =
-the FP8 linears' decode band on the "decode" config (BN 64, the default before run 29) instead of "decode_bn128".
+the FP8 linears' decode band on the "decode" config (BN 64, the default before run 29) instead of "decode_bn128";
+``moeil`` = the default with the routed experts' weights repacked once into the load-time "il" layout
+(``dsflash.model.params.moe_il_weights``; decode then runs the MoE config ``sw_il``, prefill converts back per call).
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def main():
     print(f"params placed in {time.perf_counter() - t0:.1f} s", flush=True)
     pts = [("decode", n, c) for n, c in parse_points(a.decode)] + [("prefill", n, c) for n, c in parse_points(a.prefill)]
     summary = []
+    il_params = None          # bench.params with the routed experts in the il layout (variant "moeil"), made once
     real_tc = layers.tensor_cores
     from dsflash.kernels import dispatch, fp8_linear
     real_fp8 = (dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS)
@@ -97,15 +100,22 @@ def main():
             fp8_linear_triton.DECODE_CONFIG = "decode" if var == "fp8bn64" else real_fp8cfg
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
+            if var == "moeil" and il_params is None:
+                from dsflash.model.params import moe_il_weights
+                t1 = time.perf_counter()
+                il_params = moe_il_weights(bench.cfg, bench.params)
+                jax.block_until_ready(il_params)
+                print(f"routed experts repacked to the il layout in {time.perf_counter() - t1:.1f} s", flush=True)
+            params = il_params if var == "moeil" else bench.params
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():
                     fn = bench.step_fn("full", phase)
                     t1 = time.perf_counter()
-                    lowered = jax.jit(fn, donate_argnums=(2,)).lower(bench.params, batch, state)
+                    lowered = jax.jit(fn, donate_argnums=(2,)).lower(params, batch, state)
                     compiled = lowered.compile()
                     cs = time.perf_counter() - t1
-                stats, state, loads, finite = bench.time_step(compiled, bench.params, batch, state)
+                stats, state, loads, finite = bench.time_step(compiled, params, batch, state)
                 touched = [int((l > 0).sum()) for l in loads] if loads.size else []
                 cb_note = "command buffers on (XLA default)"
                 if a.profile_no_cb:
@@ -114,7 +124,7 @@ def main():
                         cb_note = "traced without command buffers"
                     except Exception as e:  # noqa: BLE001
                         cb_note = f"command buffers could not be turned off: {e!r}"[:200]
-                    stats_nocb, state, _, _ = bench.time_step(compiled, bench.params, batch, state)
+                    stats_nocb, state, _, _ = bench.time_step(compiled, params, batch, state)
                 else:
                     stats_nocb = None
                 hlo = compiled.as_text()
@@ -124,7 +134,7 @@ def main():
                 box = {"state": state}
 
                 def once():
-                    lg, box["state"], _ = compiled(bench.params, batch, box["state"])
+                    lg, box["state"], _ = compiled(params, batch, box["state"])
                     jax.block_until_ready((lg, box["state"]))
 
                 prof = SP.profile_step(once, hlo, calls=a.calls)

@@ -269,7 +269,7 @@ def compile_kernel(fn, signature: dict, constexprs: dict, *, num_warps=4, num_st
 
 
 # ------------------------------------------------------------------------------------------ MoE mode
-_TRITON_TYPES = {"uint8": "u8", "int8": "i8", "int32": "i32", "int64": "i64", "float32": "fp32",
+_TRITON_TYPES = {"uint8": "u8", "uint16": "u16", "uint32": "u32", "int8": "i8", "int32": "i32", "int64": "i64", "float32": "fp32",
                  "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
 
 
@@ -316,6 +316,11 @@ def moe_launches(name_or_cfg, T, *, d=5120, I=2304, E=96, k=6, precision="refere
         s1 = jax.ShapeDtypeStruct((E, I, d // 32), u8)
         w2 = jax.ShapeDtypeStruct((E, d, I // 2), u8)
         s2 = jax.ShapeDtypeStruct((E, d, I // 32), u8)
+        if cfg.kind == "sk" and cfg.mma == "swap_il":       # the load-time il layout (kernels/moe_layout.py)
+            w1 = jax.ShapeDtypeStruct((E, I, d // 4), jnp.uint16)
+            s1 = jax.ShapeDtypeStruct((E, I, d // 128), jnp.uint32)
+            w2 = jax.ShapeDtypeStruct((E, d, I // 4), jnp.uint16)
+            s2 = jax.ShapeDtypeStruct((E, d, I // 128), jnp.uint32)
         mt._launch(p, w1, s1, w1, s1, w2, s2, T=T, k=k, d=d, I=I, E=E, limit=10.0, act_fp8=act_fp8, cfg=cfg)
     finally:
         if old is None:
@@ -329,9 +334,11 @@ def _moe_loop_elems(call, cfg):
     """Weight elements one main-loop iteration consumes (MXFP4 elements of W1+W3, or W2), when known."""
     kn = call["kernel"].__name__
     c = call["constexprs"]
-    if kn.startswith(("_moe_up_kernel_sw", "_moe_up_kernel_sk", "_moe_up_kernel_ps")) and cfg.mma != "fp8":
+    if kn.startswith(("_moe_up_kernel_sw", "_moe_up_kernel_sk", "_moe_up_kernel_ps", "_moe_up_kernel_il")) \
+            and cfg.mma != "fp8":
         return 2 * c["BN"] * c["BK"]
-    if kn.startswith(("_moe_down_kernel_sw", "_moe_down_kernel_sk", "_moe_down_kernel_ps")) and cfg.mma != "fp8":
+    if kn.startswith(("_moe_down_kernel_sw", "_moe_down_kernel_sk", "_moe_down_kernel_ps", "_moe_down_kernel_il")) \
+            and cfg.mma != "fp8":
         return c["BN"] * c["BK"]
     if kn.startswith("_moe_up_kernel") and "KSUB" in c:
         return 2 * c["BN"] * 32 * c.get("KSUB", 1)

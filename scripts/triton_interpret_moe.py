@@ -4,8 +4,8 @@ Runs the two @triton.jit kernels on numpy buffers (through a minimal tensor shim
 with ``routed_moe_reference``. The inline-PTX nibble decoder cannot run here, so DECODE="tl" is used.
 The split-K decode kernels (kind "sk") go through the real launcher (``_launch``) via a jax_triton stand-in and
 are also compared on h (values after the FP8 round trip) against the reference. Each check runs in its own process.
-Usage: python scripts/triton_interpret_moe.py [--list | --check NAME]   (needs `pip install triton`; a failed check
-is re-run once in a fresh process: ``interpret_isolation``)"""
+Usage: python scripts/triton_interpret_moe.py [--list | --check NAME | --only PREFIX]   (needs `pip install triton`; a
+failed check is re-run once in a fresh process: ``interpret_isolation``; ``--only il`` runs the checks named il-*)"""
 import functools
 import os
 import sys
@@ -343,6 +343,102 @@ def _sk(j):
     assert kw.get("precision", "reference") != "reference" or same >= 0.999, same
 
 
+def _il_cases():
+    """mma "swap_il" (weights in the load-time il layout, kernels/moe_layout.py) against "swap_eo" with the same
+    tiles and splits: split and unsplit, auto split at 1 token, ragged and multi-tile expert loads, BM 32, both
+    precisions; the last case plants a wrong nibble order in the repack (it must fail)."""
+    MC = mt.MoeConfig
+    from dsflash.kernels.moe_plan import named_configs
+    base = dict(kind="sk", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False)
+    return [
+        (MC(**base, KS_UP=2, KS_DOWN=1), dict(T=5, k=2, E=4)),
+        (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=40, k=3, E=3, seed=1)),              # 40 slots per expert
+        (MC(**base), dict(T=1, k=2, E=8, seed=2)),                                       # auto split at 1 token
+        (MC(**base, KS_UP=2, KS_DOWN=1), dict(T=6, k=2, E=4, seed=3, precision="bf16")),
+        (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1), dict(T=40, k=3, E=3, seed=4)),
+        (mt.fit_config(named_configs()["sw_il"], 256, 128), dict(T=7, k=6, E=8, seed=5)),   # the named config
+        (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=5, k=2, E=4, seed=6, mutant=True)),
+    ]
+
+
+def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0, limit=10.0, **_):
+    """(o, h) of ``cfg`` as mma "swap_eo" on the checkpoint weights of ``check_il``'s problem."""
+    import dataclasses
+    sys.modules["jax_triton"] = _JtShim
+    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl")
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
+    act_fp8 = precision == "reference"
+    p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}
+    u8 = mt._as_u8
+    o, h, _ = mt._launch(p, u8(w1), s1, u8(w3), s3, u8(w2), s2, T=T, k=k, d=d, I=I, E=E, limit=limit,
+                         act_fp8=act_fp8, cfg=eo)
+    return np.asarray(o), np.asarray(h)
+
+
+def _eo_in_subprocess(j):
+    """``_eo_outputs`` of il case j in a fresh process (the interpreter flake grows with launches per process, and
+    the comparison needs two launch sets): saved to .npy and read back."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "eo.npz")
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--il-eo", str(j), path],
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode:
+            raise RuntimeError(f"swap_eo run of il-{j} failed: {r.stderr[-500:]}")
+        z = np.load(path)
+        return z["o"], z["h"]
+
+
+def check_il(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0, limit=10.0, mutant=False, eo=None):
+    """The same problem through the real launcher twice: ``cfg`` as mma "swap_eo" on the checkpoint weights (``eo``:
+    its (o, h) if already computed, e.g. in another process) and as mma "swap_il" on the same weights repacked by
+    ``moe_layout.repack`` (``mutant``: with the bit tables of the even and odd planes swapped, a wrong nibble
+    order). Returns (o bit-identical, h bit-identical, rel err of il vs the eager reference, fraction of il h values
+    equal to the reference's round-tripped h)."""
+    import dataclasses
+    from dsflash.kernels import moe_layout
+    sys.modules["jax_triton"] = _JtShim
+    il = dataclasses.replace(cfg, mma="swap_il", decode="tl")
+    args = _problem(T, k, E, d, I, seed)
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = args
+    ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=limit, precision=precision))
+    act_fp8 = precision == "reference"
+    p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}
+    o_eo, h_eo = eo if eo is not None else _eo_outputs(cfg, precision, T, k, E, d, I, seed, limit)
+    src = moe_layout.SRC
+    if mutant:                      # planes swapped: each byte's two nibbles land in each other's place
+        src = (src[2], src[3], src[0], src[1])
+    iw = tuple(a for w, sc in ((w1, s1), (w3, s3), (w2, s2)) for a in moe_layout.repack(w, sc, src=src))
+    mt._check_shapes(x, idx, *iw, il)
+    o_il, h_il, _ = mt._launch(p, *iw, T=T, k=k, d=d, I=I, E=E, limit=limit, act_fp8=act_fp8, cfg=il)
+    o_eo, o_il, h_eo, h_il = (np.asarray(a) for a in (o_eo, o_il, h_eo, h_il))
+    o_same = bool(np.array_equal(o_eo.view(np.uint16), o_il.view(np.uint16)))     # bf16 (or its uint16 bits)
+    h_same = bool(np.array_equal(h_eo.view(np.uint16), h_il.view(np.uint16)))
+    out = o_il.astype(np.float32).reshape(T, k, d).sum(1)
+    rel = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    same = float("nan")
+    if act_fp8:
+        rh = _ref_h(x, idx, weight, w1, s1, w3, s3, p["order"], limit)
+        same = float(np.mean(h_il.astype(np.float32) == rh))
+    plan = mt.sk_plan(il, T * k, E, d, I, act_fp8)
+    print(f"il{' MUTANT' if mutant else ''} BM={cfg.BM} {plan} T={T} k={k} E={E} d={d} I={I} {precision}: "
+          f"o bit-identical to swap_eo {o_same}, h bit-identical {h_same}, rel err vs reference {rel:.3e}, "
+          f"h equal to reference {same:.5f}")
+    return o_same, h_same, rel, same
+
+
+def _il(j):
+    cfg, kw = _il_cases()[j]
+    o_same, h_same, rel, same = check_il(cfg, **kw, eo=_eo_in_subprocess(j))
+    if kw.get("mutant"):
+        assert not o_same and not h_same and rel > 0.1, (o_same, h_same, rel)
+        return
+    assert o_same and h_same, (o_same, h_same)
+    assert rel < 1e-2, rel
+    assert kw.get("precision", "reference") != "reference" or same >= 0.999, same
+
+
 if __name__ == "__main__":
     # each check in a fresh process, a failed one re-run once (scripts/interpret_isolation.py, NOTES "Known flake")
     from interpret_isolation import main as run_isolated
@@ -351,4 +447,13 @@ if __name__ == "__main__":
     checks.update({f"sw-{j}": functools.partial(_sw, j) for j in range(len(_sw_cases()))})
     checks.update({f"ps-{j}": functools.partial(_ps, j) for j in range(len(_ps_cases()))})
     checks.update({f"crafted-{j}": functools.partial(_crafted, j) for j in range(len(_crafted_cases()))})
+    checks.update({f"il-{j}": functools.partial(_il, j) for j in range(len(_il_cases()))})
+    if sys.argv[1:2] == ["--il-eo"]:                              # child of _eo_in_subprocess
+        cfg, kw = _il_cases()[int(sys.argv[2])]
+        o, h = _eo_outputs(cfg, **kw)
+        np.savez(sys.argv[3], o=o.view(np.uint16), h=h.view(np.uint16))
+        sys.exit(0)
+    if sys.argv[1:2] == ["--only"] and len(sys.argv) == 3:       # the checks whose names start with PREFIX
+        checks = {n: c for n, c in checks.items() if n.startswith(sys.argv[2] + "-")}
+        del sys.argv[1:]
     run_isolated(__file__, checks)

@@ -47,7 +47,7 @@ def test_fp32_switching_with_lazy_draft_context_equals_plain(model):
     assert m["compiles_after_warmup"] == 0
 
 
-def _greedy(eng, items, draft_len):
+def _forced(eng, items, draft_len):
     """Every decode call with draft length ``draft_len``: token ids and logprobs (chosen + top) per request."""
     eng.speculation._decide = lambda accepted: draft_len
     out = run_all(eng, [(f"{draft_len}-{rid}", p, sp) for rid, p, sp in items])
@@ -68,16 +68,11 @@ def test_reference_greedy_identical_with_drafting_forced_on_and_off():
     rows = np.load(SHIPPED["demo"] + "/heldout_rows.npy")
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
     items = [(str(i), [int(x) for x in rows[i, :40 + (i * 7) % 60]], sp) for i in range(16)]
-    plain = _greedy(eng, items, 0)
-    drafted = _greedy(eng, items, eng.k)
+    plain = _forced(eng, items, 0)
+    drafted = _forced(eng, items, eng.k)
     assert eng.metrics_snapshot()["spec_num_accepted_tokens"] > 0
     assert drafted == plain
 
-
-def _outputs(eng, items, draft_len):
-    eng.speculation._decide = lambda accepted: draft_len
-    out = run_all(eng, [(f"{draft_len}-{rid}", p, sp) for rid, p, sp in items])
-    return {k.split("-", 1)[1]: (o.outputs[0].token_ids, o.outputs[0].logprobs) for k, o in out.items()}
 
 
 @pytest.mark.slow
@@ -98,8 +93,8 @@ def test_seeded_sampling_identical_with_drafting_forced_on_and_off():
         sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, ignore_eos=True, logprobs=1,
                             seed=1234 + i if seeded else None)
         items.append((str(i), [int(x) for x in rows[i, :40 + (i * 7) % 60]], sp))
-    plain = _outputs(eng, items, 0)
-    drafted = _outputs(eng, items, eng.k)
+    plain = _forced(eng, items, 0)
+    drafted = _forced(eng, items, eng.k)
     assert eng.metrics_snapshot()["spec_num_drafts"] > 0        # the unseeded rows drafted
     for i in range(0, 8, 2):
         assert drafted[str(i)] == plain[str(i)], i

@@ -36,3 +36,22 @@ def test_post_scale_loop_is_shorter_and_bm8_uses_mma_sync():
     # thread instructions per weight element in the inner loop: 6.7 / 6.8 (sw_eo_np) vs 3.6 / 4.4 (sw_ps_bm8)
     assert bm8["_moe_up_kernel_ps"].per_elem() < 0.8 * eo["_moe_up_kernel_sw"].per_elem()
     assert bm8["_moe_down_kernel_ps"].per_elem() < 0.8 * eo["_moe_down_kernel_sw"].per_elem()
+
+
+def test_il_layout_decode_is_conversion_free_and_about_half_the_loop():
+    """mma "swap_il" (load-time weight layout, kernels/moe_layout.py): wgmma fed straight from the decode registers (no
+    shared-memory round trip or shuffle between the decode and the MMA: no STSM / LDSM / SHFL in the loop), no
+    spills, and the loop at most 0.6x sw_eo_np's instructions per weight element (3.6 vs 6.7-6.8 with triton 3.6.0)."""
+    eo = {r.name: r for r in _main_kernels("sw_eo_np", 16)}
+    for T in (1, 16):
+        il = {r.name: r for r in _main_kernels("sw_il", T)}
+        assert set(il) == {"_moe_up_kernel_il", "_moe_down_kernel_il"}, set(il)
+        for r in il.values():
+            assert r.spill_stores == 0 and r.spill_loads == 0, (T, r.name)
+            assert r.features["HGMMA(sass)"] > 0 and r.features["HMMA(sass)"] == 0
+            lp = r.main_loop
+            assert all(lp.ops[o] == 0 for o in ("STSM", "LDSM", "SHFL")), (T, r.name, dict(lp.ops))
+            assert lp.ops["HMUL2"] == r.loop_elems // (32 * r.num_warps) // 2, dict(lp.ops)   # one per 2 weights
+            assert lp.ops["F2FP"] <= 16 and lp.ops["HADD2"] <= 16       # only x's FP8 dequantisation (up kernel)
+        assert il["_moe_up_kernel_il"].per_elem() < 0.6 * eo["_moe_up_kernel_sw"].per_elem()
+        assert il["_moe_down_kernel_il"].per_elem() < 0.6 * eo["_moe_down_kernel_sw"].per_elem()

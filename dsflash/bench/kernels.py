@@ -208,6 +208,17 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
     _, _, _, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(key, 1, k, E, d, I)
     fixed = (w1, s1, w3, s3, w2, s2)
     jax.block_until_ready(fixed)
+    fixed_il = None     # the same weights in the load-time il layout (mma "swap_il" configs), repacked once
+
+    def weights_for(cfg_):
+        nonlocal fixed_il
+        if not (cfg_.kind == "sk" and cfg_.mma == "swap_il"):
+            return fixed
+        if fixed_il is None:
+            from dsflash.kernels import moe_layout
+            fixed_il = moe_layout.repack_experts(*fixed)
+            jax.block_until_ready(fixed_il)
+        return fixed_il
     tokens = [int(t) for t in args.tokens.split(",")]
     for T in tokens:
         nsets = 4 if T <= 256 else 2
@@ -236,8 +247,8 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
         names = [n for n in (args.decode_configs if S <= 32 * E else args.prefill_configs).split(",") if n]
         for name in names:
             try:
-                row["configs"][name], _ = time_jax_loop(tri(moe_plan.named_config(name)), varying, fixed,
-                                                        reps=args.reps)
+                ncfg = moe_plan.named_config(name)
+                row["configs"][name], _ = time_jax_loop(tri(ncfg), varying, weights_for(ncfg), reps=args.reps)
             except Exception as e:  # noqa: BLE001
                 row["configs"][name] = None
                 row.setdefault("config_errors", {})[name] = repr(e)[:400]
@@ -252,7 +263,7 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
                 keys = ("xq", "xs", "tok", "rw", "order", "tile_e", "tile_s", "tile_end")
                 ps = [moe_plan.prepare(xs[j], idxs[j], ws[j], E=E, BM=bcfg.BM, act_fp8=True) for j in range(nsets)]
                 pv = tuple(jnp.stack([pp[kk] for pp in ps]) for kk in keys)
-                w8 = tuple(mt._as_u8(a) for a in fixed)
+                w8 = tuple(mt._as_u8(a) for a in weights_for(bcfg))
 
                 def kern_only(*a):
                     p_ = dict(zip(keys, a[:len(keys)]))
@@ -267,7 +278,8 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
             if T in [int(v) for v in args.bf16_tokens.split(",") if v]:
                 try:
                     fcfg = bcfg if (bcfg.kind, bcfg.mma) != ("sk", "fp8") else moe_plan.pick_config(S, E, False)
-                    row["triton_bf16_variant_s"], _ = time_jax_loop(tri(fcfg, "bf16"), varying, fixed, reps=3)
+                    row["triton_bf16_variant_s"], _ = time_jax_loop(tri(fcfg, "bf16"), varying, weights_for(fcfg),
+                                                                    reps=3)
                 except Exception as e:  # noqa: BLE001
                     row["triton_bf16_variant_error"] = repr(e)[:300]
         ref_op = lambda x, i, w, *f: moe_gemm.routed_moe_reference(x, i, w, *f, limit=limit)  # noqa: E731
@@ -283,7 +295,7 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
                 a = (xs[0], idxs[0], ws[0]) + fixed
                 ref_eager = np.asarray(ref_op(*a))          # op by op: every rounding of the reference happens
                 ref_jit = np.asarray(jax.jit(ref_op)(*a))   # one XLA program (may keep excess precision)
-                got = np.asarray(jax.jit(tri(bcfg))(*a))
+                got = np.asarray(jax.jit(tri(bcfg))(*((xs[0], idxs[0], ws[0]) + weights_for(bcfg))))
                 nrm = np.linalg.norm(ref_eager)
                 row["rel_err_vs_ref"] = float(np.linalg.norm(got - ref_eager) / nrm)
                 row["max_abs_err_vs_ref"] = float(np.abs(got - ref_eager).max())

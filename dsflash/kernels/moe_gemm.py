@@ -4,6 +4,7 @@
   x [T, d] bf16 (or f32 in "fp32" precision); idx [T, k] int32 expert ids; weight [T, k] f32 routing weights
   w1/w3 [E, I, d/2] int8 (E2M1 nibble pairs, low nibble first), s1/s3 [E, I, d/32] uint8 UE8M0
   w2 [E, d, I/2] int8, s2 [E, d, I/32] uint8
+  (or all six in the load-time "il" layout of ``moe_layout``: uint16 [E, N, K/4] + uint32 [E, N, K/128])
   -> [T, d] float32: the sum over the k routed experts (each expert's output rounded to the compute dtype).
 
 Numerics (SPEC §8, §12): in "reference" precision the activations entering each expert GEMM take the FP8
@@ -18,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsflash.kernels import dispatch
+from dsflash.kernels import dispatch, moe_layout
 from dsflash import quant
 
 
@@ -75,6 +76,10 @@ def grouped_dot(xs, w, group_sizes):
 
 
 def routed_moe_reference(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precision="reference"):
+    if moe_layout.is_il(w1):      # weights in the load-time il layout (opt-in, kernels/moe_layout.py): convert back
+        w1, s1 = moe_layout.to_checkpoint(w1, s1)
+        w3, s3 = moe_layout.to_checkpoint(w3, s3)
+        w2, s2 = moe_layout.to_checkpoint(w2, s2)
     T, d = x.shape
     k = idx.shape[1]
     E = w1.shape[0]

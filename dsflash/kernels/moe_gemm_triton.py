@@ -43,6 +43,13 @@ How it works
   scales applied after the MMA -- per 32-wide K group an fp16 MMA of the raw codes (weight nibbles as E4M3 -> fp16,
   the activations' E4M3 codes), then the fp32 partial times weight scale x activation scale (powers of two) into the
   accumulator; FP8 activations only, h as FP8 codes + scales. BM 8 tiles make Triton use mma.sync instead of wgmma.
+* ``mma="swap_il"`` (``kernels/experimental/moe_layout_kernels.py``, 2026-12-03, named ``sw_il``, not a default, not
+  yet run on a GPU): "swap_eo" on weights in the load-time "il" layout (``kernels/moe_layout.py``: uint16 halfwords
+  [E, N, K/4] + uint32 scale words [E, N, K/128], made once by ``moe_layout.repack_experts`` /
+  ``model.params.moe_il_weights``): nibbles pre-arranged so that a shift + mask gives bf16 bit patterns and one bf16x2
+  multiply applies the scale; bit-identical to ``sw_eo_np``. The layout is told by the weights' dtype: il weights pick
+  ``IL_DECODE_CONFIG`` for decode; other configs (prefill) get them converted back per call (correct, slow), and so
+  does the XLA reference.
 Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert and activation format (defaults
 from the 2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 
@@ -58,6 +65,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsflash.kernels import moe_layout
 from dsflash.kernels.moe_gemm_kernels import _down_reduce, _moe_down_kernel_sw, _moe_up_kernel_sw, _up_epilogue
 from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, fit_config, num_tiles, pick_config,  # noqa: F401
                                       prepare, split_ks, tile_schedule)
@@ -69,12 +77,28 @@ def _experimental():
     return moe_families
 
 
+def _il_kernels():
+    """The load-time-layout kernel family (mma "swap_il"), imported on first use like ``_experimental``."""
+    from dsflash.kernels.experimental import moe_layout_kernels
+    return moe_layout_kernels
+
+
 # ------------------------------------------------------------------------------------------ JAX side
 def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
     T, d = x.shape
-    E, I, dh = w1.shape
-    assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
-    assert s1.shape == (E, I, d // 32) and s3.shape == s1.shape and s2.shape == (E, d, I // 32)
+    E, I, _ = w1.shape
+    if cfg.kind == "sk" and cfg.mma == "swap_il":     # il layout: uint16 [E, N, K/4] + uint32 [E, N, K/128]
+        assert moe_layout.is_il(w1) and moe_layout.is_il(w3) and moe_layout.is_il(w2), (w1.dtype, w2.dtype)
+        assert w1.shape == (E, I, d // 4) and w3.shape == w1.shape and w2.shape == (E, d, I // 4), \
+            (x.shape, w1.shape, w2.shape)
+        assert s1.shape == (E, I, d // 128) and s3.shape == s1.shape and s2.shape == (E, d, I // 128)
+        _il_kernels().check_config(cfg)
+        if d % moe_layout.BK or I % moe_layout.BK:
+            raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
+    else:
+        dh = w1.shape[2]
+        assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
+        assert s1.shape == (E, I, d // 32) and s3.shape == s1.shape and s2.shape == (E, d, I // 32)
     for n, b in (("I", cfg.BN_UP), ("d", cfg.BN_DOWN)):
         size = I if n == "I" else d
         if size % b or b % 32:
@@ -109,7 +133,7 @@ def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
 def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
     """Static launch plan of a kind-"sk" config: K splits, the MMA flavour and how h travels."""
     ks_up, ks_down = split_ks(cfg, S, E, d, I)
-    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4, "swap_bd": 5, "swap_ps": 6}[cfg.mma]
+    mma = {"fp8": 0, "bf16": 1, "gemv": 2, "swap": 3, "swap_eo": 4, "swap_bd": 5, "swap_ps": 6, "swap_il": 7}[cfg.mma]
     if not act_fp8 and mma in (0, 6):
         raise NotImplementedError(f"kind 'sk' with mma={cfg.mma!r} needs FP8 activations (precision 'reference')")
     if mma == 2 and cfg.BM != 1:
@@ -129,6 +153,8 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     if mma in (3, 4, 5):      # "swap" / "swap_eo" / "swap_bd": the default family
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)
+    elif mma == 7:            # "swap_il": weights in the load-time il layout
+        kern_up, kern_down, common = _il_kernels().il_kernels(cfg, d=d, I=I, dec=dec)
     elif mma == 2:
         return _experimental().launch_gemv(jt, p, up_args, w2, s2, h_shapes, S=S, TM=TM, d=d, I=I, limit=limit,
                                            act_fp8=act_fp8, cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
@@ -171,7 +197,14 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     k = idx.shape[1]
     E, I, _ = w1.shape
     S = T * k
-    cfg = config or fit_config(pick_config(S, E, act_fp8), d, I)
+    il = moe_layout.is_il(w1)
+    cfg = config or fit_config(pick_config(S, E, act_fp8, layout="il" if il else "checkpoint"), d, I)
+    if il and not (cfg.kind == "sk" and cfg.mma == "swap_il"):
+        # il weights under a checkpoint-layout config (prefill): converted back here, per call (correct, slow)
+        w1, s1, w3, s3, w2, s2 = _il_to_checkpoint(w1, s1, w3, s3, w2, s2)
+    elif not il and cfg.kind == "sk" and cfg.mma == "swap_il":
+        raise ValueError("config mma 'swap_il' needs the routed-expert weights in the il layout, made once at load "
+                         "time: moe_layout.repack_experts(...) or dsflash.model.params.moe_il_weights(cfg, params)")
     _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg)
     p = prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8)
     w1, w3, w2 = _as_u8(w1), _as_u8(w3), _as_u8(w2)
@@ -183,6 +216,10 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     if return_intermediates:
         return out, dict(p, hq=hq, hs=hs, o=o)
     return out
+
+
+def _il_to_checkpoint(w1, s1, w3, s3, w2, s2):
+    return (*moe_layout.to_checkpoint(w1, s1), *moe_layout.to_checkpoint(w3, s3), *moe_layout.to_checkpoint(w2, s2))
 
 
 @functools.lru_cache(maxsize=None)

@@ -83,11 +83,20 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
             split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))
 
 
-def pick_config(rows: int, experts: int, act_fp8: bool = True) -> MoeConfig:
+# Routed-expert weights in the load-time "il" layout (kernels/moe_layout.py; opt-in, made by
+# moe_layout.repack_experts / model.params.moe_il_weights): decode runs this experimental config (mma "swap_il",
+# CPU-checked only, 2026-12-03), prefill the default above on weights converted back per call.
+IL_DECODE_CONFIG_NAME = "sw_il"
+
+
+def pick_config(rows: int, experts: int, act_fp8: bool = True, layout: str = "checkpoint") -> MoeConfig:
     """Default config for ``rows`` token slots (T * k) over ``experts`` local experts; ``act_fp8``: FP8
-    activations (precision "reference") or bf16 ones (the measurements: comment above)."""
+    activations (precision "reference") or bf16 ones (the measurements: comment above); ``layout``: the weights'
+    ("checkpoint", or "il" for the load-time layout, which only exists where someone opted in)."""
     if rows > 32 * experts:
         return PREFILL_CONFIG
+    if layout == "il":
+        return named_config(IL_DECODE_CONFIG_NAME)
     if not act_fp8:
         return DECODE_BF16_CONFIG
     return DECODE_SMALL_CONFIG if rows <= DECODE_SMALL_MAX_ROWS else DECODE_CONFIG

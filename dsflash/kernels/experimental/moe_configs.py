@@ -87,4 +87,10 @@ CONFIGS = {
     # (d) fewer launches at 1 token: no K split (2 launches instead of 4; 216 / 480 programs instead of 1080 / 1440)
     "sw_ps_bm8_ks1": MoeConfig(kind="sk", mma="swap_ps", BM=8, BN_UP=64, BN_DOWN=64, BK=128, stages=4, KS_UP=1,
                                KS_DOWN=1, prefetch=False),
+    # sw_eo_np on weights in the load-time "il" layout (kernels/moe_layout.py; mma "swap_il", 2026-12-03): nibbles
+    # pre-arranged so one shift + mask gives bf16 bit patterns and one bf16x2 multiply applies the scale (~2 SASS
+    # per weight element for the decode instead of ~4.3). Bit-identical to sw_eo_np in the interpreter; CPU-checked
+    # only (sm_90 compile), not yet run on a GPU. Needs the weights repacked (moe_layout.repack_experts) and
+    # BM >= 16, BN 64, BK 128, 4 warps.
+    "sw_il": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
 }

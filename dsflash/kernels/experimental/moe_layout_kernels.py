@@ -1,0 +1,212 @@
+"""mma "swap_il" (2026-12-03, CPU-checked only, not yet run on a GPU): the swapped-operand decode kernels of
+``moe_gemm_kernels`` ("swap_eo": acc^T [BN, BM] += W_even . x_even^T + W_odd . x_odd^T per 128-wide K slab) reading
+the routed-expert weights in the load-time "il" layout of ``kernels/moe_layout.py`` instead of the checkpoint's.
+
+Same operands, same two dots per slab, same epilogues as ``_moe_*_kernel_sw`` with EO = 1, so the outputs are
+bit-identical to ``sw_eo_np``'s (the interpreter checks that; on the GPU the MMAs get identical inputs). What changes
+is how the bf16 weight planes are made:
+
+* checkpoint layout (swap_eo): nibble -> E4M3 byte (bit ops), E4M3x2 -> f16x2 (F2FP), f16 -> f32 (2 HADD2.F32),
+  x scale (2 FMUL), f32x2 -> bf16x2 (F2FP), plus byte gathers (PRMT) and 2-byte shared-memory loads to build the
+  MMA fragment: ~6.8 SASS per weight element in the loop (NOTES.md 2026-12-01 table).
+* il layout: a thread's 16 fragment bytes per row are one 16-byte load; per 32-bit word (8 weights) one shift + mask
+  (LOP3) per bf16x2 output for three of the four outputs and three pieces for the fourth (11 integer ops), then one
+  ``mul.rn.bf16x2`` by 2^(s - 1) each (4): value * 2^-126 bit patterns (exact, subnormals included) times a power of
+  two = value * 2^(s - 127), exact for scales <= 128. The group scale bytes of a slab are one word per row; the
+  kernel builds the bf16 2^(s - 1) of two groups with one shift + mask, used through the HMUL2 operand's half
+  selector.
+* Rows: the 64-row block is loaded with its rows permuted (``_il_rows``) and un-permuted in registers, which makes
+  the coalesced load layout Triton picks (16 bytes per thread, rows over lanes and warps) equal to the wgmma A
+  operand layout up to register order, so no shared-memory round trip or shuffle sits between the decode and the
+  MMA (checked in the sm_90 compile: no STSM / LDSM / SHFL in the loop). Written for BN = 64 and 4 warps (BM >= 16:
+  wgmma); BM 8 tiles (mma.sync, kWidth 4) need another K order and are not supported.
+
+``DECODE`` 1: the inline PTX; 0: the same bit operations in plain Triton (the interpreter).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsflash.kernels import moe_layout
+from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out, _tile
+from dsflash.kernels.triton_common import _dot_bf16
+
+# the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
+_IL_ASM = tl.constexpr(moe_layout.IL_ASM)
+
+
+@triton.jit
+def _il_decode_asm(wh, f):
+    """uint16 halfwords [R, C] + uint16 bf16-bit scales 2^(s-1) [R, C] -> outputs A, B, C, D (bf16 [R, C])."""
+    return tl.inline_asm_elementwise(asm=_IL_ASM, constraints="=r,=r,=r,=r,r,r", args=[wh, f],
+                                     dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _il_bits_to_bf16(x, fs):
+    """bf16 bit pattern x (uint32, low 16 bits) times fs (f32 power of two) -> bf16 (exact)."""
+    return ((x << 16).to(tl.float32, bitcast=True) * fs).to(tl.bfloat16)
+
+
+@triton.jit
+def _il_decode_tl(wh, f):
+    """``_il_decode_asm`` in plain Triton ops (interpreter): per halfword the same masks and shifts, the multiply in
+    f32 (exact: the product is a bf16 value)."""
+    v = wh.to(tl.uint32)
+    fs = (f.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    a = v & 0x81C0
+    b = (v << 3) & 0x81C0
+    c = (v << 6) & 0x81C0
+    d = ((v >> 4) & 0xC0) | ((v >> 5) & 0x100) | ((v << 1) & 0x8000)
+    return _il_bits_to_bf16(a, fs), _il_bits_to_bf16(b, fs), _il_bits_to_bf16(c, fs), _il_bits_to_bf16(d, fs)
+
+
+@triton.jit
+def _il_rows(nb, BN: tl.constexpr):
+    """Memory rows of the loaded block, in load order: logical row rho (bits g = rho % 8, rho3, rho4, rho5) holds
+    memory row g + 8 rho5 + 16 rho3 + 32 rho4 (see ``_il_unpermute``)."""
+    r = tl.arange(0, BN)
+    return nb * BN + ((r & 7) | (((r >> 5) & 1) << 3) | (((r >> 3) & 3) << 4))
+
+
+@triton.jit
+def _il_unpermute(t, BN: tl.constexpr, C: tl.constexpr):
+    """Rows of a block loaded in ``_il_rows`` order back to memory order: [BN, C] with row rho -> row r."""
+    return tl.reshape(tl.permute(tl.reshape(t, (2, 2, 2, 8, C)), (1, 2, 0, 3, 4)), (BN, C))
+
+
+@triton.jit
+def _il_scales(sw, BN: tl.constexpr):
+    """Scale words [BN] (byte kk = bf16 exponent field of 2^(s - 1) of group kk) -> uint16 bf16 bits [BN, 32], one per
+    halfword (8 c + 2 kk + q -> group kk). Groups 0 and 2 come from one shift + mask, 1 and 3 from another."""
+    g02 = (sw << 7) & 0x7F807F80
+    g13 = (sw >> 1) & 0x7F807F80
+    # tl.join stacks along a new last axis: [n, a, b] = group 2a + b
+    f = tl.join(tl.join((g02 & 0xFFFF).to(tl.uint16), (g02 >> 16).to(tl.uint16)),
+                tl.join((g13 & 0xFFFF).to(tl.uint16), (g13 >> 16).to(tl.uint16)))
+    f = tl.reshape(f, (BN, 4))
+    return tl.reshape(tl.broadcast_to(f[:, None, :, None], (BN, 4, 4, 2)), (BN, 32))
+
+
+@triton.jit
+def _il_planes(wh, sw, BN: tl.constexpr, DECODE: tl.constexpr):
+    """One 128-wide K slab of a row block in the il layout (halfwords [BN, 32], scale words [BN], both in load
+    order) -> (even, odd) bf16 planes [BN, 64] in memory row order: plane column j = K element 2j (+1), exactly
+    ``moe_gemm_kernels._decode_planes_bf16``'s planes."""
+    f = _il_scales(sw, BN)
+    if DECODE == 1:
+        a, b, c, d = _il_decode_asm(wh, f)
+    else:
+        a, b, c, d = _il_decode_tl(wh, f)
+    # halfword 8c + 2kk + q, output (h, p): plane column 16kk + 8h + 2c + q
+    lo = tl.reshape(tl.permute(tl.reshape(tl.join(a, b), (BN, 4, 4, 2, 2)), (0, 2, 4, 1, 3)), (BN, 64))
+    hi = tl.reshape(tl.permute(tl.reshape(tl.join(c, d), (BN, 4, 4, 2, 2)), (0, 2, 4, 1, 3)), (BN, 64))
+    return _il_unpermute(lo, BN, 64), _il_unpermute(hi, BN, 64)
+
+
+@triton.jit
+def _il_load(w_base, s_base, offs_l, k0, KH: tl.constexpr, KW: tl.constexpr):
+    """Raw slab at K offset k0 (multiple of 128): halfwords [BN, 32] (64 contiguous bytes a row) and the scale word of
+    each row [BN], rows in ``_il_rows`` order."""
+    wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+    sw = tl.load(s_base + offs_l * KW + k0 // 128)
+    return wh, sw
+
+
+@triton.jit
+def _il_expert(w_ptr, s_ptr, e, N: tl.constexpr, K: tl.constexpr):
+    """Expert e's [N, K] matrix in the il layout ([E, N, K/4] halfwords, [E, N, K/128] scale words)."""
+    e64 = e.to(tl.int64)
+    return w_ptr + e64 * (N * (K // 4)), s_ptr + e64 * (N * (K // 128))
+
+
+@triton.jit
+def _il_mma(acc, wh, sw, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.constexpr):
+    """acc^T [BN, BM] += decoded slab [BN, 128] . xb^T (xb: bf16 [BM, 128]); the even / odd planes as in swap_eo."""
+    wl, wo = _il_planes(wh, sw, BN, DECODE)
+    xe, xo = tl.split(tl.reshape(xb, (BM, 64, 2)))
+    acc += _dot_bf16(wl, tl.trans(xe), DECODE)
+    acc += _dot_bf16(wo, tl.trans(xo), DECODE)
+    return acc
+
+
+@triton.jit
+def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                      w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                      h_ptr, hs_ptr,
+                      S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
+    """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3."""
+    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    ks = tl.program_id(2)
+    KH: tl.constexpr = D // 4
+    KW: tl.constexpr = D // 128
+    KSC: tl.constexpr = D // 32
+    KCH: tl.constexpr = D // KS
+    kbeg = ks * KCH
+    w1b, s1b = _il_expert(w1_ptr, s1_ptr, e, I, D)
+    w3b, s3b = _il_expert(w3_ptr, s3_ptr, e, I, D)
+    offs_l = _il_rows(nb, BN)
+    acc_g = tl.zeros((BN, BM), tl.float32)
+    acc_u = tl.zeros((BN, BM), tl.float32)
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
+        pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
+        xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
+        if ACT_FP8:
+            sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
+            xb = _fp8_dequant_bf16(xa, sx, BM, BK)
+        else:
+            xb = xa
+        acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
+        acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
+    _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
+
+
+@triton.jit
+def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                        w2_ptr, s2_ptr,
+                        o_ptr,
+                        S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                        DECODE: tl.constexpr):
+    """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2."""
+    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
+    ks = tl.program_id(2)
+    KH: tl.constexpr = I // 4
+    KW: tl.constexpr = I // 128
+    KCH: tl.constexpr = I // KS
+    kbeg = ks * KCH
+    w2b, s2b = _il_expert(w2_ptr, s2_ptr, e, D, I)
+    offs_l = _il_rows(nb, BN)
+    acc = tl.zeros((BN, BM), tl.float32)
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
+        ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
+        acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
+    _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
+
+
+def check_config(cfg):
+    """The geometry the il kernels are written for (the layout's slab and the row permutation's block)."""
+    if cfg.BK != moe_layout.BK or cfg.BN_UP != moe_layout.BN or cfg.BN_DOWN != moe_layout.BN:
+        raise ValueError(f"mma 'swap_il' needs BK={moe_layout.BK}, BN_UP=BN_DOWN={moe_layout.BN}; got {cfg}")
+    if cfg.warps_up != 4 or cfg.warps_down != 4 or cfg.BM < 16:
+        raise ValueError(f"mma 'swap_il' needs 4 warps and BM >= 16 (wgmma; BM 8 lowers to mma.sync with another "
+                         f"operand layout); got {cfg}")
+
+
+def il_kernels(cfg, *, d, I, dec):
+    """(up kernel, down kernel, common constexprs) for ``moe_gemm_triton._launch_sk``."""
+    check_config(cfg)
+    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)

@@ -1,0 +1,83 @@
+"""mma "swap_il" (routed-expert weights in the load-time "il" layout, ``dsflash.kernels.moe_layout``; 2026-12-03,
+CPU-checked only before this file first runs on a GPU) against ``routed_moe_reference`` and against ``sw_eo_np``.
+
+The il kernels feed the MMAs the same bf16 planes in the same order as ``sw_eo_np`` (same tiles, splits and
+epilogues), so their outputs must be bit-identical to ``sw_eo_np``'s on the checkpoint weights -- a stronger check
+than the tolerance against the reference (test_moe_gemm.py's, 5e-3) that the il config also has to meet. The weights
+are repacked once outside the jitted call, as at load time."""
+import zlib
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from dsflash.kernels import moe_gemm, moe_layout, moe_plan  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+LIMIT = 10.0
+TOL = 5e-3
+
+CASES = [(1, 6, 16, 512, 256), (5, 6, 8, 512, 256), (64, 6, 16, 1024, 512), (300, 4, 8, 512, 768),
+         (1, 6, 96, 5120, 2304), (16, 6, 96, 5120, 2304), (192, 6, 96, 5120, 2304)]   # V4.1: 1, 16, 32 x 6 rows
+
+
+def _problem(case, tag, scale_range=(119, 123)):
+    T, k, E, d, I = case
+    key = jax.random.PRNGKey(zlib.crc32(repr((case, tag, scale_range)).encode()) % (2 ** 31))
+    return moe_plan.random_moe_problem(key, T, k, E, d, I, scale_range=scale_range)
+
+
+def _run(cfg_name, args, precision, weights=None):
+    from dsflash.kernels import moe_gemm_triton as mt
+    cfg = moe_plan.named_config(cfg_name)
+    x, idx, w, *ws = args
+    fn = jax.jit(lambda *a: mt.routed_moe_triton(*a, limit=LIMIT, precision=precision, config=cfg,
+                                                 return_intermediates=True))
+    out, inter = fn(x, idx, w, *(weights if weights is not None else ws))
+    return np.asarray(out), np.asarray(inter["hq"]), np.asarray(inter["o"])
+
+
+@pytest.mark.parametrize("precision", ["reference", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda v: "T{}k{}E{}d{}I{}".format(*v))
+def test_il_matches_reference_and_is_bit_identical_to_sw_eo_np(case, precision):
+    if precision == "bf16" and case[0] not in (5, 16):
+        pytest.skip("bf16 activations: two shapes are enough")
+    args = _problem(case, precision)
+    il = moe_layout.repack_experts(*args[3:])
+    out, h, o = _run("sw_il", args, precision, weights=il)
+    assert out.shape == (case[0], case[3]) and np.all(np.isfinite(out))
+    ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=LIMIT, precision=precision), np.float64)
+    err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    out0, h0, o0 = _run("sw_eo_np", args, precision)
+    same_o = np.array_equal(o.view(np.uint16), o0.view(np.uint16))
+    same_h = np.array_equal(h.view(np.uint16), h0.view(np.uint16))
+    print(f"{case} {precision}: rel err vs reference {err:.2e} (sw_eo_np "
+          f"{float(np.linalg.norm(out0 - ref) / max(np.linalg.norm(ref), 1e-30)):.2e}); bit-identical to sw_eo_np: "
+          f"h {same_h}, o {same_o}, out {np.array_equal(out, out0)}")
+    assert err < TOL, err
+    assert same_h and same_o, (same_h, same_o)
+
+
+def test_il_extreme_scales_bit_identical():
+    """Scales 2..128 (weights up to 12 in magnitude and down to 2^-126): still the same planes as sw_eo_np."""
+    args = _problem((16, 6, 16, 512, 256), "extreme", scale_range=(2, 128))
+    out, h, o = _run("sw_il", args, "reference", weights=moe_layout.repack_experts(*args[3:]))
+    out0, h0, o0 = _run("sw_eo_np", args, "reference")
+    assert np.array_equal(o.view(np.uint16), o0.view(np.uint16)) and np.array_equal(out, out0)
+
+
+def test_il_weights_through_the_default_front_end():
+    """Without a config: il weights pick the il decode config, and above 32 slots per expert the default prefill
+    config on weights converted back (same numbers as the checkpoint weights through the defaults)."""
+    from dsflash.kernels import moe_gemm_triton as mt
+    for case in ((16, 6, 16, 512, 256), (1024, 6, 16, 512, 256)):
+        args = _problem(case, "front")
+        il = moe_layout.repack_experts(*args[3:])
+        a = np.asarray(jax.jit(lambda *v: mt.routed_moe_triton(*v, limit=LIMIT))(*args[:3], *il))
+        b = np.asarray(jax.jit(lambda *v: mt.routed_moe_triton(*v, limit=LIMIT))(*args))
+        if case[0] * case[1] > 32 * case[2]:
+            np.testing.assert_array_equal(a, b)          # prefill: the same kernel on the converted weights
+        else:
+            ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=LIMIT))
+            assert float(np.linalg.norm(a - ref) / np.linalg.norm(ref)) < TOL

@@ -1,0 +1,205 @@
+"""The load-time MoE weight layout "il" (``dsflash.kernels.moe_layout``; the kernels are
+``kernels/experimental/moe_layout_kernels.py``, checked in Triton's interpreter by ``scripts/triton_interpret_moe.py
+--only il`` and on the sm_90 compile by tests/test_kernels_moe_sm90.py): the repack is a pure, invertible map whose
+decode -- the host model of the kernel's bit operations, and an instruction-by-instruction emulation of the kernel's
+inline PTX -- equals the reference dequantisation; planted mistakes (a wrong nibble order, a wrong shift in the PTX)
+are caught; the front end and the model accept weights in the layout with bit-identical outputs."""
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dsflash import quant
+from dsflash.kernels import moe_gemm, moe_layout as L, moe_plan
+
+
+def _weights(key, shape, lo=100, hi=L.MAX_SCALE):
+    """Random packed bytes [..., N, K/2] (every byte a valid nibble pair) and scales in [lo, hi]."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(key))
+    *lead, n, K = shape
+    w = jax.random.randint(k1, (*lead, n, K // 2), -128, 128, jnp.int32).astype(jnp.int8)
+    s = jax.random.randint(k2, (*lead, n, K // 32), lo, hi + 1, jnp.int32).astype(jnp.uint8)
+    return w, s
+
+
+def test_round_trip_and_shapes():
+    w, s = _weights(0, (3, 64, 512))
+    s = s.at[0, 0, 0].set(0).at[1, 2, 3].set(L.MAX_SCALE)
+    wh, sw = L.repack(w, s)
+    assert wh.dtype == jnp.uint16 and wh.shape == (3, 64, 128) and sw.dtype == jnp.uint32 and sw.shape == (3, 64, 4)
+    assert L.is_il(wh) and not L.is_il(w)
+    w2, s2 = L.to_checkpoint(wh, sw)
+    np.testing.assert_array_equal(np.asarray(w2), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(s2), np.asarray(s))
+    wj, sj = jax.jit(L.repack)(w, s)                            # pure and jit-able
+    np.testing.assert_array_equal(np.asarray(wj), np.asarray(wh))
+    np.testing.assert_array_equal(np.asarray(sj), np.asarray(sw))
+
+
+def test_every_byte_at_every_position_decodes_to_the_reference():
+    # row r, byte column j holds byte (r * 64 + j) % 256 (K = 256): all 256 bytes at each of the 128 columns mod 64
+    n, K = 256, 256
+    b = ((np.arange(n)[:, None] * 64 + np.arange(K // 2)[None, :]) % 256).astype(np.uint8)
+    w = jnp.asarray(b.view(np.int8))
+    # (scale 1 is left out: its 0.5 * 2^-126 is a subnormal the layout's decode keeps and XLA's CPU reference flushes)
+    s = jnp.asarray(np.tile(np.array([2, 60, 127, 128, 0, 119, 122, 100], np.uint8), (n, 1)))
+    ref = np.asarray(quant.dequant_mxfp4_weight(w, s))
+    np.testing.assert_array_equal(L.decode(*L.repack(w, s)), ref)
+
+
+def test_decode_matches_reference_on_random_weights():
+    w, s = _weights(1, (2, 128, 1024), lo=2)
+    np.testing.assert_array_equal(L.decode(*L.repack(w, s)), np.asarray(quant.dequant_mxfp4_weight(w, s)))
+
+
+def test_a_wrong_nibble_order_is_caught():
+    w, s = _weights(2, (64, 256))
+    ref = np.asarray(quant.dequant_mxfp4_weight(w, s))
+    src = L.SRC
+    for mutant in ((src[2], src[3], src[0], src[1]),            # even / odd plane swapped (nibbles of a byte)
+                   (src[1], src[0], src[2], src[3]),            # h halves swapped
+                   (src[0], src[1], src[2], (11, 10, 13, 14))):  # two bits of one nibble swapped
+        assert not np.array_equal(L.decode(*L.repack(w, s, src=mutant)), ref), mutant
+        w2, _ = L.to_checkpoint(*L.repack(w, s, src=mutant))
+        assert not np.array_equal(np.asarray(w2), np.asarray(w)), mutant
+
+
+def test_scales_outside_the_domain_are_refused_or_poisoned():
+    w, s = _weights(3, (64, 128))
+    s = s.at[5, 1].set(L.MAX_SCALE + 1)
+    with pytest.raises(ValueError, match="exceed 128"):
+        L.check_scales(s)
+    with pytest.raises(ValueError, match="exceed 128"):
+        L.repack_experts(w, s, w, s, w, s)
+    got = L.decode(*L.repack(w, s))                          # unchecked: the group decodes to inf / nan, never a number
+    bad = got[5, 32:64]
+    assert not np.isfinite(bad).any()
+    np.testing.assert_array_equal(np.delete(got, 5, axis=0), np.delete(np.asarray(quant.dequant_mxfp4_weight(w, s)),
+                                                                        5, axis=0))
+    with pytest.raises(ValueError, match="divisible by 128"):
+        L.repack(w[:, :32], s[:, :2])
+
+
+# ------------------------------------------------------------------ the inline PTX, emulated instruction by instruction
+def _bf16_mul(a, b):
+    """mul.rn.bf16x2 on uint32 lanes: each 16-bit lane a bf16, the product rounded to nearest even (subnormals kept)."""
+    out = np.zeros_like(a)
+    for sh in (0, 16):
+        x = ((a >> sh) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        y = ((b >> sh) & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            z = (x * y).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+        out |= z << sh
+    return out
+
+
+def _run_ptx(asm, operands):
+    """Emulate the decode's PTX (and / or / shl / shr .b32, mul.rn.bf16x2) on numpy uint32 arrays. ``operands``:
+    {"$4": ..., "$5": ...}; returns the registers (incl. $0..$3)."""
+    reg = dict(operands)
+
+    def val(t):
+        t = t.strip()
+        if t in reg:
+            return reg[t]
+        return np.uint32(int(t, 0))
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        m = re.fullmatch(r"(\S+)\s+(\S+),\s*(\S+),\s*(\S+)", line)
+        assert m, line
+        op, d, a, b = m.groups()
+        if op == "and.b32":
+            reg[d] = val(a) & val(b)
+        elif op == "or.b32":
+            reg[d] = val(a) | val(b)
+        elif op == "shl.b32":
+            reg[d] = (val(a) << val(b)) & np.uint32(0xFFFFFFFF)
+        elif op == "shr.b32":
+            reg[d] = val(a) >> val(b)
+        elif op == "mul.rn.bf16x2":
+            reg[d] = _bf16_mul(val(a), val(b))
+        else:
+            raise AssertionError(f"unemulated instruction {line!r}")
+    return reg
+
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float64)
+
+
+def _expected_lane(v, s, x):
+    """bf16 bits of output x (A..D) for halfword v and UE8M0 scale s, from the layout's bit table alone."""
+    code = np.zeros_like(v)
+    for role, pos in enumerate(L.SRC[x]):
+        code |= ((v >> pos) & 1) << role
+    val = E2M1[code] * (0.0 if s == 0 else 2.0 ** (int(s) - 127))
+    return val.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+
+
+def _check_ptx(asm):
+    v = np.arange(1 << 16, dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    other = rng.integers(0, 1 << 16, v.size, dtype=np.uint32)
+    for s in (0, 1, 2, 60, 100, 119, 120, 121, 122, 123, 124, 127, 128):
+        sp = 0 if s == 0 else s + 126                        # the scale byte the repack stores
+        f = np.uint32((sp << 7) | (sp << 23))
+        for lo, hi, lane in ((v, other, 0), (other, v, 16)):
+            reg = _run_ptx(asm, {"$4": lo | (hi << 16), "$5": np.full(v.size, f, np.uint32)})
+            for x in range(4):
+                got = (reg[f"${x}"] >> lane) & 0xFFFF
+                want = _expected_lane(v, s, x)
+                if not np.array_equal(got, want):
+                    return False
+    return True
+
+
+def test_inline_ptx_emulated_exhaustively():
+    assert _check_ptx(L.IL_ASM)
+
+
+def test_a_wrong_shift_in_the_ptx_is_caught():
+    assert "shl.b32 t, $4, 3;" in L.IL_ASM
+    assert not _check_ptx(L.IL_ASM.replace("shl.b32 t, $4, 3;", "shl.b32 t, $4, 4;"))
+    assert not _check_ptx(L.IL_ASM.replace("shr.b32 u, $4, 5;", "shr.b32 u, $4, 4;"))
+
+
+# ------------------------------------------------------------------ front end and model
+def test_reference_accepts_il_weights_bit_identically():
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(jax.random.PRNGKey(4), 5, 2, 4, 256, 128)
+    ref = jax.jit(lambda *a: moe_gemm.routed_moe_reference(*a, limit=10.0))
+    a = ref(x, idx, weight, w1, s1, w3, s3, w2, s2)
+    b = ref(x, idx, weight, *L.repack_experts(w1, s1, w3, s3, w2, s2))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_il_weights_pick_the_il_decode_config_and_prefill_stays_default():
+    assert moe_plan.pick_config(96, 96, layout="il") == moe_plan.named_config("sw_il")
+    assert moe_plan.pick_config(96, 96) == moe_plan.DECODE_SMALL_CONFIG          # the default is unchanged
+    assert moe_plan.pick_config(1152, 96) == moe_plan.DECODE_CONFIG
+    assert moe_plan.pick_config(96 * 33, 96, layout="il") == moe_plan.PREFILL_CONFIG
+    cfg = moe_plan.named_config("sw_il")
+    assert (cfg.kind, cfg.mma, cfg.BM, cfg.BN_UP, cfg.BN_DOWN, cfg.BK) == ("sk", "swap_il", 16, 64, 64, L.BK)
+
+
+def test_demo_model_moe_with_il_weights_is_bit_identical():
+    """``moe_il_weights`` repacks exactly the routed experts' arrays of the demo model, and the model's MoE block gives
+    bit-identical outputs on them (the XLA path converts them back)."""
+    import dsflash
+    from dsflash.model import moe as moe_block
+    from dsflash.model.params import moe_il_weights, spec_map
+    m = dsflash.load("demo", progress=False)
+    il = moe_il_weights(m.cfg, m.params)
+    specs = spec_map(m.cfg)
+    changed = [n for n in m.params if il[n] is not m.params[n]]
+    assert changed and all(".experts." in n and specs[n].fmt in ("mxfp4", "scale") for n in changed)
+    assert all(L.is_il(il[n]) for n in changed if n.endswith(".weight"))
+    assert len(changed) == 2 * sum(1 for n in m.params if n.endswith(".experts.w1.weight")) * 3
+    prefix = changed[0].split(".experts.")[0]
+    x = jax.random.normal(jax.random.PRNGKey(5), (7, m.cfg.hidden_size), jnp.float32).astype(jnp.bfloat16)
+    run = jax.jit(lambda p: moe_block.moe(x, p, prefix, m.cfg, "reference", backend="xla")[0])
+    sub = lambda p: {n: a for n, a in p.items() if n.startswith(prefix + ".")}      # noqa: E731
+    np.testing.assert_array_equal(np.asarray(run(sub(m.params))), np.asarray(run(sub(il))))
