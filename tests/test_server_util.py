@@ -163,8 +163,15 @@ class ExistingServer(ServerProcess):
 
 
 def start_server(*args: str) -> ServerProcess:
+    """The real-engine server of a test module (``$DSFLASH_TEST_SERVER_URL`` instead when set), with the run's shared
+    persistent compilation cache (``$DSFLASH_TEST_SERVER_CACHE``, made by conftest.py; conftest.py turns the cache
+    off for everything else): several modules start the same default server, and only the first compiles."""
     url = os.environ.get("DSFLASH_TEST_SERVER_URL")
-    return ExistingServer(url) if url else ServerProcess(*args)
+    if url:
+        return ExistingServer(url)
+    cache = os.environ.get("DSFLASH_TEST_SERVER_CACHE")
+    return ServerProcess(*args, extra_env={"JAX_ENABLE_COMPILATION_CACHE": "true", "DSFLASH_CACHE_DIR": cache}
+                         if cache else None)
 
 
 def error_of(resp: httpx.Response) -> dict:
