@@ -33,6 +33,8 @@ VARIABLES = {
     "DSFLASH_INTERPRET_TESTS": ("test", "tests/test_kernels_interpret.py", "opt in to the Triton interpreter runs"),
     "DSFLASH_TEST_SERVER_URL": ("test", "tests/test_server_util.py", "drive an already running server"),
     "DSFLASH_TEST_SERVER_MODEL": ("test", "tests/test_server_util.py", "the model the real-engine server tests load"),
+    "DSFLASH_TEST_SERVER_CACHE": ("test", "tests/conftest.py",
+                                  "compilation cache folder of the run's default-model test servers (made if unset)"),
 }
 
 

@@ -9,8 +9,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 import gc  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
+
+SERVER_CACHE = "DSFLASH_TEST_SERVER_CACHE"
+
+
+def pytest_configure(config):
+    """One persistent compilation cache folder for the run's default-model servers (test_server_util.start_server:
+    test_server_openai, _structured, _fuzz and test_bench_serve_dsflash each start the same server): made by the
+    first pytest process, before pytest-xdist starts its workers, so they inherit it through the environment. The
+    first of those servers compiles, the later ones load its programs. Only server processes use it, never this
+    process (the map-count note below)."""
+    if SERVER_CACHE not in os.environ:
+        os.environ[SERVER_CACHE] = config._dsflash_server_cache = tempfile.mkdtemp(prefix="dsflash-test-xla-")
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_dsflash_server_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _memory_map_count() -> int | None:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -29,32 +30,43 @@ ARGS = ["--model", "tiny", "--mesh", "dep=8", "--replicate-draft-experts", "--pr
         "--no-speculative", "--max-num-seqs", "8", "--max-model-len", "64", "--page-size", "16",
         "--max-num-batched-tokens", "64"]
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4, 5], [100, 200, 300, 400, 17, 18, 19]]
-# a job compiles the engine's programs in every process (the follower always from scratch on CPU: JAX keeps the
-# device assignment in CPU cache keys and only process 0 writes the cache): ~45-75 s on an idle 2-core machine,
-# up to ~180 s measured while other jobs loaded it (load average 6)
+# a job compiles the engine's programs in every process: ~45-75 s on an idle 2-core machine, up to ~180 s measured
+# while other jobs loaded it (load average 6); later jobs load them from the module's cache (follower_cache/)
 STARTUP_TIMEOUT = 400.0
 
 
 @pytest.fixture(scope="module")
-def job_env(tmp_path_factory):
-    """The processes' environment: 4 faked CPU devices each, and one persistent compilation cache for the module
-    (conftest.py turns it off for the test process; later jobs' leaders load from it, the followers compile anyway:
-    see STARTUP_TIMEOUT)."""
+def plain_env():
+    """4 faked CPU devices per process (the processes' environment, without the cache hook of ``job_env``)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               JAX_ENABLE_COMPILATION_CACHE="true", DSFLASH_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return env
 
 
 @pytest.fixture(scope="module")
+def job_env(plain_env, tmp_path_factory):
+    """The job processes' environment: one persistent compilation cache for the module (conftest.py turns it off
+    for the test process), which followers write too (follower_cache/sitecustomize.py: JAX writes from process 0
+    only), so only the module's first job compiles."""
+    return dict(plain_env, JAX_ENABLE_COMPILATION_CACHE="true",
+                DSFLASH_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+                PYTHONPATH=os.path.join(REPO, "tests", "follower_cache") + os.pathsep + plain_env["PYTHONPATH"])
+
+
+@pytest.fixture(scope="module")
 def reference():
-    """Greedy (text, token count) of each prompt from one process on one device, same engine settings."""
-    import dsflash
-    from dsflash.serve.types import SamplingParams
-    ref = dsflash.LLM("tiny", **ENGINE)
-    outs = ref.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
-    return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
+    """Greedy (text, token count) of each prompt from one process on one device, same engine settings, as a future:
+    computed on a thread of the test process from when a test first asks, so that its compile overlaps the job's
+    serving (a job's step mostly waits on gloo round trips, leaving a core idle)."""
+    def run():
+        import dsflash
+        from dsflash.serve.types import SamplingParams
+        ref = dsflash.LLM("tiny", **ENGINE)
+        outs = ref.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+        return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
+    with ThreadPoolExecutor(1) as ex:
+        yield ex.submit(run)
 
 
 class Job:
@@ -101,8 +113,30 @@ def _complete(base, prompt, max_tokens=8):
     return c["choices"][0]["text"], c["usage"]["completion_tokens"]
 
 
+def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path, request):
+    # first in the module: its job fills the compilation cache the later jobs load from
+    job = Job(job_env, tmp_path)
+    try:
+        job.wait_healthy()
+        ref = request.getfixturevalue("reference")       # compiles while the job serves (not while it compiles)
+        got = [_complete(job.base, p) for p in PROMPTS]
+        # concurrent requests batch together across the processes' devices: the same answers
+        with ThreadPoolExecutor(3) as ex:
+            together = list(ex.map(lambda p: _complete(job.base, p), PROMPTS))
+        want = ref.result()
+        assert got == want, (got, want)
+        assert together == want, (together, want)
+        assert "follower ready" in job.output(1) and "listening on" in job.output(0)
+        job.procs[0].send_signal(signal.SIGTERM)           # the leader stops its followers on the way out
+        rcs = job.wait(60)
+        assert rcs == [0, 0], (rcs, job.output(0), job.output(1))
+        assert "the leader stopped after" in job.output(1)
+        print(f"\n[multihost] 2-process job up in {job.startup_s:.1f}s")
+    finally:
+        job.kill()
+
+
 def test_dead_follower_fails_requests_and_the_leader_exits(job_env, tmp_path):
-    # first in the module: it fills the compilation cache later jobs' leaders load from
     job = Job(job_env, tmp_path)
     try:
         job.wait_healthy()
@@ -124,7 +158,8 @@ def test_dead_follower_fails_requests_and_the_leader_exits(job_env, tmp_path):
         rc = job.procs[0].wait(60)                          # never hangs
         assert rc == 1, (rc, job.output(0))
         assert "FollowerLostError" in job.output(0) or "multi-controller" in job.output(0)
-        print(f"\n[multihost] leader failed the stream and exited {time.time() - t_kill:.1f}s after the kill")
+        print(f"\n[multihost] job up in {job.startup_s:.1f}s; leader failed the stream and exited "
+              f"{time.time() - t_kill:.1f}s after the kill")
     finally:
         job.kill()
 
@@ -147,28 +182,8 @@ def test_stuck_follower_trips_the_step_timeout(job_env, tmp_path):
         errors = [json.loads(e)["error"]["message"] for e in events if e != "[DONE]" and '"error"' in e]
         assert errors and "--step-timeout" in errors[0], events
         assert job.procs[0].wait(60) == 1, job.output(0)
-        print(f"\n[multihost] stuck follower: leader exited {time.time() - t_stop:.1f}s after SIGSTOP")
-    finally:
-        job.kill()
-
-
-def test_two_processes_serve_like_one_and_stop_cleanly(job_env, tmp_path, request):
-    job = Job(job_env, tmp_path)
-    try:
-        want = request.getfixturevalue("reference")     # computed while the job compiles
-        job.wait_healthy()
-        got = [_complete(job.base, p) for p in PROMPTS]
-        assert got == want, (got, want)
-        # concurrent requests batch together across the processes' devices: the same answers
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(3) as ex:
-            assert list(ex.map(lambda p: _complete(job.base, p), PROMPTS)) == want
-        assert "follower ready" in job.output(1) and "listening on" in job.output(0)
-        job.procs[0].send_signal(signal.SIGTERM)           # the leader stops its followers on the way out
-        rcs = job.wait(60)
-        assert rcs == [0, 0], (rcs, job.output(0), job.output(1))
-        assert "the leader stopped after" in job.output(1)
-        print(f"\n[multihost] 2-process job up in {job.startup_s:.1f}s")
+        print(f"\n[multihost] job up in {job.startup_s:.1f}s; stuck follower: leader exited "
+              f"{time.time() - t_stop:.1f}s after SIGSTOP")
     finally:
         job.kill()
 
@@ -199,7 +214,7 @@ def test_llm_across_two_processes(job_env, request):
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--llm-child", str(port), str(i)],
                               env=job_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    want = [list(w) for w in request.getfixturevalue("reference")]
+    want = [list(w) for w in request.getfixturevalue("reference").result()]
     outs = communicate_all(procs, STARTUP_TIMEOUT)
     for rc, o, e in outs:
         assert rc == 0, e[-3000:]
@@ -214,18 +229,18 @@ def test_llm_across_two_processes(job_env, request):
     (["--coordinator", "nohostport", "--num-processes", "2", "--process-id", "0"], "--coordinator"),
     (["--num-processes", "2", "--process-id", "1"], "--coordinator"),
 ])
-def test_bad_multihost_flags_fail_at_startup_naming_the_flag(job_env, flags, needle):
+def test_bad_multihost_flags_fail_at_startup_naming_the_flag(plain_env, flags, needle):
     r = subprocess.run([sys.executable, "-m", "dsflash.serve", "--model", "tiny", "--port", "0", *flags],
-                       env=job_env, cwd=REPO, capture_output=True, text=True, timeout=60)
+                       env=plain_env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert needle in r.stderr and "error:" in r.stderr, r.stderr[-2000:]
 
 
-def test_importing_the_server_does_not_start_the_backend(job_env):
+def test_importing_the_server_does_not_start_the_backend(plain_env):
     """jax.distributed.initialize must come before any JAX backend use: importing dsflash must not start it."""
     code = ("from jax._src import xla_bridge as xb\nimport dsflash, dsflash.llm, dsflash.serve.__main__\n"
             "import dsflash.serve.http.app\nprint(bool(xb._backends))")
-    r = subprocess.run([sys.executable, "-c", code], env=job_env, cwd=REPO, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", code], env=plain_env, cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr[-2000:]
 

@@ -29,8 +29,15 @@ def _prompt(seed, n=53):
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess(*ARGS)
+def cache_env(tmp_path_factory):
+    """One persistent compilation cache for the module's servers (conftest.py turns it off and the servers inherit
+    that): the second loads the programs the first compiled."""
+    return {"JAX_ENABLE_COMPILATION_CACHE": "true", "DSFLASH_CACHE_DIR": str(tmp_path_factory.mktemp("xla_cache"))}
+
+
+@pytest.fixture(scope="module")
+def server(cache_env):
+    srv = ServerProcess(*ARGS, extra_env=cache_env)
     yield srv
     srv.terminate()
     srv.close()
@@ -47,8 +54,8 @@ def test_three_times_identical_with_cached_tokens(server, kw):
     assert "dsflash_prefix_cache_replay_fallbacks" in m
 
 
-def test_no_prefix_caching_reports_no_cached_tokens():
-    srv = ServerProcess(*ARGS, "--no-prefix-caching")
+def test_no_prefix_caching_reports_no_cached_tokens(cache_env):
+    srv = ServerProcess(*ARGS, "--no-prefix-caching", extra_env=cache_env)
     try:
         p = _prompt(3)
         got = [_complete(srv.base, p) for _ in range(2)]

@@ -34,7 +34,8 @@ SEEDS = [0, 1, 2, 3]
 
 @pytest.fixture(scope="module")
 def server():
-    # the default server of tests/test_server_openai.py (its compiled programs come from the persistent cache)
+    # the default server of tests/test_server_openai.py (its compiled programs come from the run's shared persistent
+    # cache when a module before this one started it: test_server_util.start_server)
     srv = start_server(*([] if MODEL == "demo" else ["--model", MODEL]))
     yield srv
     rc = srv.terminate()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -20,22 +23,45 @@ RF = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
 MSG = [{"role": "user", "content": "Describe a thing as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def servers():
-    extra = [] if MODEL == "demo" else ["--model", MODEL]
-    srv = {m: ServerProcess(*extra, "--speculative-mode", m, "--precision", "fp32", startup_timeout=None,
-                            name=f"spec-{m}")
-           for m in ("always", "off")}
+def _wait_for_prefill(first, cache, timeout=600.0):
+    """Until ``first`` has written its prefill program to the shared ``cache`` (or is up, or gone): a server started
+    then loads it instead of compiling it too, while both compile their own decode programs at once."""
+    t_end = time.time() + timeout
+    while (time.time() < t_end and first.proc.poll() is None and not list(cache.glob("jit__prefill_impl-*"))
+           and not _healthy(first)):
+        time.sleep(0.5)
+
+
+def _healthy(s):
     try:
+        return httpx.get(s.base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    extra = [] if MODEL == "demo" else ["--model", MODEL]
+    # one persistent compilation cache for both (conftest.py turns it off): the two share their prefill program
+    cache = tmp_path_factory.mktemp("xla_cache")
+    env = {"JAX_ENABLE_COMPILATION_CACHE": "true", "DSFLASH_CACHE_DIR": str(cache)}
+    args = {m: (*extra, "--speculative-mode", m, "--precision", "fp32") for m in ("always", "off")}
+    srv = {"always": ServerProcess(*args["always"], startup_timeout=None, name="spec-always", extra_env=env)}
+    try:
+        _wait_for_prefill(srv["always"], cache)
+        srv["off"] = ServerProcess(*args["off"], startup_timeout=None, name="spec-off", extra_env=env)
         for s in srv.values():
             s.wait_healthy(600)
         yield {m: openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=300)
                for m, s in srv.items()}
     finally:
+        for s in srv.values():                 # both drain at once
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        rcs = {m: s.terminate() for m, s in srv.items()}
         for s in srv.values():
-            rc = s.terminate()
             s.close()
-            assert rc == 0
+        assert set(rcs.values()) == {0}, rcs
 
 
 def _model(client):
@@ -53,7 +79,7 @@ def _greedy(client):
 
 
 def test_greedy_constrained_output_is_the_same_with_and_without_speculation(servers):
-    spec, plain = _greedy(servers["always"]), _greedy(servers["off"])
+    spec, plain = _concurrently(_greedy, [servers["always"], servers["off"]])     # each server's own in turn
     assert spec == plain
     for text in spec[:2]:
         jsonschema.validate(json.loads(text), SCHEMA)

@@ -57,10 +57,11 @@ def wait_healthy(base: str, timeout: float, proc: subprocess.Popen | None = None
 
 class ServerProcess:
     """``python -m <module> --port <free port> *args`` on loopback, output to a temporary log. Waits until
-    healthy unless ``startup_timeout`` is None (then call :meth:`wait_healthy`, e.g. after starting others)."""
+    healthy unless ``startup_timeout`` is None (then call :meth:`wait_healthy`, e.g. after starting others).
+    ``extra_env``: variables set for the server on top of the test process's."""
 
     def __init__(self, *args: str, startup_timeout: float | None = 300.0, module: str = "dsflash.serve",
-                 name: str = "server"):
+                 name: str = "server", extra_env: dict | None = None):
         self.name = name
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -69,6 +70,7 @@ class ServerProcess:
         env.pop("XLA_FLAGS", None)          # the test process fakes 8 devices; the server needs one
         env.setdefault("JAX_PLATFORMS", "cpu")
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(extra_env or {})
         self.cmd = [sys.executable, "-m", module, "--port", str(self.port), *args]
         self.t0 = time.time()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -161,8 +163,15 @@ class ExistingServer(ServerProcess):
 
 
 def start_server(*args: str) -> ServerProcess:
+    """The real-engine server of a test module (``$DSFLASH_TEST_SERVER_URL`` instead when set), with the run's shared
+    persistent compilation cache (``$DSFLASH_TEST_SERVER_CACHE``, made by conftest.py; conftest.py turns the cache
+    off for everything else): several modules start the same default server, and only the first compiles."""
     url = os.environ.get("DSFLASH_TEST_SERVER_URL")
-    return ExistingServer(url) if url else ServerProcess(*args)
+    if url:
+        return ExistingServer(url)
+    cache = os.environ.get("DSFLASH_TEST_SERVER_CACHE")
+    return ServerProcess(*args, extra_env={"JAX_ENABLE_COMPILATION_CACHE": "true", "DSFLASH_CACHE_DIR": cache}
+                         if cache else None)
 
 
 def error_of(resp: httpx.Response) -> dict:
