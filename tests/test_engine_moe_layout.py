@@ -46,6 +46,16 @@ def test_bad_layout_settings_name_the_field(demo):
         LLMEngine(be, moe_weight_layout="il", **OPTS)
 
 
+def test_auto_layout_is_il_only_on_the_triton_backend(demo, monkeypatch):
+    assert ModelBackend(demo, moe_weight_layout="auto").moe_weight_layout == "checkpoint"     # XLA here
+    assert LLMEngine(demo, **OPTS).run_options["moe_weight_layout"] == "checkpoint"            # the engine default
+    import dsflash.serve.engine.config as C
+    monkeypatch.setattr(C, "resolve_backend", lambda name: "triton")     # as on a GPU with jax-triton
+    be = ModelBackend(demo, moe_weight_layout="auto")
+    assert be.backend == "triton" and be.moe_weight_layout == "il" and not be.dequantized
+    assert ModelBackend(demo, moe_weight_layout="auto", dequantize=True).moe_weight_layout == "checkpoint"
+
+
 def test_il_needs_128_wide_slabs():
     from dsflash.api import Model
     from dsflash.checkpoint.synth import fast_init_params

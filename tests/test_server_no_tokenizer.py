@@ -10,7 +10,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-from test_server_util import ServerProcess, error_of  # noqa: E402
+from test_server_util import ServerProcess, error_of, shared_cache_env  # noqa: E402
 
 from dsflash.bench import serve as bench_serve  # noqa: E402
 
@@ -19,7 +19,8 @@ PROMPT = [5, 17, 99, 3, 42, 8, 250, 11]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--skip-tokenizer-init", "--max-num-seqs", "4", "--max-model-len", "256")
+    # the default server's programs (the tokenizer changes none): loaded from the run's shared cache when there
+    srv = ServerProcess("--skip-tokenizer-init", extra_env=shared_cache_env())
     yield srv
     srv.terminate()
     srv.close()

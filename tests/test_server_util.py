@@ -169,9 +169,13 @@ def start_server(*args: str) -> ServerProcess:
     url = os.environ.get("DSFLASH_TEST_SERVER_URL")
     if url:
         return ExistingServer(url)
+    return ServerProcess(*args, extra_env=shared_cache_env())
+
+
+def shared_cache_env() -> dict | None:
+    """The server environment that reads and fills the run's shared compilation cache (None: no cache made)."""
     cache = os.environ.get("DSFLASH_TEST_SERVER_CACHE")
-    return ServerProcess(*args, extra_env={"JAX_ENABLE_COMPILATION_CACHE": "true", "DSFLASH_CACHE_DIR": cache}
-                         if cache else None)
+    return {"JAX_ENABLE_COMPILATION_CACHE": "true", "DSFLASH_CACHE_DIR": cache} if cache else None
 
 
 def error_of(resp: httpx.Response) -> dict:

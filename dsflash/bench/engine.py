@@ -237,7 +237,8 @@ def run_modes(m, args, modes) -> list:
     from dsflash.serve.engine.testing import ToyBackend
     runs = []
     for mode in modes:
-        be = ToyBackend() if m is None else ModelBackend(m)      # the model's own precision / backend
+        # the model's own precision / backend; the routed-expert layout the engine would pick (EngineConfig's "auto")
+        be = ToyBackend() if m is None else ModelBackend(m, moe_weight_layout="auto")
         g = run_mode(be, args, mode)
         next(g)
         runs.append(g)

@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],
                    help="kernels of the compiled programs: 'auto' = Triton on a CUDA GPU when jax-triton "
                         "imports, else XLA; 'xla' = the pure-JAX references; 'triton' = the GPU kernels")
-    g.add_argument("--moe-weight-layout", default="checkpoint", choices=["checkpoint", "il"],
-                   help="routed-expert weights as stored, or repacked once at load into the layout the Triton MoE "
-                        "decode reads with half the instructions ('il': single device; bit-identical outputs)")
+    g.add_argument("--moe-weight-layout", default="auto", choices=["auto", "checkpoint", "il"],
+                   help="routed-expert weights as stored ('checkpoint'), or repacked once at load into the layout the "
+                        "Triton MoE decode reads with half the instructions ('il': single device, bit-identical "
+                        "outputs); 'auto' = 'il' on the Triton backend on one device without EPLB")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="run without the model's tokenizer: prompts must be token ids, outputs carry token_ids")
     g.add_argument("--seed", type=int, default=0, help="engine seed (weights of presets, unseeded sampling)")

@@ -45,7 +45,7 @@ def make_backend(model, c):
             if have and want[name] != have[name]:
                 raise ValueError(f"EngineConfig.{name}: {getattr(c, name)!r}, but the engine backend passed in "
                                  f"was built with {have[name]!r}; pass the Model (or set it on ModelBackend)")
-        if c.moe_weight_layout != have.get("moe_weight_layout", "checkpoint"):
+        if c.moe_weight_layout != "auto" and c.moe_weight_layout != have.get("moe_weight_layout", "checkpoint"):
             raise ValueError(f"EngineConfig.moe_weight_layout: {c.moe_weight_layout!r}, but the engine backend passed "
                              f"in was built with {have.get('moe_weight_layout', 'checkpoint')!r}; pass the Model")
         return model
@@ -61,7 +61,7 @@ def make_backend(model, c):
         raise ValueError("EngineConfig.mesh / load_options: apply to model names; the Model passed in is loaded")
     ro = c.run_options(model.opts)
     return ModelBackend(model, precision=ro["precision"], backend=ro["backend"], bounded_replay=ro["bounded_replay"],
-                        moe_weight_layout=c.moe_weight_layout)
+                        moe_weight_layout="checkpoint" if c.eplb and c.moe_weight_layout == "auto" else c.moe_weight_layout)
 
 
 class ModelBackend:
@@ -73,7 +73,8 @@ class ModelBackend:
         second default of their own; so does ``bounded_replay`` unless given (None = exact; the engine passes
         what ``EngineConfig.run_options`` resolved). ``backend`` "auto" is resolved here (``config.resolve_backend``).
         ``moe_weight_layout`` "il": the routed experts' weights are repacked once here (``model.params.moe_il_weights``)
-        for the Triton MoE decode; the outputs are bit-identical to the checkpoint layout's."""
+        for the Triton MoE decode; the outputs are bit-identical to the checkpoint layout's. "auto": "il" on the Triton
+        backend on one device (128-divisible widths, not dequantised), else "checkpoint"."""
         from dsflash.serve.engine.config import resolve_backend
         self.model = model
         self.cfg = model.cfg
@@ -105,16 +106,24 @@ class ModelBackend:
         # draft MoE, draft_expert_parallel=False, runs the plain routed MoE on its whole expert stack)
         from dsflash.sharding.rules import get_strategy
         self.draft_routed_fn = self.routed_fn if get_strategy(self.strategy).draft_expert_parallel else None
+        if moe_weight_layout not in ("auto", "checkpoint", "il"):
+            raise ValueError(f"moe_weight_layout: must be 'auto', 'checkpoint' or 'il', got {moe_weight_layout!r}")
+        slabs = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
+        if moe_weight_layout == "auto":   # il where the Triton decode reads it (measured faster: docs/engine.md)
+            moe_weight_layout = ("il" if self.backend == "triton" and self.mesh is None and not dequantize and slabs
+                                 else "checkpoint")
         # XLA on one CPU device: dequantise the FP8 / MXFP4 weights once instead of in every call (bit-identical
         # outputs; dsflash.model.params.dequantized_weights). None = that case; True / False force it.
         if dequantize is None:
             dequantize = (self.backend == "xla" and self.mesh is None and jax.default_backend() == "cpu"
                           and moe_weight_layout == "checkpoint")     # "il" asked for: keep the packed experts
-        if moe_weight_layout not in ("checkpoint", "il"):
-            raise ValueError(f"moe_weight_layout: must be 'checkpoint' or 'il', got {moe_weight_layout!r}")
         if moe_weight_layout == "il" and (self.mesh is not None or dequantize):
             raise ValueError("moe_weight_layout: 'il' is single-device only for now (the expert-parallel path reads "
                              "the checkpoint layout) and keeps the experts packed (not with dequantize=True)")
+        if moe_weight_layout == "il" and not slabs:
+            raise ValueError(f"moe_weight_layout: 'il' needs hidden_size and moe_intermediate_size divisible by "
+                             f"128 (its 128-wide slabs); this model has {cfg.hidden_size} and "
+                             f"{cfg.moe_intermediate_size}")
         self.dequantized = False
         if dequantize:
             from dsflash.model.params import dequantized_weights
@@ -123,10 +132,6 @@ class ModelBackend:
                 self.params, self.dequantized = dq, True
         self.moe_weight_layout = moe_weight_layout
         if moe_weight_layout == "il":
-            if cfg.hidden_size % 128 or cfg.moe_intermediate_size % 128:
-                raise ValueError(f"moe_weight_layout: 'il' needs hidden_size and moe_intermediate_size divisible by "
-                                 f"128 (its 128-wide slabs); this model has {cfg.hidden_size} and "
-                                 f"{cfg.moe_intermediate_size}")
             from dsflash.model.params import moe_il_weights
             self.params = moe_il_weights(self.cfg, self.params)
         # EPLB (set up by dsflash.serve.engine.eplb.EngineEplb): physical target experts, tables in params;

@@ -22,7 +22,7 @@ BACKENDS = ("auto", "xla", "triton")
 PRECISIONS = ("reference", "bf16", "fp32")
 BOUNDED_REPLAY = ("exact", "report", "layer20_full")   # "exact" = off (RunOptions' None)
 PREFIX_CACHE_MODES = ("exact", "replay")
-MOE_WEIGHT_LAYOUTS = ("checkpoint", "il")
+MOE_WEIGHT_LAYOUTS = ("auto", "checkpoint", "il")
 
 
 def resolve_backend(name: str) -> str:
@@ -96,7 +96,8 @@ class EngineConfig:
     bounded_replay: Optional[str] = None       # "exact" | "report" | "layer20_full"
     # routed-expert weights as stored ("checkpoint") or repacked once at load into the "il" layout the Triton MoE
     # decode reads with half the instructions (dsflash/kernels/moe_layout.py; other paths convert back per call)
-    moe_weight_layout: str = "checkpoint"
+    # "auto": "il" where the Triton backend runs on one device without EPLB, else "checkpoint"
+    moe_weight_layout: str = "auto"
     # prefix cache
     enable_prefix_caching: bool = True
     # "exact": hits restore the per-slot state snapshotted at the block boundary (snapshots.py) and equal
