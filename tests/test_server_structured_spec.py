@@ -1,7 +1,9 @@
 """Structured output under speculative decoding through the real server: drafts verified against the grammar.
 Two servers (``--speculative-mode always`` and ``off``, both started here, fp32: at the serving precisions the
 verify and plain programs may round a near-tie differently): greedy answers under a schema / regex are identical, and sampled ``json_schema`` answers on chat and completions validate over seeds,
-streamed and not (test_server_structured.py covers the fields and errors on the default server)."""
+streamed and not; ``tool_choice`` required / named gives the same schema-valid calls streamed and not, greedy ones the
+same as without speculation, and the speculative server's counters show those requests drafted and accepted
+(test_server_structured.py covers the fields and errors on the default server)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,8 @@ import jsonschema
 import openai
 import pytest
 
-from test_server_structured import SCHEMA, _concurrently, _stream_chat
+from test_server_structured import MSG as TOOL_MSG
+from test_server_structured import SCHEMA, TOOLS, _check_calls, _concurrently, _stream_chat
 from test_server_util import ServerProcess, default_test_model
 
 MODEL = default_test_model()
@@ -116,3 +119,52 @@ def test_speculative_json_schema_answers_validate_over_seeds(servers, stream):
     for case, (text, finish) in zip(cases, _concurrently(ask, cases), strict=True):
         assert finish == "stop", (case, text)
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def _spec_counts(client):
+    """The server's speculative-decoding counters (summed from each finished request's own metrics)."""
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    text = httpx.get(base + "/metrics", timeout=10).text
+    names = ("num_drafts", "num_accepted_tokens")
+    vals = dict(re.findall(r"^dsflash_spec_decode_(%s)_total (\S+)$" % "|".join(names), text, re.M))
+    assert set(vals) == set(names), text[:2000]
+    return {k: float(v) for k, v in vals.items()}
+
+
+def _tool_ask(client, choice, stream, temperature, seed=None):
+    kw = dict(model=_model(client), messages=TOOL_MSG, tools=TOOLS, tool_choice=choice, max_tokens=200,
+              temperature=temperature, parallel_tool_calls=False, **({} if seed is None else {"seed": seed}))
+    if stream:
+        return _stream_chat(client, **kw)
+    c = client.chat.completions.create(**kw).choices[0]
+    calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in c.message.tool_calls or []]
+    return c.message.content or "", calls, c.finish_reason
+
+
+def test_tool_choice_under_speculation(servers):
+    """``tool_choice`` required / named on the speculative server (the DSML grammar verifying drafts): one
+    schema-valid call of an allowed tool, ``finish_reason`` tool_calls, streamed the same as not; greedy, the
+    same calls as the plain server; sampled (seeded), valid. The requests drafted and accepted drafts (a guided
+    row that silently stopped drafting would pass the rest)."""
+    choices = {"required": ("required", {"get_weather", "get_time"}),
+               "named": ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})}
+    cases = ([(srv, ch, stream, 0.0, None) for srv in ("always", "off") for ch in choices for stream in (False, True)]
+             + [("always", ch, stream, 1.0, 0) for ch in choices for stream in (False, True)])
+    before = {m: _spec_counts(c) for m, c in servers.items()}
+    outs = _concurrently(lambda c: _tool_ask(servers[c[0]], choices[c[1]][0], *c[2:]), cases)
+    after = {m: _spec_counts(c) for m, c in servers.items()}
+    res = {}
+    for (srv, ch, stream, temp, seed), (text, calls, finish) in zip(cases, outs, strict=True):
+        assert finish == "tool_calls", (srv, ch, stream, temp, seed, text, calls)
+        assert "DSML" not in text
+        _check_calls(calls, choices[ch][1])
+        assert len(calls) == 1
+        res[srv, ch, stream, temp, seed] = (text, calls)
+    for srv, ch, stream, temp, seed in res:
+        if stream:                          # streamed == not (the seed fixes a sampled row's speculative sample)
+            assert res[srv, ch, True, temp, seed] == res[srv, ch, False, temp, seed], (srv, ch, temp, seed)
+        if srv == "always" and temp == 0:   # greedy: the same as without speculation
+            assert res["always", ch, stream, 0.0, None] == res["off", ch, stream, 0.0, None], (ch, stream)
+    assert after["always"]["num_drafts"] > before["always"]["num_drafts"], (before, after)
+    assert after["always"]["num_accepted_tokens"] > before["always"]["num_accepted_tokens"], (before, after)
+    assert after["off"] == before["off"], (before, after)
