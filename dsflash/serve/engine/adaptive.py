@@ -13,12 +13,16 @@ Two things are measured while serving:
   while the acceptance estimates say it could pay at a plain iteration's cost, its floor). With the
   sequential verify (runner) a drafting iteration stops verifying at the batch's last first rejection, so its
   cost grows with the acceptance: at none it is about one plain iteration plus the proposal.
-* the **acceptance** of every sequence: an EMA of accepted drafts per verification. A sequence starts at the
-  engine-wide EMA (``prior`` until anything was verified, and again after ``reprobe_every`` calls without a
-  draft, so a workload that changed is noticed): new requests of a workload whose drafts fail do not pay a
-  probe each; one whose estimate falls below ``stop_below`` after ``min_verifies`` verifications stops drafting
-  (counts 0), and is re-probed (its estimate reset to ``prior``) after ``reprobe_every`` decode calls without a
-  verification (a call that drafts for other requests verifies its drafts too, for free).
+* the **acceptance** of every sequence: its accepted drafts and verifications, shrunk toward an engine-wide prior,
+  ``(accepted + prior_weight * engine_mean) / (verifications + prior_weight)``. ``engine_mean`` is accepted drafts
+  per verification over every request (each verification's weight decaying by ``1 - 1 / engine_horizon`` per
+  later one; it starts as ``initial_weight`` pseudo-verifications at ``prior``). A new request starts at the
+  engine's mean: new requests of a workload whose drafts fail do not pay a probe each, and a few unlucky
+  verifications of a request near break-even do not stop it. One whose estimate falls below ``stop_below`` after
+  ``min_verifies`` verifications stops drafting (counts 0), and is re-probed (its own evidence dropped: back at the
+  engine's mean) after ``reprobe_every`` decode calls without a verification (a call that drafts for other
+  requests verifies its drafts too, for free). After ``reprobe_every`` calls without a draft the engine runs one
+  drafting call (the engine-wide reprobe), so a workload that changed is noticed.
 
 Exploration (the engine-wide reprobe, the drafting re-measure) backs off: after each probe whose result still
 says plain, both come twice as rarely (up to ``max_backoff`` x), and at the base rate again once a probe pays, so
@@ -94,7 +98,8 @@ class IterationCost:
 class SpeculationPolicy:
     """Decides each decode call's draft length (``choose``) and learns from its results (``observe``)."""
 
-    def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, ema: float = 0.3,
+    def __init__(self, block: int, mode: str = "adaptive", *, prior: float = 1.0, prior_weight: float = 48.0,
+                 initial_weight: float = 8.0, engine_horizon: float = 256.0, ema: float = 0.3,
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
                  remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02,
                  cold_calls: int = 1, max_backoff: int = 16):
@@ -103,6 +108,7 @@ class SpeculationPolicy:
         self.block = block if mode != "off" else 0
         self.mode = mode if self.block else "off"
         self.prior, self.ema, self.stop_below, self.min_verifies = prior, ema, stop_below, min_verifies
+        self.prior_weight = float(prior_weight)
         self.reprobe_every, self.probe_calls, self.margin = reprobe_every, probe_calls, margin
         # re-measure a program not run for this many calls: plain often (cheap, and a stale plain cost is what
         # could keep a losing draft length), the drafting one rarely (each re-measure costs a verify)
@@ -111,7 +117,11 @@ class SpeculationPolicy:
         self.draft_len = self.block if self.mode == "always" else 0   # the last decision
         self.calls = self.drafted_calls = 0
         self.requests_stopped = self.requests_reprobed = 0
-        self.engine_ema = prior            # accepted drafts per verification over every request
+        # the engine-wide prior: accepted drafts and verifications over every request, each verification's weight
+        # decaying by 1 - 1 / engine_horizon per later one; it starts as initial_weight pseudo-verifications at
+        # ``prior`` (weak: the first verifications outweigh it)
+        self.engine_decay = 1.0 - 1.0 / max(1.0, float(engine_horizon))
+        self.engine_acc, self.engine_n = initial_weight * prior, float(initial_weight)
         self.calls_since_draft = 0
         # exploration back-off: the engine-wide reprobe and the drafting re-measure come backoff x less often after
         # each probe that found nothing (doubling up to max_backoff), and at the base rate again once one pays
@@ -120,25 +130,35 @@ class SpeculationPolicy:
         self._wait = 1                     # 2 while prompts wait for prefill (choose)
 
     @property
+    def engine_mean(self) -> float:
+        """Accepted drafts per verification over every request (the prior a request's estimate is shrunk toward)."""
+        return self.engine_acc / self.engine_n if self.engine_n > 0 else self.prior
+
+    @property
     def lengths(self) -> tuple:
         """The draft lengths the engine compiles decode programs for."""
         return (0, self.block) if self.mode == "adaptive" else (self.block,)
 
     # ------------------------------------------------------------------ per sequence
     def estimate(self, s) -> float:
-        """Expected accepted drafts per verification of sequence ``s`` (0 once it stopped drafting)."""
+        """Expected accepted drafts per verification of sequence ``s`` (0 once it stopped drafting): its own
+        accepted drafts and verifications plus ``prior_weight`` pseudo-verifications at the engine-wide mean
+        (``(accepted + w * engine_mean) / (verifications + w)``). A new request starts at the engine-wide mean; a few
+        unlucky verifications move it only part of the way (demo model: the first draft is accepted ~27 % of the
+        time, so 8 verifications at 0.10 are no evidence against a mean of ~0.5)."""
         if not getattr(s, "spec_drafting", True):
             return 0.0
-        a = getattr(s, "spec_accepted_ema", None)
-        return self.engine_ema if a is None else a
+        n = getattr(s, "spec_n", 0.0)
+        w = self.prior_weight
+        return (getattr(s, "spec_acc", 0.0) + w * self.engine_mean) / (n + w) if n + w > 0 else self.engine_mean
 
     def _reprobe(self, seqs: Iterable):
         for s in seqs:
             if getattr(s, "spec_drafting", True):
                 continue
             s.spec_idle_calls = getattr(s, "spec_idle_calls", 0) + 1
-            if s.spec_idle_calls >= self.reprobe_every:
-                s.spec_drafting, s.spec_accepted_ema, s.spec_verifies = True, None, 0
+            if s.spec_idle_calls >= self.reprobe_every:    # its own evidence forgotten: back at the engine's mean
+                s.spec_drafting, s.spec_acc, s.spec_n, s.spec_verifies = True, 0.0, 0.0, 0
                 self.requests_reprobed += 1
 
     # ------------------------------------------------------------------ per decode call
@@ -154,8 +174,8 @@ class SpeculationPolicy:
         self._reprobe(seqs)
         self._wait = 2 if prefilling else 1
         if self.calls_since_draft >= self.reprobe_every * self.backoff * self._wait:   # nothing drafted: probe
-            self.engine_ema, self.calls_since_draft = max(self.engine_ema, self.prior), 0
-            self._reprobing = True
+            self.calls_since_draft = 0     # one drafting call (its verifications update the estimates), not an
+            self._reprobing = True         # optimistic prior for every new request
         d = self._decide([self.estimate(s) for s in seqs])
         if d != self.draft_len:
             c = {k: (None if v.seconds is None else round(1e3 * v.seconds, 2)) for k, v in self.costs.items()}
@@ -175,6 +195,9 @@ class SpeculationPolicy:
             self.backoff = 1 if best else min(2 * self.backoff, self.max_backoff)
             self._probed = False
         reprobing, self._reprobing = self._reprobing, False
+        if reprobing and not best:    # the engine-wide reprobe: one drafting call, then back off if it found nothing
+            self._probed = True
+            return self.block
         # re-measure the one not chosen for a while (drafting: only if it could pay, and backed off)
         if not best and self.costs[self.block].since >= self.remeasure[self.block] * self.backoff * self._wait \
                 and self._could_pay(accepted):
@@ -182,7 +205,6 @@ class SpeculationPolicy:
             return self.block
         if self.costs[0].since >= self.remeasure[0]:
             return 0
-        self._probed = bool(best) and reprobing       # drafting on the reprobe's prior: a probe too
         return best
 
     def current_costs(self) -> dict:
@@ -223,33 +245,34 @@ class SpeculationPolicy:
         for s, verifies, accepted in per_seq:
             if verifies <= 0:
                 continue
-            a = accepted / verifies
-            prev = getattr(s, "spec_accepted_ema", None)
-            prev = self.engine_ema if prev is None else prev   # a few early misses do not end drafting
-            w = 1 - (1 - self.ema) ** verifies         # one update per verification in the call
-            s.spec_accepted_ema = (1 - w) * prev + w * a
+            s.spec_acc = getattr(s, "spec_acc", 0.0) + accepted
+            s.spec_n = getattr(s, "spec_n", 0.0) + verifies
             s.spec_verifies = getattr(s, "spec_verifies", 0) + verifies
             if not getattr(s, "spec_drafting", True):
                 # a stopped request in a call others drafted for was verified for free: a probe
                 s.spec_idle_calls = 0
-                if s.spec_accepted_ema >= self.stop_below:
-                    s.spec_drafting = True
-            elif s.spec_verifies >= self.min_verifies and s.spec_accepted_ema < self.stop_below:
+                s.spec_drafting = True
+                if self.estimate(s) < self.stop_below:
+                    s.spec_drafting = False
+            elif s.spec_verifies >= self.min_verifies and self.estimate(s) < self.stop_below:
+                est = self.estimate(s)
                 s.spec_drafting, s.spec_idle_calls = False, 0
                 self.requests_stopped += 1
-                log.info("speculation: request %s stops drafting (%.2f accepted drafts per verification over %d)",
-                         s.request_id, s.spec_accepted_ema, s.spec_verifies)
-        tot_v = sum(v for _, v, _ in per_seq)
-        if tot_v > 0:      # the engine-wide estimate (new requests start from it)
-            w = 1 - (1 - self.ema) ** min(tot_v, 8)
-            self.engine_ema = (1 - w) * self.engine_ema + w * sum(a for _, _, a in per_seq) / tot_v
+                log.info("speculation: request %s stops drafting (%.2f accepted drafts per verification over %d, "
+                         "estimate %.2f with the engine-wide %.2f)", s.request_id, s.spec_acc / max(1e-9, s.spec_n),
+                         s.spec_verifies, est, self.engine_mean)
+        tot_v = sum(v for _, v, _ in per_seq if v > 0)
+        if tot_v > 0:      # the engine-wide prior (every request's estimate is shrunk toward it)
+            g = self.engine_decay ** tot_v
+            self.engine_acc = g * self.engine_acc + sum(a for _, v, a in per_seq if v > 0)
+            self.engine_n = g * self.engine_n + tot_v
 
     def metrics(self) -> dict:
         return {"spec_mode": self.mode, "spec_draft_length": self.draft_len,
                 "spec_drafted_call_fraction": self.drafted_calls / self.calls if self.calls else 0.0,
                 "spec_requests_stopped_drafting": self.requests_stopped,
                 "spec_requests_reprobed": self.requests_reprobed,
-                "spec_engine_accepted_per_verify": self.engine_ema,
+                "spec_engine_accepted_per_verify": self.engine_mean,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
                    for d, c in self.costs.items()},
                 **({"spec_draft_cost_ratio": self.costs[self.block].ratio or 0.0} if self.costs else {})}

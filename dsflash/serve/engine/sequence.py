@@ -35,9 +35,11 @@ class Sequence:
         self.last_slot = None
         self.rank = 0                # DP rank (slot, pages and prefix cache come from its range)
         self.guide = None            # guided.Guide under structured output (one token per decode call)
-        # adaptive speculation (adaptive.py): accepted drafts per verification (EMA; None: not measured yet),
-        # verifications seen, whether its drafts count, decode calls since its last verification while stopped
-        self.spec_accepted_ema = None
+        # adaptive speculation (adaptive.py): accepted drafts and verifications (its estimate shrinks them toward
+        # the engine-wide mean), verifications seen, whether its drafts count, decode calls since its last
+        # verification while stopped
+        self.spec_acc = 0.0
+        self.spec_n = 0.0
         self.spec_verifies = 0
         self.spec_drafting = True
         self.spec_idle_calls = 0
