@@ -235,11 +235,9 @@ class EngineConfig:
         if S % dp:
             raise ValueError(f"max_num_seqs: {S} slots do not divide over the {dp} DP ranks")
         buckets = self.prefill_buckets
-        if buckets is None:   # every bucket is one more forward to compile at start-up
+        if buckets is None:   # one bucket: every extra bucket is one more forward to compile at start-up
             r = min(4, S // dp)    # with DP ranks, buckets and the token budget are per rank
             buckets = [(r, max(1, B // r))]
-            if r > 1:          # a lone prompt gets the whole budget per step, not a quarter (3 rows of padding)
-                buckets.append((1, B))
         for rb, tb in buckets:
             if rb < 1 or tb < 1 or rb * tb > max(B, tb):
                 raise ValueError(f"prefill bucket {(rb, tb)} exceeds max_num_batched_tokens={B}")
