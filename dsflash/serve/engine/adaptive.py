@@ -254,8 +254,7 @@ class SpeculationPolicy:
                 s.spec_drafting = True
                 if self.estimate(s) < self.stop_below:
                     s.spec_drafting = False
-            elif s.spec_verifies >= self.min_verifies and self.estimate(s) < self.stop_below:
-                est = self.estimate(s)
+            elif s.spec_verifies >= self.min_verifies and (est := self.estimate(s)) < self.stop_below:
                 s.spec_drafting, s.spec_idle_calls = False, 0
                 self.requests_stopped += 1
                 log.info("speculation: request %s stops drafting (%.2f accepted drafts per verification over %d, "

@@ -75,7 +75,7 @@ class ModelBackend:
         ``moe_weight_layout`` "il": the routed experts' weights are repacked once here (``model.params.moe_il_weights``)
         for the Triton MoE decode; the outputs are bit-identical to the checkpoint layout's. "auto": "il" on the Triton
         backend on one device (128-divisible widths, not dequantised), else "checkpoint"."""
-        from dsflash.serve.engine.config import resolve_backend
+        from dsflash.serve.engine.config import MOE_WEIGHT_LAYOUTS, resolve_backend
         self.model = model
         self.cfg = model.cfg
         self.params = model.params
@@ -106,8 +106,9 @@ class ModelBackend:
         # draft MoE, draft_expert_parallel=False, runs the plain routed MoE on its whole expert stack)
         from dsflash.sharding.rules import get_strategy
         self.draft_routed_fn = self.routed_fn if get_strategy(self.strategy).draft_expert_parallel else None
-        if moe_weight_layout not in ("auto", "checkpoint", "il"):
-            raise ValueError(f"moe_weight_layout: must be 'auto', 'checkpoint' or 'il', got {moe_weight_layout!r}")
+        if moe_weight_layout not in MOE_WEIGHT_LAYOUTS:
+            raise ValueError(f"moe_weight_layout: must be one of {', '.join(MOE_WEIGHT_LAYOUTS)}, "
+                             f"got {moe_weight_layout!r}")
         slabs = cfg.hidden_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
         if moe_weight_layout == "auto":   # il where the Triton decode reads it (measured faster: docs/engine.md)
             moe_weight_layout = ("il" if self.backend == "triton" and self.mesh is None and not dequantize and slabs

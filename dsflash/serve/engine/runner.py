@@ -443,11 +443,9 @@ class Runner:
                     pen_j, logp_j = process(logits.astype(jnp.float32), jj, 1)
                     jd = jnp.minimum(jj, k - 1)       # (the bonus row jj = k has no draft: its test is unused)
                     d_j = lax.dynamic_index_in_dim(drafts, jd, axis=1, keepdims=False)
-                    acc_g = d_j == jnp.argmax(pen_j[:, 0], axis=-1).astype(jnp.int32)
-                    p_d = jnp.exp(jnp.take_along_axis(logp_j[:, 0], d_j[:, None], axis=-1)[:, 0])
-                    acc_s = lax.dynamic_index_in_dim(u, jd, axis=1, keepdims=False) * \
-                        lax.dynamic_index_in_dim(q_d, jd, axis=1, keepdims=False) < p_d
-                    acc = jnp.where(greedy, acc_g, acc_s) & ~no_draft
+                    acc = S.draft_accepted(logp_j[:, 0], jnp.argmax(pen_j[:, 0], axis=-1).astype(jnp.int32),
+                                           lax.dynamic_index_in_dim(q_d, jd, axis=1, keepdims=False), d_j, greedy,
+                                           lax.dynamic_index_in_dim(u, jd, axis=1, keepdims=False)) & ~no_draft
                     return acc, {"pen": pen_j[:, 0], "logp": logp_j[:, 0], "acc": acc}
 
                 out, state = self._target_forward(params, batch, state, ctx or record, verify_row)

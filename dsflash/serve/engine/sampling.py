@@ -132,6 +132,15 @@ def sample(logp, greedy_logits, greedy, keys):
     return jnp.where(greedy, g, s)
 
 
+def draft_accepted(target_logp, target_arg, q_d, drafts, greedy, u):
+    """Each draft's acceptance test (``drafts`` / ``target_arg`` / ``q_d`` / ``u`` of one shape, ``target_logp`` that
+    shape + [V], ``greedy`` broadcast to it): a greedy row accepts the target's argmax, a sampled one when
+    ``u < p / q`` (as ``u * q < p``; q > 0 for sampled drafts). The one rule of ``rejection_sample`` and of the
+    runner's sequential verify, which tests row by row to stop early."""
+    p_d = jnp.exp(jnp.take_along_axis(target_logp, drafts[..., None], axis=-1)[..., 0])
+    return jnp.where(greedy, drafts == target_arg, u * q_d < p_d)
+
+
 def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, greedy, keys_accept, keys_sample,
                      no_draft=None, accepted=None):
     """Verify ``k`` drafts against ``k + 1`` target distributions (Leviathan et al.; vLLM's rejection sampler).
@@ -158,12 +167,9 @@ def rejection_sample(target_logp, target_greedy_logits, draft_logp, drafts, gree
     k = k1 - 1
     tgt_arg = jnp.argmax(target_greedy_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
     if accepted is None:
-        p_d = jnp.exp(jnp.take_along_axis(target_logp[:, :k], drafts[..., None], axis=-1)[..., 0])
         q_d = jnp.exp(jnp.take_along_axis(draft_logp, drafts[..., None], axis=-1)[..., 0])
-        u = uniforms(keys_accept[:, :k])
-        acc_s = u * q_d < p_d                                               # u < p/q, q > 0 for sampled drafts
-        acc_g = drafts == tgt_arg[:, :k]
-        acc = jnp.where(greedy[:, None], acc_g, acc_s)
+        acc = draft_accepted(target_logp[:, :k], tgt_arg[:, :k], q_d, drafts, greedy[:, None],
+                             uniforms(keys_accept[:, :k]))
     else:
         acc = accepted
     if no_draft is not None:

@@ -614,8 +614,7 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
         continuous = include_usage and bool(req.stream_options.continuous_usage_stats)
 
         sent_text = [0] * len(streams)
-        sent_lp = [0] * len(streams)
-        sent_ids = [0] * len(streams)
+        sent_lp = [0] * len(streams)        # tokens of each choice already streamed (logprobs and token_ids)
         offsets = [0] * len(streams)
 
         def echo():
@@ -634,12 +633,11 @@ async def _completions(st: ServerState, req: CompletionRequest, request: Request
             c = out.outputs[0]
             delta = c.text[sent_text[idx]:]
             lp = choice_logprobs(out, sent_lp[idx], offsets[idx])
+            new_ids = list(c.token_ids[sent_lp[idx]:]) if with_ids else []
             sent_lp[idx] = len(c.token_ids)
-            new_ids = list(c.token_ids[sent_ids[idx]:]) if with_ids else []
             if not delta and not out.finished and not (lp and lp["tokens"]) and not new_ids:
                 return
             sent_text[idx] = len(c.text)
-            sent_ids[idx] = len(c.token_ids)
             offsets[idx] += len(delta)
             choice = {"index": idx, "text": delta, "logprobs": lp,
                       "finish_reason": c.finish_reason if out.finished else None}
