@@ -93,4 +93,11 @@ CONFIGS = {
     # only (sm_90 compile), not yet run on a GPU. Needs the weights repacked (moe_layout.repack_experts) and
     # BM >= 16, BN 64, BK 128, 4 warps.
     "sw_il": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    # sw_il with wider token tiles, for prefill chunks on il weights (run 37: above 32 slots per expert prefill ran
+    # the checkpoint-layout kernel on weights converted back per call, ~5 ms per layer of conversion). Wider tiles
+    # decode each expert's weights once per BM slots; wgmma N = BM, so the accumulators grow with BM.
+    "sw_il_bm32": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_il_bm64": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
+    "sw_il_bm128": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                             prefetch=False),
 }
