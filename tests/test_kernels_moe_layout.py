@@ -176,11 +176,17 @@ def test_reference_accepts_il_weights_bit_identically():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_il_weights_pick_the_il_decode_config_and_prefill_stays_default():
-    assert moe_plan.pick_config(96, 96, layout="il") == moe_plan.named_config("sw_il")
+def test_il_weights_run_swap_il_at_every_size_with_wider_tiles_for_prefill():
+    """il weights never go back to the checkpoint-layout prefill kernel (run 37: converting them back cost ~5 ms
+    per layer); the token tile grows with the slots per expert (run 39's measured bands)."""
+    name = {id(c): n for n, c in moe_plan.named_configs().items()}
+    picked = {r: name[id(moe_plan.pick_config(r, 96, layout="il"))] for r in (6, 96, 768, 1536, 6144, 6145, 24576)}
+    assert picked == {6: "sw_il", 96: "sw_il", 768: "sw_il", 1536: "sw_il_bm32", 6144: "sw_il_bm32",
+                      6145: "sw_il_bm128", 24576: "sw_il_bm128"}
+    assert all(moe_plan.pick_config(r, 96, layout="il").mma == "swap_il" for r in (1, 10 ** 6))
     assert moe_plan.pick_config(96, 96) == moe_plan.DECODE_SMALL_CONFIG          # the default is unchanged
     assert moe_plan.pick_config(1152, 96) == moe_plan.DECODE_CONFIG
-    assert moe_plan.pick_config(96 * 33, 96, layout="il") == moe_plan.PREFILL_CONFIG
+    assert moe_plan.pick_config(96 * 33, 96) == moe_plan.PREFILL_CONFIG
     cfg = moe_plan.named_config("sw_il")
     assert (cfg.kind, cfg.mma, cfg.BM, cfg.BN_UP, cfg.BN_DOWN, cfg.BK) == ("sk", "swap_il", 16, 64, 64, L.BK)
 

@@ -43,8 +43,8 @@ How it works
   scales applied after the MMA -- per 32-wide K group an fp16 MMA of the raw codes (weight nibbles as E4M3 -> fp16,
   the activations' E4M3 codes), then the fp32 partial times weight scale x activation scale (powers of two) into the
   accumulator; FP8 activations only, h as FP8 codes + scales. BM 8 tiles make Triton use mma.sync instead of wgmma.
-* ``mma="swap_il"`` (``kernels/experimental/moe_layout_kernels.py``, 2026-12-03, named ``sw_il``, not a default, not
-  yet run on a GPU): "swap_eo" on weights in the load-time "il" layout (``kernels/moe_layout.py``: uint16 halfwords
+* ``mma="swap_il"`` (``kernels/experimental/moe_layout_kernels.py``, 2026-12-03, named ``sw_il`` and its wider-tile
+  twins ``sw_il_bm32`` / ``bm64`` / ``bm128``; what ``pick_config`` gives il weights at every size since run 39): "swap_eo" on weights in the load-time "il" layout (``kernels/moe_layout.py``: uint16 halfwords
   [E, N, K/4] + uint32 scale words [E, N, K/128], made once by ``moe_layout.repack_experts`` /
   ``model.params.moe_il_weights``): nibbles pre-arranged so that a shift + mask gives bf16 bit patterns and one bf16x2
   multiply applies the scale; bit-identical to ``sw_eo_np``. The layout is told by the weights' dtype: il weights pick
@@ -200,7 +200,8 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     il = moe_layout.is_il(w1)
     cfg = config or fit_config(pick_config(S, E, act_fp8, layout="il" if il else "checkpoint"), d, I)
     if il and not (cfg.kind == "sk" and cfg.mma == "swap_il"):
-        # il weights under a checkpoint-layout config (prefill): converted back here, per call (correct, slow)
+        # il weights under an explicit checkpoint-layout config: converted back here, per call (correct, slow;
+        # pick_config never does this since run 39)
         w1, s1, w3, s3, w2, s2 = _il_to_checkpoint(w1, s1, w3, s3, w2, s2)
     elif not il and cfg.kind == "sk" and cfg.mma == "swap_il":
         raise ValueError("config mma 'swap_il' needs the routed-expert weights in the il layout, made once at load "

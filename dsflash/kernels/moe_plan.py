@@ -83,20 +83,26 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
             split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))
 
 
-# Routed-expert weights in the load-time "il" layout (kernels/moe_layout.py; opt-in, made by
-# moe_layout.repack_experts / model.params.moe_il_weights): decode runs this experimental config (mma "swap_il",
-# CPU-checked only, 2026-12-03), prefill the default above on weights converted back per call.
+# Routed-expert weights in the load-time "il" layout (kernels/moe_layout.py; made by moe_layout.repack_experts /
+# model.params.moe_il_weights): every size runs mma "swap_il", the token tile growing with the slots per expert.
+# Run 39 (one H200, bench kernels --ops moe, E 96, ms per layer): 256 tokens BM16 1.04 / BM32 0.97; 1024 BM32 2.36 /
+# BM64 2.57; 2048 BM64 4.10 / BM128 3.67; 4096 BM128 6.24, where ds_prefill_rt on checkpoint weights takes 10.8 and
+# converting il weights back for it ~5 more (run 37), so il weights never go back to the prefill kernel.
 IL_DECODE_CONFIG_NAME = "sw_il"
+# (largest slots per expert, config) in order; above the last: "sw_il_bm128"
+IL_BANDS = ((8, "sw_il"), (64, "sw_il_bm32"))
+IL_WIDE_CONFIG_NAME = "sw_il_bm128"
 
 
 def pick_config(rows: int, experts: int, act_fp8: bool = True, layout: str = "checkpoint") -> MoeConfig:
     """Default config for ``rows`` token slots (T * k) over ``experts`` local experts; ``act_fp8``: FP8
     activations (precision "reference") or bf16 ones (the measurements: comment above); ``layout``: the weights'
     ("checkpoint", or "il" for the load-time layout, which only exists where someone opted in)."""
+    if layout == "il":
+        per_expert = rows / max(experts, 1)
+        return named_config(next((n for m, n in IL_BANDS if per_expert <= m), IL_WIDE_CONFIG_NAME))
     if rows > 32 * experts:
         return PREFILL_CONFIG
-    if layout == "il":
-        return named_config(IL_DECODE_CONFIG_NAME)
     if not act_fp8:
         return DECODE_BF16_CONFIG
     return DECODE_SMALL_CONFIG if rows <= DECODE_SMALL_MAX_ROWS else DECODE_CONFIG

@@ -410,8 +410,8 @@ def dequantized_weights(cfg: ModelConfig, params: dict, max_bytes: int = 2 << 30
 def moe_il_weights(cfg: ModelConfig, params: dict, check: bool = True) -> dict:
     """The routed experts' MXFP4 weights and scales in the load-time "il" layout (``dsflash.kernels.moe_layout``;
     opt-in, 2026-12-03, not yet run on a GPU): one repack when the checkpoint is placed, after which the Triton decode
-    runs mma "swap_il" (``moe_plan.IL_DECODE_CONFIG_NAME``) on them and every other path (prefill configs, the XLA
-    reference) converts them back per call (bit-identical outputs, slower). Everything else is kept as stored.
+    runs mma "swap_il" on them at every size (``moe_plan.IL_BANDS``) and the XLA reference converts them back per
+    call (bit-identical outputs). Everything else is kept as stored.
     ``check``: refuse scales above ``moe_layout.MAX_SCALE`` (ValueError; needs concrete arrays). The result no longer
     matches the parameter table's shapes / dtypes for those arrays (``check_params`` rejects it): use it only as the
     arrays handed to the forward."""
