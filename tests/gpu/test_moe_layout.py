@@ -68,16 +68,26 @@ def test_il_extreme_scales_bit_identical():
 
 
 def test_il_weights_through_the_default_front_end():
-    """Without a config: il weights pick the il decode config, and above 32 slots per expert the default prefill
-    config on weights converted back (same numbers as the checkpoint weights through the defaults)."""
+    """Without a config: il weights run swap_il at every size (BM 16 / 32 / 128 by slots per expert, never the
+    checkpoint-layout prefill kernel on converted weights), within the reference tolerance."""
     from dsflash.kernels import moe_gemm_triton as mt
-    for case in ((16, 6, 16, 512, 256), (1024, 6, 16, 512, 256)):
+    for case in ((16, 6, 16, 512, 256), (1024, 6, 16, 512, 256), (160, 6, 16, 512, 256)):
         args = _problem(case, "front")
         il = moe_layout.repack_experts(*args[3:])
         a = np.asarray(jax.jit(lambda *v: mt.routed_moe_triton(*v, limit=LIMIT))(*args[:3], *il))
-        b = np.asarray(jax.jit(lambda *v: mt.routed_moe_triton(*v, limit=LIMIT))(*args))
-        if case[0] * case[1] > 32 * case[2]:
-            np.testing.assert_array_equal(a, b)          # prefill: the same kernel on the converted weights
-        else:
-            ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=LIMIT))
-            assert float(np.linalg.norm(a - ref) / np.linalg.norm(ref)) < TOL
+        ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=LIMIT))
+        assert np.all(np.isfinite(a)) and float(np.linalg.norm(a - ref) / np.linalg.norm(ref)) < TOL
+
+
+@pytest.mark.parametrize("name", ["sw_il_bm32", "sw_il_bm64", "sw_il_bm128"])
+@pytest.mark.parametrize("T", [256, 1024])
+def test_wide_il_tiles_at_v41_widths_match_the_reference(name, T):
+    """The prefill tiles (run 39) at V4.1 widths, within the tolerance every MoE kernel meets (not bit-identity to
+    sw_eo_np: a wider tile changes the K split, so the partial sums add in another order)."""
+    case = (T, 6, 96, 5120, 2304)
+    args = _problem(case, name)
+    out, h, o = _run(name, args, "reference", weights=moe_layout.repack_experts(*args[3:]))
+    ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=LIMIT), np.float64)
+    err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    print(f"{name} T{T}: rel err vs reference {err:.2e}")
+    assert out.shape == (T, 5120) and np.all(np.isfinite(out)) and err < TOL, err
