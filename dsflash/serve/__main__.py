@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -331,12 +332,20 @@ def main(argv=None) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout + 3,
                             timeout_keep_alive=5, access_log=args.log_level == "debug")
     server = _Server(config)
+    # uvicorn puts back the handler it found once its loop ends; make that one ignore a repeated SIGTERM, so that a
+    # second signal while the engine shuts down does not turn a drained, clean exit into death by signal (-15)
+    if threading.current_thread() is threading.main_thread():      # (signals are only set from the main thread)
+        signal.signal(signal.SIGTERM, lambda sig, frame: log.info("signal %s: already stopping", sig))
     print(f"dsflash.serve: model {served!r} ready in {time.time() - t0:.1f}s; listening on {url} "
           f"(OpenAI base URL {url}/v1){'; API key required' if args.api_key else ''}"
           f"{'; P/D role ' + role if role != 'both' else ''}", flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
+        if threading.current_thread() is threading.main_thread():
+            # from here on ignored outright: Python's own finalisation puts back the default (fatal) action of any
+            # signal that has a Python handler, but leaves an ignored one ignored
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if drain["timer"] is not None:
             drain["timer"].cancel()
         engine.shutdown()
