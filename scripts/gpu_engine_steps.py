@@ -1,0 +1,135 @@
+"""The engine's prefill and mixed steps at real widths (issue 19 targets: TTFT of a lone prompt, "mixed steps no
+slower than their parts"). One engine per prefill-bucket set, same model (placed once), no speculation:
+
+1. start-up (compiling every program) and the TTFT of a lone ``--prompt-len``-token prompt (median of
+   ``--lone`` prompts after a warm one) with the number of prefill steps it took;
+2. ``--decoding`` sequences in their decode phase, then one new prompt: the wall time of decode-only steps vs the
+   steps that also carry a prefill chunk (mixed), and of a prefill-only step of the same chunk.
+
+A short table last; everything in ``--out``/engine_steps.json. From the repo root (GPU machine):
+
+  python3 scripts/gpu_engine_steps.py --model bench-4l-96e --buckets default 4x256 --out $OUT
+
+CPU check: ``JAX_PLATFORMS=cpu python3 scripts/gpu_engine_steps.py --model tiny --prompt-len 96 --budget 64
+--decoding 4 --max-model-len 256 --buckets default 4x16``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+
+
+def _buckets(spec: str):
+    if spec == "default":
+        return None
+    return [tuple(int(v) for v in b.split("x")) for b in spec.split(",")]
+
+
+def _run_until(eng, pred, limit=10_000, strict=True):
+    """Step until ``pred()`` (at most ``limit`` steps; ``strict``: not reaching it is an error); returns
+    [(wall s, prefill calls, decode iters)] per step."""
+    rows = []
+    for _ in range(limit):
+        if pred():
+            return rows
+        m0 = eng.metrics_snapshot()
+        t = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t
+        m1 = eng.metrics_snapshot()
+        rows.append((dt, m1["num_prefill_calls"] - m0["num_prefill_calls"],
+                     m1["num_decode_iters"] - m0["num_decode_iters"]))
+    if strict:
+        raise RuntimeError("engine did not reach the state asked for")
+    return rows
+
+
+def one_set(model, a, spec: str, rng) -> dict:
+    from dsflash.serve.engine import LLMEngine
+    from dsflash.serve.types import SamplingParams
+    t0 = time.perf_counter()
+    eng = LLMEngine(model, speculative_mode="off", max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+                    max_num_batched_tokens=a.budget, prefill_buckets=_buckets(spec), enable_prefix_caching=False,
+                    decode_steps=1)
+    startup = time.perf_counter() - t0
+    V = eng.backend.vocab_size
+    prompt = lambda n: [int(t) for t in rng.integers(4, V, size=n)]          # noqa: E731
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ttft, psteps = [], []
+    for i in range(a.lone + 1):                    # the first one warms up
+        eng.add_request(f"lone{i}", prompt(a.prompt_len), first)
+        t = time.perf_counter()
+        rows = _run_until(eng, lambda: not eng.has_unfinished_requests())
+        if i:
+            ttft.append(time.perf_counter() - t)
+            psteps.append(sum(1 for r in rows if r[1]))
+    # mixed steps: decoding sequences, then a new prompt whose chunks share steps with their decode rows
+    long = SamplingParams(max_tokens=a.max_model_len - 64, temperature=0.0, ignore_eos=True)
+    n_dec = min(a.decoding, a.max_num_seqs - 1)
+    for i in range(n_dec):
+        eng.add_request(f"dec{i}", prompt(64), long)
+    _run_until(eng, lambda: all(s.status == "decode" for s in eng.running) and len(eng.running) == n_dec)
+    decode_only = [r[0] for r in _run_until(eng, lambda: False, limit=a.steps, strict=False) if not r[1]]
+    eng.add_request("new", prompt(a.prompt_len), first)
+    rows = _run_until(eng, lambda: "new" not in {s.request_id for s in list(eng.running) + list(eng.waiting)})
+    mixed = [r[0] for r in rows if r[1] and r[2]]
+    for s in list(eng.running):
+        eng.abort_request(s.request_id)
+    _run_until(eng, lambda: not eng.has_unfinished_requests())
+    med = lambda v: 1e3 * statistics.median(v) if v else None                 # noqa: E731
+    return {"buckets": spec, "resolved_buckets": [list(b) for b in eng.runner.prefill_buckets],
+            "startup_s": startup, "lone_ttft_ms": [1e3 * v for v in ttft], "lone_ttft_ms_median": med(ttft),
+            "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only),
+            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed),
+            "lone_prefill_step_ms": med(ttft) / max(1, statistics.median(psteps)) if ttft else None}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bench-4l-96e")
+    ap.add_argument("--buckets", nargs="+", default=["default"],
+                    help="prefill bucket sets, each 'default' or a comma list of ROWSxTOKENS")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=1024, help="max_num_batched_tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--decoding", type=int, default=31)
+    ap.add_argument("--lone", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="decode-only steps timed before the new prompt")
+    ap.add_argument("--time-limit", type=float, default=None, help="skip the remaining bucket sets after this many s")
+    ap.add_argument("--out", default="out")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    import numpy as np
+
+    from dsflash.serve.engine.backend import load_model
+    t0 = time.perf_counter()
+    model = load_model(a.model)
+    print(f"model {a.model} loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+    res = []
+    for spec in a.buckets:
+        if a.time_limit and time.perf_counter() - t0 > a.time_limit:
+            print(f"skipped {spec}: past --time-limit", flush=True)
+            continue
+        r = one_set(model, a, spec, np.random.default_rng(0))
+        print(json.dumps(r), flush=True)
+        res.append(r)
+        with open(os.path.join(a.out, "engine_steps.json"), "w") as f:
+            json.dump({"args": vars(a), "results": res}, f, indent=2)
+    print(f"\n{'buckets':<16} {'resolved':<24} {'start s':>8} {'TTFT ms':>8} {'pf steps':>8} {'dec ms':>8} "
+          f"{'mixed ms':>9} {'pf step ms':>10}")
+    for r in res:
+        f = lambda v: f"{v:.2f}" if v is not None else "-"                   # noqa: E731
+        print(f"{r['buckets']:<16} {str(r['resolved_buckets']):<24} {r['startup_s']:>8.1f} "
+              f"{f(r['lone_ttft_ms_median']):>8} {str(r['lone_prefill_steps']):>8} {f(r['decode_only_step_ms']):>8} "
+              f"{f(r['mixed_step_ms']):>9} {f(r['lone_prefill_step_ms']):>10}")
+
+
+if __name__ == "__main__":
+    main()
