@@ -56,7 +56,7 @@ def one_set(model, a, spec: str, rng) -> dict:
     t0 = time.perf_counter()
     eng = LLMEngine(model, speculative_mode="off", max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
                     max_num_batched_tokens=a.budget, prefill_buckets=_buckets(spec), enable_prefix_caching=False,
-                    decode_steps=1)
+                    decode_steps=a.decode_steps)
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size
     prompt = lambda n: [int(t) for t in rng.integers(4, V, size=n)]          # noqa: E731
@@ -75,7 +75,9 @@ def one_set(model, a, spec: str, rng) -> dict:
     for i in range(n_dec):
         eng.add_request(f"dec{i}", prompt(64), long)
     _run_until(eng, lambda: all(s.status == "decode" for s in eng.running) and len(eng.running) == n_dec)
-    decode_only = [r[0] for r in _run_until(eng, lambda: False, limit=a.steps, strict=False) if not r[1]]
+    m0 = eng.metrics_snapshot()
+    decode_only = [r[0] / max(1, r[2]) for r in _run_until(eng, lambda: False, limit=a.steps, strict=False) if not r[1]]
+    host = eng.metrics_snapshot()["host_time_s"][-a.steps:] if m0 else []
     eng.add_request("new", prompt(a.prompt_len), first)
     rows = _run_until(eng, lambda: "new" not in {s.request_id for s in list(eng.running) + list(eng.waiting)})
     mixed = [r[0] for r in rows if r[1] and r[2]]
@@ -85,7 +87,8 @@ def one_set(model, a, spec: str, rng) -> dict:
     med = lambda v: 1e3 * statistics.median(v) if v else None                 # noqa: E731
     return {"buckets": spec, "resolved_buckets": [list(b) for b in eng.runner.prefill_buckets],
             "startup_s": startup, "lone_ttft_ms": [1e3 * v for v in ttft], "lone_ttft_ms_median": med(ttft),
-            "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only),
+            "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only), "decode_steps": a.decode_steps,
+            "decode_only_host_ms": med(host),
             "mixed_step_ms": med(mixed), "mixed_steps": len(mixed),
             "lone_prefill_step_ms": med(ttft) / max(1, statistics.median(psteps)) if ttft else None}
 
@@ -101,6 +104,7 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--decoding", type=int, default=31)
     ap.add_argument("--lone", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device call")
     ap.add_argument("--steps", type=int, default=8, help="decode-only steps timed before the new prompt")
     ap.add_argument("--time-limit", type=float, default=None, help="skip the remaining bucket sets after this many s")
     ap.add_argument("--out", default="out")
