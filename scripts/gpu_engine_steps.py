@@ -4,7 +4,9 @@ slower than their parts"). One engine per prefill-bucket set, same model (placed
 1. start-up (compiling every program) and the TTFT of a lone ``--prompt-len``-token prompt (median of
    ``--lone`` prompts after a warm one) with the number of prefill steps it took;
 2. ``--decoding`` sequences in their decode phase, then one new prompt: the wall time of decode-only steps vs the
-   steps that also carry a prefill chunk (mixed), and of a prefill-only step of the same chunk.
+   steps that also carry a prefill chunk (mixed), and of a prefill-only step of the same chunk;
+3. ``--trace N``: N decode-only steps under ``jax.profiler``, the decode program's kernels per model op
+   (``dsflash.bench.step_profile``; engine ops outside the model show as ``unscoped:file:line``).
 
 A short table last; everything in ``--out``/engine_steps.json. From the repo root (GPU machine):
 
@@ -53,10 +55,12 @@ def _run_until(eng, pred, limit=10_000, strict=True):
 def one_set(model, a, spec: str, rng) -> dict:
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.types import SamplingParams
+    from dsflash.bench import step_profile as SP
     t0 = time.perf_counter()
-    eng = LLMEngine(model, speculative_mode="off", max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                    max_num_batched_tokens=a.budget, prefill_buckets=_buckets(spec), enable_prefix_caching=False,
-                    decode_steps=a.decode_steps)
+    with SP.scoped_model():            # named scopes in the compiled programs: the trace maps kernels to model ops
+        eng = LLMEngine(model, speculative_mode="off", max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+                        max_num_batched_tokens=a.budget, prefill_buckets=_buckets(spec), enable_prefix_caching=False,
+                        decode_steps=a.decode_steps)
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size
     prompt = lambda n: [int(t) for t in rng.integers(4, V, size=n)]          # noqa: E731
@@ -78,6 +82,14 @@ def one_set(model, a, spec: str, rng) -> dict:
     m0 = eng.metrics_snapshot()
     decode_only = [r[0] / max(1, r[2]) for r in _run_until(eng, lambda: False, limit=a.steps, strict=False) if not r[1]]
     host = eng.metrics_snapshot()["host_time_s"][-a.steps:] if m0 else []
+    prof = None
+    if a.trace:                        # the engine's decode program per op (kernels of the traced steps)
+        prof = SP.profile_step(eng.step, eng.runner._compiled[("decode", 0)].as_text(), calls=a.trace)
+        print(f"decode program, {n_dec} sequences x {a.decode_steps} iterations: busy {prof['busy_ms']:.3f} ms, "
+              f"wall {prof['wall_ms']:.3f} ms, {prof['kernels_per_step']:.0f} kernels a step", flush=True)
+        for op, v in list(prof["ops"].items())[:24]:
+            print(f"  {op:<44}{v['ms_per_step']:>9.3f} ms{v['kernels_per_step']:>7.0f} kernels", flush=True)
+        print("  largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
     eng.add_request("new", prompt(a.prompt_len), first)
     rows = _run_until(eng, lambda: "new" not in {s.request_id for s in list(eng.running) + list(eng.waiting)})
     mixed = [r[0] for r in rows if r[1] and r[2]]
@@ -89,7 +101,7 @@ def one_set(model, a, spec: str, rng) -> dict:
             "startup_s": startup, "lone_ttft_ms": [1e3 * v for v in ttft], "lone_ttft_ms_median": med(ttft),
             "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only), "decode_steps": a.decode_steps,
             "decode_only_host_ms": med(host),
-            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed),
+            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed), "decode_profile": prof,
             "lone_prefill_step_ms": med(ttft) / max(1, statistics.median(psteps)) if ttft else None}
 
 
@@ -106,6 +118,8 @@ def main():
     ap.add_argument("--lone", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device call")
     ap.add_argument("--steps", type=int, default=8, help="decode-only steps timed before the new prompt")
+    ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                    help="trace this many decode-only steps (jax.profiler) and print the decode program's per-op table")
     ap.add_argument("--time-limit", type=float, default=None, help="skip the remaining bucket sets after this many s")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
