@@ -22,8 +22,9 @@ import jax
 import numpy as np
 
 
-def instrument(name, eng, log):
-    """Record every decode call of ``eng`` into ``log`` (a list of dicts)."""
+def instrument(name, eng, log, old=False):
+    """Record every decode call of ``eng`` into ``log`` (a list of dicts). ``old``: the policy as before the
+    verify-row charge and the short-call rule (no verify rows, no planned iterations: the same arithmetic)."""
     r = eng.runner
     pending = {}
 
@@ -53,16 +54,21 @@ def instrument(name, eng, log):
     pol = eng.speculation
     orig = pol.observe
 
-    def observe(draft_len, seconds, iters, per_seq=()):
+    def observe(draft_len, seconds, iters, per_seq=(), verify_rows=None, planned_iters=None):
         per_seq = list(per_seq)
         log.append({"engine": name, "draft_len": int(draft_len), "s": seconds, "iters": int(iters),
                     "verifies": sum(v for _, v, _ in per_seq), "accepted": sum(a for _, _, a in per_seq),
                     "stale": pending.get("stale"), "with_prefill": pending.get("prefill"),
                     "ema0": pol.costs[0].seconds if pol.costs else None,
-                    "ratio": pol.costs[pol.block].ratio if pol.costs else None})
-        return orig(draft_len, seconds, iters, per_seq)
+                    "ratio": pol.costs[pol.block].ratio if pol.costs else None,
+                    "verify_rows": verify_rows, "planned": planned_iters})
+        if old:
+            return orig(draft_len, seconds, iters, per_seq)
+        return orig(draft_len, seconds, iters, per_seq, verify_rows, planned_iters)
 
     pol.observe = observe
+    if old:
+        pol.sequential_verify = False
 
 
 def one_pass(eng, prompts, sp, tag):
@@ -96,7 +102,7 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=4)
-    p.add_argument("--engines", default="plain,spec,spec_seq,adaptive")
+    p.add_argument("--engines", default="plain,spec,spec_seq,adaptive,adaptive_old")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import logging
@@ -109,14 +115,14 @@ def main(argv=None):
     model = load_model(args.model, precision="reference")
     kinds = {"plain": dict(speculative_mode="off"), "spec": dict(speculative_mode="always"),
              "spec_seq": dict(speculative_mode="always", sequential_verify=True),
-             "adaptive": dict(speculative_mode="adaptive")}
+             "adaptive": dict(speculative_mode="adaptive"), "adaptive_old": dict(speculative_mode="adaptive")}
     B = args.batch
     engs, log = {}, []
     for name in args.engines.split(","):
         engs[name] = LLMEngine(ModelBackend(model, moe_weight_layout="auto"), max_num_seqs=B, max_model_len=256,
                                page_size=32, max_num_batched_tokens=128, decode_steps=args.decode_steps,
                                enable_prefix_caching=False, prefill_buckets=[(4, 32)], **kinds[name])
-        instrument(name, engs[name], log)
+        instrument(name, engs[name], log, old=name == "adaptive_old")
     prompts = text_prompts(next(iter(engs.values())).tokenizer, B, args.prompt_len)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, seed=0)
     for name, eng in engs.items():
@@ -137,13 +143,29 @@ def main(argv=None):
             lambda c: (c["engine"], c["draft_len"], None if c["stale"] is None else min(c["stale"], 99), c["iters"]))
     print("by engine / draft length:")
     summary([c for c in timed if not c["with_prefill"]], lambda c: (c["engine"], c["draft_len"]))
+    plain = [c for c in timed if c["engine"] == "plain" and not c["with_prefill"] and c["iters"] == args.decode_steps]
+    p_ms = statistics.median(1e3 * c["s"] / c["iters"] for c in plain) if plain else None
+    for name in engs:
+        full = [c for c in timed if c["engine"] == name and c["draft_len"] and not c["with_prefill"]
+                and c["iters"] == args.decode_steps]
+        if full and p_ms:
+            acc = sum(c["accepted"] for c in full) / max(1, sum(c["verifies"] for c in full))
+            print(f"{name}: full drafting calls {len(full)}, median {statistics.median(1e3 * c['s'] / c['iters'] for c in full) / p_ms:.2f}x "
+                  f"the plain engine's median full call per iteration, at {acc:.2f} accepted drafts per verification")
     for name, eng in engs.items():
+        pol = eng.speculation
+        if pol.mode == "adaptive":
+            ck = pol.costs[pol.block]
+            mean = pol.engine_mean
+            print(f"{name}: model ratio at no extra rows {ck.ratio:.2f}, per extra row {ck.row_ratio:.2f}, at the "
+                  f"engine mean {mean:.2f} accepted: {pol.current_costs([mean] * B)[pol.block] / pol.costs[0].seconds:.2f}x")
         m = eng.metrics_snapshot()
         print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in m.items() if k.startswith("spec_")
                      and k not in ("spec_accepted_per_pos",)})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "tokens_per_s": tps, "calls": log}, f, indent=1)
+            json.dump({"args": vars(args), "tokens_per_s": tps,
+                       "metrics": {n: e.metrics_snapshot() for n, e in engs.items()}, "calls": log}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,20 @@ def test_a_drafting_call_that_accepted_much_does_not_read_as_the_cost_of_draftin
     assert old.current_costs([0.5])[5] > 1.5 and old.choose([_measured(_Seq("b"), 0.5)]) == 0
 
 
+def test_a_call_whose_rows_finished_early_is_not_averaged_in():
+    """A request's last call ends when its rows finish, before the iterations it was planned for; its per-iteration
+    cost carries the call's fixed cost over fewer iterations (demo, CPU, batch 1: 1-iteration drafting calls 56-70
+    ms, 4-iteration ones ~100) and is not a sample of what the next call costs."""
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)
+    pol.observe(0, 4.0, 4, [], planned_iters=4)
+    pol.observe(5, 5.2, 4, [], planned_iters=4)
+    pol.observe(5, 2.7, 1, [], planned_iters=4)        # ran 1 of 4: its rows finished
+    pol.observe(0, 1.9, 2, [], planned_iters=4)
+    assert pol.costs[5].ratio == pytest.approx(1.3) and pol.costs[0].seconds == pytest.approx(1.0)
+    pol.observe(0, 3.3, 3, [], planned_iters=3)        # planned for 3 (the request's last tokens): a sample
+    assert pol.costs[0].seconds == pytest.approx(0.7 * 1.0 + 0.3 * 1.1)
+
+
 def test_the_batched_verify_cost_does_not_follow_acceptance():
     """Without the sequential verify every drafting iteration runs all block + 1 rows: no rows are charged."""
     pol = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)

@@ -12,7 +12,11 @@ Two things are measured while serving:
   ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice (drafting only
   while the acceptance estimates say it could pay at a plain iteration's cost, its floor). With the
   sequential verify (runner) a drafting iteration stops verifying at the batch's last first rejection, so its
-  cost grows with the acceptance: at none it is about one plain iteration plus the proposal.
+  cost grows with the acceptance: at none it is about one plain iteration plus the proposal. Its samples are
+  therefore taken back to no extra verify rows (a fitted cost per row, ``IterationCost``) and the decision
+  charges the rows expected at the rows' estimates (``expected_extra_rows``). A call whose rows finished before
+  its planned iterations (a request's last) is not averaged in: its per-iteration cost carries the call's fixed
+  cost over fewer iterations.
 * the **acceptance** of every sequence: its accepted drafts and verifications, shrunk toward an engine-wide prior,
   ``(accepted + prior_weight * engine_mean) / (verifications + prior_weight)``. ``engine_mean`` is accepted drafts
   per verification over every request (each verification's weight decaying by ``1 - 1 / engine_horizon`` per
@@ -127,12 +131,17 @@ class IterationCost:
         """The modelled ratio to the reference cost at ``extra_rows`` per iteration."""
         return None if self.ratio is None else self.ratio + self.row_ratio * extra_rows
 
-    def observe(self, seconds: float, iters: int, ref: Optional[float] = None, extra_rows: float = 0.0):
+    def observe(self, seconds: float, iters: int, ref: Optional[float] = None, extra_rows: float = 0.0,
+                full: Optional[int] = None):
+        """``full``: the iterations the call was planned for; one that ran fewer (its rows finished early: a
+        request's last call) is not averaged in once there is a sample: its per-iteration cost carries the call's
+        fixed cost (demo, CPU, batch 1: a 1-iteration drafting call took 56-70 ms, a 4-iteration one ~100: XLA's
+        work hoisted out of the loop) over fewer iterations."""
         if iters <= 0:
             return
         self.samples += 1
         self.since = 0
-        if self.samples <= self.cold:
+        if self.samples <= self.cold or (full and iters < full and self.seconds is not None):
             return
         s, x = seconds / iters, extra_rows / iters
         self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
@@ -282,9 +291,10 @@ class SpeculationPolicy:
         return expected_tokens(self.block, accepted) > expected_tokens(0, accepted) * (1.0 + self.margin)
 
     def observe(self, draft_len: int, seconds: Optional[float], iters: int, per_seq: Iterable = (),
-                verify_rows: Optional[int] = None):
+                verify_rows: Optional[int] = None, planned_iters: Optional[int] = None):
         """A decode call's results: its wall time over ``iters`` iterations, per sequence ``(s, verifies, accepted
-        drafts)``, and (sequential verify) the one-row verify forwards it ran over all its iterations."""
+        drafts)``, (sequential verify) the one-row verify forwards it ran over all its iterations, and the iterations
+        it was planned for (its rows' most)."""
         self.calls += 1
         self.drafted_calls += bool(draft_len)
         if self.mode != "adaptive":
@@ -294,7 +304,7 @@ class SpeculationPolicy:
         if seconds is not None and draft_len in self.costs:
             extra = max(0, verify_rows - iters) if draft_len and verify_rows is not None else 0
             self.costs[draft_len].observe(seconds, iters, ref=self.costs[0].seconds if draft_len else None,
-                                          extra_rows=extra)
+                                          extra_rows=extra, full=planned_iters)
             ck = self.costs[self.block]
             if not draft_len and ck.ratio is None and ck.seconds and self.costs[0].seconds:
                 # the start-up probes: drafting ran first (taken back to no extra rows at the prior's row cost)

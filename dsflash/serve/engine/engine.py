@@ -357,7 +357,7 @@ class LLMEngine:
                 per_seq.append((s, int(dc["drafts"][i]), int(dc["acc_pos"][i].sum())))
         vr = dc.get("verify_rows")
         self.speculation.observe(int(dc["draft_len"]), dc["elapsed_s"], int(dc["iters"]), per_seq,
-                                 None if vr is None else int(vr))
+                                 None if vr is None else int(vr), max((h for _, h in plan.decode), default=None))
 
     # ------------------------------------------------------------------ introspection
     def metrics_snapshot(self) -> dict:
