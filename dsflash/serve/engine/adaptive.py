@@ -125,7 +125,7 @@ class IterationCost:
         w, sx, sy, sxx, sxy = self._fit
         vxx = sxx - sx * sx / w if w > 0 else 0.0
         vxy = sxy - sx * sy / w if w > 0 else 0.0
-        return max(0.0, (vxy + self.row_prior_weight * self.row_prior) / (vxx + self.row_prior_weight))
+        return float(max(0.0, (vxy + self.row_prior_weight * self.row_prior) / (vxx + self.row_prior_weight)))
 
     def at(self, extra_rows: float) -> Optional[float]:
         """The modelled ratio to the reference cost at ``extra_rows`` per iteration."""
