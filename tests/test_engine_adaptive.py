@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dsflash.serve.engine import LLMEngine
-from dsflash.serve.engine.adaptive import SpeculationPolicy, choose_draft_length, expected_tokens
+from dsflash.serve.engine.adaptive import (SpeculationPolicy, choose_draft_length, expected_extra_rows,
+                                          expected_tokens)
 from dsflash.serve.engine.testing import ToyBackend
 from dsflash.serve.types import SamplingParams
 
@@ -155,6 +156,65 @@ def test_drafting_cost_follows_the_plain_cost_as_a_ratio():
     assert pol.current_costs()[3] == pytest.approx(1.3 * pol.costs[0].seconds)
     assert pol.choose([a]) == 0         # 1.3 tokens at 1.3x plain: no (at the stale 1.3 s vs 2.0 s it was yes)
     assert choose_draft_length({d: c.seconds for d, c in pol.costs.items()}, [0.3]) == 3
+
+
+def test_a_drafting_call_that_accepted_much_does_not_read_as_the_cost_of_drafting():
+    """Sequential verify: a drafting iteration's cost grows with the verify rows its acceptance lets run (demo, CPU,
+    batch 1: ~1.16 plain iterations at none, +0.41 per extra row). Its samples are taken back to no extra rows, so one
+    call that accepted 9 drafts in 4 iterations (3.2x plain, which pushed the old EMA of ratios from 1.37 to 1.93)
+    does not make drafting look too dear at the mean acceptance; the model charges the rows expected there."""
+    def policy(sequential):
+        pol = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6,
+                                remeasure_plain_every=10**6, sequential_verify=sequential)
+        pol.observe(0, 4.0, 4, [])                       # plain: 1.0 per iteration
+        for extra in (0, 1, 3, 2, 9):                    # drafting calls of 4 iterations, extra verify rows
+            pol.observe(5, 4 * 1.16 + 0.41 * extra, 4, [], 4 + extra)
+        return pol
+    pol = policy(True)
+    a = _measured(_Seq("a"), 0.5)
+    assert pol.costs[5].row_ratio == pytest.approx(0.41, abs=0.05)
+    assert pol.costs[5].ratio == pytest.approx(1.16, abs=0.05)
+    assert pol.current_costs([0.6])[5] == pytest.approx(1.16 + 0.41 * 0.6, abs=0.05)
+    assert pol.current_costs([0.0])[5] == pytest.approx(1.16, abs=0.05)
+    assert pol.choose([a]) == 5                          # 1.5 tokens at ~1.37x plain
+    # the same samples without the row counts (the old model: an EMA of whole-call ratios) said plain here
+    old = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6,
+                            remeasure_plain_every=10**6)
+    old.observe(0, 4.0, 4, [])
+    for extra in (0, 1, 3, 2, 9):
+        old.observe(5, 4 * 1.16 + 0.41 * extra, 4, [])
+    assert old.current_costs([0.5])[5] > 1.5 and old.choose([_measured(_Seq("b"), 0.5)]) == 0
+
+
+def test_a_call_whose_rows_finished_early_is_not_averaged_in():
+    """A request's last call ends when its rows finish, before the iterations it was planned for; its per-iteration
+    cost carries the call's fixed cost over fewer iterations (demo, CPU, batch 1: 1-iteration drafting calls 56-70
+    ms, 4-iteration ones ~100) and is not a sample of what the next call costs."""
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)
+    pol.observe(0, 4.0, 4, [], planned_iters=4)
+    pol.observe(5, 5.2, 4, [], planned_iters=4)
+    pol.observe(5, 2.7, 1, [], planned_iters=4)        # ran 1 of 4: its rows finished
+    pol.observe(0, 1.9, 2, [], planned_iters=4)
+    assert pol.costs[5].ratio == pytest.approx(1.3) and pol.costs[0].seconds == pytest.approx(1.0)
+    pol.observe(0, 3.3, 3, [], planned_iters=3)        # planned for 3 (the request's last tokens): a sample
+    assert pol.costs[0].seconds == pytest.approx(0.7 * 1.0 + 0.3 * 1.1)
+
+
+def test_the_batched_verify_cost_does_not_follow_acceptance():
+    """Without the sequential verify every drafting iteration runs all block + 1 rows: no rows are charged."""
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_every=10**6)
+    pol.observe(0, 1.0, 1, [])
+    pol.observe(5, 1.4, 1, [])
+    assert pol.current_costs([0.0])[5] == pytest.approx(1.4) and pol.current_costs([3.0])[5] == pytest.approx(1.4)
+
+
+def test_expected_extra_rows_is_the_longest_accepted_prefix():
+    assert expected_extra_rows(5, []) == 0 and expected_extra_rows(5, [0.0, 0.0]) == 0
+    assert expected_extra_rows(5, [0.6]) == pytest.approx(0.6)             # one row: its estimate
+    assert expected_extra_rows(5, [0.0, 2.0]) == pytest.approx(2.0)
+    assert expected_extra_rows(5, [5.0, 5.0, 9.0]) == pytest.approx(5.0)   # all accepted: every row runs
+    many = expected_extra_rows(5, [0.6] * 8)                                # the max of 8 is more than the mean
+    assert 0.6 < many < 5.0 and many > expected_extra_rows(5, [0.6] * 2)
 
 
 def test_always_and_off_never_adapt():
@@ -393,3 +453,26 @@ def test_sequential_verify_stops_at_the_last_first_rejection(accept_until, forwa
     np.testing.assert_array_equal(np.asarray(out["logits"][:, :forwards]), np.asarray(full["logits"][:, :forwards]))
     assert not np.asarray(out["logits"][:, forwards:]).any()
     np.testing.assert_array_equal(np.asarray(out["seen"]), np.where(np.arange(K1) < forwards, np.arange(K1) + 1, 0)[None].repeat(S_, 0))
+
+
+def test_a_decode_call_reports_the_verify_rows_it_ran():
+    """The cost model's extra rows: the decode result's ``verify_rows`` is the one-row verify forwards it ran."""
+    import jax
+
+    class SlotCountingToy(CountingToy):     # the counter as a per-slot leaf (the engine's snapshot layout)
+        def init_state(self, geo):
+            return {**super().init_state(geo), "n_fwd": jnp.zeros((geo.num_slots, 1), jnp.int32)}
+
+    eng = LLMEngine(SlotCountingToy(), speculative_mode="always", sequential_verify=True, **COMMON)
+    r, seen = eng.runner, []
+    orig = r.decode
+
+    def decode(inp, d=None):
+        n0 = int(r.state["n_fwd"][0, 0])
+        res = jax.device_get(orig(inp, d))
+        seen.append((int(r.state["n_fwd"][0, 0]) - n0, int(res["verify_rows"]), int(res["iters"])))
+        return res
+    r.decode = decode
+    _run(eng, PROMPTS, tag="v")
+    assert seen and all(fwd == rows for fwd, rows, _ in seen), seen
+    assert any(rows > it for _, rows, it in seen)      # the toy's drafts verify: some calls ran extra rows

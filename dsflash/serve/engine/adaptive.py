@@ -12,7 +12,11 @@ Two things are measured while serving:
   ``remeasure_every`` (drafting) calls is run once again so a stale cost cannot lock the choice (drafting only
   while the acceptance estimates say it could pay at a plain iteration's cost, its floor). With the
   sequential verify (runner) a drafting iteration stops verifying at the batch's last first rejection, so its
-  cost grows with the acceptance: at none it is about one plain iteration plus the proposal.
+  cost grows with the acceptance: at none it is about one plain iteration plus the proposal. Its samples are
+  therefore taken back to no extra verify rows (a fitted cost per row, ``IterationCost``) and the decision
+  charges the rows expected at the rows' estimates (``expected_extra_rows``). A call whose rows finished before
+  its planned iterations (a request's last) is not averaged in: its per-iteration cost carries the call's fixed
+  cost over fewer iterations.
 * the **acceptance** of every sequence: its accepted drafts and verifications, shrunk toward an engine-wide prior,
   ``(accepted + prior_weight * engine_mean) / (verifications + prior_weight)``. ``engine_mean`` is accepted drafts
   per verification over every request (each verification's weight decaying by ``1 - 1 / engine_horizon`` per
@@ -39,6 +43,8 @@ from __future__ import annotations
 
 import logging
 from typing import Iterable, Mapping, Optional, Sequence
+
+import numpy as np
 
 log = logging.getLogger("dsflash.serve.engine")
 
@@ -71,27 +77,79 @@ def choose_draft_length(costs: Mapping[int, float], accepted: Sequence[float], m
     return best
 
 
+def expected_extra_rows(draft_len: int, accepted: Sequence[float]) -> float:
+    """Expected one-row verify forwards past the first of a sequential-verify iteration (runner: row ``j + 1`` runs
+    while some row accepted drafts ``0 .. j``): ``E[max over rows of the accepted prefix]``. Each row's accepted
+    prefix ``L`` is taken as geometric, ``P(L >= j) = r ** j`` with ``E[min(L, draft_len)] =`` its estimate (the demo
+    draft's first positions: 0.27, 0.12, 0.07, 0.05, 0.02); one row: its estimate."""
+    a = np.clip(np.asarray([x for x in accepted if x > 0], np.float64), 0.0, draft_len)
+    if not draft_len or not a.size:
+        return 0.0
+    if a.size == 1:
+        return float(a[0])
+    j = np.arange(1, draft_len + 1)
+    lo, hi = np.zeros_like(a), np.ones_like(a)
+    for _ in range(30):           # bisection for r: sum_j r ** j = a (increasing in r; r = 1 gives draft_len)
+        mid = (lo + hi) / 2
+        big = (mid[:, None] ** j).sum(1) > a
+        hi, lo = np.where(big, mid, hi), np.where(big, lo, mid)
+    r = (lo + hi) / 2
+    return float((1.0 - np.prod(1.0 - r[:, None] ** j, axis=0)).sum())
+
+
 class IterationCost:
     """EMA of seconds per decode iteration of one program. The first ``cold`` calls are counted but not averaged
     in: a program's first call with running rows is a cold run (the engine's warm-up runs no iteration; on CPU
     the first call of either tiny-model decode program took 3-5x the next ones, docs/engine.md), and one such
-    sample would hold a rarely run program's cost up for a long time."""
+    sample would hold a rarely run program's cost up for a long time.
 
-    def __init__(self, alpha: float, cold: int = 0):
+    Against a reference (plain) cost the samples are also kept as ratios, modelled as ``ratio + row_ratio * x``
+    with ``x`` the call's extra verify rows per iteration (sequential verify: a drafting iteration's cost grows
+    with the rows its acceptance lets run). ``row_ratio`` is a least-squares slope over the samples (weights decaying
+    by ``1 - 1 / row_horizon``) shrunk toward ``row_prior`` with ``row_prior_weight`` (in rows squared);
+    ``ratio`` is an EMA of the samples taken back to no extra rows, so one call that accepted much (demo, batch
+    1: 9 drafts in 4 iterations, 3.2x plain) no longer reads as the cost of drafting at the mean acceptance."""
+
+    def __init__(self, alpha: float, cold: int = 0, row_prior: float = 0.5, row_prior_weight: float = 1.0,
+                 row_horizon: float = 64.0):
         self.alpha, self.cold, self.seconds, self.samples, self.since = alpha, cold, None, 0, 0
-        self.ratio = None      # EMA of the sample over the reference (plain) cost current when it was taken
+        self.ratio = None      # EMA of the sample over the reference cost, taken back to no extra verify rows
+        self.rows = 0.0        # EMA of extra verify rows per iteration of the samples
+        self.row_prior, self.row_prior_weight = row_prior, row_prior_weight
+        self._decay = 1.0 - 1.0 / max(1.0, row_horizon)
+        self._fit = np.zeros(5)          # weight, sum x, sum y, sum x^2, sum x*y of (extra rows, ratio) samples
 
-    def observe(self, seconds: float, iters: int, ref: Optional[float] = None):
+    @property
+    def row_ratio(self) -> float:
+        """Reference iterations one extra verify row costs (>= 0)."""
+        w, sx, sy, sxx, sxy = self._fit
+        vxx = sxx - sx * sx / w if w > 0 else 0.0
+        vxy = sxy - sx * sy / w if w > 0 else 0.0
+        return float(max(0.0, (vxy + self.row_prior_weight * self.row_prior) / (vxx + self.row_prior_weight)))
+
+    def at(self, extra_rows: float) -> Optional[float]:
+        """The modelled ratio to the reference cost at ``extra_rows`` per iteration."""
+        return None if self.ratio is None else self.ratio + self.row_ratio * extra_rows
+
+    def observe(self, seconds: float, iters: int, ref: Optional[float] = None, extra_rows: float = 0.0,
+                full: Optional[int] = None):
+        """``full``: the iterations the call was planned for; one that ran fewer (its rows finished early: a
+        request's last call) is not averaged in once there is a sample: its per-iteration cost carries the call's
+        fixed cost (demo, CPU, batch 1: a 1-iteration drafting call took 56-70 ms, a 4-iteration one ~100: XLA's
+        work hoisted out of the loop) over fewer iterations."""
         if iters <= 0:
             return
         self.samples += 1
         self.since = 0
-        if self.samples <= self.cold:
+        if self.samples <= self.cold or (full and iters < full and self.seconds is not None):
             return
-        s = seconds / iters
+        s, x = seconds / iters, extra_rows / iters
         self.seconds = s if self.seconds is None else (1 - self.alpha) * self.seconds + self.alpha * s
+        self.rows = (1 - self.alpha) * self.rows + self.alpha * x if self.samples > self.cold + 1 else x
         if ref:
             r = s / ref
+            self._fit = self._decay * self._fit + np.array([1.0, x, r, x * x, x * r])
+            r -= self.row_ratio * x
             self.ratio = r if self.ratio is None else (1 - self.alpha) * self.ratio + self.alpha * r
 
 
@@ -102,7 +160,8 @@ class SpeculationPolicy:
                  initial_weight: float = 8.0, engine_horizon: float = 256.0, ema: float = 0.3,
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
                  remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02,
-                 cold_calls: int = 1, max_backoff: int = 16):
+                 cold_calls: int = 1, max_backoff: int = 16, sequential_verify: bool = False,
+                 row_prior: float = 0.5):
         if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
         self.block = block if mode != "off" else 0
@@ -113,7 +172,11 @@ class SpeculationPolicy:
         # re-measure a program not run for this many calls: plain often (cheap, and a stale plain cost is what
         # could keep a losing draft length), the drafting one rarely (each re-measure costs a verify)
         self.remeasure = {0: remeasure_plain_every, block: remeasure_every}
-        self.costs = {0: IterationCost(ema, cold_calls), self.block: IterationCost(ema, cold_calls)} if self.block else {}
+        self.costs = {0: IterationCost(ema, cold_calls),
+                      self.block: IterationCost(ema, cold_calls, row_prior=row_prior)} if self.block else {}
+        # the runner's sequential verify: a drafting iteration's cost grows with the verify rows its acceptance lets
+        # run (the engine sets this once its runner is built); the batched verify's does not
+        self.sequential_verify = bool(sequential_verify)
         self.draft_len = self.block if self.mode == "always" else 0   # the last decision
         self.calls = self.drafted_calls = 0
         self.requests_stopped = self.requests_reprobed = 0
@@ -176,9 +239,10 @@ class SpeculationPolicy:
         if self.calls_since_draft >= self.reprobe_every * self.backoff * self._wait:   # nothing drafted: probe
             self.calls_since_draft = 0     # one drafting call (its verifications update the estimates), not an
             self._reprobing = True         # optimistic prior for every new request
-        d = self._decide([self.estimate(s) for s in seqs])
+        accepted = [self.estimate(s) for s in seqs]
+        d = self._decide(accepted)
         if d != self.draft_len:
-            c = {k: (None if v.seconds is None else round(1e3 * v.seconds, 2)) for k, v in self.costs.items()}
+            c = {k: (None if v is None else round(1e3 * v, 2)) for k, v in self.current_costs(accepted).items()}
             log.info("speculation: draft length %d -> %d (ms per iteration by draft length %s, %d rows, "
                      "expected accepted drafts per verification %.2f)", self.draft_len, d, c, len(seqs),
                      sum(self.estimate(s) for s in seqs) / max(1, len(seqs)))
@@ -190,7 +254,7 @@ class SpeculationPolicy:
             c = self.costs[d]
             if c.seconds is None or c.samples < self.probe_calls:
                 return d
-        best = choose_draft_length(self.current_costs(), accepted, self.margin)
+        best = choose_draft_length(self.current_costs(accepted), accepted, self.margin)
         if self._probed:        # the call before was an exploration probe: back off while probes find nothing
             self.backoff = 1 if best else min(2 * self.backoff, self.max_backoff)
             self._probed = False
@@ -207,16 +271,18 @@ class SpeculationPolicy:
             return 0
         return best
 
-    def current_costs(self) -> dict:
-        """Seconds per iteration by draft length as of now: plain's EMA (re-measured every few calls), drafting's as
-        its measured ratio to the plain cost around it times that. On a shared machine the load moves both, and a
-        rarely run drafting program's absolute EMA is from another load than the plain one's (tiny model, CPU,
-        batch 1: EMAs 9.6 / 9.3 ms, so drafts were chosen at 0.06 expected accepted drafts, when the programs'
-        ratio was 1.34)."""
+    def current_costs(self, accepted: Sequence[float] = ()) -> dict:
+        """Seconds per iteration by draft length as of now, for rows expecting ``accepted`` drafts each: plain's EMA
+        (re-measured every few calls), drafting's as its measured ratio to the plain cost around it times that. On a
+        shared machine the load moves both, and a rarely run drafting program's absolute EMA is from another load
+        than the plain one's (tiny model, CPU, batch 1: EMAs 9.6 / 9.3 ms, so drafts were chosen at 0.06 expected
+        accepted drafts, when the programs' ratio was 1.34). With the sequential verify the ratio is the one at the
+        verify rows these rows are expected to run (``IterationCost``, ``expected_extra_rows``)."""
         c0, ck = self.costs[0], self.costs[self.block]
         if ck.ratio is None or c0.seconds is None:
             return {d: c.seconds for d, c in self.costs.items()}
-        return {0: c0.seconds, self.block: c0.seconds * ck.ratio}
+        x = expected_extra_rows(self.block, accepted) if self.sequential_verify else 0.0
+        return {0: c0.seconds, self.block: c0.seconds * ck.at(x)}
 
     def _could_pay(self, accepted: list) -> bool:
         """Whether drafting could win at these acceptance estimates if it cost no more than a plain iteration (its
@@ -224,9 +290,11 @@ class SpeculationPolicy:
         change the choice (the tiny model's random drafts: the estimates decay to ~0), so it is not probed."""
         return expected_tokens(self.block, accepted) > expected_tokens(0, accepted) * (1.0 + self.margin)
 
-    def observe(self, draft_len: int, seconds: Optional[float], iters: int, per_seq: Iterable = ()):
-        """A decode call's results: its wall time over ``iters`` iterations and, per sequence, ``(s, verifies,
-        accepted drafts)``."""
+    def observe(self, draft_len: int, seconds: Optional[float], iters: int, per_seq: Iterable = (),
+                verify_rows: Optional[int] = None, planned_iters: Optional[int] = None):
+        """A decode call's results: its wall time over ``iters`` iterations, per sequence ``(s, verifies, accepted
+        drafts)``, (sequential verify) the one-row verify forwards it ran over all its iterations, and the iterations
+        it was planned for (its rows' most)."""
         self.calls += 1
         self.drafted_calls += bool(draft_len)
         if self.mode != "adaptive":
@@ -234,10 +302,13 @@ class SpeculationPolicy:
         for d, c in self.costs.items():
             c.since += 1
         if seconds is not None and draft_len in self.costs:
-            self.costs[draft_len].observe(seconds, iters, ref=self.costs[0].seconds if draft_len else None)
+            extra = max(0, verify_rows - iters) if draft_len and verify_rows is not None else 0
+            self.costs[draft_len].observe(seconds, iters, ref=self.costs[0].seconds if draft_len else None,
+                                          extra_rows=extra, full=planned_iters)
             ck = self.costs[self.block]
             if not draft_len and ck.ratio is None and ck.seconds and self.costs[0].seconds:
-                ck.ratio = ck.seconds / self.costs[0].seconds   # the start-up probes: drafting ran first
+                # the start-up probes: drafting ran first (taken back to no extra rows at the prior's row cost)
+                ck.ratio = ck.seconds / self.costs[0].seconds - ck.row_ratio * ck.rows
         self.calls_since_draft = 0 if draft_len else self.calls_since_draft + 1
         if not draft_len:
             return
@@ -274,4 +345,5 @@ class SpeculationPolicy:
                 "spec_engine_accepted_per_verify": self.engine_mean,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
                    for d, c in self.costs.items()},
-                **({"spec_draft_cost_ratio": self.costs[self.block].ratio or 0.0} if self.costs else {})}
+                **({"spec_draft_cost_ratio": self.costs[self.block].ratio or 0.0,
+                    "spec_draft_row_cost_ratio": self.costs[self.block].row_ratio} if self.costs else {})}

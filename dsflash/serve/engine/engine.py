@@ -71,6 +71,7 @@ class LLMEngine:
                                max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths,
                                lazy_draft_context=c.lazy_draft_context,
                                sequential_verify=self._sequential_verify(c))
+        self.speculation.sequential_verify = self.runner.sequential_verify     # its cost grows with acceptance
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
             num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
@@ -354,7 +355,9 @@ class LLMEngine:
             i = s.slot if s.slot is not None else s.last_slot
             if i is not None:
                 per_seq.append((s, int(dc["drafts"][i]), int(dc["acc_pos"][i].sum())))
-        self.speculation.observe(int(dc["draft_len"]), dc["elapsed_s"], int(dc["iters"]), per_seq)
+        vr = dc.get("verify_rows")
+        self.speculation.observe(int(dc["draft_len"]), dc["elapsed_s"], int(dc["iters"]), per_seq,
+                                 None if vr is None else int(vr), max((h for _, h in plan.decode), default=None))
 
     # ------------------------------------------------------------------ introspection
     def metrics_snapshot(self) -> dict:

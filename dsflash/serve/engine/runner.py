@@ -383,6 +383,8 @@ class Runner:
                "iters": jnp.zeros((), jnp.int32)}
         if self.eplb_shape is not None:
             buf["eplb_load"] = jnp.zeros(self.eplb_shape, jnp.float32)
+        if spec and self.sequential_verify:    # one-row verify forwards run (the cost model's extra rows)
+            buf["verify_rows"] = jnp.zeros((), jnp.int32)
 
         def running(i, rows):
             return rows["active"] & (i < row_steps)
@@ -489,6 +491,9 @@ class Runner:
                 nb["drafts"] = buf["drafts"] + (run & ~no_draft).astype(jnp.int32)
                 nb["acc_pos"] = buf["acc_pos"] + (run[:, None] & (jnp.arange(k)[None] < (n - 1)[:, None])).astype(jnp.int32)
             nb["iters"] = buf["iters"] + 1
+            if accepted is not None:       # the early exit ran 1 + the longest accepted prefix of a running row
+                lead = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+                nb["verify_rows"] = buf["verify_rows"] + 1 + jnp.max(jnp.where(run, lead, 0))
             if self.eplb_shape is not None:
                 nb["eplb_load"] = buf["eplb_load"] + out["expert_load"]
             # row state
