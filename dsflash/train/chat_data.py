@@ -220,6 +220,21 @@ def entries(max_answer_chars: int = 400) -> list[Entry]:
     return out
 
 
+def run_tool(name: str, arguments: dict, index: dict[str, Entry] | None = None) -> str:
+    """Execute one of :data:`TOOLS` as the training conversations did (their ``tool`` messages are these results):
+    ``lookup_doc`` -> the entry's answer, ``get_signature`` -> its signature. ``index``: name -> entry (default:
+    :func:`entries`)."""
+    index = {e.name: e for e in entries()} if index is None else index
+    e = index.get(str(arguments.get("name", "")))
+    if name not in ("lookup_doc", "get_signature"):
+        return f"unknown tool {name!r}"
+    if e is None:
+        return f"no documentation found for {arguments.get('name')!r}"
+    if name == "get_signature":
+        return e.signature or f"{e.name} has no signature (a {e.kind})"
+    return e.answer
+
+
 # ---------------------------------------------------------------------------------------------------- conversations
 _Q_TOPIC = ("Tell me about {t}.", "Explain {t} in Python.", "Can you describe {t}?", "What should I know about {t}?",
             "How does {t} work?")

@@ -458,7 +458,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         draft_rows, draft_held = pool(rows, gb, tick), pool(held_src, batch_size, tick)
         if bar is not None:
             bar.close()
-    elif draft_data != "data":
+    elif draft_data not in ("greedy", "data"):        # (greedy with no draft steps: no pool to build)
         raise ValueError(f"draft_data must be 'greedy' or 'data', got {draft_data!r}")
     # index batches (grain shuffles indices either way: the same batches as shuffling the rows themselves)
     dit = iter(data.batches(np.arange(len(draft_rows)), batch_size, seed + 3)) if draft_steps else None
