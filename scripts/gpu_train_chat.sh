@@ -6,7 +6,7 @@
 # call round trip (chat_samples.json). From the repo root, wheels installed on PYTHONPATH (README of the device):
 #
 #   bash scripts/gpu_train_chat.sh train [extra python -m dsflash.train args]   # < 10 min
-#   bash scripts/gpu_train_chat.sh eval [CHECKPOINT]    # < 10 min; default /tmp/chat_run/checkpoint (same machine)
+#   bash scripts/gpu_train_chat.sh eval [CHECKPOINT [spec_eval args]]   # < 10 min; default /tmp/chat_run/checkpoint
 #   bash scripts/gpu_train_chat.sh all [extra args]     # both, one after the other
 #
 # Two phases because the device runs one command for at most 10 minutes. Extra train args come last, so they
@@ -20,7 +20,8 @@ PHASE=${1:-all}; shift || true
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # autotuning off: tiny shapes, and it made the first draft step of gpu_train_draft.sh take 177 s (docs/training.md)
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
-export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 PYTHONPATH=$PWD:${PYTHONPATH:-}
+# JAX_PLATFORMS=cpu from the caller runs the same commands on a CPU (the smoke run in docs/training.md)
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 RUN=/tmp/chat_run
 
@@ -51,8 +52,8 @@ PY
 }
 
 evaluate() {
-  local ck=${1:-$RUN/checkpoint}
-  timeout 330 python3 -m dsflash.train.spec_eval "$ck" --prompts 16 --max-tokens 48 --chat-prompts 16 \
+  local ck=${1:-$RUN/checkpoint}; shift || true
+  timeout 330 python3 -m dsflash.train.spec_eval "$ck" --prompts 16 --max-tokens 48 --chat-prompts 16 "$@" \
     > "$OUT/spec.json" 2> "$OUT/eval.log"
   timeout 200 python3 scripts/chat_samples.py "$ck" > "$OUT/chat_samples.json" 2>> "$OUT/eval.log"
   tail -c 20000 "$OUT/eval.log" > "$OUT/eval.tail" && mv "$OUT/eval.tail" "$OUT/eval.log"

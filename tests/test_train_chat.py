@@ -145,8 +145,7 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     params["engram.token_map"] = jnp.asarray(tmap, jnp.int32)
     info = data.corpus_info(docs)
     export_checkpoint(str(src), cfg, params, str(tokdir), {"config": "mini", "seq_len": 32, "corpus": info,
-                                                           "target_step_kept": 0})
-    np.save(src / "heldout_rows.npy", np.zeros((4, 32), np.int16))
+                                                           "target_step_kept": 0, "draft_steps_run": 7})
     chat = dict(limit=12, per_entry=2, tool_share=0.0, multi_share=0.3)
     m = run.train(str(tmp_path / "sft"), target_from=str(src), docs=docs, sft_steps=12, sft_lr=3e-3,
                   sft_seq_len=256, sft_lm_fraction=0.25, eval_every=6, chat=chat, **SMOKE)
@@ -156,9 +155,10 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     assert np.isfinite([s["heldout_chat_loss"], s["loaded_heldout_chat_loss"], m["loaded_heldout_ppl"]]).all()
     meta = json.load(open(tmp_path / "sft" / "checkpoint" / "training.json"))
     assert meta["sft"]["step_kept"] == s["step_kept"] and meta["loaded_heldout_ppl"] == m["loaded_heldout_ppl"]
+    assert meta["draft_steps_run"] == 7                 # no draft stage: the source's draft and its record stand
     a = dsflash.load(str(src), progress=False)
     b = dsflash.load(str(tmp_path / "sft" / "checkpoint"), progress=False)
-    for k in a.params:                              # a new target, the source's draft unchanged (no draft stage)
+    for k in a.params:                              # a new target; the source's draft, byte for byte
         same = np.array_equal(np.asarray(a.params[k]), np.asarray(b.params[k]))
         assert same if k.startswith("mtp.") or not jnp.issubdtype(a.params[k].dtype, jnp.floating) else True, k
     assert not np.array_equal(np.asarray(a.params["embed.weight"]), np.asarray(b.params["embed.weight"]))

@@ -1,6 +1,10 @@
 """The whole pipeline: data + tokenizer -> target -> DSpark -> export -> reload -> held-out perplexity.
 
     python -m dsflash.train --steps 300 --draft-steps 150 --out runs/demo
+    python -m dsflash.train --target-from dsflash/assets/demo --sft-steps 3000 --draft-steps 0 --out runs/chat
+
+The second form fine-tunes a trained checkpoint's target on chat conversations (``chat_data``, the SFT stage)
+and exports it with that checkpoint's draft (or a retrained one with ``--draft-steps``).
 
 Writes into ``--out``: ``tokenizer/`` (trained tokenizer.json), ``orbax/target`` and ``orbax/draft``
 (float master weights), ``checkpoint/`` (official layout, loadable with ``dsflash.load``), ``loss.png``,
@@ -297,6 +301,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     bad = [k for k in (draft_overrides or {}) if not k.startswith("dspark_")]
     if bad:
         raise ValueError(f"draft_overrides may only change dspark_* fields, got {bad}")
+    if draft_overrides and not draft_steps:
+        raise ValueError("draft_overrides need draft_steps (a draft of other shapes must be trained)")
     if draft_init == "checkpoint" and (target_from is None or draft_overrides):
         raise ValueError("draft_init='checkpoint' needs target_from and no draft_overrides (same draft shapes)")
     os.makedirs(out, exist_ok=True)
@@ -352,6 +358,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         # the served target: stored tensors for the taps, their dequantised floats for the shared embed/head
         m = source["model"]
         served = {k: v for k, v in m.params.items() if not k.startswith("mtp.")}
+        source_draft = {k: v for k, v in m.params.items() if k.startswith("mtp.")}     # stored tensors
         served_precision = "reference"
         tgt, loaded_drf, const = loop.split_params(float_params(m.cfg, m.params))
         if draft_init == "checkpoint":
@@ -421,7 +428,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         from dsflash.api import load
         from dsflash.train.export import export_checkpoint
         sft_ck = os.path.join(out, "sft_checkpoint")
-        export_checkpoint(sft_ck, cfg, {**tgt, **drf, **const}, corpus.folder, dict(source["meta"]))
+        export_checkpoint(sft_ck, cfg, {**tgt, **drf, **const}, corpus.folder, dict(source["meta"]),
+                          keep=None if draft_steps else source_draft)
         m_sft = load(sft_ck, progress=False)
         source = dict(source, model=m_sft)
         served = {k: v for k, v in m_sft.params.items() if not k.startswith("mtp.")}
@@ -544,18 +552,23 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         meta.update(doc_meta)
     keep = None
     if source is not None:
-        # the target's training record is the source's; this run adds the DSpark stage on its served weights
-        meta = dict(source["meta"], **{k: meta[k] for k in ("draft_steps", "draft_steps_run", "draft_data",
-                                                             "draft_lr", "seed")},
-                    draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
-                    target_from=source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from))),
-                    draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
-                    greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill,
-                    draft_corpus=corpus.info)
-        keep = served
+        target_name = source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from)))
+        if draft_steps:
+            # the target's training record is the source's; this run adds the DSpark stage on its served weights
+            meta = dict(source["meta"], **{k: meta[k] for k in ("draft_steps", "draft_steps_run", "draft_data",
+                                                                 "draft_lr", "seed")},
+                        draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
+                        target_from=target_name, draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
+                        greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill,
+                        draft_corpus=corpus.info)
+            keep = served
+        else:                               # no draft stage: the source's draft ships as stored, with its record
+            meta = dict(source["meta"], target_from=target_name)
+            keep = dict(served, **source_draft)
         if sft_meta is not None:
             meta["sft"] = sft_meta
-            meta["draft_taps"] = "served fine-tuned target (stored FP8/MXFP4 weights, reference precision)"
+            if draft_steps:
+                meta["draft_taps"] = "served fine-tuned target (stored FP8/MXFP4 weights, reference precision)"
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
     np.save(os.path.join(ck, "heldout_rows.npy"), ppl_rows.astype(np.int16))   # what the recorded perplexity used
     from dsflash.api import load
