@@ -147,10 +147,10 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     export_checkpoint(str(src), cfg, params, str(tokdir), {"config": "mini", "seq_len": 32, "corpus": info,
                                                            "target_step_kept": 0, "draft_steps_run": 7})
     chat = dict(limit=12, per_entry=2, tool_share=0.0, multi_share=0.3)
-    m = run.train(str(tmp_path / "sft"), target_from=str(src), docs=docs, sft_steps=12, sft_lr=3e-3,
-                  sft_seq_len=256, sft_lm_fraction=0.25, eval_every=6, chat=chat, **SMOKE)
+    m = run.train(str(tmp_path / "sft"), target_from=str(src), docs=docs, sft_steps=8, sft_lr=3e-3,
+                  sft_seq_len=256, sft_lm_fraction=0.25, eval_every=4, chat=chat, **SMOKE)
     s = m["sft"]
-    assert s["steps_run"] == 12 and s["conversations"]["train_rows"] >= 4
+    assert s["steps_run"] == 8 and s["conversations"]["train_rows"] >= 4
     assert s["train_chat_loss"] < s["init_train_chat_loss"] - 1.0, s
     assert np.isfinite([s["heldout_chat_loss"], s["loaded_heldout_chat_loss"], m["loaded_heldout_ppl"]]).all()
     meta = json.load(open(tmp_path / "sft" / "checkpoint" / "training.json"))
@@ -159,8 +159,8 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     a = dsflash.load(str(src), progress=False)
     b = dsflash.load(str(tmp_path / "sft" / "checkpoint"), progress=False)
     for k in a.params:                              # a new target; the source's draft, byte for byte
-        same = np.array_equal(np.asarray(a.params[k]), np.asarray(b.params[k]))
-        assert same if k.startswith("mtp.") or not jnp.issubdtype(a.params[k].dtype, jnp.floating) else True, k
+        if k.startswith("mtp.") or k == "engram.token_map":
+            assert np.array_equal(np.asarray(a.params[k]), np.asarray(b.params[k])), k
     assert not np.array_equal(np.asarray(a.params["embed.weight"]), np.asarray(b.params["embed.weight"]))
     assert os.path.exists(tmp_path / "sft" / "checkpoint" / "heldout_rows.npy")
     with pytest.raises(ValueError, match="target_from"):

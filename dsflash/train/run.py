@@ -209,7 +209,9 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
         r["heldout_loss"] = math.log(loop.perplexity(p, cfg, held, doc_batch_size, precision))
         return r
 
+    t0 = time.time()
     evals = {0: evaluate(tgt, {"stage": "sft", "step": 0})}
+    evals[0]["t"] = round(time.time() - t0, 1)
     record(evals[0])
     best = (math.inf, 0, None)              # (held-out chat loss, step, host copy of the weights)
     bar = _bar(steps, "sft", quiet)
@@ -224,7 +226,7 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
         w = _sft_weights(msk, n_chat, lm_fraction)
         tgt, opt_state, loss = loop.sft_step(tgt, opt_state, const, cfg, jnp.asarray(tok), jnp.asarray(w),
                                              precision, opt)
-        r = {"stage": "sft", "step": step, "loss": float(loss)}
+        r = {"stage": "sft", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
         if step == 1:
             t_stage = time.time()       # the budget counts training, not the first step's compile
         out_of_time = _over_budget(t_stage, max_seconds)
