@@ -252,7 +252,8 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
         tgt, kept = {k: jnp.asarray(v) for k, v in best[2].items()}, best[1]
     meta = {"steps": steps, "steps_run": done, "step_kept": kept, "lr": lr, "seq_len": seq_len,
             "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat,
-            "conversations": info, "chat_options": dict(chat)}
+            "conversations": info, "chat_options": dict(chat),
+            "heldout_doc_rows": len(held)}     # heldout_loss: documentation CE over these first perplexity rows
     for k in ("heldout_chat_loss", "heldout_loss", "train_chat_loss"):     # float weights, before / kept
         meta[f"init_{k}"], meta[k] = evals[0][k], evals[kept][k]
     return tgt, meta, (hrows, hmask)
@@ -424,7 +425,6 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
             max_seconds=max_sft_seconds, quiet=quiet)
         save_orbax(os.path.join(out, "orbax", "target"), tgt)
-        sft_meta["float_heldout_ppl"] = math.exp(sft_meta["heldout_loss"])
         # from here on the fine-tuned target is the served one: exported (FP8/MXFP4), loaded back, and its stored
         # tensors give the draft its taps and chains and are written unchanged into the final export
         from dsflash.api import load
