@@ -425,17 +425,19 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
             max_seconds=max_sft_seconds, quiet=quiet)
         save_orbax(os.path.join(out, "orbax", "target"), tgt)
-        # from here on the fine-tuned target is the served one: exported (FP8/MXFP4), loaded back, and its stored
-        # tensors give the draft its taps and chains and are written unchanged into the final export
-        from dsflash.api import load
-        from dsflash.train.export import export_checkpoint
-        sft_ck = os.path.join(out, "sft_checkpoint")
-        export_checkpoint(sft_ck, cfg, {**tgt, **drf, **const}, corpus.folder, dict(source["meta"]),
-                          keep=None if draft_steps else source_draft)
-        m_sft = load(sft_ck, progress=False)
-        source = dict(source, model=m_sft)
-        served = {k: v for k, v in m_sft.params.items() if not k.startswith("mtp.")}
-        tgt, _, const = loop.split_params(float_params(m_sft.cfg, m_sft.params))
+        if draft_steps:
+            # the draft trains on the fine-tuned target as served: exported (FP8/MXFP4) and loaded back; its stored
+            # tensors give the draft its taps and chains and are written unchanged into the final export
+            from dsflash.api import load
+            from dsflash.train.export import export_checkpoint
+            sft_ck = os.path.join(out, "sft_checkpoint")
+            export_checkpoint(sft_ck, cfg, {**tgt, **drf, **const}, corpus.folder, dict(source["meta"]))
+            m_sft = load(sft_ck, progress=False)
+            source = dict(source, model=m_sft)
+            served = {k: v for k, v in m_sft.params.items() if not k.startswith("mtp.")}
+            tgt, _, const = loop.split_params(float_params(m_sft.cfg, m_sft.params))
+        else:
+            served = {}                     # the final export quantises the fine-tuned target itself
 
     # ---- DSpark on the frozen target
     frozen = {**tgt, **const}
