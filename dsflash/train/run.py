@@ -189,12 +189,13 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
     if n_chat < 1 or len(rows) < n_chat or (n_lm and len(lm_rows) < n_lm):
         raise ValueError(f"sft: {len(rows)} chat rows and {len(lm_rows)} documentation rows of {seq_len} tokens "
                          f"cannot fill batches of {n_chat} chat + {n_lm} documentation rows")
-    if not len(hrows):
-        hrows, hmask = rows[-n_chat:], mask[-n_chat:]      # tiny runs (tests): no held-out conversation fits
-    hrows, hmask = _pad_rows(hrows, hmask, batch_size)
-    trows, tmask = _pad_rows(rows[:batch_size], mask[:batch_size], batch_size)
     info = dict(chat_data.info(convs), dropped_too_long=drop_tr + drop_he, train_rows=len(rows),
                 heldout_rows=len(hrows), chat_train_tokens=int(mask.sum()), chat_heldout_tokens=int(hmask.sum()))
+    if not len(hrows):
+        hrows, hmask = rows[-n_chat:], mask[-n_chat:]      # tiny runs (tests): no held-out conversation fits
+        info["heldout_from_train_rows"] = len(hrows)
+    hrows, hmask = _pad_rows(hrows, hmask, batch_size)
+    trows, tmask = _pad_rows(rows[:batch_size], mask[:batch_size], batch_size)
     if not quiet:
         print(f"sft: {info}", flush=True)
     opt = loop.make_optimizer(lr, steps)
@@ -420,7 +421,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         if not draft_steps and not draft_overrides:
             drf = loaded_drf                # no draft stage: the checkpoint's draft ships with the new target
         tgt, sft_meta, chat_held = _sft(
-            tgt, const, cfg, corpus, ppl_rows[: eval_batches * batch_size], record, steps=sft_steps, lr=sft_lr, seq_len=sft_seq_len,
+            tgt, const, cfg, corpus, ppl_rows[: eval_batches * batch_size], record, steps=sft_steps, lr=sft_lr,
+            seq_len=sft_seq_len,
             batch_size=sft_batch_size or batch_size, lm_fraction=sft_lm_fraction, chat=dict(chat or {}),
             precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
             max_seconds=max_sft_seconds, quiet=quiet)
