@@ -71,9 +71,9 @@ def plot_losses(path: str, log: list[dict]) -> None:
             ax.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r], lw=0.6,
                     alpha=0.5, label="train total (CE + 0.5 distill + 0.1 conf)")
         if tr:
-            ax.plot(*zip(*tr), lw=0.8, label="train CE")
+            ax.plot(*zip(*tr), lw=0.8, label="train loss (mixed)" if stage == "sft" else "train CE")
         if ev:
-            ax.plot(*zip(*ev), "o-", label="held-out CE")
+            ax.plot(*zip(*ev), "o-", label="held-out chat CE" if stage == "sft" else "held-out CE")
         ax.set_title(f"{stage}: " + {"draft": "CE of the Markov-chained drafts (teacher forced)",
                                      "sft": "(1-F) chat CE + F doc CE; held-out: chat"}.get(stage, "next-token CE"))
         ax.set_xlabel("step")
