@@ -89,7 +89,7 @@ def _paragraphs(text: str) -> list[str]:
     """Blank-line separated paragraphs; prose is unwrapped to one line, indented blocks (code, grammar) kept;
     section headings (a line over ``====``) and version notes dropped."""
     out = []
-    for p in re.split(r"\n\s*\n", text.strip()):
+    for p in re.split(r"\n\s*\n", text.strip("\n")):       # not strip(): a leading code block keeps its indent
         lines = p.split("\n")
         while len(lines) >= 2 and _UNDERLINE.match(lines[1]):
             lines = lines[2:]
