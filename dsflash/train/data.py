@@ -143,9 +143,14 @@ def split_documents(docs: list[str], heldout_every: int = 20) -> tuple[list[str]
     """Deterministic held-out split by document: every ``heldout_every``-th document (by content hash)."""
     train, held = [], []
     for d in docs:
-        k = int(hashlib.md5(d.encode("utf-8")).hexdigest()[:8], 16)
-        (held if k % heldout_every == 0 else train).append(d)
+        (held if is_heldout(d, heldout_every) else train).append(d)
     return train, held
+
+
+def is_heldout(doc: str, heldout_every: int = 20) -> bool:
+    """The split rule of :func:`split_documents` for one document (its MD5 is 0 mod ``heldout_every``); the chat
+    conversations (``chat_data``) use it on the document each one is built from, so both splits agree."""
+    return int(hashlib.md5(doc.encode("utf-8")).hexdigest()[:8], 16) % heldout_every == 0
 
 
 def train_tokenizer(folder: str | os.PathLike, docs: list[str], vocab_size: int, image_token_id: int) -> str:

@@ -85,6 +85,38 @@ def eval_nll(params, cfg, tokens, precision):
     return jnp.sum(nll), nll.size
 
 
+# ------------------------------------------------------------------ supervised fine-tuning (chat)
+def sft_loss(trainable, const, cfg, tokens, weights, precision):
+    """``sum(weights * NLL)``: ``weights`` ``[B, S-1]`` weigh the prediction of ``tokens[:, 1:]`` (zero off the
+    assistant tokens of chat rows; the caller normalises them, see ``run._sft_weights``)."""
+    return jnp.sum(weights * token_nll({**trainable, **const}, cfg, tokens, precision))
+
+
+@compile_options.jit(static_argnums=(3, 6, 7), donate_argnums=(0, 1))
+def sft_step(trainable, opt_state, const, cfg, tokens, weights, precision, opt):
+    loss, g = jax.value_and_grad(sft_loss)(trainable, const, cfg, tokens, weights, precision)
+    upd, opt_state = opt.update(g, opt_state, trainable)
+    return optax.apply_updates(trainable, upd), opt_state, loss
+
+
+@compile_options.jit(static_argnums=(1, 4))
+def eval_masked_nll(params, cfg, tokens, mask, precision):
+    """Summed NLL of the tokens ``mask`` marks (``[B, S]``; token 0 of a row is never predicted) and their count."""
+    m = mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(m * token_nll(params, cfg, tokens, precision)), jnp.sum(m)
+
+
+def masked_loss(params, cfg, rows: np.ndarray, mask: np.ndarray, batch_size: int, precision: str) -> float:
+    """Mean NLL per masked token over ``rows`` (whole batches; the tail that does not fill one is dropped)."""
+    tot, n = 0.0, 0.0
+    for i in range(0, len(rows) - batch_size + 1, batch_size):
+        s, c = eval_masked_nll(params, cfg, jnp.asarray(rows[i:i + batch_size]), jnp.asarray(mask[i:i + batch_size]),
+                               precision)
+        tot += float(s)
+        n += float(c)
+    return tot / max(n, 1.0)
+
+
 # ------------------------------------------------------------------ DSpark
 def draft_logits(params, cfg: ModelConfig, taps, tokens, anchors, precision):
     """Teacher-forced Markov-chained draft logits ``[B*J, block, V]`` (+ x_hat, markov embeddings).

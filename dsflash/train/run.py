@@ -1,6 +1,10 @@
 """The whole pipeline: data + tokenizer -> target -> DSpark -> export -> reload -> held-out perplexity.
 
     python -m dsflash.train --steps 300 --draft-steps 150 --out runs/demo
+    python -m dsflash.train --target-from dsflash/assets/demo --sft-steps 3000 --draft-steps 0 --out runs/chat
+
+The second form fine-tunes a trained checkpoint's target on chat conversations (``chat_data``, the SFT stage)
+and exports it with that checkpoint's draft (or a retrained one with ``--draft-steps``).
 
 Writes into ``--out``: ``tokenizer/`` (trained tokenizer.json), ``orbax/target`` and ``orbax/draft``
 (float master weights), ``checkpoint/`` (official layout, loadable with ``dsflash.load``), ``loss.png``,
@@ -53,20 +57,25 @@ def plot_losses(path: str, log: list[dict]) -> None:
         return
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, stage in zip(axes, ("target", "draft")):
+    first = "sft" if any(r["stage"] == "sft" for r in log) else "target"     # target_from: no target stage
+    for ax, stage in zip(axes, (first, "draft")):
         rows = [r for r in log if r["stage"] == stage]
         key = "ce" if stage == "draft" else "loss"     # the draft's held-out number is its data CE
         tr = [(r["step"], r[key]) for r in rows if key in r]
-        ev = [(r["step"], r["heldout_loss"]) for r in rows if "heldout_loss" in r]
+        held_key = "heldout_chat_loss" if stage == "sft" else "heldout_loss"
+        ev = [(r["step"], r[held_key]) for r in rows if held_key in r]
+        if stage == "sft":
+            ax.plot(*zip(*[(r["step"], r["heldout_loss"]) for r in rows if "heldout_loss" in r]), "s--",
+                    label="held-out documentation CE")
         if stage == "draft" and rows:
             ax.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r], lw=0.6,
                     alpha=0.5, label="train total (CE + 0.5 distill + 0.1 conf)")
         if tr:
-            ax.plot(*zip(*tr), lw=0.8, label="train CE")
+            ax.plot(*zip(*tr), lw=0.8, label="train loss (mixed)" if stage == "sft" else "train CE")
         if ev:
-            ax.plot(*zip(*ev), "o-", label="held-out CE")
-        ax.set_title(f"{stage}: " + ("CE of the Markov-chained drafts (teacher forced)" if stage == "draft"
-                                     else "next-token CE"))
+            ax.plot(*zip(*ev), "o-", label="held-out chat CE" if stage == "sft" else "held-out CE")
+        ax.set_title(f"{stage}: " + {"draft": "CE of the Markov-chained drafts (teacher forced)",
+                                     "sft": "(1-F) chat CE + F doc CE; held-out: chat"}.get(stage, "next-token CE"))
         ax.set_xlabel("step")
         if rows:                        # target_from: no target stage, an empty panel
             ax.legend()
@@ -138,6 +147,119 @@ def _target_cache(src, cfg, rows: np.ndarray, batch_size: int, precision: str, o
     return dict(buf, offset=jnp.int32(offset))
 
 
+def _pad_rows(rows: np.ndarray, mask: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows up to a whole number of batches, the added rows unmasked (an evaluation then sees every row)."""
+    n = -len(rows) % batch_size
+    if n == 0:
+        return rows, mask
+    return (np.concatenate([rows, np.zeros((n, rows.shape[1]), rows.dtype)]),
+            np.concatenate([mask, np.zeros((n, mask.shape[1]), bool)]))
+
+
+def _sft_weights(mask: np.ndarray, n_chat: int, lm_fraction: float) -> np.ndarray:
+    """``[B, S-1]`` weights of the next-token NLLs of a mixed batch (its first ``n_chat`` rows chat, the rest
+    documentation): loss = (1 - lm_fraction) x the mean CE of the chat rows' assistant tokens + lm_fraction x the
+    mean CE of the documentation rows' tokens, so the fraction means the same whatever the token counts."""
+    m = mask[:, 1:].astype(np.float32)
+    w = np.zeros_like(m)
+    chat, lm = m[:n_chat], m[n_chat:]
+    if chat.sum():
+        w[:n_chat] = (1.0 - lm_fraction if len(lm) else 1.0) * chat / chat.sum()
+    if len(lm) and lm.sum():
+        w[n_chat:] = lm_fraction * lm / lm.sum()
+    return w
+
+
+def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps: int, lr: float, seq_len: int,
+         batch_size: int, lm_fraction: float, chat: dict, precision: str, seed: int, eval_every: int,
+         doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool) -> tuple[dict, dict, tuple]:
+    """Supervised fine-tuning of the target's float weights on chat conversations (``chat_data``) mixed with
+    documentation rows. Every ``eval_every`` steps: the held-out chat loss (assistant tokens of the held-out
+    conversations), the held-out documentation loss (the perplexity rows) and the chat loss on the first training
+    rows. -> (the weights of the step with the lowest held-out chat loss (``keep_best``) or the last one, the stage's
+    record, the held-out chat rows and mask)."""
+    from dsflash.train import chat_data
+    convs = chat_data.conversations(seed=seed, **chat)
+    train_c, held_c = chat_data.split(convs)
+    rows, mask, drop_tr = chat_data.chat_rows(corpus.tokenizer, train_c, seq_len, seed)
+    hrows, hmask, drop_he = chat_data.chat_rows(corpus.tokenizer, held_c, seq_len, seed)
+    n_lm = round(lm_fraction * batch_size)
+    n_chat = batch_size - n_lm
+    lm_rows = data.pack(corpus.train_stream, seq_len)
+    if n_chat < 1 or len(rows) < n_chat or (n_lm and len(lm_rows) < n_lm):
+        raise ValueError(f"sft: {len(rows)} chat rows and {len(lm_rows)} documentation rows of {seq_len} tokens "
+                         f"cannot fill batches of {n_chat} chat + {n_lm} documentation rows")
+    info = dict(chat_data.info(convs), dropped_too_long=drop_tr + drop_he, train_rows=len(rows),
+                heldout_rows=len(hrows), chat_train_tokens=int(mask.sum()), chat_heldout_tokens=int(hmask.sum()))
+    if not len(hrows):
+        hrows, hmask = rows[-n_chat:], mask[-n_chat:]      # tiny runs (tests): no held-out conversation fits
+        info["heldout_from_train_rows"] = len(hrows)
+    hrows, hmask = _pad_rows(hrows, hmask, batch_size)
+    trows, tmask = _pad_rows(rows[:batch_size], mask[:batch_size], batch_size)
+    if not quiet:
+        print(f"sft: {info}", flush=True)
+    opt = loop.make_optimizer(lr, steps)
+    opt_state = opt.init(tgt)
+    cit = iter(data.batches(np.arange(len(rows)), n_chat, seed + 6))
+    lit = iter(data.batches(np.arange(len(lm_rows)), n_lm, seed + 7)) if n_lm else None
+
+    def evaluate(p, r):
+        p = {**p, **const}
+        r["heldout_chat_loss"] = loop.masked_loss(p, cfg, hrows, hmask, batch_size, precision)
+        r["train_chat_loss"] = loop.masked_loss(p, cfg, trows, tmask, batch_size, precision)
+        r["heldout_loss"] = math.log(loop.perplexity(p, cfg, held, doc_batch_size, precision))
+        return r
+
+    t0 = time.time()
+    evals = {0: evaluate(tgt, {"stage": "sft", "step": 0})}
+    evals[0]["t"] = round(time.time() - t0, 1)
+    record(evals[0])
+    best = (math.inf, 0, None)              # (held-out chat loss, step, host copy of the weights)
+    bar = _bar(steps, "sft", quiet)
+    t_stage, done = time.time(), 0
+    for step in range(1, steps + 1):
+        ci = np.asarray(next(cit))
+        tok, msk = rows[ci], mask[ci]
+        if n_lm:
+            li = np.asarray(next(lit))
+            tok = np.concatenate([tok, lm_rows[li]])
+            msk = np.concatenate([msk, np.ones((n_lm, seq_len), bool)])
+        w = _sft_weights(msk, n_chat, lm_fraction)
+        tgt, opt_state, loss = loop.sft_step(tgt, opt_state, const, cfg, jnp.asarray(tok), jnp.asarray(w),
+                                             precision, opt)
+        r = {"stage": "sft", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
+        if step == 1:
+            t_stage = time.time()       # the budget counts training, not the first step's compile
+        out_of_time = _over_budget(t_stage, max_seconds)
+        if step % eval_every == 0 or step == steps or out_of_time:
+            evals[step] = evaluate(tgt, r)
+            if keep_best and r["heldout_chat_loss"] < best[0]:
+                best = (r["heldout_chat_loss"], step, {k: np.asarray(v) for k, v in tgt.items()})
+        record(r)
+        done = step
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", **({"chat": f"{r['heldout_chat_loss']:.3f}"}
+                                                         if "heldout_chat_loss" in r else {}), refresh=False)
+        if out_of_time:
+            print(f"sft: time budget {max_seconds:.0f} s reached after {step} of {steps} steps", flush=True)
+            break
+    if bar is not None:
+        bar.close()
+    kept = done
+    if best[2] is not None and best[1] != done:
+        print(f"sft: keeping step {best[1]} (held-out chat loss {best[0]:.4f}, the lowest; the last step's is "
+              "higher: overfitting)", flush=True)
+        tgt, kept = {k: jnp.asarray(v) for k, v in best[2].items()}, best[1]
+    meta = {"steps": steps, "steps_run": done, "step_kept": kept, "lr": lr, "seq_len": seq_len,
+            "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat,
+            "conversations": info, "chat_options": dict(chat),
+            "heldout_doc_rows": len(held)}     # heldout_loss: documentation CE over these first perplexity rows
+    for k in ("heldout_chat_loss", "heldout_loss", "train_chat_loss"):     # float weights, before / kept
+        meta[f"init_{k}"], meta[k] = evals[0][k], evals[kept][k]
+    return tgt, meta, (hrows, hmask)
+
+
 def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int = 200, draft_steps: int = 100,
           batch_size: int = 8, seq_len: int = 128, lr: float = 3e-3, draft_lr: float = 3e-3,
           precision: str = "fp32", seed: int = 0, anchors: int = 4, distill: float = 0.5, eval_every: int = 50,
@@ -146,7 +268,9 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           max_target_seconds: float = 0.0, max_draft_seconds: float = 0.0, keep_best: bool = True,
           target_from: str | None = None, draft_init: str = "fresh", draft_overrides: dict | None = None,
           greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True,
-          allow_other_corpus: bool = False) -> dict:
+          allow_other_corpus: bool = False, sft_steps: int = 0, sft_lr: float = 3e-4, sft_seq_len: int = 1024,
+          sft_batch_size: int | None = None, sft_lm_fraction: float = 0.25, max_sft_seconds: float = 0.0,
+          chat: dict | None = None) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -160,8 +284,17 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     most) instead of once per draft step -- same losses (tests/test_train_target_cache.py), less time.
     ``allow_other_corpus`` (target_from only): this machine's corpus differs from the checkpoint's (another
     Python's documents): the draft trains on it, the checkpoint's heldout_rows.npy stays the perplexity rows and
-    the export records both corpora."""
+    the export records both corpora.
+
+    ``sft_steps`` (target_from only): first fine-tune the target on chat conversations (:func:`_sft`, rows of
+    ``sft_seq_len`` tokens, ``sft_batch_size`` rows a step of which ``sft_lm_fraction`` are documentation rows,
+    ``chat``: :func:`chat_data.conversations` options); the fine-tuned target is exported, loaded back and then
+    served to the draft stage (if ``draft_steps``) and re-measured like any target."""
     t0 = time.time()
+    if sft_steps and target_from is None:
+        raise ValueError("sft_steps needs target_from (the SFT stage fine-tunes a trained checkpoint's target)")
+    if not 0.0 <= sft_lm_fraction < 1.0:
+        raise ValueError(f"sft_lm_fraction must be in [0, 1), got {sft_lm_fraction!r}")
     if not 0.0 <= doc_start_fraction <= 1.0:
         raise ValueError(f"doc_start_fraction must be in [0, 1], got {doc_start_fraction!r}")
     if doc_start_fraction and draft_data != "greedy":
@@ -172,6 +305,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     bad = [k for k in (draft_overrides or {}) if not k.startswith("dspark_")]
     if bad:
         raise ValueError(f"draft_overrides may only change dspark_* fields, got {bad}")
+    if draft_overrides and not draft_steps:
+        raise ValueError("draft_overrides need draft_steps (a draft of other shapes must be trained)")
     if draft_init == "checkpoint" and (target_from is None or draft_overrides):
         raise ValueError("draft_init='checkpoint' needs target_from and no draft_overrides (same draft shapes)")
     os.makedirs(out, exist_ok=True)
@@ -227,6 +362,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         # the served target: stored tensors for the taps, their dequantised floats for the shared embed/head
         m = source["model"]
         served = {k: v for k, v in m.params.items() if not k.startswith("mtp.")}
+        source_draft = {k: v for k, v in m.params.items() if k.startswith("mtp.")}     # stored tensors
         served_precision = "reference"
         tgt, loaded_drf, const = loop.split_params(float_params(m.cfg, m.params))
         if draft_init == "checkpoint":
@@ -279,6 +415,32 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     else:
         best_step = source["meta"].get("target_step_kept", 0)
 
+    # ---- supervised fine-tuning on chat conversations (target_from only)
+    sft_meta, chat_held = None, None
+    if sft_steps:
+        if not draft_steps and not draft_overrides:
+            drf = loaded_drf                # no draft stage: the checkpoint's draft ships with the new target
+        tgt, sft_meta, chat_held = _sft(
+            tgt, const, cfg, corpus, ppl_rows[: eval_batches * batch_size], record, steps=sft_steps, lr=sft_lr,
+            seq_len=sft_seq_len,
+            batch_size=sft_batch_size or batch_size, lm_fraction=sft_lm_fraction, chat=dict(chat or {}),
+            precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
+            max_seconds=max_sft_seconds, quiet=quiet)
+        save_orbax(os.path.join(out, "orbax", "target"), tgt)
+        if draft_steps:
+            # the draft trains on the fine-tuned target as served: exported (FP8/MXFP4) and loaded back; its stored
+            # tensors give the draft its taps and chains and are written unchanged into the final export
+            from dsflash.api import load
+            from dsflash.train.export import export_checkpoint
+            sft_ck = os.path.join(out, "sft_checkpoint")
+            export_checkpoint(sft_ck, cfg, {**tgt, **drf, **const}, corpus.folder, dict(source["meta"]))
+            m_sft = load(sft_ck, progress=False)
+            source = dict(source, model=m_sft)
+            served = {k: v for k, v in m_sft.params.items() if not k.startswith("mtp.")}
+            tgt, _, const = loop.split_params(float_params(m_sft.cfg, m_sft.params))
+        else:
+            served = {}                     # the final export quantises the fine-tuned target itself
+
     # ---- DSpark on the frozen target
     frozen = {**tgt, **const}
     dopt = loop.make_optimizer(draft_lr, draft_steps)
@@ -310,7 +472,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         draft_rows, draft_held = pool(rows, gb, tick), pool(held_src, batch_size, tick)
         if bar is not None:
             bar.close()
-    elif draft_data != "data":
+    elif draft_data not in ("greedy", "data"):        # (greedy with no draft steps: no pool to build)
         raise ValueError(f"draft_data must be 'greedy' or 'data', got {draft_data!r}")
     # index batches (grain shuffles indices either way: the same batches as shuffling the rows themselves)
     dit = iter(data.batches(np.arange(len(draft_rows)), batch_size, seed + 3)) if draft_steps else None
@@ -396,27 +558,41 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         meta.update(doc_meta)
     keep = None
     if source is not None:
-        # the target's training record is the source's; this run adds the DSpark stage on its served weights
-        meta = dict(source["meta"], **{k: meta[k] for k in ("draft_steps", "draft_steps_run", "draft_data",
-                                                             "draft_lr", "seed")},
-                    draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
-                    target_from=source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from))),
-                    draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
-                    greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill,
-                    draft_corpus=corpus.info)
-        keep = served
+        target_name = source["meta"].get("target_from", os.path.basename(os.path.abspath(target_from)))
+        if draft_steps:
+            # the target's training record is the source's; this run adds the DSpark stage on its served weights
+            meta = dict(source["meta"], **{k: meta[k] for k in ("draft_steps", "draft_steps_run", "draft_data",
+                                                                 "draft_lr", "seed")},
+                        draft_taps="served target (stored FP8/MXFP4 weights, reference precision)",
+                        target_from=target_name, draft_init=draft_init, draft_overrides=dict(draft_overrides or {}),
+                        greedy_rows=greedy_rows, **doc_meta, anchors=anchors, distill=distill,
+                        draft_corpus=corpus.info)
+            keep = served
+        else:                               # no draft stage: the source's draft ships as stored, with its record
+            meta = dict(source["meta"], target_from=target_name)
+            keep = dict(served, **source_draft)
+        if sft_meta is not None:
+            meta["sft"] = sft_meta
+            if draft_steps:
+                meta["draft_taps"] = "served fine-tuned target (stored FP8/MXFP4 weights, reference precision)"
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
     np.save(os.path.join(ck, "heldout_rows.npy"), ppl_rows.astype(np.int16))   # what the recorded perplexity used
     from dsflash.api import load
     m = load(ck, progress=False)
     loaded_ppl = loop.perplexity(m.params, cfg, ppl_rows, batch_size, "reference")
     _, hits = draft_eval({k: v for k, v in m.params.items() if k.startswith("mtp.")}) if draft_steps else (0, [])
+    if sft_meta is not None:                # the exported checkpoint as served, on the held-out conversations
+        sft_meta["loaded_heldout_chat_loss"] = loop.masked_loss(m.params, cfg, *chat_held, sft_meta["batch_size"],
+                                                                "reference")
+    # the measured numbers go into training.json too: tests/test_demo_model.py checks the shipped model against them
+    meta.update(loaded_heldout_ppl=loaded_ppl, float_heldout_ppl=float_ppl,
+                heldout_tokens_evaluated=int(ppl_rows.size - len(ppl_rows)))
+    with open(os.path.join(ck, "training.json"), "w") as f:
+        json.dump(meta, f, indent=2)
     size = sum(os.path.getsize(os.path.join(ck, f)) for f in os.listdir(ck))
     metrics = dict(meta, config_hash=cfg.hash(), engram_compressed_vocab_size=n_comp,
-                   heldout_tokens_evaluated=int(ppl_rows.size - len(ppl_rows)),
                    **({} if init_loss is None else {"init_heldout_ppl": math.exp(init_loss)}),
-                   float_heldout_ppl=float_ppl,
-                   loaded_heldout_ppl=loaded_ppl, uniform_ppl=vocab_size,
+                   uniform_ppl=vocab_size,
                    loaded_draft_teacher_forced_hit_per_pos=[float(h) for h in hits],
                    checkpoint_bytes=size, seconds=round(time.time() - t0, 1))
     with open(os.path.join(out, "metrics.json"), "w") as f:
@@ -470,7 +646,28 @@ def main(argv=None):
     ap.add_argument("--markov-rank", type=int, default=None, help="override dspark_markov_rank")
     ap.add_argument("--greedy-batch", type=int, default=None,
                     help="batch of the greedy-chain generation (with --target-from: the engine's max_num_seqs)")
+    g = ap.add_argument_group("supervised fine-tuning on chat conversations (with --target-from)")
+    g.add_argument("--sft-steps", type=int, default=0,
+                   help="fine-tune the --target-from target on conversations built from CPython's docs (chat_data)")
+    g.add_argument("--sft-lr", type=float, default=3e-4)
+    g.add_argument("--sft-seq-len", type=int, default=1024,
+                   help="tokens per chat row (whole conversations packed; longer ones dropped: the tools prompt "
+                        "alone is ~560 demo tokens)")
+    g.add_argument("--sft-batch-size", type=int, default=None, help="rows per step (default --batch-size)")
+    g.add_argument("--sft-lm-fraction", type=float, default=0.25,
+                   help="share of each batch's rows that are documentation rows; the loss is (1-F) x chat CE + "
+                        "F x documentation CE (keeps documentation perplexity from collapsing)")
+    g.add_argument("--max-sft-seconds", type=float, default=0.0,
+                   help="stop the SFT stage after this many seconds of training (its compile not counted)")
+    g.add_argument("--chat-per-entry", type=int, default=3, help="conversations per documented entry")
+    g.add_argument("--chat-thinking", type=float, default=0.25, help="share of conversations in thinking mode")
+    g.add_argument("--chat-tools", type=float, default=0.2, help="share of tool-call conversations")
+    g.add_argument("--chat-multi", type=float, default=0.1, help="share of two-turn conversations")
+    g.add_argument("--chat-answer-chars", type=int, default=400, help="answers: the doc's first paragraphs, this long")
+    g.add_argument("--chat-limit", type=int, default=None, help="use only the first N entries (smoke runs)")
     a = ap.parse_args(argv)
+    chat = dict(per_entry=a.chat_per_entry, thinking_share=a.chat_thinking, tool_share=a.chat_tools,
+                multi_share=a.chat_multi, max_answer_chars=a.chat_answer_chars, limit=a.chat_limit)
     overrides = {k: v for k, v in (("dspark_n_routed_experts", a.draft_experts),
                                    ("dspark_num_experts_per_tok", a.draft_topk),
                                    ("dspark_markov_rank", a.markov_rank)) if v is not None}
@@ -482,4 +679,6 @@ def main(argv=None):
           max_target_seconds=a.max_target_seconds, max_draft_seconds=a.max_draft_seconds,
           keep_best=not a.no_keep_best, target_from=a.target_from, draft_init=a.draft_init,
           draft_overrides=overrides, greedy_batch=a.greedy_batch, doc_start_fraction=a.greedy_doc_starts,
-          target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus)
+          target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus, sft_steps=a.sft_steps,
+          sft_lr=a.sft_lr, sft_seq_len=a.sft_seq_len, sft_batch_size=a.sft_batch_size,
+          sft_lm_fraction=a.sft_lm_fraction, max_sft_seconds=a.max_sft_seconds, chat=chat)
