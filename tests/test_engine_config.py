@@ -153,6 +153,11 @@ def test_default_buckets_give_a_lone_prompt_the_whole_token_budget():
     assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=258).layout(1, 1).buckets == [(4, 64), (1, 256)]
     assert EngineConfig(max_num_seqs=1, max_num_batched_tokens=256).layout(1, 1).buckets == [(1, 256)]
     assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=256).layout(1, 2).buckets == [(4, 64), (1, 256)]
+    assert EngineConfig(max_num_batched_tokens=1024, max_mixed_prefill_tokens=256).layout(1, 1).buckets == \
+        [(4, 256), (1, 1024), (4, 64), (1, 256)]                       # the mixed steps' programs
+    for bad in (0, -1, 2.5, "64"):
+        with pytest.raises(ValueError, match="EngineConfig.max_mixed_prefill_tokens"):
+            EngineConfig(max_mixed_prefill_tokens=bad)
     eng = LLMEngine(ToyBackend(), max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
                     speculative=False, enable_prefix_caching=False)
     eng.add_request("a", [3 + i % 50 for i in range(1024)], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -76,7 +76,8 @@ class EngineConfig:
     page_size: int = 64
     prefill_buckets: Optional[list] = None     # [(rows, tokens), ...]; None: (r, B // r) and (1, r * (B // r))
     # a step that also decodes prefills at most this many tokens per DP rank, in a bucket of at most this many
-    # rows x tokens (compiled for it), so a long prompt stalls the decode rows less; None: no cap. A chunk run in
+    # rows x tokens (with the default buckets two are added for it; given buckets: those that fit, if any), so a
+    # long prompt stalls the decode rows less; None: no cap. A chunk run in
     # the smaller program rounds differently (docs/engine.md), so outputs then depend on the load
     max_mixed_prefill_tokens: Optional[int] = None
     decode_steps: int = 4                      # on-device decode iterations per call
@@ -252,7 +253,6 @@ class EngineConfig:
             if cap is not None and cap < r * t:     # the programs a mixed step runs
                 tc = max(1, cap // r)
                 buckets += [(r, tc)] + ([(1, r * tc)] if r > 1 else [])
-
         for rb, tb in buckets:
             if rb < 1 or tb < 1 or rb * tb > max(B, tb):
                 raise ValueError(f"prefill bucket {(rb, tb)} exceeds max_num_batched_tokens={B}")
