@@ -140,3 +140,27 @@ def test_envelope_carries_dp_rank_from_async_engine_to_the_engine():
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
     with pytest.raises(ValueError, match="dp_rank"):
         eng.add(EngineRequest("bad", [5], sp, dp_rank=2))
+
+
+def test_default_buckets_give_a_lone_prompt_the_whole_token_budget():
+    """One waiting prompt used to be prefilled 64 tokens a step in the default (4, 64) bucket, its 3 other rows
+    padding (a 1024-token prompt: 16 steps); the (1, rows x tokens) bucket takes it B tokens a step. Both buckets
+    have the same rows x tokens (prefill rounds a prompt alike in either: tests/test_model_prefill_chunking.py)."""
+    from dsflash.serve.engine import LLMEngine
+    from dsflash.serve.engine.testing import ToyBackend
+    from dsflash.serve.types import SamplingParams
+    assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=256).layout(1, 1).buckets == [(4, 64), (1, 256)]
+    assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=258).layout(1, 1).buckets == [(4, 64), (1, 256)]
+    assert EngineConfig(max_num_seqs=1, max_num_batched_tokens=256).layout(1, 1).buckets == [(1, 256)]
+    assert EngineConfig(max_num_seqs=16, max_num_batched_tokens=256).layout(1, 2).buckets == [(4, 64), (1, 256)]
+    assert EngineConfig(max_num_batched_tokens=1024, max_mixed_prefill_tokens=256).layout(1, 1).buckets == \
+        [(4, 256), (1, 1024), (4, 64), (1, 256)]                       # the mixed steps' programs
+    for bad in (0, -1, 2.5, "64"):
+        with pytest.raises(ValueError, match="EngineConfig.max_mixed_prefill_tokens"):
+            EngineConfig(max_mixed_prefill_tokens=bad)
+    eng = LLMEngine(ToyBackend(), max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=256,
+                    speculative=False, enable_prefix_caching=False)
+    eng.add_request("a", [3 + i % 50 for i in range(1024)], SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.metrics_snapshot()["num_prefill_calls"] == 4            # 1024 tokens / 256, not / 64

@@ -169,3 +169,31 @@ def test_bad_requests_raise_value_error_naming_the_field(plain_engine):
     while eng.has_unfinished_requests():
         eng.step()
     assert not eng.waiting and not eng.running
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+def test_mixed_prefill_cap_limits_prefill_in_steps_that_decode(cap):
+    """``max_mixed_prefill_tokens``: while a request decodes, a long prompt is prefilled at most ``cap`` tokens a step
+    in a bucket of at most ``cap`` rows x tokens (decode rows wait less); with no decode rows it still takes the
+    whole budget. Without the cap the mixed steps take ~B tokens in the (1, B) program."""
+    eng = LLMEngine(ToyBackend(), max_num_seqs=16, max_model_len=1024, max_num_batched_tokens=256, page_size=16,
+                    speculative=False, enable_prefix_caching=False, max_mixed_prefill_tokens=cap)
+    assert eng.runner.prefill_buckets == sorted([(4, 64), (1, 256)] + ([(4, 16), (1, 64)] if cap else []),
+                                                key=lambda b: (b[0] * b[1], b))
+    plans, schedule = [], eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
+    eng.add_request("lone", [3 + i % 50 for i in range(600)], SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.step()
+    eng.add_request("long", [5 + i % 40 for i in range(600)], SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    # decode rows running before the step (not a prompt completing in it, which joins its decode call)
+    steps = [(p.prefill[0], sum(n for _, n in p.prefill[1]),
+              any(all(s is not c for c, _ in p.prefill[1]) for s, _ in p.decode)) for p in plans if p.prefill]
+    assert steps[0] == ((1, 256), 256, False)                      # alone: the whole budget
+    mixed = [(b, n) for b, n, dec in steps if dec]
+    assert mixed
+    if cap:
+        assert all(b[0] * b[1] <= cap and n <= cap for b, n in mixed), mixed
+    else:
+        assert max(n for _, n in mixed) > 64, mixed

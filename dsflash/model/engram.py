@@ -162,6 +162,10 @@ def gather_rows(params, prefix, rows, precision):
 def inject(X, emb, params, prefix, cfg: ModelConfig, precision):
     """X [B, S, n, d] streams; emb [B, S, cols, De] gathered rows -> X with the gated value added per copy."""
     n, d = cfg.hc_mult, cfg.hidden_size
+    lead = X.shape[:-2]
+    # one token axis: XLA on CPU fused the d-sums below differently at [4, 32, ...] than at [1, 128, ...] (another
+    # bf16 ulp), so a prompt's prefill depended on its bucket's row split; over [B*S, ...] only the token count counts
+    X, emb = X.reshape(-1, *X.shape[-2:]), emb.reshape(-1, *emb.shape[-2:])
     flat = emb.reshape(*emb.shape[:-2], -1)
     kv = linear_fp8(flat, params, f"{prefix}.wkv", precision)
     key = kv[..., : n * d].reshape(*kv.shape[:-1], n, d).astype(jnp.float32)
@@ -174,4 +178,4 @@ def inject(X, emb, params, prefix, cfg: ModelConfig, precision):
     dot = dot * d ** -0.5
     sign = jnp.where(jnp.signbit(dot), -1.0, 1.0)                  # copysign: +0 counts as positive
     g = jax.nn.sigmoid(sign * jnp.sqrt(jnp.maximum(jnp.abs(dot), 1e-6)))
-    return (Xf + g[..., None] * value[..., None, :]).astype(act_dtype(precision))
+    return (Xf + g[..., None] * value[..., None, :]).astype(act_dtype(precision)).reshape(*lead, n, d)

@@ -101,6 +101,20 @@ def engram_history(params, cfg, batch, state):
     return jnp.concatenate([prev, cids], axis=1), cids
 
 
+HEAD_ROW_TILE = 8
+
+
+def head_logits(h, w):
+    """LM head (fp32) of ``h [R, d]`` in tiles of ``HEAD_ROW_TILE`` rows. A dot rounds a row by the op's row count
+    (XLA on CPU: another accumulation order at M = 1 than at M = 4), so at M = R a prompt's last logits would
+    depend on how many rows its prefill bucket has; in fixed tiles they do not (the engine's (1, B) bucket)."""
+    R, G = h.shape[0], HEAD_ROW_TILE
+    n = -(-R // G)
+    hp = jnp.pad(h, ((0, n * G - R), (0, 0))).reshape(n, G, h.shape[-1])
+    out = linear_f32(hp[0], w)[None] if n == 1 else jax.lax.map(lambda x: linear_f32(x, w), hp)
+    return out.reshape(n * G, -1)[:R]
+
+
 def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOptions | None = None,
             routed_fn=None):
     """Pure forward; jit with ``cfg``/``opts`` static (None: ``RunOptions()``). ``routed_fn`` optionally replaces
@@ -170,7 +184,7 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
     elif opts.logits == "last":
         last = jnp.maximum(lengths - 1, 0)
         hl = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        out["logits"] = linear_f32(hl, params["head.weight"])
+        out["logits"] = head_logits(hl, params["head.weight"])
     if opts.expert_load:
         out["expert_load"] = jnp.stack(loads)      # [L, E] tokens per expert (padding / idle rows excluded)
     if opts.taps:

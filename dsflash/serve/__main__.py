@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest sequence (prompt + completion) in tokens; longer requests get HTTP 400")
     g.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
+    g.add_argument("--max-mixed-prefill-tokens", type=int, default=None,
+                   help="cap the prefill tokens of a step that also decodes (TPOT under long prompts; compiles two "
+                        "smaller prefill programs; outputs then depend on the load: docs/engine.md). Default: no cap")
     g.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: the engine's choice)")
     g.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
     g.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,

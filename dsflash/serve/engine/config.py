@@ -74,7 +74,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 256
     num_pages: Optional[int] = None            # None: every slot can hold max_model_len
     page_size: int = 64
-    prefill_buckets: Optional[list] = None     # [(rows, tokens), ...]; None: one bucket
+    prefill_buckets: Optional[list] = None     # [(rows, tokens), ...]; None: (r, B // r) and (1, r * (B // r))
+    # a step that also decodes prefills at most this many tokens per DP rank, in a bucket of at most this many
+    # rows x tokens (with the default buckets two are added for it; given buckets: those that fit, if any), so a
+    # long prompt stalls the decode rows less; None: no cap. A chunk run in
+    # the smaller program rounds differently (docs/engine.md), so outputs then depend on the load
+    max_mixed_prefill_tokens: Optional[int] = None
     decode_steps: int = 4                      # on-device decode iterations per call
     max_logprobs: int = 20
     max_stop_ids: int = 16
@@ -164,6 +169,9 @@ class EngineConfig:
             bad("compile_threads", f"must be a positive integer or None, got {self.compile_threads!r}")
         if self.compilation_cache_dir is not None and not isinstance(self.compilation_cache_dir, (str, os.PathLike)):
             bad("compilation_cache_dir", f"must be a path or None, got {self.compilation_cache_dir!r}")
+        if self.max_mixed_prefill_tokens is not None and (not integer(self.max_mixed_prefill_tokens)
+                                                          or not 1 <= self.max_mixed_prefill_tokens):
+            bad("max_mixed_prefill_tokens", f"must be a positive integer or None, got {self.max_mixed_prefill_tokens!r}")
         if self.num_pages is not None and (not integer(self.num_pages) or self.num_pages < 1):
             bad("num_pages", f"must be a positive integer or None, got {self.num_pages!r}")
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -235,9 +243,16 @@ class EngineConfig:
         if S % dp:
             raise ValueError(f"max_num_seqs: {S} slots do not divide over the {dp} DP ranks")
         buckets = self.prefill_buckets
-        if buckets is None:   # one bucket: every extra bucket is one more forward to compile at start-up
+        if buckets is None:   # every bucket is one more forward to compile at start-up
             r = min(4, S // dp)    # with DP ranks, buckets and the token budget are per rank
-            buckets = [(r, max(1, B // r))]
+            t = max(1, B // r)
+            buckets = [(r, t)]
+            if r > 1:   # a lone prompt gets the whole budget per step, not a quarter and 3 rows of padding; the
+                buckets.append((1, r * t))   # same rows x tokens, so a prompt rounds the same in either (docs)
+            cap = self.max_mixed_prefill_tokens
+            if cap is not None and cap < r * t:     # the programs a mixed step runs
+                tc = max(1, cap // r)
+                buckets += [(r, tc)] + ([(1, r * tc)] if r > 1 else [])
         for rb, tb in buckets:
             if rb < 1 or tb < 1 or rb * tb > max(B, tb):
                 raise ValueError(f"prefill bucket {(rb, tb)} exceeds max_num_batched_tokens={B}")

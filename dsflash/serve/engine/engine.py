@@ -81,7 +81,7 @@ class LLMEngine:
             replay_exact=(be.num_layers + 2) * be.sliding_window, prefill_buckets=self.runner.prefill_buckets,
             mirror=self.runner.mirror, draft_sampling=bool(draft_sampling), metrics=self.metrics, seed=c.seed,
             snapshots=SnapshotCache(self.runner.snap.capacity) if self.runner.snap is not None else None,
-            prefix_cache_mode=c.prefix_cache_mode)
+            prefix_cache_mode=c.prefix_cache_mode, mixed_prefill_tokens=c.max_mixed_prefill_tokens)
         if self._wants_snapshots(c) and self.runner.snap is None:
             log.warning("prefix_cache_mode='exact' keeps no snapshots here (%s): prefix-cache hits use the "
                         "replay", "DP mesh" if self.runner.mesh is not None else

@@ -51,7 +51,7 @@ class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, pages_per_seq: int, dp: int,
                  block: int, decode_steps: int, max_num_batched_tokens: int, prefix_caching: bool, prefix_replay,
                  replay_window: int, replay_exact: int, prefill_buckets, mirror, draft_sampling: bool, metrics,
-                 seed: int = 0, snapshots=None, prefix_cache_mode: str = "replay"):
+                 seed: int = 0, snapshots=None, prefix_cache_mode: str = "replay", mixed_prefill_tokens=None):
         self.dp, self.page_size, self.pages_per_seq = dp, page_size, pages_per_seq
         self.K1, self.decode_steps = block + 1, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -59,6 +59,7 @@ class Scheduler:
         self._replay_window, self._replay_exact = replay_window, replay_exact
         self.prefix_replay = prefix_replay
         self.prefill_buckets = prefill_buckets      # the runner's compiled buckets, [D * Rb, T]
+        self.mixed_prefill_tokens = mixed_prefill_tokens   # per rank, in steps that also decode (None: no cap)
         self.mirror, self.draft_sampling, self.metrics = mirror, draft_sampling, metrics
         self.policy = None
         # exact prefix caching: a SnapshotCache (None: the runner keeps no snapshots) and the mode in use
@@ -416,8 +417,13 @@ class Scheduler:
         best, best_key = None, None
         if any(pre):
             budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
+            buckets, cap = self.prefill_buckets, self.mixed_prefill_tokens
+            if cap is not None and any(dec_rows):
+                # decode rows wait for the prefill: a smaller chunk in a smaller program (where one is compiled)
+                budgets = [min(b, cap) for b in budgets]
+                buckets = [b for b in buckets if b[0] // D * b[1] <= cap] or buckets
             align = self.page_size if self.exact else 0
-            for bucket in self.prefill_buckets:
+            for bucket in buckets:
                 Rb, T = bucket[0] // D, bucket[1]
                 plans = [self._pack(pre[r][:Rb], T, budgets[r], align) for r in range(D)]
                 tot = sum(n for plan in plans for _, n in plan)
