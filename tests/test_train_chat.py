@@ -2,6 +2,7 @@
 their tool calls parsed back, the loss mask on exactly the assistant's generations, and a few SFT steps end to end."""
 import json
 import os
+import re
 
 import jax.numpy as jnp
 import jsonschema
@@ -27,6 +28,8 @@ def tok():
 def test_builder_is_deterministic_and_split_like_the_corpus(convs):
     again = chat_data.conversations()
     assert again == convs and chat_data.info(again) == chat_data.info(convs)
+    # the same in another process: no memory address (an object default's repr in a signature) in the text
+    assert not re.search(r" at 0x[0-9a-fA-F]+", json.dumps(convs)), "a signature names a memory address"
     info = chat_data.info(convs)
     n = info["conversations"]
     assert n > 1000 and 0.15 < info["thinking"] / n < 0.35 and 0.12 < info["tool_calls"] / n < 0.28

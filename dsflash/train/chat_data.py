@@ -144,7 +144,8 @@ def _signature(name: str, obj) -> str | None:
         sig = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return None
-    s = f"{name}{sig}"
+    # defaults such as ``fallback=<object object at 0x7f...>`` name a memory address: another run, other text
+    s = re.sub(r" at 0x[0-9a-fA-F]+", "", f"{name}{sig}")
     return s if len(s) <= 160 else None       # a long one would be cut mid-way: none rather than a wrong one
 
 
@@ -181,28 +182,9 @@ def _module_entries() -> list[Entry]:
             d = inspect.getdoc(mod)
             if d and len(d) > 40:
                 out.append(Entry(mname, f"the {mname} module", "module", None, d, _first_sentence(d), d, mname))
-            for name in sorted(vars(mod)):
-                obj = vars(mod)[name]
-                if name.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-                    continue
-                if not (inspect.isclass(obj) or inspect.isfunction(obj)):
-                    continue
-                full = f"{mod.__name__}.{name}"
-                d = inspect.getdoc(obj)
-                if d and len(d) > 40:          # data._docs_of's rule: the same documents
-                    kind = "class" if inspect.isclass(obj) else "function"
-                    out.append(Entry(full, full, kind, _signature(full, obj), d, _first_sentence(d),
-                                     f"{full}\n{d}", mod.__name__))
-                if inspect.isclass(obj):
-                    for m in sorted(vars(obj)):
-                        f = vars(obj)[m]
-                        if m.startswith("_") or not inspect.isfunction(f):
-                            continue
-                        d = f.__doc__ and inspect.cleandoc(f.__doc__)
-                        if d and len(d) > 40:
-                            fm = f"{full}.{m}"
-                            out.append(Entry(fm, fm, "method", _signature(fm, f), d, _first_sentence(d),
-                                             f"{fm}\n{d}", mod.__name__))
+            for full, obj, d, kind in data.documented(mod):     # the corpus's documents, in its order
+                out.append(Entry(full, full, kind, _signature(full, obj), d, _first_sentence(d), f"{full}\n{d}",
+                                 mod.__name__))
     return out
 
 

@@ -40,11 +40,9 @@ MODULES = (
 )
 
 
-def _docs_of(mod) -> list[str]:
-    out = []
-    d = inspect.getdoc(mod)
-    if d:
-        out.append(d)
+def documented(mod):
+    """``(full name, object, doc, kind)`` of ``mod``'s public classes and functions and their classes' public
+    methods whose doc is over 40 characters, in the corpus's order (the chat stage's entries use the same)."""
     for name in sorted(vars(mod)):
         if name.startswith("_"):
             continue
@@ -52,9 +50,10 @@ def _docs_of(mod) -> list[str]:
         if getattr(obj, "__module__", None) != mod.__name__:
             continue
         if inspect.isclass(obj) or inspect.isfunction(obj):
+            full = f"{mod.__name__}.{name}"
             d = inspect.getdoc(obj)
             if d and len(d) > 40:
-                out.append(f"{mod.__name__}.{name}\n{d}")
+                yield full, obj, d, "class" if inspect.isclass(obj) else "function"
             if inspect.isclass(obj):
                 for m in sorted(vars(obj)):
                     f = vars(obj)[m]
@@ -62,8 +61,12 @@ def _docs_of(mod) -> list[str]:
                         continue
                     d = f.__doc__ and inspect.cleandoc(f.__doc__)
                     if d and len(d) > 40:
-                        out.append(f"{mod.__name__}.{name}.{m}\n{d}")
-    return out
+                        yield f"{full}.{m}", f, d, "method"
+
+
+def _docs_of(mod) -> list[str]:
+    d = inspect.getdoc(mod)
+    return ([d] if d else []) + [f"{full}\n{doc}" for full, _, doc, _ in documented(mod)]
 
 
 def _source_files(mod) -> list[str]:
