@@ -40,8 +40,7 @@ def _run_until(eng, pred, limit=10_000, strict=True):
     for _ in range(limit):
         if pred():
             return rows
-        m0 = eng.metrics_snapshot()
-        t = time.perf_counter()
+            t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t
         m1 = eng.metrics_snapshot()
@@ -81,7 +80,7 @@ def one_set(model, a, spec: str, rng) -> dict:
     _run_until(eng, lambda: all(s.status == "decode" for s in eng.running) and len(eng.running) == n_dec)
     m0 = eng.metrics_snapshot()
     decode_only = [r[0] / max(1, r[2]) for r in _run_until(eng, lambda: False, limit=a.steps, strict=False) if not r[1]]
-    host = eng.metrics_snapshot()["host_time_s"][-a.steps:] if m0 else []
+    host = eng.metrics_snapshot()["host_time_s"][-a.steps:]
     prof = None
     if a.trace:                        # the engine's decode program per op (kernels of the traced steps)
         prof = SP.profile_step(eng.step, eng.runner._compiled[("decode", 0)].as_text(), calls=a.trace)

@@ -418,7 +418,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     # ---- supervised fine-tuning on chat conversations (target_from only)
     sft_meta, chat_held = None, None
     if sft_steps:
-        if not draft_steps and not draft_overrides:
+        if not draft_steps:
             drf = loaded_drf                # no draft stage: the checkpoint's draft ships with the new target
         tgt, sft_meta, chat_held = _sft(
             tgt, const, cfg, corpus, ppl_rows[: eval_batches * batch_size], record, steps=sft_steps, lr=sft_lr,

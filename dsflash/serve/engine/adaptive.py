@@ -245,7 +245,7 @@ class SpeculationPolicy:
             c = {k: (None if v is None else round(1e3 * v, 2)) for k, v in self.current_costs(accepted).items()}
             log.info("speculation: draft length %d -> %d (ms per iteration by draft length %s, %d rows, "
                      "expected accepted drafts per verification %.2f)", self.draft_len, d, c, len(seqs),
-                     sum(self.estimate(s) for s in seqs) / max(1, len(seqs)))
+                     sum(accepted) / max(1, len(seqs)))
             self.draft_len = d
         return d
 
