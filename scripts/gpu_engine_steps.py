@@ -40,7 +40,8 @@ def _run_until(eng, pred, limit=10_000, strict=True):
     for _ in range(limit):
         if pred():
             return rows
-            t = time.perf_counter()
+        m0 = eng.metrics_snapshot()
+        t = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t
         m1 = eng.metrics_snapshot()
