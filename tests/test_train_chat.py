@@ -156,6 +156,21 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     assert s["steps_run"] == 8 and s["conversations"]["train_rows"] >= 4
     assert s["train_chat_loss"] < s["init_train_chat_loss"] - 1.0, s
     assert np.isfinite([s["heldout_chat_loss"], s["loaded_heldout_chat_loss"], m["loaded_heldout_ppl"]]).all()
+    # quantisation-aware: the kept step was measured as its export loads back -- the same loss from the loaded
+    # checkpoint at the stage's fp32 numerics (loaded_heldout_chat_loss adds the reference numerics' FP8 activations)
+    convs = chat_data.conversations(**chat)
+    train_c, held_c = chat_data.split(convs)
+    tk = Tokenizer.from_folder(tokdir)
+    hrows, hmask, _ = chat_data.chat_rows(tk, held_c, 256)
+    if not len(hrows):                  # as _sft: no held-out conversation fits a row -> the last training rows
+        rows, mask, _ = chat_data.chat_rows(tk, train_c, 256)
+        n_chat = SMOKE["batch_size"] - round(0.25 * SMOKE["batch_size"])
+        hrows, hmask = rows[-n_chat:], mask[-n_chat:]
+    hrows, hmask = run._pad_rows(hrows, hmask, SMOKE["batch_size"])
+    from dsflash.train import loop
+    sft = dsflash.load(str(tmp_path / "sft" / "checkpoint"), progress=False)
+    loaded_fp32 = loop.masked_loss(sft.params, sft.cfg, hrows, hmask, SMOKE["batch_size"], "fp32")
+    assert s["qat"] and loaded_fp32 == pytest.approx(s["heldout_chat_loss"], rel=1e-5), (loaded_fp32, s)
     meta = json.load(open(tmp_path / "sft" / "checkpoint" / "training.json"))
     assert meta["sft"]["step_kept"] == s["step_kept"] and meta["loaded_heldout_ppl"] == m["loaded_heldout_ppl"]
     assert meta["draft_steps_run"] == 7                 # no draft stage: the source's draft and its record stand
@@ -168,3 +183,32 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     assert os.path.exists(tmp_path / "sft" / "checkpoint" / "heldout_rows.npy")
     with pytest.raises(ValueError, match="target_from"):
         run.train(str(tmp_path / "bad"), docs=docs, sft_steps=1, **SMOKE)
+
+
+def test_stored_roundtrip_is_what_an_export_loads_back():
+    """``export.stored_roundtrip`` (the QAT forward's weights, traced jnp) equals quantising for export and
+    dequantising the stored tensors, tensor for tensor, and it moves weights off the formats' grids."""
+    from dsflash.model.params import float_params, init_params
+    from dsflash.train import loop
+    from dsflash.train.config import mini_config
+    from dsflash.train.export import quantize_params, stored_roundtrip
+
+    cfg = mini_config(512, 300)
+    params = float_params(cfg, init_params(cfg, 0))
+    tgt, drf, const = loop.split_params(params)
+    rng = np.random.default_rng(0)
+    moved = {k: v * (1 + 0.05 * jnp.asarray(rng.standard_normal(v.shape), v.dtype)) for k, v in tgt.items()}
+    rt = stored_roundtrip(cfg, moved)
+    back = float_params(cfg, quantize_params(cfg, {**moved, **drf, **const}))
+    assert set(rt) == set(moved)
+    for k in moved:
+        np.testing.assert_array_equal(np.asarray(rt[k]), np.asarray(back[k]), err_msg=k)
+    changed = [k for k in moved if not np.array_equal(np.asarray(rt[k]), np.asarray(moved[k]))]
+    assert len(changed) > len(moved) // 2
+    # the straight-through view: the forward sees the round trip, the gradient is the identity's
+    view = loop.quantised_view(moved, cfg)
+    k = next(n for n in changed if n.endswith(".weight"))
+    np.testing.assert_array_equal(np.asarray(view[k]), np.asarray(rt[k]))
+    import jax
+    g = jax.grad(lambda w: jnp.sum(loop.quantised_view({**moved, k: w}, cfg)[k] * 3.0))(moved[k])
+    np.testing.assert_array_equal(np.asarray(g), np.full(g.shape, 3.0, np.float32))

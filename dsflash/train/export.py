@@ -17,6 +17,19 @@ from dsflash.model.params import DERIVED, param_specs
 from dsflash.train.data import copy_tokenizer
 
 
+def _quantize(fmt: str, w):
+    """One float weight -> (stored values, UE8M0 scales) in ``fmt``'s format (jnp; traceable)."""
+    if fmt == "fp8":
+        return quant.quantize_fp8_weight(w)
+    if fmt == "mxfp4":
+        return quant.quantize_mxfp4_weight(w)
+    q, sf = quant.fp8_quant(w, 32)                 # fp8rows
+    return q, quant.f32_pow2_to_e8m0(sf)
+
+
+_QUANTISED = ("fp8", "mxfp4", "fp8rows")
+
+
 def quantize_params(cfg: ModelConfig, fparams: dict, skip=()) -> dict:
     """Float params (as ``float_params`` gives) -> stored-format params (numpy), derived constants and the names
     in ``skip`` dropped."""
@@ -25,19 +38,34 @@ def quantize_params(cfg: ModelConfig, fparams: dict, skip=()) -> dict:
         if s.fmt == "scale" or s.name in skip:
             continue
         w = jnp.asarray(fparams[s.name])
-        scale_name = s.name[: -len(".weight")] + ".scale"
-        if s.fmt == "fp8":
-            q, sc = quant.quantize_fp8_weight(w)
-        elif s.fmt == "mxfp4":
-            q, sc = quant.quantize_mxfp4_weight(w)
-        elif s.fmt == "fp8rows":
-            q, sf = quant.fp8_quant(w, 32)
-            sc = quant.f32_pow2_to_e8m0(sf)
+        if s.fmt in _QUANTISED:
+            q, sc = _quantize(s.fmt, w)
+            out[s.name] = np.asarray(q)
+            out[s.name[: -len(".weight")] + ".scale"] = np.asarray(sc)
         else:
             out[s.name] = np.asarray(w.astype(s.dtype))
-            continue
-        out[s.name] = np.asarray(q)
-        out[scale_name] = np.asarray(sc)
+    return out
+
+
+def stored_roundtrip(cfg: ModelConfig, fparams: dict) -> dict:
+    """The float weights an export of ``fparams`` loads back as (``float_params(quantize_params(...))``), traced
+    with jnp so a training step can use it (quantisation-aware fine-tuning, ``loop.sft_loss``); names without a
+    stored format (draft-free extras, derived constants) pass through."""
+    specs = {s.name: s for s in param_specs(cfg)}
+    out = {}
+    for name, w in fparams.items():
+        s = specs.get(name)
+        if s is None or name in DERIVED or not jnp.issubdtype(w.dtype, jnp.floating):
+            out[name] = w
+        elif s.fmt == "fp8":
+            out[name] = quant.dequant_fp8_weight(*_quantize("fp8", w), w.dtype)
+        elif s.fmt == "mxfp4":
+            out[name] = quant.dequant_mxfp4_weight(*_quantize("mxfp4", w), w.dtype)
+        elif s.fmt == "fp8rows":
+            q, sc = _quantize("fp8rows", w)
+            out[name] = quant.fp8_dequant(q, quant.e8m0_to_f32(sc), 32, w.dtype)
+        else:
+            out[name] = w.astype(s.dtype).astype(w.dtype)
     return out
 
 

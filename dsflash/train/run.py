@@ -172,13 +172,15 @@ def _sft_weights(mask: np.ndarray, n_chat: int, lm_fraction: float) -> np.ndarra
 
 def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps: int, lr: float, seq_len: int,
          batch_size: int, lm_fraction: float, chat: dict, precision: str, seed: int, eval_every: int,
-         doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool) -> tuple[dict, dict, tuple]:
+         doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool, qat: bool = True
+         ) -> tuple[dict, dict, tuple]:
     """Supervised fine-tuning of the target's float weights on chat conversations (``chat_data``) mixed with
     documentation rows. Every ``eval_every`` steps: the held-out chat loss (assistant tokens of the held-out
     conversations), the held-out documentation loss (the perplexity rows) and the chat loss on the first training
-    rows. -> (the weights of the step with the lowest held-out chat loss (``keep_best``) or the last one, the stage's
-    record, the held-out chat rows and mask)."""
-    from dsflash.train import chat_data
+    rows. ``qat``: the forward sees the weights as exported (``loop.quantised_view``) and every evaluation runs
+    them so. -> (the weights of the step with the lowest held-out chat loss (``keep_best``) or the last one, the
+    stage's record, the held-out chat rows and mask)."""
+    from dsflash.train import chat_data, export
     convs = chat_data.conversations(seed=seed, **chat)
     train_c, held_c = chat_data.split(convs)
     rows, mask, drop_tr = chat_data.chat_rows(corpus.tokenizer, train_c, seq_len, seed)
@@ -204,7 +206,7 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
     lit = iter(data.batches(np.arange(len(lm_rows)), n_lm, seed + 7)) if n_lm else None
 
     def evaluate(p, r):
-        p = {**p, **const}
+        p = {**(export.stored_roundtrip(cfg, p) if qat else p), **const}
         r["heldout_chat_loss"] = loop.masked_loss(p, cfg, hrows, hmask, batch_size, precision)
         r["train_chat_loss"] = loop.masked_loss(p, cfg, trows, tmask, batch_size, precision)
         r["heldout_loss"] = math.log(loop.perplexity(p, cfg, held, doc_batch_size, precision))
@@ -226,7 +228,7 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
             msk = np.concatenate([msk, np.ones((n_lm, seq_len), bool)])
         w = _sft_weights(msk, n_chat, lm_fraction)
         tgt, opt_state, loss = loop.sft_step(tgt, opt_state, const, cfg, jnp.asarray(tok), jnp.asarray(w),
-                                             precision, opt)
+                                             precision, opt, qat)
         r = {"stage": "sft", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
         if step == 1:
             t_stage = time.time()       # the budget counts training, not the first step's compile
@@ -252,7 +254,7 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
               "higher: overfitting)", flush=True)
         tgt, kept = {k: jnp.asarray(v) for k, v in best[2].items()}, best[1]
     meta = {"steps": steps, "steps_run": done, "step_kept": kept, "lr": lr, "seq_len": seq_len,
-            "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat,
+            "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat, "qat": qat,
             "conversations": info, "chat_options": dict(chat),
             "heldout_doc_rows": len(held)}     # heldout_loss: documentation CE over these first perplexity rows
     for k in ("heldout_chat_loss", "heldout_loss", "train_chat_loss"):     # float weights, before / kept
@@ -270,7 +272,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True,
           allow_other_corpus: bool = False, sft_steps: int = 0, sft_lr: float = 3e-4, sft_seq_len: int = 1024,
           sft_batch_size: int | None = None, sft_lm_fraction: float = 0.25, max_sft_seconds: float = 0.0,
-          chat: dict | None = None) -> dict:
+          sft_qat: bool = True, chat: dict | None = None) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -288,7 +290,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
 
     ``sft_steps`` (target_from only): first fine-tune the target on chat conversations (:func:`_sft`, rows of
     ``sft_seq_len`` tokens, ``sft_batch_size`` rows a step of which ``sft_lm_fraction`` are documentation rows,
-    ``chat``: :func:`chat_data.conversations` options); the fine-tuned target is exported, loaded back and then
+    ``chat``: :func:`chat_data.conversations` options; ``sft_qat``: quantisation-aware, see :func:`_sft`); the
+    fine-tuned target is exported, loaded back and then
     served to the draft stage (if ``draft_steps``) and re-measured like any target."""
     t0 = time.time()
     if sft_steps and target_from is None:
@@ -425,7 +428,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             seq_len=sft_seq_len,
             batch_size=sft_batch_size or batch_size, lm_fraction=sft_lm_fraction, chat=dict(chat or {}),
             precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
-            max_seconds=max_sft_seconds, quiet=quiet)
+            max_seconds=max_sft_seconds, quiet=quiet, qat=sft_qat)
         save_orbax(os.path.join(out, "orbax", "target"), tgt)
         if draft_steps:
             # the draft trains on the fine-tuned target as served: exported (FP8/MXFP4) and loaded back; its stored
@@ -659,6 +662,9 @@ def main(argv=None):
                         "F x documentation CE (keeps documentation perplexity from collapsing)")
     g.add_argument("--max-sft-seconds", type=float, default=0.0,
                    help="stop the SFT stage after this many seconds of training (its compile not counted)")
+    g.add_argument("--no-sft-qat", action="store_true",
+                   help="fine-tune the float weights without seeing their export's FP8 / MXFP4 / bf16 rounding (the "
+                        "default forward uses the exported values, gradients passed straight through)")
     g.add_argument("--chat-per-entry", type=int, default=3, help="conversations per documented entry")
     g.add_argument("--chat-thinking", type=float, default=0.25, help="share of conversations in thinking mode")
     g.add_argument("--chat-tools", type=float, default=0.2, help="share of tool-call conversations")
@@ -681,4 +687,5 @@ def main(argv=None):
           draft_overrides=overrides, greedy_batch=a.greedy_batch, doc_start_fraction=a.greedy_doc_starts,
           target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus, sft_steps=a.sft_steps,
           sft_lr=a.sft_lr, sft_seq_len=a.sft_seq_len, sft_batch_size=a.sft_batch_size,
-          sft_lm_fraction=a.sft_lm_fraction, max_sft_seconds=a.max_sft_seconds, chat=chat)
+          sft_lm_fraction=a.sft_lm_fraction, max_sft_seconds=a.max_sft_seconds,
+          sft_qat=not a.no_sft_qat, chat=chat)
