@@ -346,7 +346,7 @@ def _sk(j):
 def _il_cases():
     """mma "swap_il" (weights in the load-time il layout, kernels/moe_layout.py) against "swap_eo" with the same
     tiles and splits: split and unsplit, auto split at 1 token, ragged and multi-tile expert loads, BM 32, both
-    precisions; the last case plants a wrong nibble order in the repack (it must fail)."""
+    precisions, x dequantised before the up kernel (act "bf16rt"); the last case plants a wrong nibble order in the repack (it must fail)."""
     MC = mt.MoeConfig
     from dsflash.kernels.moe_plan import named_configs
     base = dict(kind="sk", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False)
@@ -357,6 +357,9 @@ def _il_cases():
         (MC(**base, KS_UP=2, KS_DOWN=1), dict(T=6, k=2, E=4, seed=3, precision="bf16")),
         (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1), dict(T=40, k=3, E=3, seed=4)),
         (mt.fit_config(named_configs()["sw_il"], 256, 128), dict(T=7, k=6, E=8, seed=5)),   # the named config
+        # x dequantised once before the up kernel (act "bf16rt"; 40 tokens: the dequant's last row block is ragged)
+        (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1, act="bf16rt"), dict(T=40, k=3, E=3, seed=7)),
+        (MC(**base, KS_UP=2, KS_DOWN=1, act="bf16rt"), dict(T=5, k=2, E=4, seed=8)),
         (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=5, k=2, E=4, seed=6, mutant=True)),
     ]
 

@@ -150,11 +150,15 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     hdt = jnp.float8_e4m3fn if hout == 0 else jnp.bfloat16
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
     up_args = (p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3)
+    x_fp8 = act_fp8
     if mma in (3, 4, 5):      # "swap" / "swap_eo" / "swap_bd": the default family
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)
     elif mma == 7:            # "swap_il": weights in the load-time il layout
         kern_up, kern_down, common = _il_kernels().il_kernels(cfg, d=d, I=I, dec=dec)
+        if act_fp8 and cfg.act == "bf16rt":    # x dequantised once, not in each column tile's loop
+            up_args = (_il_kernels().x_dequant(jt, p["xq"], p["xs"]),) + up_args[1:]
+            x_fp8 = False                       # the up kernel's x only: h still travels as sk_plan says
     elif mma == 2:
         return _experimental().launch_gemv(jt, p, up_args, w2, s2, h_shapes, S=S, TM=TM, d=d, I=I, limit=limit,
                                            act_fp8=act_fp8, cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
@@ -164,13 +168,13 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
         hq, hs = jt.triton_call(
             *up_args, kernel=kern_up, out_shape=h_shapes,
             grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
-            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(act_fp8), HOUT=hout, **common)
+            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(x_fp8), HOUT=hout, **common)
     else:
         part, _ = jt.triton_call(
             *up_args, kernel=kern_up,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
             grid=(TM, I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
-            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(act_fp8), HOUT=hout, **common)
+            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common)
         hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
     if ks_down == 1:

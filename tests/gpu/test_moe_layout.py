@@ -91,3 +91,16 @@ def test_wide_il_tiles_at_v41_widths_match_the_reference(name, T):
     err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
     print(f"{name} T{T}: rel err vs reference {err:.2e}")
     assert out.shape == (T, 5120) and np.all(np.isfinite(out)) and err < TOL, err
+
+
+@pytest.mark.parametrize("name", ["sw_il_bm32", "sw_il_bm64", "sw_il_bm128"])
+def test_x_dequantised_once_is_bit_identical_to_in_loop(name):
+    """act "bf16rt" (x's FP8 codes dequantised once by moe_layout_kernels.x_dequant, then bf16 x in the up kernel)
+    feeds the MMAs the same bf16 values as the in-loop dequantisation: same outputs bit for bit."""
+    case = (1024, 6, 96, 5120, 2304)
+    args = _problem(case, name)
+    w = moe_layout.repack_experts(*args[3:])
+    out, h, o = _run(name, args, "reference", weights=w)
+    out_xb, h_xb, o_xb = _run(name + "_xb", args, "reference", weights=w)
+    assert np.array_equal(np.asarray(o).view(np.uint16), np.asarray(o_xb).view(np.uint16))
+    assert np.array_equal(np.asarray(h).view(np.uint16), np.asarray(h_xb).view(np.uint16))

@@ -100,4 +100,13 @@ CONFIGS = {
     "sw_il_bm64": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
     "sw_il_bm128": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                              prefetch=False),
+    # the same with x dequantised once per token before the up kernel (act "bf16rt", moe_layout_kernels.x_dequant):
+    # at BM 128 the in-loop FP8 -> bf16 of x (F2FP / HADD2 / FMUL) is 384 of the loop's 846 SASS per iteration, redone
+    # in each of the I / 64 = 36 column tiles (sm_90 compile, 2026-12-04). CPU-checked only.
+    "sw_il_bm32_xb": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                               prefetch=False, act="bf16rt"),
+    "sw_il_bm64_xb": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                               prefetch=False, act="bf16rt"),
+    "sw_il_bm128_xb": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                prefetch=False, act="bf16rt"),
 }

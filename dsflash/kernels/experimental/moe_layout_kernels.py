@@ -197,10 +197,39 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
 
 
+@triton.jit
+def _x_dequant_kernel(xq_ptr, xs_ptr, o_ptr, T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """x's FP8 codes [T, D] times their per-32 pow2 scales [T, D/32] -> bf16 [T, D] (exact: ``_fp8_dequant_bf16``,
+    the up kernel's own in-loop step), once per token for ``act="bf16rt"`` (the up kernel otherwise dequantises x
+    again in each of its I / BN column tiles: at BM 128 that is 384 of the loop's 846 SASS per iteration)."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    k0 = tl.program_id(1) * BK
+    rm = rows[:, None] < T
+    r64 = rows.to(tl.int64)[:, None]
+    q = tl.load(xq_ptr + r64 * D + k0 + tl.arange(0, BK)[None, :], mask=rm, other=0.0)
+    sc = tl.load(xs_ptr + r64 * (D // 32) + k0 // 32 + tl.arange(0, BK // 32)[None, :], mask=rm, other=0.0)
+    tl.store(o_ptr + r64 * D + k0 + tl.arange(0, BK)[None, :], _fp8_dequant_bf16(q, sc, BT, BK), mask=rm)
+
+
+def x_dequant(jt, xq, xs, *, BT: int = 16, BK: int = 256):
+    """bf16 carriers of x's FP8 round trip (``_x_dequant_kernel``), bit for bit what the up kernel would make."""
+    import jax
+    import jax.numpy as jnp
+
+    T, D = xq.shape
+    while D % BK:
+        BK //= 2
+    return jt.triton_call(xq, xs, kernel=_x_dequant_kernel, out_shape=jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+                          grid=(triton.cdiv(T, BT), D // BK), num_warps=4, T=T, D=D, BT=BT, BK=BK)
+
+
 def check_config(cfg):
     """The geometry the il kernels are written for (the layout's slab and the row permutation's block)."""
     if cfg.BK != moe_layout.BK or cfg.BN_UP != moe_layout.BN or cfg.BN_DOWN != moe_layout.BN:
         raise ValueError(f"mma 'swap_il' needs BK={moe_layout.BK}, BN_UP=BN_DOWN={moe_layout.BN}; got {cfg}")
+    if cfg.act not in ("fp8", "bf16rt"):
+        raise ValueError(f"mma 'swap_il' takes act 'fp8' (x dequantised in the up kernel's loop) or 'bf16rt' (once, "
+                         f"before it); got {cfg.act!r}")
     if cfg.warps_up != 4 or cfg.warps_down != 4 or cfg.BM < 16:
         raise ValueError(f"mma 'swap_il' needs 4 warps and BM >= 16 (wgmma; BM 8 lowers to mma.sync with another "
                          f"operand layout); got {cfg}")
