@@ -50,7 +50,7 @@ def quantize_params(cfg: ModelConfig, fparams: dict, skip=()) -> dict:
 def stored_roundtrip(cfg: ModelConfig, fparams: dict) -> dict:
     """The float weights an export of ``fparams`` loads back as (``float_params(quantize_params(...))``), traced
     with jnp so a training step can use it (quantisation-aware fine-tuning, ``loop.sft_loss``); names without a
-    stored format (draft-free extras, derived constants) pass through."""
+    stored format (not in the parameter table, derived, not float) pass through."""
     specs = {s.name: s for s in param_specs(cfg)}
     out = {}
     for name, w in fparams.items():
