@@ -25,3 +25,17 @@ def test_loss_plot_without_matplotlib_warns_and_writes_nothing(tmp_path, monkeyp
     with pytest.warns(RuntimeWarning, match="matplotlib is not installed"):
         run.plot_losses(str(path), LOG)
     assert not path.exists()
+
+
+def test_a_stage_that_did_not_run_gets_no_panel(tmp_path):
+    """A chat-only run (SFT, no draft stage) is one panel wide; with a draft stage, two (PNG width from IHDR)."""
+    import struct
+    pytest.importorskip("matplotlib")
+    sft = [{"stage": "sft", "step": 0, "heldout_chat_loss": 5.9, "heldout_loss": 3.0},
+           {"stage": "sft", "step": 1, "loss": 4.8}]
+    widths = {}
+    for name, log in (("sft", sft), ("both", sft + LOG[2:])):
+        path = tmp_path / f"{name}.png"
+        run.plot_losses(str(path), log)
+        widths[name] = struct.unpack(">I", path.read_bytes()[16:20])[0]
+    assert widths["both"] == 2 * widths["sft"], widths

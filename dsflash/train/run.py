@@ -56,9 +56,11 @@ def plot_losses(path: str, log: list[dict]) -> None:
     if plt is None:
         return
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     first = "sft" if any(r["stage"] == "sft" for r in log) else "target"     # target_from: no target stage
-    for ax, stage in zip(axes, (first, "draft")):
+    # a panel per stage that ran (the first one always: an empty target panel says the stage did not run)
+    stages = [first] + (["draft"] if any(r["stage"] == "draft" for r in log) else [])
+    fig, axes = plt.subplots(1, len(stages), figsize=(5.5 * len(stages), 4), squeeze=False)
+    for ax, stage in zip(axes[0], stages):
         rows = [r for r in log if r["stage"] == stage]
         key = "ce" if stage == "draft" else "loss"     # the draft's held-out number is its data CE
         tr = [(r["step"], r[key]) for r in rows if key in r]
