@@ -1,9 +1,13 @@
 """Real chat exchanges with a checkpoint (greedy, through dsflash.LLM.chat, the server's template and parser):
 a plain question, one in thinking mode, and a tool-call round trip -- the model's DSML call is parsed with
 dsflash.chat.parse_output, checked against the tool's schema, executed (chat_data.run_tool, the tools the SFT
-conversations used) and its result sent back for the final answer. Prints JSON.
+conversations used) and its result sent back for the final answer. ``--trials N``: also the first turn of the first
+N held-out conversations with tools and N without (no grammar: what the model does unaided), scored as
+``trials`` -- tool turns: a parseable call, every call schema-valid, the asked-about name in the arguments; other
+turns: ended by the model (not the token limit) with content and no leaked markup, the name in the answer.
+Prints JSON.
 
-    python scripts/chat_samples.py CHECKPOINT_DIR [--max-tokens 160]
+    python scripts/chat_samples.py CHECKPOINT_DIR [--max-tokens 160] [--trials 20]
 """
 import argparse
 import json
@@ -28,6 +32,8 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--question", default="What does textwrap.dedent do?")
     ap.add_argument("--tool-question", default="Look up the documentation of json.loads.")
+    ap.add_argument("--trials", type=int, default=0, help="also score the first turn of N held-out conversations "
+                    "with tools and N without")
     a = ap.parse_args(argv)
     llm = dsflash.LLM(a.checkpoint, max_num_seqs=2, max_model_len=2048)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
@@ -56,7 +62,47 @@ def main(argv=None):
         rec["tool_messages"] = msgs[2:]
         rec["final"] = turn(llm, msgs, sp, tools=tools)
     out["tool_call"] = rec
+    if a.trials:
+        out["trials"] = trials(llm, sp, a.trials, schemas)
     print(json.dumps(out, indent=2, ensure_ascii=False))
+
+
+def trials(llm, sp, n, schemas):
+    """First turns of ``n`` held-out tool conversations and ``n`` others, batched, scored (module docstring)."""
+    held = [c for c in chat_data.split(chat_data.conversations())[1] if not c["name"].startswith("greeting")]
+    picks = {"tool": [c for c in held if c["tools"]][:n], "answer": [c for c in held if not c["tools"]][:n]}
+    res = {}
+    for kind, convs in picks.items():
+        rows, outs = [], {}
+        for thinking in (False, True):         # batched: one chat call per set of chat options
+            group = [c for c in convs if c["thinking"] == thinking]
+            if group:
+                got = llm.chat([c["messages"][:1] for c in group], sp, thinking=thinking, tools=group[0]["tools"])
+                outs.update({id(c): r.outputs[0] for c, r in zip(group, got)})
+        for conv in convs:
+            o = outs[id(conv)]
+            reasoning, content, calls = parse_output(o.text, thinking=conv["thinking"])
+            row = {"name": conv["name"], "thinking": conv["thinking"], "finish_reason": o.finish_reason,
+                   "raw": o.text}
+            if kind == "tool":
+                ok = []
+                for c in calls:
+                    try:
+                        jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
+                        ok.append(True)
+                    except (ValueError, jsonschema.ValidationError, KeyError):
+                        ok.append(False)
+                row.update(calls=len(calls), all_valid=bool(calls) and all(ok),
+                           names_entry=any(conv["name"] in c["function"]["arguments"] for c in calls))
+            else:
+                leaked = any(m in (content or "") for m in ("DSML", "<think>", "</think>", "<\uff5c"))
+                row.update(ended=o.finish_reason == "stop", has_content=bool((content or "").strip()),
+                           leaked_markup=leaked, names_entry=conv["name"].split(".")[-1] in (content or ""))
+            rows.append(row)
+        keys = ("calls", "all_valid", "names_entry") if kind == "tool" else \
+            ("ended", "has_content", "leaked_markup", "names_entry")
+        res[kind] = {"n": len(rows), **{k: sum(bool(r[k]) for r in rows) for k in keys}, "rows": rows}
+    return res
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""The shipped demo model (``dsflash/assets/demo``, issue 8) through the official-format loader.
+"""The shipped demo model (``dsflash/assets/demo``, issue 8; chat stage issue 22) through the official-format loader.
 
-Recorded values come from its training run (``benchmarks/results/train_demo_20261130_h200_metrics.json``,
-one H200): held-out perplexity 24.27 of the exported FP8/MXFP4 checkpoint at reference precision, over the
-480 held-out rows shipped beside it (``heldout_rows.npy``). CPU numerics differ slightly from the GPU's
-(24.89 measured here), so the test is a bound, not an equality.
-Issue 18 (2026-12-01) changed the reference numerics: the routed experts' x W1^T / x W3^T are rounded to bf16 before
-the SwiGLU and the NVFP4 main-KV quotients are exact. CPU perplexity before / after: 24.8960 / 24.8950 (2 cores,
-this test's computation); the recorded 24.273 is the training run's GPU value under the earlier numerics, kept
-until a GPU run re-measures it; the bound (<= 25.49) holds on CPU before and after."""
+Recorded values come from its training runs. The target was trained on one H200 (2026-11-30,
+``benchmarks/results/train_demo_20261130_h200_metrics.json``), the draft retrained on it later; on 2026-12-04 the
+target got the quantisation-aware chat stage (``--sft-steps 160``, 8 rows x 1,024 tokens a step, on this 2-core CPU:
+``benchmarks/results/train_chat_20261204_cpu_metrics.json``), the draft shipped unchanged. That run measured the
+exported checkpoint's held-out perplexity at reference precision over the 480 held-out rows shipped beside it
+(``heldout_rows.npy``): 23.13 (the target before the chat stage: 24.90 on this CPU, 24.27 on the H200). The test is
+a bound (x 1.05), not an equality: other machines' numerics differ slightly. The chat tests check what the stage
+taught, on the first turns of held-out conversations, unaided (no grammar): the same run measured 17 / 20 tool turns
+with a parseable DSML call (12 all schema-valid) and 18 / 20 other turns ended by the model with content and no
+leaked markup (``scripts/chat_samples.py --trials 20``); the first 8 of each are checked here with bounds below those
+rates. Not checked, because the model does not do it: naming the entity asked about (0 / 20) -- it answers in the
+right form about the wrong thing (README)."""
 import json
 import os
 
@@ -19,7 +23,7 @@ from dsflash.api import SHIPPED
 from dsflash.serve.types import SamplingParams
 from dsflash.train import loop
 
-RECORDED_PPL = 24.273          # metrics.json "loaded_heldout_ppl" of the training run
+RECORDED_PPL = 23.131          # metrics.json "loaded_heldout_ppl" of the chat-stage run (CPU, 2026-12-04)
 FOLDER = SHIPPED["demo"]
 
 
@@ -70,3 +74,28 @@ def test_generates_readable_text():
     assert len(words) >= 5
     # mostly English words / identifiers, not byte soup
     assert sum(w.strip('.,:;()"\'').isalpha() for w in words) >= len(words) // 2, text
+
+
+@pytest.fixture(scope="module")
+def chat_trials():
+    """scripts/chat_samples.py's ``trials`` on the first 8 held-out conversations of each kind (greedy, no grammar)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("chat_samples", os.path.join(os.path.dirname(__file__), "..",
+                                                                                 "scripts", "chat_samples.py"))
+    cs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cs)
+    from dsflash.train import chat_data
+    llm = dsflash.LLM(max_num_seqs=8, max_model_len=2048)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in chat_data.TOOLS}
+    return cs.trials(llm, SamplingParams(max_tokens=96, temperature=0.0), 8, schemas)
+
+
+def test_chat_tool_turns_call_a_tool_unaided(chat_trials):
+    t = chat_trials["tool"]
+    assert t["n"] == 8 and t["calls"] >= 5 and t["all_valid"] >= 3, {k: v for k, v in t.items() if k != "rows"}
+
+
+def test_chat_answers_end_with_content_and_no_markup(chat_trials):
+    a = chat_trials["answer"]
+    assert a["n"] == 8 and a["ended"] >= 5 and a["has_content"] >= 5, {k: v for k, v in a.items() if k != "rows"}
+    assert a["leaked_markup"] == 0, [r["raw"] for r in a["rows"] if r["leaked_markup"]]

@@ -173,6 +173,7 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     assert s["qat"] and loaded_fp32 == pytest.approx(s["heldout_chat_loss"], rel=1e-5), (loaded_fp32, s)
     meta = json.load(open(tmp_path / "sft" / "checkpoint" / "training.json"))
     assert meta["sft"]["step_kept"] == s["step_kept"] and meta["loaded_heldout_ppl"] == m["loaded_heldout_ppl"]
+    assert meta["sft"]["corpus"]["sha256"] == data.corpus_info(docs)["sha256"]     # where the conversations came from
     assert meta["draft_steps_run"] == 7                 # no draft stage: the source's draft and its record stand
     a = dsflash.load(str(src), progress=False)
     b = dsflash.load(str(tmp_path / "sft" / "checkpoint"), progress=False)

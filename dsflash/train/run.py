@@ -258,8 +258,9 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
     meta = {"steps": steps, "steps_run": done, "step_kept": kept, "lr": lr, "seq_len": seq_len,
             "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat, "qat": qat,
             "conversations": info, "chat_options": dict(chat),
+            "corpus": corpus.info,          # this machine's documents: the conversations' source and the LM rows'
             "heldout_doc_rows": len(held)}     # heldout_loss: documentation CE over these first perplexity rows
-    for k in ("heldout_chat_loss", "heldout_loss", "train_chat_loss"):     # float weights, before / kept
+    for k in ("heldout_chat_loss", "heldout_loss", "train_chat_loss"):     # before / kept (as exported with qat)
         meta[f"init_{k}"], meta[k] = evals[0][k], evals[kept][k]
     return tgt, meta, (hrows, hmask)
 
