@@ -55,7 +55,7 @@ evaluate() {
   local ck=${1:-$RUN/checkpoint}; shift || true
   timeout 330 python3 -m dsflash.train.spec_eval "$ck" --prompts 16 --max-tokens 48 --chat-prompts 16 "$@" \
     > "$OUT/spec.json" 2> "$OUT/eval.log"
-  timeout 200 python3 scripts/chat_samples.py "$ck" > "$OUT/chat_samples.json" 2>> "$OUT/eval.log"
+  timeout 200 python3 scripts/chat_samples.py "$ck" --trials 20 > "$OUT/chat_samples.json" 2>> "$OUT/eval.log"
   tail -c 20000 "$OUT/eval.log" > "$OUT/eval.tail" && mv "$OUT/eval.tail" "$OUT/eval.log"
   python3 - "$OUT/spec.json" <<'PY'
 import json, sys
@@ -66,6 +66,14 @@ try:
               "greedy equal", r.get("greedy_equal"))
 except Exception as e:
     print("no result:", e)
+PY
+  python3 - "$OUT/chat_samples.json" <<'PY'
+import json, sys
+try:
+    t = json.load(open(sys.argv[1]))["trials"]
+    print({k: {a: b for a, b in v.items() if a != "rows"} for k, v in t.items()})
+except Exception as e:
+    print("no trials:", e)
 PY
 }
 
