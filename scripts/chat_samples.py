@@ -20,6 +20,19 @@ from dsflash.serve.types import SamplingParams
 from dsflash.train import chat_data
 
 
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in chat_data.TOOLS}
+
+
+def schema_error(call) -> str | None:
+    """Why a parsed tool call does not fit its tool's schema (unknown tool, arguments not JSON or invalid); None
+    when it fits."""
+    try:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+    except (ValueError, jsonschema.ValidationError, KeyError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def turn(llm, messages, sp, **kw):
     text = llm.chat(messages, sp, **kw)[0].outputs[0].text
     reasoning, content, calls = parse_output(text, thinking=kw.get("thinking", False))
@@ -42,7 +55,6 @@ def main(argv=None):
     out["plain"] = {"messages": msgs, **turn(llm, msgs, sp)}
     out["thinking"] = {"messages": msgs, **turn(llm, msgs, sp, thinking=True)}
     tools = [dict(t) for t in chat_data.TOOLS]
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     msgs = [{"role": "user", "content": a.tool_question}]
     first = turn(llm, msgs, sp, tools=tools)
     rec = {"messages": list(msgs), "first": first}
@@ -50,26 +62,21 @@ def main(argv=None):
         index = {e.name: e for e in chat_data.entries()}
         msgs.append({"role": "assistant", "content": first["content"] or "", "tool_calls": first["tool_calls"]})
         for c in first["tool_calls"]:
-            args = json.loads(c["function"]["arguments"])
-            try:
-                jsonschema.validate(args, schemas[c["function"]["name"]])
-                valid = True
-            except (jsonschema.ValidationError, KeyError) as e:
-                valid = f"invalid: {e}"
-            c["schema_valid"] = valid
-            msgs.append({"role": "tool", "tool_call_id": c["id"],
-                         "content": chat_data.run_tool(c["function"]["name"], args, index)})
+            err = schema_error(c)
+            c["schema_valid"] = True if err is None else f"invalid: {err}"
+            msgs.append({"role": "tool", "tool_call_id": c["id"], "content": chat_data.run_tool(
+                c["function"]["name"], json.loads(c["function"]["arguments"]), index)})
         rec["tool_messages"] = msgs[2:]
         rec["final"] = turn(llm, msgs, sp, tools=tools)
     out["tool_call"] = rec
     if a.trials:
-        out["trials"] = trials(llm, sp, a.trials, schemas)
+        out["trials"] = trials(llm, sp, a.trials)
     print(json.dumps(out, indent=2, ensure_ascii=False))
 
 
-def trials(llm, sp, n, schemas):
+def trials(llm, sp, n):
     """First turns of ``n`` held-out tool conversations and ``n`` others, batched, scored (module docstring)."""
-    held = [c for c in chat_data.split(chat_data.conversations())[1] if not c["name"].startswith("greeting")]
+    held = chat_data.split(chat_data.conversations())[1]       # (greetings are always training rows)
     picks = {"tool": [c for c in held if c["tools"]][:n], "answer": [c for c in held if not c["tools"]][:n]}
     res = {}
     for kind, convs in picks.items():
@@ -85,14 +92,7 @@ def trials(llm, sp, n, schemas):
             row = {"name": conv["name"], "thinking": conv["thinking"], "finish_reason": o.finish_reason,
                    "raw": o.text}
             if kind == "tool":
-                ok = []
-                for c in calls:
-                    try:
-                        jsonschema.validate(json.loads(c["function"]["arguments"]), schemas[c["function"]["name"]])
-                        ok.append(True)
-                    except (ValueError, jsonschema.ValidationError, KeyError):
-                        ok.append(False)
-                row.update(calls=len(calls), all_valid=bool(calls) and all(ok),
+                row.update(calls=len(calls), all_valid=bool(calls) and all(schema_error(c) is None for c in calls),
                            names_entry=any(conv["name"] in c["function"]["arguments"] for c in calls))
             else:
                 leaked = any(m in (content or "") for m in ("DSML", "<think>", "</think>", "<\uff5c"))

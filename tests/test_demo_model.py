@@ -84,10 +84,8 @@ def chat_trials():
                                                                                  "scripts", "chat_samples.py"))
     cs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cs)
-    from dsflash.train import chat_data
     llm = dsflash.LLM(max_num_seqs=8, max_model_len=2048)
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in chat_data.TOOLS}
-    return cs.trials(llm, SamplingParams(max_tokens=96, temperature=0.0), 8, schemas)
+    return cs.trials(llm, SamplingParams(max_tokens=96, temperature=0.0), 8)
 
 
 def test_chat_tool_turns_call_a_tool_unaided(chat_trials):
