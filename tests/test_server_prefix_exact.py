@@ -49,9 +49,9 @@ def test_three_times_identical_with_cached_tokens(server, kw):
     got = [_complete(server.base, p, **kw) for _ in range(3)]
     assert [c for _, c in got] == [0, 48, 48]
     assert got[1][0] == got[0][0] and got[2][0] == got[0][0]
-    m = server.metrics()
-    assert m.get("dsflash_engine_prefix_snapshot_hits", 0) >= 2
-    assert "dsflash_prefix_cache_replay_fallbacks" in m
+    # engine gauges come from a snapshot refreshed every 0.5 s: wait, don't read once
+    server.wait_metric("dsflash_engine_prefix_snapshot_hits", lambda v: v >= 2, timeout=10)
+    assert "dsflash_prefix_cache_replay_fallbacks" in server.metrics()
 
 
 def test_no_prefix_caching_reports_no_cached_tokens(cache_env):
