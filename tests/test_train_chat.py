@@ -158,15 +158,8 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
     assert np.isfinite([s["heldout_chat_loss"], s["loaded_heldout_chat_loss"], m["loaded_heldout_ppl"]]).all()
     # quantisation-aware: the kept step was measured as its export loads back -- the same loss from the loaded
     # checkpoint at the stage's fp32 numerics (loaded_heldout_chat_loss adds the reference numerics' FP8 activations)
-    convs = chat_data.conversations(**chat)
-    train_c, held_c = chat_data.split(convs)
-    tk = Tokenizer.from_folder(tokdir)
-    hrows, hmask, _ = chat_data.chat_rows(tk, held_c, 256)
-    if not len(hrows):                  # as _sft: no held-out conversation fits a row -> the last training rows
-        rows, mask, _ = chat_data.chat_rows(tk, train_c, 256)
-        n_chat = SMOKE["batch_size"] - round(0.25 * SMOKE["batch_size"])
-        hrows, hmask = rows[-n_chat:], mask[-n_chat:]
-    hrows, hmask = run._pad_rows(hrows, hmask, SMOKE["batch_size"])
+    n_chat = SMOKE["batch_size"] - round(0.25 * SMOKE["batch_size"])
+    _, _, hrows, hmask, _ = run.sft_rows(Tokenizer.from_folder(tokdir), chat, 256, 0, SMOKE["batch_size"], n_chat)
     from dsflash.train import loop
     sft = dsflash.load(str(tmp_path / "sft" / "checkpoint"), progress=False)
     loaded_fp32 = loop.masked_loss(sft.params, sft.cfg, hrows, hmask, SMOKE["batch_size"], "fp32")

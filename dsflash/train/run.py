@@ -172,6 +172,25 @@ def _sft_weights(mask: np.ndarray, n_chat: int, lm_fraction: float) -> np.ndarra
     return w
 
 
+def sft_rows(tokenizer, chat: dict, seq_len: int, seed: int, batch_size: int, n_chat: int) -> tuple:
+    """The SFT stage's chat rows: the training conversations packed into rows of ``seq_len`` tokens with their
+    loss masks, and the held-out ones padded to ``batch_size`` rows (tiny runs, where no held-out conversation
+    fits a row, hold out the last ``n_chat`` training rows instead). -> (rows, mask, held-out rows, held-out
+    mask, counts for the record)."""
+    from dsflash.train import chat_data
+    convs = chat_data.conversations(seed=seed, **chat)
+    train_c, held_c = chat_data.split(convs)
+    rows, mask, drop_tr = chat_data.chat_rows(tokenizer, train_c, seq_len, seed)
+    hrows, hmask, drop_he = chat_data.chat_rows(tokenizer, held_c, seq_len, seed)
+    info = dict(chat_data.info(convs), dropped_too_long=drop_tr + drop_he, train_rows=len(rows),
+                heldout_rows=len(hrows), chat_train_tokens=int(mask.sum()), chat_heldout_tokens=int(hmask.sum()))
+    if not len(hrows):
+        hrows, hmask = rows[-n_chat:], mask[-n_chat:]
+        info["heldout_from_train_rows"] = len(hrows)
+    hrows, hmask = _pad_rows(hrows, hmask, batch_size)
+    return rows, mask, hrows, hmask, info
+
+
 def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps: int, lr: float, seq_len: int,
          batch_size: int, lm_fraction: float, chat: dict, precision: str, seed: int, eval_every: int,
          doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool, qat: bool = True
@@ -182,23 +201,14 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
     rows. ``qat``: the forward sees the weights as exported (``loop.quantised_view``) and every evaluation runs
     them so. -> (the weights of the step with the lowest held-out chat loss (``keep_best``) or the last one, the
     stage's record, the held-out chat rows and mask)."""
-    from dsflash.train import chat_data, export
-    convs = chat_data.conversations(seed=seed, **chat)
-    train_c, held_c = chat_data.split(convs)
-    rows, mask, drop_tr = chat_data.chat_rows(corpus.tokenizer, train_c, seq_len, seed)
-    hrows, hmask, drop_he = chat_data.chat_rows(corpus.tokenizer, held_c, seq_len, seed)
+    from dsflash.train import export
     n_lm = round(lm_fraction * batch_size)
     n_chat = batch_size - n_lm
+    rows, mask, hrows, hmask, info = sft_rows(corpus.tokenizer, chat, seq_len, seed, batch_size, n_chat)
     lm_rows = data.pack(corpus.train_stream, seq_len)
     if n_chat < 1 or len(rows) < n_chat or (n_lm and len(lm_rows) < n_lm):
         raise ValueError(f"sft: {len(rows)} chat rows and {len(lm_rows)} documentation rows of {seq_len} tokens "
                          f"cannot fill batches of {n_chat} chat + {n_lm} documentation rows")
-    info = dict(chat_data.info(convs), dropped_too_long=drop_tr + drop_he, train_rows=len(rows),
-                heldout_rows=len(hrows), chat_train_tokens=int(mask.sum()), chat_heldout_tokens=int(hmask.sum()))
-    if not len(hrows):
-        hrows, hmask = rows[-n_chat:], mask[-n_chat:]      # tiny runs (tests): no held-out conversation fits
-        info["heldout_from_train_rows"] = len(hrows)
-    hrows, hmask = _pad_rows(hrows, hmask, batch_size)
     trows, tmask = _pad_rows(rows[:batch_size], mask[:batch_size], batch_size)
     if not quiet:
         print(f"sft: {info}", flush=True)
