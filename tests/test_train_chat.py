@@ -179,6 +179,16 @@ def test_sft_stage_end_to_end_lowers_the_chat_loss(tmp_path):
         run.train(str(tmp_path / "bad"), docs=docs, sft_steps=1, **SMOKE)
 
 
+def test_a_second_sft_stage_keeps_the_first_ones_record():
+    from dsflash.train import run
+    assert run._sft_record({"config": "demo"}, {"steps": 3}) == {"sft": {"steps": 3}}
+    once = {"config": "demo", **run._sft_record({}, {"steps": 160})}
+    twice = {**once, **run._sft_record(once, {"steps": 300})}
+    assert twice["sft"] == {"steps": 300} and twice["sft_earlier"] == [{"steps": 160}]
+    thrice = run._sft_record(twice, {"steps": 5})
+    assert thrice == {"sft": {"steps": 5}, "sft_earlier": [{"steps": 160}, {"steps": 300}]}
+
+
 def test_stored_roundtrip_is_what_an_export_loads_back():
     """``export.stored_roundtrip`` (the QAT forward's weights, traced jnp) equals quantising for export and
     dequantising the stored tensors, tensor for tensor, and it moves weights off the formats' grids."""

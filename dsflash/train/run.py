@@ -191,6 +191,13 @@ def sft_rows(tokenizer, chat: dict, seq_len: int, seed: int, batch_size: int, n_
     return rows, mask, hrows, hmask, info
 
 
+def _sft_record(source_meta: dict, sft_meta: dict) -> dict:
+    """training.json's SFT entries for a stage run on ``source_meta``'s checkpoint: ``sft`` is this stage, and a
+    source that was itself fine-tuned keeps its stages, oldest first, under ``sft_earlier``."""
+    earlier = list(source_meta.get("sft_earlier", [])) + ([source_meta["sft"]] if "sft" in source_meta else [])
+    return {"sft": sft_meta, **({"sft_earlier": earlier} if earlier else {})}
+
+
 def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps: int, lr: float, seq_len: int,
          batch_size: int, lm_fraction: float, chat: dict, precision: str, seed: int, eval_every: int,
          doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool, qat: bool = True
@@ -588,7 +595,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             meta = dict(source["meta"], target_from=target_name)
             keep = dict(served, **source_draft)
         if sft_meta is not None:
-            meta["sft"] = sft_meta
+            meta.update(_sft_record(source["meta"], sft_meta))
             if draft_steps:
                 meta["draft_taps"] = "served fine-tuned target (stored FP8/MXFP4 weights, reference precision)"
     export_checkpoint(ck, cfg, final, corpus.folder, meta, keep=keep)
