@@ -2,7 +2,7 @@
 a plain question, one in thinking mode, and a tool-call round trip -- the model's DSML call is parsed with
 dsflash.chat.parse_output, checked against the tool's schema, executed (chat_data.run_tool, the tools the SFT
 conversations used) and its result sent back for the final answer. ``--trials N``: also the first turn of the first
-N held-out conversations with tools and N without (no grammar: what the model does unaided), scored as
+N held-out conversations with tools and N without (``--trials-split train``: N of each from the training ones) (no grammar: what the model does unaided), scored as
 ``trials`` -- tool turns: a parseable call, every call schema-valid, the asked-about name in the arguments; other
 turns: ended by the model (not the token limit) with content and no leaked markup, the name in the answer.
 Prints JSON.
@@ -47,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--tool-question", default="Look up the documentation of json.loads.")
     ap.add_argument("--trials", type=int, default=0, help="also score the first turn of N held-out conversations "
                     "with tools and N without")
+    ap.add_argument("--trials-split", choices=("heldout", "train"), default="heldout",
+                    help="train: score N of each spread over the training conversations instead (recall)")
     a = ap.parse_args(argv)
     llm = dsflash.LLM(a.checkpoint, max_num_seqs=2, max_model_len=2048)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
@@ -70,14 +72,24 @@ def main(argv=None):
         rec["final"] = turn(llm, msgs, sp, tools=tools)
     out["tool_call"] = rec
     if a.trials:
-        out["trials"] = trials(llm, sp, a.trials)
+        out["trials"] = trials(llm, sp, a.trials, a.trials_split)
+        out["trials_split"] = a.trials_split
     print(json.dumps(out, indent=2, ensure_ascii=False))
 
 
-def trials(llm, sp, n):
-    """First turns of ``n`` held-out tool conversations and ``n`` others, batched, scored (module docstring)."""
-    held = chat_data.split(chat_data.conversations())[1]       # (greetings are always training rows)
-    picks = {"tool": [c for c in held if c["tools"]][:n], "answer": [c for c in held if not c["tools"]][:n]}
+def trials(llm, sp, n, split="heldout"):
+    """First turns of ``n`` held-out tool conversations and ``n`` others, batched, scored (module docstring).
+    ``split="train"``: ``n`` of each spread evenly over the training conversations instead (entries the model
+    was fine-tuned on: recall, where held-out entries need the name copied from the question)."""
+    train, held = chat_data.split(chat_data.conversations())     # (greetings are always training rows)
+    if split == "heldout":
+        picks = {"tool": [c for c in held if c["tools"]][:n], "answer": [c for c in held if not c["tools"]][:n]}
+    elif split == "train":
+        named = [c for c in train if c.get("name")]
+        picks = {k: g[:: max(1, len(g) // n)][:n] for k, g in
+                 (("tool", [c for c in named if c["tools"]]), ("answer", [c for c in named if not c["tools"]]))}
+    else:
+        raise ValueError(f"split must be 'heldout' or 'train', not {split!r}")
     res = {}
     for kind, convs in picks.items():
         rows, outs = [], {}

@@ -1,17 +1,22 @@
 """The shipped demo model (``dsflash/assets/demo``, issue 8; chat stage issue 22) through the official-format loader.
 
 Recorded values come from its training runs. The target was trained on one H200 (2026-11-30,
-``benchmarks/results/train_demo_20261130_h200_metrics.json``), the draft retrained on it later; on 2026-12-04 the
-target got the quantisation-aware chat stage (``--sft-steps 160``, 8 rows x 1,024 tokens a step, on this 2-core CPU:
-``benchmarks/results/train_chat_20261204_cpu_metrics.json``), the draft shipped unchanged. That run measured the
-exported checkpoint's held-out perplexity at reference precision over the 480 held-out rows shipped beside it
-(``heldout_rows.npy``): 23.13 (the target before the chat stage: 24.90 on this CPU, 24.27 on the H200). The test is
-a bound (x 1.05), not an equality: other machines' numerics differ slightly. The chat tests check what the stage
-taught, on the first turns of held-out conversations, unaided (no grammar): the same run measured 17 / 20 tool turns
-with a parseable DSML call (12 all schema-valid) and 18 / 20 other turns ended by the model with content and no
-leaked markup (``scripts/chat_samples.py --trials 20``); the first 8 of each are checked here with bounds below those
-rates. Not checked, because the model does not do it: naming the entity asked about (0 / 20) -- it answers in the
-right form about the wrong thing (README)."""
+``benchmarks/results/train_demo_20261130_h200_metrics.json``), the draft retrained on it later; the target then got
+two quantisation-aware chat stages on this 2-core CPU, the draft shipped unchanged: 160 steps on 2026-12-04
+(``train_chat_20261204_cpu_metrics.json``) and 300 more at lr 6e-4 on 2026-12-05
+(``train_chat2_20261205_cpu_metrics.json``). The last run measured the exported checkpoint's held-out perplexity at
+reference precision over the 480 held-out rows shipped beside it (``heldout_rows.npy``): 22.17 (23.13 after the
+first stage; 24.90 on this CPU before either). The test is a bound (x 1.05), not an equality: other machines'
+numerics differ slightly. The chat tests check what the stages taught on first turns, unaided (no grammar), with
+the ``trials`` of scripts/chat_samples.py: the last run measured, over 20 held-out conversations of each kind,
+20 / 20 tool turns with a parseable, schema-valid DSML call and 20 / 20 other turns ended by the model (19 with
+content), no leaked markup; over 20 training conversations of each kind, 7 / 20 answers name the entity asked
+about. The first 8 held-out ones of each kind are checked here, at 96 tokens (measured there: 8 calls, 6 all
+schema-valid; the model before this run 7 and 4), with bounds below those rates. Not checked, because the model does not
+do it: naming a held-out entity (0 / 20: the name would have to be copied from the question, and the model answers
+about a name it knows) or naming the entity in a tool call's arguments (0 / 20 even for trained ones: the argument
+sits ~67 tokens after the name, past the 32-token window; docs/training.md).
+"""
 import json
 import os
 
@@ -23,7 +28,7 @@ from dsflash.api import SHIPPED
 from dsflash.serve.types import SamplingParams
 from dsflash.train import loop
 
-RECORDED_PPL = 23.131          # metrics.json "loaded_heldout_ppl" of the chat-stage run (CPU, 2026-12-04)
+RECORDED_PPL = 22.170          # metrics.json "loaded_heldout_ppl" of the second chat-stage run (CPU, 2026-12-05)
 FOLDER = SHIPPED["demo"]
 
 
@@ -90,7 +95,7 @@ def chat_trials():
 
 def test_chat_tool_turns_call_a_tool_unaided(chat_trials):
     t = chat_trials["tool"]
-    assert t["n"] == 8 and t["calls"] >= 5 and t["all_valid"] >= 3, {k: v for k, v in t.items() if k != "rows"}
+    assert t["n"] == 8 and t["calls"] >= 7 and t["all_valid"] >= 5, {k: v for k, v in t.items() if k != "rows"}
 
 
 def test_chat_answers_end_with_content_and_no_markup(chat_trials):
