@@ -29,7 +29,7 @@ train() {
   # 32 rows x 1,024 tokens a step (24 chat + 8 documentation rows); ~1,200 chat rows per epoch, so 180 s is many
   # epochs: the step with the lowest held-out chat loss is exported (--keep-best, the default)
   timeout 540 python3 -m dsflash.train --target-from dsflash/assets/demo --out "$RUN" \
-    --sft-steps 3000 --max-sft-seconds 180 --sft-batch-size 32 --sft-seq-len 1024 --sft-lr 3e-4 --sft-lm-fraction 0.25 \
+    --sft-steps 3000 --max-sft-seconds 180 --sft-batch-size 32 --sft-seq-len 1024 --sft-lr 6e-4 --sft-lm-fraction 0.25 \
     --batch-size 64 --eval-every 100 --draft-steps 0 "$@" 2>&1 | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/train.log"
   tail -30 "$OUT/train.log"
   local ck=$RUN/checkpoint
