@@ -2,8 +2,8 @@
 a plain question, one in thinking mode, and a tool-call round trip -- the model's DSML call is parsed with
 dsflash.chat.parse_output, checked against the tool's schema, executed (chat_data.run_tool, the tools the SFT
 conversations used) and its result sent back for the final answer. ``--trials N``: also the first turn of the first
-N held-out conversations with tools and N without (``--trials-split train``: N of each from the training ones) (no grammar: what the model does unaided), scored as
-``trials`` -- tool turns: a parseable call, every call schema-valid, the asked-about name in the arguments; other
+N held-out conversations with tools and N without (``--trials-split train``: N of each from the training ones), with
+no grammar (what the model does unaided), scored as ``trials`` -- tool turns: a parseable call, every call schema-valid, the asked-about name in the arguments; other
 turns: ended by the model (not the token limit) with content and no leaked markup, the name in the answer.
 Prints JSON.
 
