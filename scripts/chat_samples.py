@@ -3,8 +3,9 @@ a plain question, one in thinking mode, and a tool-call round trip -- the model'
 dsflash.chat.parse_output, checked against the tool's schema, executed (chat_data.run_tool, the tools the SFT
 conversations used) and its result sent back for the final answer. ``--trials N``: also the first turn of the first
 N held-out conversations with tools and N without (``--trials-split train``: N of each from the training ones), with
-no grammar (what the model does unaided), scored as ``trials`` -- tool turns: a parseable call, every call schema-valid, the asked-about name in the arguments; other
-turns: ended by the model (not the token limit) with content and no leaked markup, the name in the answer.
+no grammar (what the model does unaided), scored as ``trials`` -- tool turns: a parseable call, every call
+schema-valid, the asked-about name in the arguments; other turns: ended by the model (not the token limit) with
+content and no leaked markup, the name in the answer.
 Prints JSON.
 
     python scripts/chat_samples.py CHECKPOINT_DIR [--max-tokens 160] [--trials 20]
