@@ -6,7 +6,9 @@ slower than their parts"). One engine per prefill-bucket set, same model (placed
 2. ``--decoding`` sequences in their decode phase, then one new prompt: the wall time of decode-only steps vs the
    steps that also carry a prefill chunk (mixed), and of a prefill-only step of the same chunk;
 3. ``--trace N``: N decode-only steps under ``jax.profiler``, the decode program's kernels per model op
-   (``dsflash.bench.step_profile``; engine ops outside the model show as ``unscoped:file:line``).
+   (``dsflash.bench.step_profile``; engine ops outside the model show as ``unscoped:file:line``);
+4. ``--call-overhead N``: one decode call replayed N times at 0, 1 and ``--decode-steps`` loop iterations, its wall
+   time split into inputs to the device, dispatch, run and results to the host (the fixed cost of a call).
 
 A short table last; everything in ``--out``/engine_steps.json. From the repo root (GPU machine):
 
@@ -52,6 +54,53 @@ def _run_until(eng, pred, limit=10_000, strict=True):
     return rows
 
 
+def call_overhead(eng, reps: int) -> list[dict]:
+    """Where a decode call's wall time goes beyond its kernels: one decode-only step's inputs, replayed through
+    the compiled program with ``max_iters`` 0 (the loop body never runs: the fixed cost of a call), 1 and the
+    engine's ``decode_steps``, each call split into inputs to the device (``device_put`` + wait), dispatch (until
+    the call returns), run (until its results are ready), and results to the host (``device_get``). The replays
+    advance the device rows past the host's view, so only aborts follow."""
+    import jax
+    import numpy as np
+    r = eng.runner
+    seen = {}
+    run_step = r.run_step
+
+    def spy(pf, dc, *args, **kw):
+        seen.setdefault("dc", dc)
+        return run_step(pf, dc, *args, **kw)
+
+    r.run_step = spy
+    eng.step()
+    r.run_step = run_step
+    base = seen["dc"]
+    out = []
+    for iters in sorted({0, 1, r.max_iters}):
+        inp = {**base, "max_iters": np.int32(iters)}
+        rows = []
+        for i in range(reps + 1):                      # the first call warms up
+            jax.block_until_ready(r.state)
+            t0 = time.perf_counter()
+            dev = jax.block_until_ready(jax.device_put(inp))
+            t1 = time.perf_counter()
+            res = r.decode(dev)
+            t2 = time.perf_counter()
+            jax.block_until_ready(res)
+            t3 = time.perf_counter()
+            host = jax.device_get(res)
+            t4 = time.perf_counter()
+            if i:
+                rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, int(host["iters"])))
+        med = lambda j: 1e3 * statistics.median(x[j] for x in rows)          # noqa: E731
+        d = {"max_iters": iters, "iters_run": rows[-1][5], "inputs_ms": med(0), "dispatch_ms": med(1),
+             "run_ms": med(2), "results_ms": med(3), "total_ms": med(4), "reps": reps,
+             "input_arrays": len(jax.tree.leaves(inp)), "result_arrays": len(jax.tree.leaves(res))}
+        out.append(d)
+        print("call overhead " + " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in d.items()), flush=True)
+    return out
+
+
 def one_set(model, a, spec: str, rng) -> dict:
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.types import SamplingParams
@@ -93,6 +142,7 @@ def one_set(model, a, spec: str, rng) -> dict:
     eng.add_request("new", prompt(a.prompt_len), first)
     rows = _run_until(eng, lambda: "new" not in {s.request_id for s in list(eng.running) + list(eng.waiting)})
     mixed = [r[0] for r in rows if r[1] and r[2]]
+    over = call_overhead(eng, a.call_overhead) if a.call_overhead else None      # last: it desyncs the rows
     for s in list(eng.running):
         eng.abort_request(s.request_id)
     _run_until(eng, lambda: not eng.has_unfinished_requests())
@@ -101,7 +151,7 @@ def one_set(model, a, spec: str, rng) -> dict:
             "startup_s": startup, "lone_ttft_ms": [1e3 * v for v in ttft], "lone_ttft_ms_median": med(ttft),
             "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only), "decode_steps": a.decode_steps,
             "decode_only_host_ms": med(host),
-            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed), "decode_profile": prof,
+            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed), "decode_profile": prof, "call_overhead": over,
             "lone_prefill_step_ms": med(ttft) / max(1, statistics.median(psteps)) if ttft else None}
 
 
@@ -120,6 +170,9 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="decode-only steps timed before the new prompt")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="trace this many decode-only steps (jax.profiler) and print the decode program's per-op table")
+    ap.add_argument("--call-overhead", type=int, default=0, metavar="REPS",
+                    help="replay one decode call's inputs REPS times at 0, 1 and decode_steps iterations, split into "
+                         "inputs / dispatch / run / results (after the trace)")
     ap.add_argument("--time-limit", type=float, default=None, help="skip the remaining bucket sets after this many s")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()

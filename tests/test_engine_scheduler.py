@@ -144,6 +144,41 @@ def test_stop_tokens_logprobs_abort_and_n(spec_engine):
     assert multi.outputs[1].token_ids == single.outputs[0].token_ids
 
 
+def test_logprobs_are_computed_only_for_the_calls_that_ask(plain_engine, monkeypatch):
+    """The top-k over the vocabulary runs only in calls where a running row asks for logprobs (runner
+    ``_logprob_outputs``: 0.82 ms of a 6.85 ms H200 decode iteration when every call paid it); rows that ask get
+    the same numbers whether or not their batch-mates do."""
+    eng = plain_engine
+    calls = []
+    run_step = eng.runner.run_step
+
+    def spy(*a, **kw):
+        pf, dc = run_step(*a, **kw)
+        calls.append((pf, dc))
+        return pf, dc
+
+    monkeypatch.setattr(eng.runner, "run_step", spy)
+    p = prompts(1, seed=5)[0]
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    none = run_all(eng, [("none", p, plain)])["none"].outputs[0]
+    assert none.logprobs is None
+    for pf, dc in calls:       # no row asked: the outputs are the zeros of the skipped branch
+        for r in (pf, dc):
+            if r is not None:
+                assert not np.any(r["top_lp"]) and not np.any(r["lp"])
+    calls.clear()
+    got = run_all(eng, [("top3", p, plain.replace(logprobs=3)), ("chosen", p, plain.replace(logprobs=0)),
+                        ("none2", p, plain)])
+    assert any(np.any(dc["top_lp"]) for _, dc in calls if dc is not None)
+    top3, chosen = got["top3"].outputs[0], got["chosen"].outputs[0]
+    assert got["none2"].outputs[0].logprobs is None and got["none2"].outputs[0].token_ids == none.token_ids
+    assert top3.token_ids == chosen.token_ids == none.token_ids
+    for a, b in zip(top3.logprobs, chosen.logprobs):
+        assert len(a["top"]) == 3 and b["top"] == {}
+        assert a["logprob"] == b["logprob"] < 0
+        assert max(a["top"].values()) == pytest.approx(a["logprob"], abs=1e-5)
+
+
 def test_bad_requests_raise_value_error_naming_the_field(plain_engine):
     eng = plain_engine
     with pytest.raises(ValueError, match="max_tokens"):
