@@ -282,6 +282,8 @@ class AsyncEngine:
         try:
             eng = self._factory()
             self.engine = eng
+            if hasattr(eng, "first_token_hook"):     # first tokens leave before the rest of their step's work
+                eng.first_token_hook = self._dispatch
             self.tokenizer = getattr(eng, "tokenizer", None)
             self.model_name = str(getattr(eng, "model_name", "") or "")
             self.max_model_len = int(getattr(eng, "max_model_len", 0) or 0)

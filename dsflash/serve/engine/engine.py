@@ -52,6 +52,10 @@ class LLMEngine:
                                              c.speculative_mode if self.speculative else "off")
         self.k = be.block if self.speculative else 0
         self.async_scheduling = bool(c.async_scheduling)
+        # called (on the stepping thread) with the first tokens of prompts that complete in a step carrying a
+        # decode call too, before that call runs: a new row joins the step's decode call (scheduler
+        # ``_join_decode``), and without this its first token would wait for the whole call (AsyncEngine sets it)
+        self.first_token_hook = None
         self.dp = dp = c.dp_size(getattr(be, "dp", 1))
         lay = c.layout(self.k + 1, dp)
         self.pages_per_seq = lay.pages_per_seq
@@ -312,12 +316,24 @@ class LLMEngine:
         self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling) + 1
         plan = self.scheduler.schedule()
         rec = None
+        early: list = []          # prefill results already processed (handed out before the decode call)
         if plan:
             inputs = self.runner.step_inputs(plan)       # from the sequences as they are before this step
             self.scheduler.commit(plan)
             draft_len = plan.K1 - 1 if plan.decode else None
+            on_prefill = None
+            if self.first_token_hook is not None and not self.async_scheduling and plan.decode \
+                    and any(last for _, _, last in plan.prefill_items):
+                def on_prefill(pf, plan=plan):
+                    early.append(pf)
+                    first: set[str] = set()
+                    self.outputs.process(plan, pf, None, time.time(), first)
+                    outs = self.outputs.collect(first, pending=False)
+                    if outs:
+                        self.first_token_hook(outs)
             rec = (plan, self.runner.launch(*inputs, asynchronous=self.async_scheduling,
-                                            restores=plan.restores, saves=plan.saves, draft_len=draft_len))
+                                            restores=plan.restores, saves=plan.saves, draft_len=draft_len,
+                                            on_prefill=on_prefill))
         todo = rec
         if self.async_scheduling:
             todo, self._inflight = self._inflight, rec
@@ -328,7 +344,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             pf, dc = handle.result()
             wait = time.perf_counter() - t0
-            self.outputs.process(done_plan, pf, dc, time.time(), progressed)
+            self.outputs.process(done_plan, None if early else pf, dc, time.time(), progressed)
             if dc is not None:
                 self._observe_speculation(done_plan, dc)
             self.runner.after_step(pf, dc)

@@ -160,11 +160,13 @@ class OutputProcessor:
         self.pending[rid] = self.make_output(rid)
         self.scheduler.retire(rid)
 
-    def collect(self, progressed) -> list[RequestOutput]:
-        """This step's outputs: every request that moved, then the pending ones; finished requests retire."""
+    def collect(self, progressed, pending: bool = True) -> list[RequestOutput]:
+        """This step's outputs: every request that moved, then (``pending``) the pending ones; finished requests
+        retire."""
         outs = [self.make_output(rid) for rid in progressed if rid in self.scheduler.groups]
         for o in outs:
             self.scheduler.retire(o.request_id)
-        outs.extend(self.pending.values())
-        self.pending.clear()
+        if pending:
+            outs.extend(self.pending.values())
+            self.pending.clear()
         return outs

@@ -664,7 +664,8 @@ class Runner:
             inp["drafts"][r], inp["has_drafts"][r] = drafts, True
             inp["sp"]["draft_temp"][r] = 0.0
 
-    def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=(), draft_len=None):
+    def launch(self, pf_inp, dc_inp, asynchronous: bool = False, restores=(), saves=(), draft_len=None,
+               on_prefill=None):
         """Dispatch a step's calls; returns a handle whose ``result()`` is ``(prefill, decode)`` results on the host.
 
         With ``asynchronous`` the calls run on a one-thread executor: JAX dispatch is asynchronous on CPU, but a
@@ -673,9 +674,10 @@ class Runner:
         executor keeps calls in order. ``restores`` / ``saves``: snapshot copies ``[(slot, entry, position)]``
         run before / after the prefill (``snapshots.StatePool``). ``draft_len``: which decode program runs (None:
         the engine's block). The decode result carries ``elapsed_s``, its wall time (the cost model's sample;
-        the prefill is finished first so it is not counted in)."""
+        the prefill is finished first so it is not counted in). ``on_prefill``: called with the prefill's host
+        results before the decode call is dispatched (the engine hands out first tokens early)."""
         def run():
-            step = lambda: self.run_step(pf_inp, dc_inp, restores, saves, draft_len)   # noqa: E731
+            step = lambda: self.run_step(pf_inp, dc_inp, restores, saves, draft_len, on_prefill)   # noqa: E731
             if self.link is not None:      # multi-controller leader: broadcast first, the followers run the same
                 return self.link.lead(step, pf_inp, dc_inp, draft_len)
             return step()
@@ -687,8 +689,9 @@ class Runner:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dsflash-dispatch")
         return self._executor.submit(run)
 
-    def run_step(self, pf_inp, dc_inp, restores=(), saves=(), draft_len=None):
-        """Dispatch one step's calls, then bring the (small) results to the host on the same thread."""
+    def run_step(self, pf_inp, dc_inp, restores=(), saves=(), draft_len=None, on_prefill=None):
+        """Dispatch one step's calls, then bring the (small) results to the host on the same thread;
+        ``on_prefill(prefill results)`` runs between the two calls when both run."""
         if restores:
             self.state = self.snap.restore(self.state, list(restores))
         pf = self.prefill(pf_inp) if pf_inp is not None else None
@@ -697,6 +700,8 @@ class Runner:
         dc = None
         if dc_inp is not None:
             pf = jax.device_get(pf)
+            if pf is not None and on_prefill is not None:
+                on_prefill(pf)
             jax.block_until_ready(self.state)
             t = time.perf_counter()
             dc = jax.device_get(self.decode(dc_inp, draft_len))
