@@ -91,9 +91,17 @@ def call_overhead(eng, reps: int) -> list[dict]:
             t4 = time.perf_counter()
             if i:
                 rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, int(host["iters"])))
+        # the same bytes as one array: what packing the inputs into one transfer would cost
+        flat = np.concatenate([np.asarray(v).reshape(-1).view(np.uint8) for v in jax.tree.leaves(inp)])
+        packed = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(jax.device_put(flat))
+            packed.append(time.perf_counter() - t0)
         med = lambda j: 1e3 * statistics.median(x[j] for x in rows)          # noqa: E731
         d = {"max_iters": iters, "iters_run": rows[-1][5], "inputs_ms": med(0), "dispatch_ms": med(1),
              "run_ms": med(2), "results_ms": med(3), "total_ms": med(4), "reps": reps,
+             "inputs_one_array_ms": 1e3 * statistics.median(packed), "input_bytes": int(flat.nbytes),
              "input_arrays": len(jax.tree.leaves(inp)), "result_arrays": len(jax.tree.leaves(res))}
         out.append(d)
         print("call overhead " + " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
