@@ -81,7 +81,7 @@ def call_overhead(eng, reps: int) -> list[dict]:
         for i in range(reps + 1):                      # the first call warms up
             jax.block_until_ready(r.state)
             t0 = time.perf_counter()
-            dev = jax.block_until_ready(jax.device_put(inp))
+            dev = jax.block_until_ready(jax.device_put(r.place(inp)))     # (packed into one buffer: packed.py)
             t1 = time.perf_counter()
             res = r.decode(dev)
             t2 = time.perf_counter()
@@ -102,7 +102,8 @@ def call_overhead(eng, reps: int) -> list[dict]:
         d = {"max_iters": iters, "iters_run": rows[-1][5], "inputs_ms": med(0), "dispatch_ms": med(1),
              "run_ms": med(2), "results_ms": med(3), "total_ms": med(4), "reps": reps,
              "inputs_one_array_ms": 1e3 * statistics.median(packed), "input_bytes": int(flat.nbytes),
-             "input_arrays": len(jax.tree.leaves(inp)), "result_arrays": len(jax.tree.leaves(res))}
+             "input_arrays": len(jax.tree.leaves(inp)), "transfers": len(jax.tree.leaves(r.place(inp))),
+             "result_arrays": len(jax.tree.leaves(res))}
         out.append(d)
         print("call overhead " + " ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in d.items()), flush=True)

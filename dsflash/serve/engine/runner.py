@@ -44,6 +44,7 @@ from jax import lax
 from dsflash import compile_options, environment
 from dsflash.model.state import Batch
 from dsflash.serve.engine import sampling as S
+from dsflash.serve.engine.packed import pack, unpacked
 
 # ------------------------------------------------------------------ compile accounting (process-wide)
 _compile_lock = threading.Lock()
@@ -322,6 +323,7 @@ class Runner:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_impl(self, params, state, rows, inp):
+        inp = unpacked(inp)
         be, spec, S_ = self.backend, self.draft_ctx, self.S
         rows_in = rows
         tokens = inp["tokens"]
@@ -374,6 +376,7 @@ class Runner:
 
     # ------------------------------------------------------------------ decode loop
     def _decode_impl(self, params, state, rows, inp, drafting=True):
+        inp = unpacked(inp)
         be, V, S_, k = self.backend, self.V, self.S, self.k
         spec = self.spec and drafting
         # the draft context: updated by the drafting program; by the plain one too unless it is lazy (__init__)
@@ -765,9 +768,10 @@ class Runner:
         return max(b[1] for b in self.prefill_buckets)
 
     def place(self, inp):
-        """Host inputs -> device arrays with the row axis over the DP axes (identity without a DP mesh)."""
+        """Host inputs -> device arrays with the row axis over the DP axes; without a mesh, the inputs packed into
+        one buffer (``packed.py``: one transfer instead of one per array)."""
         if self.mesh is None:
-            return inp
+            return pack(inp)
         shardings = jax.tree.map(lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp)
         if jax.process_count() == 1:
             return jax.device_put(inp, shardings)
@@ -776,8 +780,8 @@ class Runner:
         return jax.tree.map(place_value, inp, shardings)
 
     def prefill(self, inp):
-        inp = self.place(inp)
         fn = self._compiled.get(("prefill", inp["tokens"].shape)) or self._prefill
+        inp = self.place(inp)
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
