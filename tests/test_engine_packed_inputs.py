@@ -1,0 +1,46 @@
+"""packed.py: a step's host inputs as one buffer, unpacked inside the program to the same arrays bit for bit."""
+import jax
+import numpy as np
+
+from dsflash.serve.engine.packed import PackedInputs, pack, unpacked
+
+
+def _inputs():
+    r = np.random.default_rng(0)
+    return {"page_table": r.integers(0, 1 << 20, (4, 3)).astype(np.int32),
+            "floor": np.array([-5, 0, 7, 2**31 - 1], np.int32),
+            "max_iters": np.int32(4),
+            "guided": np.array([True, False, True, False]),
+            "sp": {"temp": np.array([0.0, -0.0, np.inf, 1e-38], np.float32),
+                   "seed_lo": np.array([0, 1, 2**32 - 1, 2**31], np.uint32),
+                   "stop_ids": np.full((4, 2), -1, np.int32)},
+            "mask": np.zeros((4, 0), np.int32)}
+
+
+def test_pack_round_trips_through_a_program():
+    inp = _inputs()
+    p = pack(inp)
+    assert isinstance(p, PackedInputs) and len(jax.tree.leaves(p)) == 1 and p.buf.dtype == np.uint32
+    got = jax.jit(unpacked)(p)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(inp)[0], jax.tree.leaves(got)):
+        b = np.asarray(b)
+        assert b.dtype == np.asarray(a).dtype and b.shape == np.shape(a), path
+        assert np.array_equal(b.reshape(-1).view(np.uint8), np.asarray(a).reshape(-1).view(np.uint8)), path  # bits
+
+
+def test_one_compile_per_layout_and_fallbacks():
+    fn = jax.jit(lambda x: jax.tree.map(lambda a: a.sum(), unpacked(x)))
+    inp = _inputs()
+    fn(pack(inp))
+    inp["floor"] = inp["floor"] + 1                   # same layout, other values: no retrace
+    fn(pack(inp))
+    assert fn._cache_size() == 1
+    inp["floor"] = inp["floor"][:2]                   # another layout: another program
+    fn(pack(inp))
+    assert fn._cache_size() == 2
+    odd = {"a": np.zeros(3, np.int8)}                 # not 32-bit: passed as it is
+    assert pack(odd) is odd
+    on_device = {"a": jax.numpy.zeros(3)}
+    assert pack(on_device) is on_device
+    p = pack(_inputs())
+    assert pack(p) is p
