@@ -25,10 +25,11 @@ import numpy as np
 def instrument(name, eng, log, old=False):
     """Record every decode call of ``eng`` into ``log`` (a list of dicts). ``old``: the policy as before the
     verify-row charge and the short-call rule (no verify rows, no planned iterations: the same arithmetic)."""
+    from dsflash.serve.engine.packed import to_host
     r = eng.runner
     pending = {}
 
-    def run_step(pf_inp, dc_inp, restores=(), saves=(), draft_len=None):
+    def run_step(pf_inp, dc_inp, restores=(), saves=(), draft_len=None, on_prefill=None):
         if restores:
             r.state = r.snap.restore(r.state, list(restores))
         pf = r.prefill(pf_inp) if pf_inp is not None else None
@@ -36,7 +37,9 @@ def instrument(name, eng, log, old=False):
             r.state = r.snap.save(r.state, list(saves))
         dc = None
         if dc_inp is not None:
-            pf = jax.device_get(pf)
+            pf = to_host(pf)
+            if pf is not None and on_prefill is not None:
+                on_prefill(pf)
             jax.block_until_ready(r.state)
             stale = None
             if "ctx_pos" in r.rows:        # outside the timed region (a host read of two small arrays)
@@ -44,11 +47,11 @@ def instrument(name, eng, log, old=False):
                 steps = dc_inp["row_steps"] > 0
                 stale = int(np.max(np.where(steps, rows["pos"] - rows["ctx_pos"], 0), initial=0))
             t = time.perf_counter()
-            dc = jax.device_get(r.decode(dc_inp, draft_len))
+            dc = to_host(r.decode(dc_inp, draft_len))
             dc["elapsed_s"] = time.perf_counter() - t
             dc["draft_len"] = r.k if draft_len is None else draft_len
             pending.update(stale=stale, prefill=pf_inp is not None)
-        return jax.device_get(pf), dc
+        return to_host(pf), dc
 
     r.run_step = run_step
     pol = eng.speculation

@@ -62,6 +62,7 @@ def call_overhead(eng, reps: int) -> list[dict]:
     advance the device rows past the host's view, so only aborts follow."""
     import jax
     import numpy as np
+    from dsflash.serve.engine.packed import to_host
     r = eng.runner
     seen = {}
     run_step = r.run_step
@@ -87,7 +88,7 @@ def call_overhead(eng, reps: int) -> list[dict]:
             t2 = time.perf_counter()
             jax.block_until_ready(res)
             t3 = time.perf_counter()
-            host = jax.device_get(res)
+            host = to_host(res)
             t4 = time.perf_counter()
             if i:
                 rows.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, int(host["iters"])))

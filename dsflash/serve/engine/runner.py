@@ -44,7 +44,7 @@ from jax import lax
 from dsflash import compile_options, environment
 from dsflash.model.state import Batch
 from dsflash.serve.engine import sampling as S
-from dsflash.serve.engine.packed import pack, unpacked
+from dsflash.serve.engine.packed import pack, pack_traced, to_host, unpacked
 
 # ------------------------------------------------------------------ compile accounting (process-wide)
 _compile_lock = threading.Lock()
@@ -372,7 +372,7 @@ class Runner:
         res = {"tok": tok, "done": done, "stop": is_stop, "lp": chosen, "top_ids": ti, "top_lp": tv}
         if self.eplb_shape is not None:
             res["eplb_load"] = out["expert_load"]
-        return state, rows, res
+        return state, rows, (pack_traced(res) if self.mesh is None else res)
 
     # ------------------------------------------------------------------ decode loop
     def _decode_impl(self, params, state, rows, inp, drafting=True):
@@ -543,7 +543,7 @@ class Runner:
                                      jnp.zeros_like(sp["draft_temp"]), keys)
                 return d.astype(jnp.int32)
             res["next_drafts"] = lax.cond(jnp.any(guided), propose_next, lambda: jnp.zeros((S_, k), jnp.int32))
-        return state, rows, res
+        return state, rows, (pack_traced(res) if self.mesh is None else res)
 
     def _target_forward(self, params, batch, state, taps, verify_row=None):
         """The decode iteration's target forward over ``batch.tokens [S, K1]``. With ``sequential_verify`` it runs
@@ -702,15 +702,15 @@ class Runner:
             self.state = self.snap.save(self.state, list(saves))
         dc = None
         if dc_inp is not None:
-            pf = jax.device_get(pf)
+            pf = to_host(pf)
             if pf is not None and on_prefill is not None:
                 on_prefill(pf)
             jax.block_until_ready(self.state)
             t = time.perf_counter()
-            dc = jax.device_get(self.decode(dc_inp, draft_len))
+            dc = to_host(self.decode(dc_inp, draft_len))
             dc["elapsed_s"] = time.perf_counter() - t
             dc["draft_len"] = self.k if draft_len is None else draft_len
-        return jax.device_get(pf), dc
+        return to_host(pf), dc
 
     def after_step(self, pf, dc):
         """EPLB hook: one ``[L, P]`` load per engine step (valid rows of every forward) into the balancer,
