@@ -111,7 +111,7 @@ def call_overhead(eng, reps: int) -> list[dict]:
     return out
 
 
-def one_set(model, a, spec: str, loop: str, rng) -> dict:
+def one_set(model, a, spec: str, rng) -> dict:
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.types import SamplingParams
     from dsflash.bench import step_profile as SP
@@ -119,7 +119,7 @@ def one_set(model, a, spec: str, loop: str, rng) -> dict:
     with SP.scoped_model():            # named scopes in the compiled programs: the trace maps kernels to model ops
         eng = LLMEngine(model, speculative_mode="off", max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
                         max_num_batched_tokens=a.budget, prefill_buckets=_buckets(spec), enable_prefix_caching=False,
-                        decode_steps=a.decode_steps, decode_loop=loop)
+                        decode_steps=a.decode_steps)
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size
     prompt = lambda n: [int(t) for t in rng.integers(4, V, size=n)]          # noqa: E731
@@ -157,7 +157,7 @@ def one_set(model, a, spec: str, loop: str, rng) -> dict:
         eng.abort_request(s.request_id)
     _run_until(eng, lambda: not eng.has_unfinished_requests())
     med = lambda v: 1e3 * statistics.median(v) if v else None                 # noqa: E731
-    return {"buckets": spec, "decode_loop": loop, "resolved_buckets": [list(b) for b in eng.runner.prefill_buckets],
+    return {"buckets": spec, "resolved_buckets": [list(b) for b in eng.runner.prefill_buckets],
             "startup_s": startup, "lone_ttft_ms": [1e3 * v for v in ttft], "lone_ttft_ms_median": med(ttft),
             "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only), "decode_steps": a.decode_steps,
             "decode_only_host_ms": med(host),
@@ -177,8 +177,6 @@ def main():
     ap.add_argument("--decoding", type=int, default=31)
     ap.add_argument("--lone", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=1, help="decode iterations per device call")
-    ap.add_argument("--decode-loop", nargs="+", default=["while"], choices=["while", "fixed"],
-                    help="the decode call's loop (EngineConfig.decode_loop); several: one engine each")
     ap.add_argument("--steps", type=int, default=8, help="decode-only steps timed before the new prompt")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="trace this many decode-only steps (jax.profiler) and print the decode program's per-op table")
@@ -196,20 +194,20 @@ def main():
     model = load_model(a.model)
     print(f"model {a.model} loaded in {time.perf_counter() - t0:.1f}s", flush=True)
     res = []
-    for spec, loop in [(s, lp) for s in a.buckets for lp in a.decode_loop]:
+    for spec in a.buckets:
         if a.time_limit and time.perf_counter() - t0 > a.time_limit:
-            print(f"skipped {spec} / {loop}: past --time-limit", flush=True)
+            print(f"skipped {spec}: past --time-limit", flush=True)
             continue
-        r = one_set(model, a, spec, loop, np.random.default_rng(0))
+        r = one_set(model, a, spec, np.random.default_rng(0))
         print(json.dumps(r), flush=True)
         res.append(r)
         with open(os.path.join(a.out, "engine_steps.json"), "w") as f:
             json.dump({"args": vars(a), "results": res}, f, indent=2)
-    print(f"\n{'buckets':<16} {'loop':<6} {'resolved':<24} {'start s':>8} {'TTFT ms':>8} {'pf steps':>8} {'dec ms':>8} "
+    print(f"\n{'buckets':<16} {'resolved':<24} {'start s':>8} {'TTFT ms':>8} {'pf steps':>8} {'dec ms':>8} "
           f"{'mixed ms':>9} {'pf step ms':>10}")
     for r in res:
         f = lambda v: f"{v:.2f}" if v is not None else "-"                   # noqa: E731
-        print(f"{r['buckets']:<16} {r['decode_loop']:<6} {str(r['resolved_buckets']):<24} {r['startup_s']:>8.1f} "
+        print(f"{r['buckets']:<16} {str(r['resolved_buckets']):<24} {r['startup_s']:>8.1f} "
               f"{f(r['lone_ttft_ms_median']):>8} {str(r['lone_prefill_steps']):>8} {f(r['decode_only_step_ms']):>8} "
               f"{f(r['mixed_step_ms']):>9} {f(r['lone_prefill_step_ms']):>10}")
 

@@ -457,7 +457,7 @@ def test_sequential_verify_stops_at_the_last_first_rejection(accept_until, forwa
 
 def test_a_decode_call_reports_the_verify_rows_it_ran():
     """The cost model's extra rows: the decode result's ``verify_rows`` is the one-row verify forwards it ran."""
-    import jax
+    from dsflash.serve.engine.packed import to_host
 
     class SlotCountingToy(CountingToy):     # the counter as a per-slot leaf (the engine's snapshot layout)
         def init_state(self, geo):
@@ -469,7 +469,7 @@ def test_a_decode_call_reports_the_verify_rows_it_ran():
 
     def decode(inp, d=None):
         n0 = int(r.state["n_fwd"][0, 0])
-        res = jax.device_get(orig(inp, d))
+        res = to_host(orig(inp, d))           # (the program's results come back packed: packed.py)
         seen.append((int(r.state["n_fwd"][0, 0]) - n0, int(res["verify_rows"]), int(res["iters"])))
         return res
     r.decode = decode

@@ -144,29 +144,6 @@ def test_stop_tokens_logprobs_abort_and_n(spec_engine):
     assert multi.outputs[1].token_ids == single.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("spec", [False, True])
-def test_fixed_decode_loop_equals_the_while_loop(spec, plain_engine, spec_engine):
-    """decode_loop="fixed" (always decode_steps iterations, finished rows masked) emits what the early-exit loop
-    emits: rows finishing mid-call (short max_tokens, stop ids) and logprobs included, plain and drafting."""
-    ref = spec_engine if spec else plain_engine
-    fixed = make(spec, decode_loop="fixed", async_scheduling=spec)
-    ps = prompts(6, seed=21)
-    items = [(f"r{i}", p, SamplingParams(max_tokens=2 + 3 * i, temperature=0.0, ignore_eos=True,
-                                         logprobs=2 if i % 2 else None)) for i, p in enumerate(ps)]
-    items.append(("sampled", ps[0], SamplingParams(max_tokens=9, temperature=0.8, seed=7, ignore_eos=True)))
-    want, got = run_all(ref, items), run_all(fixed, items)
-    for rid, o in want.items():
-        a, b = o.outputs[0], got[rid].outputs[0]
-        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), rid
-        assert a.logprobs == b.logprobs, rid
-    stop = want["r3"].outputs[0].token_ids[2]
-    sp = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, stop_token_ids=[stop])
-    assert run_all(fixed, [("s", ps[3], sp)])["s"].outputs[0].token_ids == \
-        run_all(ref, [("s", ps[3], sp)])["s"].outputs[0].token_ids
-    with pytest.raises(ValueError, match="decode_loop"):
-        make(False, decode_loop="unrolled")
-
-
 def test_first_tokens_leave_before_their_steps_decode_call(plain_engine):
     """A prompt completing in a step that also decodes joins that decode call; its first token goes to
     ``first_token_hook`` before the call is dispatched (it used to wait for the whole call: on one H200 a 4-iteration

@@ -23,7 +23,6 @@ PRECISIONS = ("reference", "bf16", "fp32")
 BOUNDED_REPLAY = ("exact", "report", "layer20_full")   # "exact" = off (RunOptions' None)
 PREFIX_CACHE_MODES = ("exact", "replay")
 MOE_WEIGHT_LAYOUTS = ("auto", "checkpoint", "il")
-DECODE_LOOPS = ("while", "fixed")
 
 
 def resolve_backend(name: str) -> str:
@@ -82,10 +81,6 @@ class EngineConfig:
     # the smaller program rounds differently (docs/engine.md), so outputs then depend on the load
     max_mixed_prefill_tokens: Optional[int] = None
     decode_steps: int = 4                      # on-device decode iterations per call
-    # "while": the call's loop stops when every row has finished (its trip count is data-dependent, so on a GPU
-    # the predicate goes to the host after each iteration); "fixed": always decode_steps iterations, rows that
-    # finished doing masked work (a compile-time trip count: no host round trip). docs/engine.md "Decode loop"
-    decode_loop: str = "while"
     max_logprobs: int = 20
     max_stop_ids: int = 16
     # decoding
@@ -186,8 +181,6 @@ class EngineConfig:
         if self.bounded_replay is not None and self.bounded_replay not in BOUNDED_REPLAY:
             bad("bounded_replay", f"must be one of {', '.join(BOUNDED_REPLAY)} (or None: the model's), "
                                   f"got {self.bounded_replay!r}")
-        if self.decode_loop not in DECODE_LOOPS:
-            bad("decode_loop", f"must be one of {', '.join(DECODE_LOOPS)}, got {self.decode_loop!r}")
         if self.moe_weight_layout not in MOE_WEIGHT_LAYOUTS:
             bad("moe_weight_layout", f"must be one of {', '.join(MOE_WEIGHT_LAYOUTS)}, got {self.moe_weight_layout!r}")
         if self.moe_weight_layout == "il" and (self.mesh is not None or self.eplb):

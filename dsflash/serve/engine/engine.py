@@ -69,8 +69,7 @@ class LLMEngine:
         self.metrics.kv_pages_total = lay.num_pages
         self.runner = R.Runner(be, self.geo, max_num_seqs=c.max_num_seqs, pages_per_seq=lay.pages_per_seq,
                                prefill_buckets=lay.run_buckets, speculative=self.speculative,
-                               max_iters=c.decode_steps, decode_loop=c.decode_loop, max_logprobs=c.max_logprobs,
-                               max_stop_ids=c.max_stop_ids,
+                               max_iters=c.decode_steps, max_logprobs=c.max_logprobs, max_stop_ids=c.max_stop_ids,
                                dp=dp, eplb=self.eplb,
                                snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
                                max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths,
