@@ -57,8 +57,9 @@ def _run_until(eng, pred, limit=10_000, strict=True):
 def call_overhead(eng, reps: int) -> list[dict]:
     """Where a decode call's wall time goes beyond its kernels: one decode-only step's inputs, replayed through
     the compiled program with ``max_iters`` 0 (the loop body never runs: the fixed cost of a call), 1 and the
-    engine's ``decode_steps``, each call split into inputs to the device (``device_put`` + wait), dispatch (until
-    the call returns), run (until its results are ready), and results to the host (``device_get``). The replays
+    engine's ``decode_steps``, each call split into inputs to the device (``Runner.place``, which packs them, +
+    ``device_put`` + wait), dispatch (until the call returns), run (until its results are ready), and results to the
+    host (``packed.to_host``). The replays
     advance the device rows past the host's view, so only aborts follow."""
     import jax
     import numpy as np
