@@ -2,7 +2,7 @@
 import jax
 import numpy as np
 
-from dsflash.serve.engine.packed import PackedInputs, pack, unpacked
+from dsflash.serve.engine.packed import Packed, pack, unpacked
 
 
 def _inputs():
@@ -20,7 +20,7 @@ def _inputs():
 def test_pack_round_trips_through_a_program():
     inp = _inputs()
     p = pack(inp)
-    assert isinstance(p, PackedInputs) and len(jax.tree.leaves(p)) == 1 and p.buf.dtype == np.uint32
+    assert isinstance(p, Packed) and len(jax.tree.leaves(p)) == 1 and p.buf.dtype == np.uint32
     got = jax.jit(unpacked)(p)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(inp)[0], jax.tree.leaves(got)):
         b = np.asarray(b)
@@ -52,7 +52,7 @@ def test_results_come_back_in_one_buffer_bit_for_bit():
            "lp": np.array([[-0.0, -np.inf], [1.5, np.nan]], np.float32), "iters": np.int32(3),
            "seed": np.array([2**32 - 1], np.uint32)}
     out = jax.jit(pack_traced)(res)
-    assert isinstance(out, PackedInputs) and len(jax.tree.leaves(out)) == 1
+    assert isinstance(out, Packed) and len(jax.tree.leaves(out)) == 1
     host = to_host(out)
     assert set(host) == set(res)
     for k, a in res.items():
@@ -60,4 +60,4 @@ def test_results_come_back_in_one_buffer_bit_for_bit():
         assert b.dtype == a.dtype and b.shape == a.shape, k
         assert np.array_equal(np.asarray(b).reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)), k
     odd = {"x": jax.numpy.zeros(2, jax.numpy.bfloat16)}          # not 32-bit: left as it is
-    assert not isinstance(jax.jit(pack_traced)(odd), PackedInputs)
+    assert not isinstance(jax.jit(pack_traced)(odd), Packed)

@@ -18,8 +18,9 @@ _WORD = {np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32)}
 
 
 @jax.tree_util.register_pytree_node_class
-class PackedInputs:
-    """``buf`` (uint32 words, host or device) and ``layout``: (treedef, ((shape, dtype str), ...))."""
+class Packed:
+    """A call's inputs or results as one array: ``buf`` (uint32 words, host or device) and ``layout``: (treedef,
+    ((shape, dtype str), ...)), the pytree's static part."""
 
     def __init__(self, buf, layout):
         self.buf, self.layout = buf, layout
@@ -33,47 +34,51 @@ class PackedInputs:
 
     def unpack(self):
         """The original dict of arrays (inside a traced program: slices and bitcasts of the one buffer)."""
-        treedef, spec = self.layout
-        out, off = [], 0
-        for shape, dt in spec:
-            n = int(np.prod(shape, dtype=np.int64))
-            w = lax.slice_in_dim(self.buf, off, off + n)
-            off += n
-            dt = np.dtype(dt)
-            a = (w != 0) if dt == np.bool_ else w if dt == np.uint32 else lax.bitcast_convert_type(w, dt)
-            out.append(a.reshape(shape))
-        return jax.tree.unflatten(treedef, out)
+        def word_view(w, dt):
+            return (w != 0) if dt == np.bool_ else w if dt == np.uint32 else lax.bitcast_convert_type(w, dt)
+        return _split(self, lambda off, n: lax.slice_in_dim(self.buf, off, off + n), word_view)
+
+
+def _split(p, take, view):
+    """``p``'s leaves again: ``take(offset, n)`` words of the buffer per leaf, ``view(words, dtype)`` as that dtype."""
+    treedef, spec = p.layout
+    out, off = [], 0
+    for shape, dt in spec:
+        n = int(np.prod(shape, dtype=np.int64))
+        out.append(view(take(off, n), np.dtype(dt)).reshape(shape))
+        off += n
+    return jax.tree.unflatten(treedef, out)
 
 
 def pack(inp):
-    """Host inputs -> ``PackedInputs``; ``inp`` itself when a leaf is neither a 32-bit number nor a bool (or is
+    """Host inputs -> ``Packed``; ``inp`` itself when a leaf is neither a 32-bit number nor a bool (or is
     already on a device, or already packed)."""
-    if isinstance(inp, PackedInputs):
+    if isinstance(inp, Packed):
         return inp
     leaves, treedef = jax.tree.flatten(inp)
-    arrs = []
+    arrs, spec = [], []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
             return inp
         a = np.asarray(leaf)
+        spec.append((a.shape, a.dtype.str))
         if a.dtype == np.bool_:
             a = a.astype(np.uint32)
         elif a.dtype not in _WORD:
             return inp
         arrs.append(a)
-    spec = tuple((np.shape(leaf), np.asarray(leaf).dtype.str) for leaf in leaves)
     buf = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint32) for a in arrs]) if arrs \
         else np.zeros((0,), np.uint32)
-    return PackedInputs(buf, (treedef, spec))
+    return Packed(buf, (treedef, tuple(spec)))
 
 
 def unpacked(inp):
-    """Inside a program: the dict of a ``PackedInputs``, any other input as it is."""
-    return inp.unpack() if isinstance(inp, PackedInputs) else inp
+    """Inside a program: the dict of a ``Packed``, any other input as it is."""
+    return inp.unpack() if isinstance(inp, Packed) else inp
 
 
 def pack_traced(tree):
-    """Inside a program: its results as one ``PackedInputs`` (one device-to-host transfer), unpacked on the host by
+    """Inside a program: its results as one ``Packed`` (one device-to-host transfer), unpacked on the host by
     ``to_host``; the tree itself when a leaf is neither 32-bit nor bool."""
     import jax.numpy as jnp
     leaves, treedef = jax.tree.flatten(tree)
@@ -82,21 +87,14 @@ def pack_traced(tree):
     words = [(x.astype(jnp.uint32) if x.dtype == jnp.bool_ else
               x if x.dtype == jnp.uint32 else lax.bitcast_convert_type(x, jnp.uint32)).reshape(-1) for x in leaves]
     spec = tuple((tuple(x.shape), np.dtype(x.dtype).str) for x in leaves)
-    return PackedInputs(jnp.concatenate(words), (treedef, spec))
+    return Packed(jnp.concatenate(words), (treedef, spec))
 
 
 def to_host(x):
-    """``jax.device_get`` of a program's results, unpacking a ``PackedInputs`` into numpy arrays (views of one
+    """``jax.device_get`` of a program's results, unpacking a ``Packed`` into numpy arrays (views of one
     buffer; bools copied)."""
     x = jax.device_get(x)
-    if not isinstance(x, PackedInputs):
+    if not isinstance(x, Packed):
         return x
-    treedef, spec = x.layout
-    buf, out, off = np.asarray(x.buf), [], 0
-    for shape, dt in spec:
-        n = int(np.prod(shape, dtype=np.int64))
-        w = buf[off:off + n]
-        off += n
-        dt = np.dtype(dt)
-        out.append((w != 0 if dt == np.bool_ else w.view(dt)).reshape(shape))
-    return jax.tree.unflatten(treedef, out)
+    buf = np.asarray(x.buf)
+    return _split(x, lambda off, n: buf[off:off + n], lambda w, dt: w != 0 if dt == np.bool_ else w.view(dt))
