@@ -114,6 +114,19 @@ def test_greedy_extend_is_the_targets_own_greedy_chain(setup):
     assert loop.sample_anchors(np.random.default_rng(0), cfg, 3, 32, 4, lo=start - 1).min() >= start - 1
 
 
+def test_anchors_take_one_lower_bound_per_row(setup):
+    """Chat-prompt rows start their chains at their own prompt's end: a per-row bound holds row by row, a bound
+    below the window is raised to it, and a bound that leaves no anchor is an error naming it."""
+    cfg = setup[0]
+    lo = np.array([0, 12, 20, 27])
+    a = loop.sample_anchors(np.random.default_rng(0), cfg, 4, 32, 64, lo=lo)
+    hi = 32 - cfg.dspark_block_size - 1
+    assert a.shape == (4, 64) and (a <= hi).all()
+    assert (a.min(axis=1) >= np.maximum(lo, cfg.sliding_window)).all()
+    with pytest.raises(ValueError, match="lower bound"):
+        loop.sample_anchors(np.random.default_rng(0), cfg, 2, 32, 2, lo=np.array([10, hi + 1]))
+
+
 # the shapes of the tests above (docs, vocab, batch 4 x 32, 2 anchors): their compiled steps are reused
 PIPELINE = dict(vocab_size=512, batch_size=4, seq_len=32, anchors=2, eval_every=2, eval_batches=1, quiet=True,
                 greedy_rows=8)
@@ -313,6 +326,78 @@ def test_greedy_doc_starts_pool_rows_begin_at_document_starts(pipeline, tmp_path
         run.train(str(tmp_path / "bad"), docs=docs, draft_data="data", doc_start_fraction=0.5, **PIPELINE)
 
 
+def test_greedy_chat_prompt_rows_chain_from_each_prompts_end(pipeline, tmp_path, monkeypatch):
+    """``train(chat_prompt_fraction=f)``: that fraction of each greedy pool is the first-turn prompt of a chat
+    conversation of the split (as the server renders and tokenises it; held-out conversations for the held-out
+    pool), only prompts that fit before ``greedy_start``; the engine's chain starts at each prompt's own end and is
+    the served target's greedy continuation; the document-start rows are kept; anchors never fall inside a
+    prompt; the counts are recorded; a fraction that does not fit beside the document starts fails first."""
+    import json
+
+    import dsflash
+    from dsflash.tokenizer import Tokenizer
+    from dsflash.train import chat_data, run
+
+    docs = data.corpus_documents()[:120]
+    src_dir, _ = pipeline
+    ck = str(src_dir / "checkpoint")
+    calls, anchors = [], []
+    real, real_anchors = loop.greedy_pool_served, loop.sample_anchors
+
+    def spy(model, rows, start, *a, **k):
+        out = real(model, rows, start, *a, **k)
+        calls.append((np.array(rows), np.broadcast_to(start, (len(rows),)).copy(), out))
+        return out
+
+    def spy_anchors(rng, cfg, B, S, J, lo=0):
+        a = real_anchors(rng, cfg, B, S, J, lo)
+        anchors.append((a, np.broadcast_to(np.maximum(lo, cfg.sliding_window), (B,)).copy()))
+        return a
+
+    monkeypatch.setattr(loop, "greedy_pool_served", spy)
+    monkeypatch.setattr(loop, "sample_anchors", spy_anchors)
+    frac, dfrac, start = 0.25, 0.25, 24
+    m = run.train(str(tmp_path / "chat"), target_from=ck, draft_steps=2, docs=docs, greedy_batch=8,
+                  greedy_start=start, doc_start_fraction=dfrac, chat_prompt_fraction=frac,
+                  **dict(PIPELINE, greedy_rows=16))
+    assert len(calls) == 2
+    tok = Tokenizer.from_folder(ck)
+    train_c, held_c = chat_data.split(chat_data.conversations())
+    a = dsflash.load(ck, progress=False)
+    served = {k: v for k, v in a.params.items() if not k.startswith("mtp.")}
+    n_chat = {}
+    for (rows, starts, out), convs in zip(calls, (train_c, held_c)):
+        prompts = {tuple(p) for p in chat_data.first_turn_prompts(tok, convs) if len(p) <= start}
+        pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
+        is_chat = np.array([tuple(r[:s]) in prompts and (r[s:] == pad).all() for r, s in zip(rows, starts)])
+        n_chat[len(n_chat)] = int(is_chat.sum())
+        assert is_chat.sum() == round(frac * len(rows)) > 0, "the test needs short chat prompts"
+        assert (starts[~is_chat] == start).all()
+        assert all(r[0] == tok.bos_id for r in rows[is_chat])       # whole prompts of this split, then padding
+        firsts = {tuple(ids[:start]) for ids in map(tok.encode_prompt, docs)}
+        assert sum(tuple(r[:start]) in firsts for r in rows[~is_chat]) >= round(dfrac * len(rows))
+        for r, s, o in zip(rows, starts, out):
+            assert (o[:s] == r[:s]).all()
+        lg = np.concatenate([np.asarray(_target_logits(served, a.cfg, jnp.asarray(out[i:i + 4]), "reference"))
+                             for i in range(0, len(out), 4)])
+        gen = np.arange(out.shape[1])[None, 1:] >= starts[:, None]          # positions the engine generated
+        hit = out[:, 1:] == lg[:, :-1].argmax(-1)
+        assert hit[gen].mean() >= 0.9 and not (out[is_chat] == rows[is_chat]).all()
+    for a_, lo in anchors:                                   # training and evaluation batches alike
+        assert (a_ >= lo[:, None]).all()
+    assert any((lo < start - 1).any() for _, lo in anchors)  # some batch held a chat row
+    meta = json.load(open(tmp_path / "chat" / "checkpoint" / "training.json"))
+    assert meta["greedy_chat_prompts"] == frac and meta["greedy_doc_starts"] == dfrac
+    assert (meta["greedy_chat_prompt_rows"], meta["greedy_chat_prompt_held_rows"]) == (n_chat[0], n_chat[1])
+    assert m["greedy_chat_prompt_rows"] == n_chat[0]
+    for bad in (-0.1, 0.8):
+        with pytest.raises(ValueError, match="chat_prompt_fraction"):
+            run.train(str(tmp_path / "bad"), target_from=ck, docs=docs, doc_start_fraction=dfrac,
+                      chat_prompt_fraction=bad, **PIPELINE)
+    with pytest.raises(ValueError, match="chat_prompt_fraction"):
+        run.train(str(tmp_path / "bad"), docs=docs, chat_prompt_fraction=0.5, **PIPELINE)
+
+
 def test_greedy_doc_starts_are_capped_at_the_long_documents(pipeline, tmp_path):
     """More document-start rows asked for than there are documents with >= ``start`` tokens: every such document is
     used once and mid-stream rows keep the pool at its size."""
@@ -328,8 +413,9 @@ def test_greedy_doc_starts_are_capped_at_the_long_documents(pipeline, tmp_path):
     long_docs = [ids for ids in held_ids if len(ids) - 1 >= start]
     mid = corpus.train_rows[: 3 * len(held_ids)]
     assert 0 < len(long_docs) < len(mid)
-    rows, n = run._with_doc_starts(corpus, mid, "held", 1.0, start, seed=0)
-    assert n == len(long_docs) and rows.shape == mid.shape
+    rows, n, is_doc = run._with_doc_starts(corpus, mid, "held", 1.0, start, seed=0)
+    assert n == len(long_docs) == is_doc.sum() and rows.shape == mid.shape
+    assert {tuple(r[:start]) for r in rows[is_doc]} == {tuple(ids[:start]) for ids in long_docs}
     firsts = sorted(tuple(ids[:start]) for ids in long_docs)
     assert sorted(tuple(r[:start]) for r in rows if tuple(r[:start]) in set(firsts)) == firsts
     assert run._with_doc_starts(corpus, mid, "held", 0.0, start, seed=0)[0] is mid     # default: untouched

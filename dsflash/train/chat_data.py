@@ -423,6 +423,16 @@ def pack_conversations(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: i
     return np.stack(rows), np.stack(masks), dropped
 
 
+def first_turn_prompts(tokenizer, convs: list[dict]) -> list[list[int]]:
+    """The prompt of each conversation's first assistant turn (tools and thinking as the conversation has them),
+    rendered and tokenised as the server renders and tokenises that chat request."""
+    out = []
+    for c in convs:
+        k = next(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")
+        out.append(tokenizer.encode(encode_chat(c["messages"][:k], tools=c["tools"], thinking=c["thinking"])))
+    return out
+
+
 def chat_rows(tokenizer, convs: list[dict], seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
     """Encode and pack ``convs`` after a seeded shuffle (so rows mix kinds of conversation)."""
     order = np.random.default_rng(seed).permutation(len(convs))

@@ -211,12 +211,16 @@ def draft_step(draft, opt_state, frozen, cfg, tokens, anchors, precision, opt, d
     return optax.apply_updates(draft, upd), opt_state, loss, aux
 
 
-def sample_anchors(rng: np.random.Generator, cfg: ModelConfig, B: int, S: int, J: int, lo: int = 0) -> np.ndarray:
-    """``[B, J]`` anchor positions p with a full window before them, the block after, and ``p >= lo``."""
-    lo, hi = max(lo, cfg.sliding_window), S - cfg.dspark_block_size - 1
-    if hi < lo:
+def sample_anchors(rng: np.random.Generator, cfg: ModelConfig, B: int, S: int, J: int, lo=0) -> np.ndarray:
+    """``[B, J]`` anchor positions p with a full window before them, the block after, and ``p >= lo`` (an int, or
+    one bound per row: ``[B]``)."""
+    hi = S - cfg.dspark_block_size - 1
+    lo = np.maximum(np.asarray(lo, np.int64), cfg.sliding_window)
+    if hi < cfg.sliding_window:
         raise ValueError(f"seq_len {S} too short for DSpark anchors (needs > window + block + 1)")
-    return rng.integers(lo, hi + 1, size=(B, J)).astype(np.int32)
+    if (lo > hi).any():
+        raise ValueError(f"anchor lower bound {int(lo.max())} leaves no anchor in a row of {S} tokens (last {hi})")
+    return rng.integers(lo[..., None] if lo.ndim else lo, hi + 1, size=(B, J)).astype(np.int32)
 
 
 def perplexity(params, cfg, rows: np.ndarray, batch_size: int, precision: str) -> float:
@@ -265,10 +269,11 @@ def served_engine(model, max_num_seqs: int, max_model_len: int):
     return LLM(model, speculative=False, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
 
 
-def greedy_pool_served(model, rows: np.ndarray, start: int, max_num_seqs: int = 256, chunk: int = 1024,
+def greedy_pool_served(model, rows: np.ndarray, start, max_num_seqs: int = 256, chunk: int = 1024,
                        progress=None, llm=None) -> np.ndarray:
     """The serving engine's greedy continuation of ``rows[:, :start]`` (``model``: a loaded checkpoint or its
-    folder), speculation off, at the engine's reference precision.
+    folder), speculation off, at the engine's reference precision. ``start``: an int, or one per row (chat prompts
+    of their own lengths).
 
     These are exactly the chains a served draft is verified against, and the engine decodes with its KV cache
     (one row per token) where :func:`greedy_extend` recomputes the whole row per token: on one H200 the latter
@@ -278,19 +283,21 @@ def greedy_pool_served(model, rows: np.ndarray, start: int, max_num_seqs: int = 
 
     rows = np.asarray(rows)
     S = rows.shape[1]
-    if not 0 < start < S:
+    starts = np.broadcast_to(np.asarray(start), (len(rows),))
+    if starts.size and not ((0 < starts) & (starts < S)).all():
         raise ValueError(f"start must be in (0, {S}), got {start}")
     if llm is None:
         llm = served_engine(model, max_num_seqs, S)
-    sp = SamplingParams(max_tokens=S - start, temperature=0.0, ignore_eos=True)
     out = rows.copy()
     for i in range(0, len(rows), chunk):
-        res = llm.generate([r[:start].tolist() for r in rows[i:i + chunk]], sp)
-        for j, r in enumerate(res):
+        st = [int(x) for x in starts[i:i + chunk]]
+        sps = [SamplingParams(max_tokens=S - s, temperature=0.0, ignore_eos=True) for s in st]
+        res = llm.generate([r[:s].tolist() for r, s in zip(rows[i:i + chunk], st)], sps)
+        for j, (r, s) in enumerate(zip(res, st)):
             ids = r.outputs[0].token_ids
-            if len(ids) != S - start:
-                raise RuntimeError(f"engine returned {len(ids)} tokens for row {i + j}, expected {S - start}")
-            out[i + j, start:] = ids
+            if len(ids) != S - s:
+                raise RuntimeError(f"engine returned {len(ids)} tokens for row {i + j}, expected {S - s}")
+            out[i + j, s:] = ids
         if progress is not None:
             progress(1)
     return out

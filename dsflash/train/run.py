@@ -109,15 +109,16 @@ def _served_target(folder: str, vocab_size: int, seq_len: int, docs) -> dict:
 
 
 def _with_doc_starts(corpus, rows: np.ndarray, split: str, fraction: float, start: int,
-                     seed: int) -> tuple[np.ndarray, int]:
+                     seed: int) -> tuple[np.ndarray, int, np.ndarray]:
     """``rows`` (mid-stream rows of ``split``) with ``round(fraction * len(rows))`` of them replaced by document
     starts (:meth:`data.Corpus.document_rows`, seeded choice): a document's first tokens, from documents with at
     least ``start`` tokens -- the greedy chain replaces everything from ``start`` on, so only the prefix must be
     the document's. Fewer such documents than asked: all of them are used (printed) and mid-stream rows fill
-    the rest, so the pool keeps its size. -> (the rows in a seeded shuffled order, how many are document starts)."""
+    the rest, so the pool keeps its size. -> (the rows in a seeded shuffled order, how many are document starts,
+    which ones)."""
     n_doc = round(fraction * len(rows))
     if n_doc == 0:
-        return rows, 0
+        return rows, 0, np.zeros(len(rows), bool)
     docs = corpus.document_rows(split, rows.shape[1], min_tokens=start)
     if n_doc > len(docs):
         print(f"greedy chains ({split}): {len(docs)} document-start rows of the {n_doc} asked for (only {len(docs)} "
@@ -125,7 +126,53 @@ def _with_doc_starts(corpus, rows: np.ndarray, split: str, fraction: float, star
         n_doc = len(docs)
     rng = np.random.default_rng(seed)
     mixed = np.concatenate([rows[: len(rows) - n_doc], docs[rng.permutation(len(docs))[:n_doc]]])
-    return mixed[rng.permutation(len(mixed))], n_doc
+    is_doc = np.arange(len(mixed)) >= len(rows) - n_doc
+    order = rng.permutation(len(mixed))
+    return mixed[order], n_doc, is_doc[order]
+
+
+def _with_chat_prompts(tokenizer, rows: np.ndarray, is_doc: np.ndarray, convs: list[dict], fraction: float,
+                       start: int, seed: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``rows`` (a :func:`_with_doc_starts` pool, ``is_doc`` its document starts) with ``round(fraction *
+    len(rows))`` of its mid-stream rows replaced by chat prompts: the first assistant turn's prompt of a seeded
+    choice of ``convs`` (``chat_data.first_turn_prompts``: as the server renders and tokenises it), padded; the
+    greedy chain then starts at the prompt's end, so the draft sees the target's answers. Only prompts of at most
+    ``start`` tokens fit (those with tools, ~600 demo tokens, do not); fewer than asked: all of them (printed).
+    -> (rows in a seeded shuffled order, each row's chain start, how many are chat prompts)."""
+    n_chat = round(fraction * len(rows))
+    starts = np.full(len(rows), start, np.int32)
+    if n_chat == 0:
+        return rows, starts, 0
+    from dsflash.train import chat_data
+    prompts = [p for p in chat_data.first_turn_prompts(tokenizer, convs) if len(p) <= start]
+    n_mid = int((~is_doc).sum())
+    if n_chat > min(len(prompts), n_mid):
+        print(f"greedy chains: {min(len(prompts), n_mid)} chat-prompt rows of the {n_chat} asked for ({len(prompts)} "
+              f"prompts of <= {start} tokens, {n_mid} mid-stream rows to replace)", flush=True)
+        n_chat = min(len(prompts), n_mid)
+    rng = np.random.default_rng(seed)
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    chat = np.full((n_chat, rows.shape[1]), pad, np.int32)
+    chat_starts = np.empty(n_chat, np.int32)
+    for i, j in enumerate(rng.permutation(len(prompts))[:n_chat]):
+        chat[i, :len(prompts[j])], chat_starts[i] = prompts[j], len(prompts[j])
+    keep = np.flatnonzero(~is_doc)[n_chat:]
+    out_rows = np.concatenate([rows[is_doc], rows[keep], chat]).astype(rows.dtype)
+    out_starts = np.concatenate([starts[is_doc], starts[keep], chat_starts])
+    order = rng.permutation(len(out_rows))
+    return out_rows[order], out_starts[order], n_chat
+
+
+def _uniform_or_rows(x: np.ndarray):
+    """One int when every row has the same value (the pools without chat prompts: as before), else the array."""
+    return int(x[0]) if len(x) and (x == x[0]).all() else x
+
+
+def _rows_of(bound, i, n=None):
+    """The anchors' lower bound of the batch of rows ``i`` (indices, or ``n`` rows from ``i``)."""
+    if np.ndim(bound) == 0:
+        return bound
+    return bound[i:i + n] if n is not None else bound[np.asarray(i)]
 
 
 def _target_cache(src, cfg, rows: np.ndarray, batch_size: int, precision: str, offset: int, tick) -> dict:
@@ -292,7 +339,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True,
           allow_other_corpus: bool = False, sft_steps: int = 0, sft_lr: float = 3e-4, sft_seq_len: int = 1024,
           sft_batch_size: int | None = None, sft_lm_fraction: float = 0.25, max_sft_seconds: float = 0.0,
-          sft_qat: bool = True, chat: dict | None = None) -> dict:
+          sft_qat: bool = True, chat: dict | None = None, chat_prompt_fraction: float = 0.0) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -301,7 +348,9 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     fraction of the greedy pools (training and held-out) starts at a document's first token instead of mid-stream
     (:func:`_with_doc_starts`; capped at the documents with >= ``greedy_start`` tokens), the chain from the same
     ``greedy_start``: prompts cut from a document's start (spec_eval, ``bench engine --text-prompts``) are what
-    the mid-stream rows never show the draft. ``target_cache``: run the frozen target once over the draft's row
+    the mid-stream rows never show the draft. ``chat_prompt_fraction`` (target_from only): that fraction of the
+    pools are chat prompts (:func:`_with_chat_prompts`: the first turn of the training / held-out conversations,
+    ``chat`` options), the chain from each prompt's end: the served target's answers. ``target_cache``: run the frozen target once over the draft's row
     pools and keep its taps and logits (:func:`_target_cache`; fp32, rows x seq_len x (taps + vocab) x 4 bytes at
     most) instead of once per draft step -- same losses (tests/test_train_target_cache.py), less time.
     ``allow_other_corpus`` (target_from only): this machine's corpus differs from the checkpoint's (another
@@ -323,6 +372,11 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     if doc_start_fraction and draft_data != "greedy":
         raise ValueError(f"doc_start_fraction needs draft_data='greedy' (document starts are chain prefixes), "
                          f"got draft_data={draft_data!r}")
+    if not 0.0 <= chat_prompt_fraction <= 1.0 - doc_start_fraction:
+        raise ValueError(f"chat_prompt_fraction must be in [0, 1 - doc_start_fraction], got {chat_prompt_fraction!r}")
+    if chat_prompt_fraction and (draft_data != "greedy" or target_from is None):
+        raise ValueError("chat_prompt_fraction needs draft_data='greedy' and target_from (chat chains are decoded by "
+                         "the serving engine from each prompt's own end)")
     if draft_init not in ("fresh", "checkpoint"):
         raise ValueError(f"draft_init must be 'fresh' or 'checkpoint', got {draft_init!r}")
     bad = [k for k in (draft_overrides or {}) if not k.startswith("dspark_")]
@@ -470,29 +524,40 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     dstate = dopt.init(drf)
     rng = np.random.default_rng(seed + 1)
     lo = 0
-    n_doc_rows = n_doc_held = 0
+    n_doc_rows = n_doc_held = n_chat_rows = n_chat_held = 0
     draft_rows, draft_held = corpus.train_rows, held
+    row_lo, held_lo = 0, 0              # anchors' lower bound: one for the pool, or one per row (chat prompts)
     if draft_data == "greedy" and draft_steps:
         # the target's own greedy continuations of data prefixes: what acceptance is measured against
         lo = (seq_len // 2 if greedy_start is None else greedy_start) - 1
         pick = np.random.default_rng(seed + 2).permutation(len(corpus.train_rows))[:greedy_rows]
         rows, gb = corpus.train_rows[pick], greedy_batch or batch_size
-        rows, n_doc_rows = _with_doc_starts(corpus, rows, "train", doc_start_fraction, lo + 1, seed + 4)
-        held_src, n_doc_held = _with_doc_starts(corpus, held, "held", doc_start_fraction, lo + 1, seed + 5)
+        rows, n_doc_rows, is_doc = _with_doc_starts(corpus, rows, "train", doc_start_fraction, lo + 1, seed + 4)
+        held_src, n_doc_held, held_is_doc = _with_doc_starts(corpus, held, "held", doc_start_fraction, lo + 1,
+                                                             seed + 5)
+        convs = ([], [])
+        if chat_prompt_fraction:
+            from dsflash.train import chat_data
+            convs = chat_data.split(chat_data.conversations(seed=seed, **(chat or {})))
+        rows, row_start, n_chat_rows = _with_chat_prompts(corpus.tokenizer, rows, is_doc, convs[0],
+                                                          chat_prompt_fraction, lo + 1, seed + 6)
+        held_src, held_start, n_chat_held = _with_chat_prompts(corpus.tokenizer, held_src, held_is_doc, convs[1],
+                                                               chat_prompt_fraction, lo + 1, seed + 7)
+        row_lo, held_lo = _uniform_or_rows(row_start - 1), _uniform_or_rows(held_start - 1)
         if source is None:      # the float target, the whole row recomputed per token (one tick per batch)
-            def pool(r, b, tick):
+            def pool(r, s, b, tick):
                 return loop.greedy_pool(frozen, cfg, r, lo + 1, b, precision, tick)
             ticks = len(rows) // gb + len(held) // batch_size
         else:                   # the served target's chains, decoded by the engine itself (a tick per 1,024 rows)
             # one engine for both pools: each engine compiles its own prefill / decode programs
             llm = loop.served_engine(source["model"], gb, max(rows.shape[1], held_src.shape[1]))
 
-            def pool(r, b, tick):
-                return loop.greedy_pool_served(source["model"], r, lo + 1, gb, progress=tick, llm=llm)
+            def pool(r, s, b, tick):
+                return loop.greedy_pool_served(source["model"], r, _uniform_or_rows(s), gb, progress=tick, llm=llm)
             ticks = -(-len(rows) // 1024) + -(-len(held) // 1024)
         bar = _bar(ticks, "greedy chains", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
-        draft_rows, draft_held = pool(rows, gb, tick), pool(held_src, batch_size, tick)
+        draft_rows, draft_held = pool(rows, row_start, gb, tick), pool(held_src, held_start, batch_size, tick)
         if bar is not None:
             bar.close()
     elif draft_data not in ("greedy", "data"):        # (greedy with no draft steps: no pool to build)
@@ -501,7 +566,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     dit = iter(data.batches(np.arange(len(draft_rows)), batch_size, seed + 3)) if draft_steps else None
     cache = held_cache = None
     if target_cache and draft_steps and draft_data == "greedy":     # a fixed pool, not the whole corpus
-        off = max(lo, cfg.sliding_window)                   # sample_anchors' lowest anchor
+        off = max(int(np.min(row_lo)), int(np.min(held_lo)), cfg.sliding_window)     # sample_anchors' lowest
         src, src_precision = (frozen, precision) if served is None else (served, served_precision)
         bar = _bar(-(-len(draft_rows) // batch_size) + -(-len(draft_held) // batch_size), "target taps", quiet)
         tick = (lambda _: bar.update(1)) if bar is not None else None
@@ -524,7 +589,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         r2 = np.random.default_rng(1234)
         for i in range(0, len(draft_held) - batch_size + 1, batch_size):
             tok = jnp.asarray(draft_held[i:i + batch_size])
-            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, lo))
+            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, _rows_of(held_lo, i, batch_size)))
             _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill, served, served_precision,
                                          cached_rows(held_cache, slice(i, i + batch_size)))
             hits.append(np.asarray(aux["hit_per_pos"]))
@@ -536,7 +601,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     for step in range(1, draft_steps + 1):
         idx = np.asarray(next(dit))
         tok = jnp.asarray(draft_rows[idx])
-        a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors, lo))
+        a = jnp.asarray(loop.sample_anchors(rng, cfg, batch_size, seq_len, anchors, _rows_of(row_lo, idx)))
         drf, dstate, loss, aux = loop.draft_step(drf, dstate, frozen, cfg, tok, a, precision, dopt, distill,
                                                  served, served_precision, cached_rows(cache, jnp.asarray(idx)))
         r = {"stage": "draft", "step": step, "loss": float(loss), "ce": float(aux["ce"]), "hit": float(aux["hit"]),
@@ -575,9 +640,10 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     # the greedy pools' make-up: always in target_from mode (a source's own values must not carry over), else only
     # when document starts were asked for (a default full run records what it always did)
     doc_meta = {"greedy_doc_starts": doc_start_fraction, "greedy_doc_start_rows": n_doc_rows,
-                "greedy_doc_start_held_rows": n_doc_held,
+                "greedy_doc_start_held_rows": n_doc_held, "greedy_chat_prompts": chat_prompt_fraction,
+                "greedy_chat_prompt_rows": n_chat_rows, "greedy_chat_prompt_held_rows": n_chat_held,
                 "greedy_start": lo + 1 if draft_data == "greedy" and draft_steps else None}
-    if doc_start_fraction:
+    if doc_start_fraction or chat_prompt_fraction:
         meta.update(doc_meta)
     keep = None
     if source is not None:
@@ -657,6 +723,9 @@ def main(argv=None):
                          "token instead of mid-stream (capped at the documents with >= --greedy-start tokens); use "
                          "with --greedy-start 40: spec_eval's prompts are a document's first ~40 tokens")
     ap.add_argument("--max-target-seconds", type=float, default=0.0, help="stop the target stage after this")
+    ap.add_argument("--greedy-chat", type=float, default=0.0, metavar="FRACTION",
+                    help="with --target-from: this fraction of the greedy rows are chat prompts (the first turn of the "
+                         "chat conversations, those of <= --greedy-start tokens), the chain from the prompt's end")
     ap.add_argument("--max-draft-seconds", type=float, default=0.0, help="stop the DSpark stage after this many seconds of training (its compile not counted)")
     ap.add_argument("--no-keep-best", action="store_true",
                     help="export the last target step, not the one with the lowest held-out loss")
@@ -708,4 +777,4 @@ def main(argv=None):
           target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus, sft_steps=a.sft_steps,
           sft_lr=a.sft_lr, sft_seq_len=a.sft_seq_len, sft_batch_size=a.sft_batch_size,
           sft_lm_fraction=a.sft_lm_fraction, max_sft_seconds=a.max_sft_seconds,
-          sft_qat=not a.no_sft_qat, chat=chat)
+          sft_qat=not a.no_sft_qat, chat=chat, chat_prompt_fraction=a.greedy_chat)

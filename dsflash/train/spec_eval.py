@@ -21,14 +21,9 @@ def heldout_prompts(n: int, chars: int = 160) -> list[str]:
 def heldout_chat_prompts(tokenizer, n: int) -> list[list[int]]:
     """The prompts of the first assistant turn of ``n`` held-out conversations (``chat_data``; tools and thinking
     as the conversation has them), as the server renders and tokenises them."""
-    from dsflash.chat import encode_chat
     from dsflash.train import chat_data
     _, held = chat_data.split(chat_data.conversations())
-    out = []
-    for c in held[:n]:
-        k = next(i for i, m in enumerate(c["messages"]) if m["role"] == "assistant")
-        out.append(tokenizer.encode(encode_chat(c["messages"][:k], tools=c["tools"], thinking=c["thinking"])))
-    return out
+    return chat_data.first_turn_prompts(tokenizer, held[:n])
 
 
 def _run(ckpt: str, prompts, max_tokens: int, ignore_eos: bool) -> dict:
