@@ -61,3 +61,24 @@ def test_results_come_back_in_one_buffer_bit_for_bit():
         assert np.array_equal(np.asarray(b).reshape(-1).view(np.uint8), a.reshape(-1).view(np.uint8)), k
     odd = {"x": jax.numpy.zeros(2, jax.numpy.bfloat16)}          # not 32-bit: left as it is
     assert not isinstance(jax.jit(pack_traced)(odd), Packed)
+
+
+def test_an_entry_kept_on_the_device_is_outside_the_buffer_and_keeps_the_layout():
+    """``pack(inp, on_device={key: device array})``: that entry is not in the buffer, the program sees it as if it
+    had been packed, and a call whose entry is another device array of the same shape reuses the program; a
+    replacement of another shape or dtype is refused naming the key."""
+    import jax.numpy as jnp
+    import pytest
+    inp = dict(_inputs(), mask=np.arange(12, dtype=np.int32).reshape(4, 3))
+    fn = jax.jit(lambda p: unpacked(p))              # a program of its own (jit caches per function)
+    plain = pack(inp)
+    kept = pack(inp, on_device={"mask": jax.device_put(np.zeros((4, 3), np.int32))})
+    assert kept.buf.size == plain.buf.size - 12 and set(kept.device) == {"mask"}
+    got = fn(kept)
+    assert np.array_equal(np.asarray(got["mask"]), np.zeros((4, 3))) and np.array_equal(got["floor"], inp["floor"])
+    got = fn(pack(inp, on_device={"mask": jax.device_put(inp["mask"])}))
+    assert np.array_equal(np.asarray(got["mask"]), inp["mask"]) and fn._cache_size() == 1
+    with pytest.raises(ValueError, match="on_device\\['mask'\\]"):
+        pack(inp, on_device={"mask": jnp.zeros((4, 2), jnp.int32)})
+    with pytest.raises(ValueError, match="on_device\\['mask'\\]"):
+        pack(inp, on_device={"mask": jnp.zeros((4, 3), jnp.float32)})

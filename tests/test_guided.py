@@ -252,6 +252,38 @@ def test_engine_mixed_batch_leaves_unconstrained_rows_alone(eng):
     jsonschema.validate(json.loads(mixed["g"].text), SCHEMA)
 
 
+def test_the_all_zero_mask_stays_on_the_device_and_a_guided_mask_travels(eng, monkeypatch):
+    """A call without guided rows sends no token mask (it is most of a call's input bytes): the program gets the
+    same device array of zeros call after call, outside the packed buffer; a call with a guided row sends its own
+    mask, and the constrained answer still validates, with no compile after warm-up."""
+    import jax
+
+    from dsflash.serve.engine.packed import Packed
+    sent, place = [], eng.runner.place
+
+    def spy(inp):
+        p = place(inp)
+        sent.append((bool(np.any(inp["guided"])), np.array(inp["mask"]), p))
+        return p
+    monkeypatch.setattr(eng.runner, "place", spy)
+    outs = _run(eng, {"u": (PROMPT, SamplingParams(max_tokens=12, temperature=0))})
+    _run(eng, {"u2": (PROMPT, SamplingParams(max_tokens=12, temperature=0))})
+    outs.update(_run(eng, {"g": (PROMPT, SamplingParams(max_tokens=60, temperature=0,
+                                                        guided=GuidedDecoding(json=SCHEMA)))}))
+    jsonschema.validate(json.loads(outs["g"].text), SCHEMA)
+    assert eng.compiles_after_warmup == 0
+    zeros = {}
+    for guided, mask, p in sent:
+        assert isinstance(p, Packed) and set(p.device) == {"mask"}
+        keys = jax.tree.unflatten(p.layout[0], [0] * p.layout[0].num_leaves)
+        assert "mask" not in keys and "guided" in keys             # the buffer holds the rest, not the mask
+        dev = p.device["mask"]
+        assert isinstance(dev, jax.Array) and np.array_equal(np.asarray(dev), mask)
+        if not guided:
+            assert zeros.setdefault(mask.shape, dev) is dev         # one device array per shape, reused
+    assert sum(not g for g, _, _ in sent) > len(zeros) and any(g and m.any() for g, m, _ in sent)
+
+
 def test_engine_max_tokens_cuts_a_constrained_answer(eng):
     c = _run(eng, {"cut": (PROMPT, SamplingParams(max_tokens=4, temperature=0, guided=GuidedDecoding(json=SCHEMA)))})
     assert c["cut"].finish_reason == "length" and len(c["cut"].token_ids) == 4

@@ -7,6 +7,10 @@ words (bools as 0 / 1) into one buffer; the layout (tree structure, shapes, dtyp
 part, so each program compiles for its one layout, and ``unpack`` slices the words back inside the program. The
 results go back the same way (``pack_traced`` in the program, ``to_host`` on the host: ~13 arrays, 0.4-0.6 ms on the
 CPU as separate transfers).
+
+A leaf the host would send unchanged call after call can stay on the device instead (``pack(inp, on_device=...)``):
+the guided-decoding token mask of a call without guided rows is all zeros and 94 % of a decode call's input bytes at
+the real vocabulary (516 of 530 KB; run 46: inputs 0.59 ms a call on one H200).
 """
 from __future__ import annotations
 
@@ -20,23 +24,25 @@ _WORD = {np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32)}
 @jax.tree_util.register_pytree_node_class
 class Packed:
     """A call's inputs or results as one array: ``buf`` (uint32 words, host or device) and ``layout``: (treedef,
-    ((shape, dtype str), ...)), the pytree's static part."""
+    ((shape, dtype str), ...)), the pytree's static part; ``device``: top-level entries passed as device arrays of
+    their own (a dict, possibly empty)."""
 
-    def __init__(self, buf, layout):
-        self.buf, self.layout = buf, layout
+    def __init__(self, buf, layout, device=None):
+        self.buf, self.layout, self.device = buf, layout, {} if device is None else device
 
     def tree_flatten(self):
-        return (self.buf,), self.layout
+        return (self.buf, self.device), self.layout
 
     @classmethod
     def tree_unflatten(cls, layout, children):
-        return cls(children[0], layout)
+        return cls(children[0], layout, children[1])
 
     def unpack(self):
         """The original dict of arrays (inside a traced program: slices and bitcasts of the one buffer)."""
         def word_view(w, dt):
             return (w != 0) if dt == np.bool_ else w if dt == np.uint32 else lax.bitcast_convert_type(w, dt)
-        return _split(self, lambda off, n: lax.slice_in_dim(self.buf, off, off + n), word_view)
+        out = _split(self, lambda off, n: lax.slice_in_dim(self.buf, off, off + n), word_view)
+        return {**out, **self.device} if self.device else out
 
 
 def _split(p, take, view):
@@ -50,12 +56,19 @@ def _split(p, take, view):
     return jax.tree.unflatten(treedef, out)
 
 
-def pack(inp):
+def pack(inp, on_device=None):
     """Host inputs -> ``Packed``; ``inp`` itself when a leaf is neither a 32-bit number nor a bool (or is
-    already on a device, or already packed)."""
+    already on a device, or already packed). ``on_device``: ``{key: device array}`` sent in place of ``inp[key]``
+    (same shape and dtype, so the program's layout does not change), outside the buffer."""
     if isinstance(inp, Packed):
         return inp
-    leaves, treedef = jax.tree.flatten(inp)
+    on_device = on_device or {}
+    for k, v in on_device.items():
+        if np.shape(inp[k]) != v.shape or np.asarray(inp[k]).dtype != v.dtype:
+            raise ValueError(f"pack: on_device[{k!r}] is {v.dtype}{list(v.shape)}, the input "
+                             f"{np.asarray(inp[k]).dtype}{list(np.shape(inp[k]))}")
+    rest = {k: v for k, v in inp.items() if k not in on_device} if on_device else inp
+    leaves, treedef = jax.tree.flatten(rest)
     arrs, spec = [], []
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -69,7 +82,7 @@ def pack(inp):
         arrs.append(a)
     buf = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint32) for a in arrs]) if arrs \
         else np.zeros((0,), np.uint32)
-    return Packed(buf, (treedef, tuple(spec)))
+    return Packed(buf, (treedef, tuple(spec)), dict(on_device))
 
 
 def unpacked(inp):

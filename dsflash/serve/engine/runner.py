@@ -229,6 +229,7 @@ class Runner:
                              for d, f in impls.items()}
         self._compiled: dict = {}
         self._mask0: dict = {}
+        self._mask0_device: dict = {}
         self.link = None      # multihost.PlanLink of a multi-controller job (the engine binds it)
         # host side: DP rank r's slots [r*S/D, (r+1)*S/D) idle on its first page (idle rows read rank-local memory)
         self.dp, self.eplb, self._executor = dp, eplb, None
@@ -751,6 +752,17 @@ class Runner:
             self._mask0[(n, positions)] = z
         return {**z, "guided": np.zeros((n,), bool)}
 
+    def _device_mask(self, inp):
+        """The call's token mask on the device: with no guided row, zeros kept on the device per shape (the device
+        reads no row of it, and it is most of a call's input bytes); else this call's host mask."""
+        m = inp["mask"]
+        if np.any(inp["guided"]):
+            return jax.device_put(m)
+        z = self._mask0_device.get(m.shape)
+        if z is None:
+            z = self._mask0_device[m.shape] = jax.device_put(np.zeros(m.shape, m.dtype))
+        return z
+
     def pick_bucket(self, n_rows: int, max_len: int):
         for b in self.prefill_buckets:
             if b[0] >= n_rows and b[1] >= max_len:
@@ -767,9 +779,9 @@ class Runner:
 
     def place(self, inp):
         """Host inputs -> device arrays with the row axis over the DP axes; without a mesh, the inputs packed into
-        one buffer (``packed.py``: one transfer instead of one per array)."""
+        one buffer (``packed.py``: one transfer instead of one per array), the guided-decoding mask beside it."""
         if self.mesh is None:
-            return pack(inp)
+            return pack(inp, on_device={"mask": self._device_mask(inp)} if "mask" in inp else None)
         shardings = jax.tree.map(lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp)
         if jax.process_count() == 1:
             return jax.device_put(inp, shardings)
