@@ -114,6 +114,16 @@ def test_greedy_extend_is_the_targets_own_greedy_chain(setup):
     assert loop.sample_anchors(np.random.default_rng(0), cfg, 3, 32, 4, lo=start - 1).min() >= start - 1
 
 
+def test_perplexity_counts_every_row_whatever_the_batch_size(setup):
+    """A tail that does not fill a batch is evaluated too: the number does not depend on the batch size."""
+    cfg, params, rows, _ = setup
+    r = rows[:6]
+    s, c = loop.eval_nll(params, cfg, jnp.asarray(r), "fp32")
+    whole = float(np.exp(float(s) / int(c)))
+    for b in (4, 5, 6):
+        np.testing.assert_allclose(loop.perplexity(params, cfg, r, b, "fp32"), whole, rtol=1e-5)
+
+
 def test_anchors_take_one_lower_bound_per_row(setup):
     """Chat-prompt rows start their chains at their own prompt's end: a per-row bound holds row by row, a bound
     below the window is raised to it, and a bound that leaves no anchor is an error naming it."""

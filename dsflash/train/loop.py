@@ -224,8 +224,11 @@ def sample_anchors(rng: np.random.Generator, cfg: ModelConfig, B: int, S: int, J
 
 
 def perplexity(params, cfg, rows: np.ndarray, batch_size: int, precision: str) -> float:
+    """Over every row of ``rows``: the tail that does not fill a batch runs as a smaller one (it used to be
+    dropped, so the recorded number depended on the batch size: the demo's 480 held-out rows gave 21.62 at batch 64,
+    448 rows, and 22.17 at batch 32)."""
     tot, n = 0.0, 0
-    for i in range(0, len(rows) - batch_size + 1, batch_size):
+    for i in range(0, len(rows), batch_size):
         s, c = eval_nll(params, cfg, jnp.asarray(rows[i:i + batch_size]), precision)
         tot += float(s)
         n += int(c)
