@@ -33,3 +33,24 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
     assert "iteration_breakdown" not in plain
     text = capsys.readouterr().out
     assert "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive / plain tokens/s" in text
+
+
+def test_chat_prompts_are_held_out_first_turns_as_served():
+    """``--chat-prompts``: the server's rendering of held-out conversations' first turns (BOS first, ending where the
+    assistant's turn opens), only those that fit, and a clear exit when too few do."""
+    import pytest
+
+    from dsflash.api import SHIPPED
+    from dsflash.chat import encode_chat
+    from dsflash.tokenizer import Tokenizer
+    from dsflash.train import chat_data
+    tok = Tokenizer.from_folder(SHIPPED["demo"])
+    got = bench_engine.chat_prompts(tok, 6, 64)
+    _, held = chat_data.split(chat_data.conversations())
+    want = [tok.encode(encode_chat(c["messages"][:1], tools=c["tools"], thinking=c["thinking"])) for c in held]
+    assert got == [w for w in want if len(w) <= 64][:6] and len(got) == 6
+    assert all(p[0] == tok.bos_id and tok.decode(p[-2:], skip_special_tokens=False).endswith(("think>",))
+               for p in got)
+    with pytest.raises(SystemExit, match="chat-prompts"):
+        bench_engine.chat_prompts(tok, 6, 5)
+    assert bench_engine.parse(["--chat-prompts"]).chat_prompts

@@ -34,6 +34,10 @@ def parse(argv):
     p.add_argument("--text-prompts", action="store_true",
                    help="prompts = the first --prompt-len tokens of held-out CPython documents (dsflash.train.data; "
                         "real text for a trained model such as 'demo') instead of random token ids")
+    p.add_argument("--chat-prompts", action="store_true",
+                   help="prompts = the first assistant turn of held-out chat conversations (dsflash.train.chat_data, "
+                        "rendered and tokenised as the server does; those that fit --max-model-len with --max-tokens), "
+                        "each generating until it ends its turn or reaches --max-tokens, as served")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=256)
@@ -83,6 +87,19 @@ def text_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
         if len(out) == n:
             return out
     raise SystemExit(f"--text-prompts: only {len(out)} held-out documents have {length} tokens")
+
+
+def chat_prompts(tokenizer, n: int, max_len: int) -> list[list[int]]:
+    """The first-turn prompts of the first ``n`` held-out chat conversations of at most ``max_len`` tokens."""
+    from dsflash.train import chat_data
+    if tokenizer is None:
+        raise SystemExit("--chat-prompts needs a model with a tokenizer")
+    _, held = chat_data.split(chat_data.conversations())
+    out = [p for p in chat_data.first_turn_prompts(tokenizer, held) if len(p) <= max_len][:n]
+    if len(out) < n:
+        raise SystemExit(f"--chat-prompts: only {len(out)} held-out conversations have a first-turn prompt of <= "
+                         f"{max_len} tokens")
+    return out
 
 
 def _median_ms(fn, args, repeats: int) -> float:
@@ -156,11 +173,14 @@ def run_mode(model, args, mode: str) -> dict:
     startup = time.perf_counter() - t0
     V = eng.backend.vocab_size
     rng = np.random.default_rng(args.seed)
-    if args.text_prompts:
+    if args.chat_prompts:
+        prompts = chat_prompts(eng.tokenizer, args.num_prompts, args.max_model_len - args.max_tokens)
+    elif args.text_prompts:
         prompts = text_prompts(eng.tokenizer, args.num_prompts, args.prompt_len)
     else:
         prompts = [[int(t) for t in rng.integers(4, V, size=args.prompt_len)] for _ in range(args.num_prompts)]
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=args.seed)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=not args.chat_prompts,
+                        seed=args.seed)
 
     decode_phase = {"steps": 0, "iters": 0, "s": 0.0}
 
@@ -227,7 +247,10 @@ def run_mode(model, args, mode: str) -> dict:
         "kv_bytes_per_token": eng.memory["global_kv_bytes_per_token"],
         "kernels": eng.kernels_line, "run_options": eng.run_options,
         # the whole-step floor of one decode iteration (target rows + draft + sampling), bench/step_floor.py
-        "iteration_floor": step_floor.engine_floor(eng, args.prompt_len + args.max_tokens / 2, speculative),
+        "iteration_floor": step_floor.engine_floor(eng, sum(map(len, prompts)) / len(prompts) + args.max_tokens / 2,
+                                                   speculative),
+        "prompts": "chat" if args.chat_prompts else "text" if args.text_prompts else "random",
+        "mean_prompt_len": sum(map(len, prompts)) / len(prompts),
         **({"iteration_breakdown": breakdown} if breakdown else {}),
     }
 
@@ -301,8 +324,9 @@ def main(argv=None) -> int:
         if mode not in MODES:
             raise SystemExit(f"--modes: unknown mode {mode!r}")
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [None]
+    what = "held-out chat first turns, each to its end of turn" if args.chat_prompts else f"{args.prompt_len} tokens"
     print(f"model {args.model}: loaded in {time.perf_counter() - t:.1f}s; {args.num_prompts} prompts x "
-          f"{args.prompt_len} tokens, max_tokens {args.max_tokens}, temperature {args.temperature}, "
+          f"{what}, max_tokens {args.max_tokens}, temperature {args.temperature}, "
           f"max_num_seqs {args.max_num_seqs}, decode_steps {args.decode_steps}, precision {args.precision}, "
           f"backend {args.backend}" + (f", batches {batches}" if args.batches else ""))
     runs = []
