@@ -145,3 +145,31 @@ def test_toy_tight_snapshot_budget_evicts_lru():
     again = run_all(eng, [("b0", ps[0], sp)])["b0"]           # the oldest prompt's snapshot was evicted
     assert again.metrics.num_cached_tokens == 16 and eng.metrics_snapshot()["prefix_snapshot_fallbacks"] == f0 + 1
     assert again.outputs[0].token_ids == first[0]            # (the toy's replay happens to be exact)
+
+
+def test_a_prompts_last_chunk_runs_past_its_snapshot_boundary():
+    """A 60-token prompt with 32-token blocks is one prefill call (it used to be cut at 32, where a repeat hits,
+    plus a 28-token tail call); its state at 32 is saved after that call from rings one block longer than they need
+    (the tail, 28 rows, is more than the rings' own slack of 16), and the repeat that restores it gives the miss's
+    tokens."""
+    from dsflash.checkpoint.synth import fast_init_params
+    from dsflash.config import preset
+    from dsflash.api import Model, _synthetic_tokenizer
+    cfg = preset("tiny")
+    model = Model(cfg, fast_init_params(cfg, 0), _synthetic_tokenizer(cfg), name="tiny")
+    eng = LLMEngine(ModelBackend(model), speculative=False, max_num_seqs=2, max_model_len=96, page_size=32,
+                    max_num_batched_tokens=64, decode_steps=2, prefill_buckets=[(1, 64)])
+    assert eng.geo.ring_slack == 16 + 32 and eng.scheduler.snapshot_tail == 32
+    p = _prompt(7, 60)
+    calls0 = eng.metrics.num_prefill_calls
+    miss = run_all(eng, [("m", p, GREEDY)])["m"]
+    assert eng.metrics.num_prefill_calls - calls0 == 1
+    calls0 = eng.metrics.num_prefill_calls
+    hit = run_all(eng, [("h", p, GREEDY)])["h"]
+    assert hit.metrics.num_cached_tokens == 32 and eng.metrics.prefix_snapshot_hits == 1
+    assert eng.metrics.num_prefill_calls - calls0 == 1
+    assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    eng.prefix_cache_mode = "replay"                 # the test can fail: a hit without the state differs here
+    replayed = run_all(eng, [("r", p, GREEDY)])["r"]
+    assert replayed.metrics.num_cached_tokens == 32
+    assert replayed.outputs[0].token_ids != miss.outputs[0].token_ids

@@ -59,8 +59,12 @@ class LLMEngine:
         self.dp = dp = c.dp_size(getattr(be, "dp", 1))
         lay = c.layout(self.k + 1, dp)
         self.pages_per_seq = lay.pages_per_seq
+        # exact prefix caching: rings one block longer, so a prompt's last chunk can run past its last full block
+        # boundary (where a repeat hits) and that boundary's state is still in the rings to snapshot after the call
+        # (snapshots.py "Tail"): one prefill call instead of a chunk cut at the boundary plus a tail call
+        self.snapshot_tail = c.page_size if self._wants_snapshots(c) else 0
         self.geo = CacheGeometry(num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
-                                 ring_slack=max(16, 2 * (self.k + 1)))
+                                 ring_slack=max(16, 2 * (self.k + 1)) + self.snapshot_tail)
         # EPLB (docs/engine.md "EPLB"): physical expert arrays + tables in the params, before compiling
         from dsflash.serve.engine import eplb as E
         self.eplb = E.EngineEplb(be, window=c.eplb_window, interval=c.eplb_interval,
@@ -74,7 +78,7 @@ class LLMEngine:
                                snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
                                max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths,
                                lazy_draft_context=c.lazy_draft_context,
-                               sequential_verify=self._sequential_verify(c))
+                               sequential_verify=self._sequential_verify(c), snapshot_tail=self.snapshot_tail)
         self.speculation.sequential_verify = self.runner.sequential_verify     # its cost grows with acceptance
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
@@ -85,7 +89,8 @@ class LLMEngine:
             replay_exact=(be.num_layers + 2) * be.sliding_window, prefill_buckets=self.runner.prefill_buckets,
             mirror=self.runner.mirror, draft_sampling=bool(draft_sampling), metrics=self.metrics, seed=c.seed,
             snapshots=SnapshotCache(self.runner.snap.capacity) if self.runner.snap is not None else None,
-            prefix_cache_mode=c.prefix_cache_mode, mixed_prefill_tokens=c.max_mixed_prefill_tokens)
+            prefix_cache_mode=c.prefix_cache_mode, mixed_prefill_tokens=c.max_mixed_prefill_tokens,
+            snapshot_tail=self.snapshot_tail if self.runner.snap is not None else 0)
         if self._wants_snapshots(c) and self.runner.snap is None:
             log.warning("prefix_cache_mode='exact' keeps no snapshots here (%s): prefix-cache hits use the "
                         "replay", "DP mesh" if self.runner.mesh is not None else

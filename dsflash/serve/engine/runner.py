@@ -164,7 +164,7 @@ class Runner:
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
                  max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
                  snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None, lazy_draft_context=True,
-                 sequential_verify=False):
+                 sequential_verify=False, snapshot_tail: int = 0):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -239,11 +239,11 @@ class Runner:
         # (the pool would have to follow the slots' sharding)
         from dsflash.serve.engine import snapshots as SN
         self.snap_mask = SN.slot_leaf_mask(backend, self.state)
-        self.snapshot_nbytes = SN.snapshot_nbytes(self.state, self.snap_mask, backend.sliding_window)
+        self.snapshot_nbytes = SN.snapshot_nbytes(self.state, self.snap_mask, backend.sliding_window, snapshot_tail)
         cap = min(snapshot_bytes // max(1, self.snapshot_nbytes), max_snapshots)
         self.snap = None if cap < 1 or mesh is not None else SN.StatePool(
             self.state, self.snap_mask, capacity=cap, window=backend.sliding_window, num_slots=max_num_seqs,
-            rows=max(b[0] for b in self.prefill_buckets))
+            rows=max(b[0] for b in self.prefill_buckets), tail=snapshot_tail)
 
     # ------------------------------------------------------------------ state
     def _init_rows(self):

@@ -51,7 +51,8 @@ class Scheduler:
     def __init__(self, *, num_slots: int, num_pages: int, page_size: int, pages_per_seq: int, dp: int,
                  block: int, decode_steps: int, max_num_batched_tokens: int, prefix_caching: bool, prefix_replay,
                  replay_window: int, replay_exact: int, prefill_buckets, mirror, draft_sampling: bool, metrics,
-                 seed: int = 0, snapshots=None, prefix_cache_mode: str = "replay", mixed_prefill_tokens=None):
+                 seed: int = 0, snapshots=None, prefix_cache_mode: str = "replay", mixed_prefill_tokens=None,
+                 snapshot_tail: int = 0):
         self.dp, self.page_size, self.pages_per_seq = dp, page_size, pages_per_seq
         self.K1, self.decode_steps = block + 1, decode_steps
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,6 +66,8 @@ class Scheduler:
         # exact prefix caching: a SnapshotCache (None: the runner keeps no snapshots) and the mode in use
         self.snapshots = snapshots
         self.prefix_cache_mode = prefix_cache_mode
+        # how far past a block boundary a call may end and still snapshot it (snapshots.py "Tail")
+        self.snapshot_tail = snapshot_tail
         if dp == 1:
             self.pool = PagePool(num_pages, page_size, prefix_caching)
             self.slots = SlotPool(num_slots)
@@ -273,7 +276,8 @@ class Scheduler:
 
     def _plan_snapshots(self, plan: StepPlan):
         """Restores for first chunks admitted on a snapshot; saves for chunks of exact sequences that end on a
-        block boundary (the pool entry is registered now, the save runs after this step's prefill)."""
+        block boundary, and at the prompt's last full block boundary when its last chunk runs past it by at most
+        ``snapshot_tail`` (the pool entry is registered now, the save runs after this step's prefill)."""
         if plan.prefill is None or self.snapshots is None:
             return
         P = self.page_size
@@ -283,15 +287,20 @@ class Scheduler:
                 self.snapshots.unpin(s.snap)   # safe: a later save to this entry launches after the restore
                 self.snapshots.restores += 1
                 s.snap = None
-            e = s.computed + n
-            if not (self.exact and s.exact_state and e % P == 0):
+            if not (self.exact and s.exact_state):
                 continue
-            k = len(s.hashes)
-            h = block_hashes(s.all_ids[k * P:e], P, parent=s.hashes[-1] if k else None)[-1] if e > k * P \
-                else s.hashes[e // P - 1]
-            entry = self.snapshots.put(h)
-            if entry is not None:
-                plan.saves.append((s.slot, entry, e))
+            e = s.computed + n
+            at = [e] if e % P == 0 else []
+            last = (len(s.all_ids) - 1) // P * P       # where a repeat of the prompt hits
+            if e == len(s.all_ids) and s.computed < last < e and e - last <= self.snapshot_tail:
+                at.insert(0, last)                     # inside this chunk: still in the rings after it
+            for c in at:
+                k = len(s.hashes)
+                h = block_hashes(s.all_ids[k * P:c], P, parent=s.hashes[-1] if k else None)[-1] if c > k * P \
+                    else s.hashes[c // P - 1]
+                entry = self.snapshots.put(h)
+                if entry is not None:
+                    plan.saves.append((s.slot, entry, c))
 
     def register(self, s: Sequence, committed: int):
         """Publish the sequence's full blocks below ``committed`` in its rank's prefix cache."""
@@ -425,7 +434,7 @@ class Scheduler:
             align = self.page_size if self.exact else 0
             for bucket in buckets:
                 Rb, T = bucket[0] // D, bucket[1]
-                plans = [self._pack(pre[r][:Rb], T, budgets[r], align) for r in range(D)]
+                plans = [self._pack(pre[r][:Rb], T, budgets[r], align, self.snapshot_tail) for r in range(D)]
                 tot = sum(n for plan in plans for _, n in plan)
                 key = (tot, -Rb * T)
                 if tot and (best_key is None or key > best_key):
@@ -443,11 +452,12 @@ class Scheduler:
         return (bucket, [c for c, _ in keep], [row for _, row in keep]), decode
 
     @staticmethod
-    def _pack(seqs, T, budget, align=0):
+    def _pack(seqs, T, budget, align=0, tail=0):
         """Prefill chunks ``(s, n)`` of ``seqs`` in order: at most ``T`` tokens each, ``budget`` in all.
         ``align`` (exact prefix caching: the page size): a chunk that does not finish its prompt ends on a
         block boundary where it can, and the last full block boundary below the prompt's end (where a repeat
-        of the prompt hits) ends a chunk, so that its state can be snapshotted."""
+        of the prompt hits) ends a chunk, so that its state can be snapshotted -- unless the prompt ends within
+        ``tail`` positions of it (the rings still hold its state after the call: snapshots.py "Tail")."""
         plan = []
         for s in seqs:
             L = len(s.all_ids)
@@ -458,7 +468,7 @@ class Scheduler:
                 e, last = s.computed + n, (L - 1) // align * align
                 if e < L and e // align * align > s.computed:
                     n = e // align * align - s.computed
-                elif e == L and last > s.computed:
+                elif e == L and last > s.computed and L - last > tail:
                     n = last - s.computed
             plan.append((s, n))
             budget -= n

@@ -18,6 +18,14 @@ Two parts:
 
 The per-slot leaves are every state leaf that is not paged global KV (``backend.global_kv_arrays``); each is
 ``[slots, X, ...]`` with position ``q`` at ring row ``q % X`` (the model's state layout, ``model/state.py``).
+
+**Tail.** A snapshot at ``C`` need not be taken by a call that ends at ``C``. The engine makes every ring ``tail``
+rows longer than it needs (``ring_slack``), and a snapshot keeps the rows the ring needed before
+(``rows_kept(X - tail, W)``). So a call that ends at most ``tail`` positions past ``C`` has not yet overwritten
+them. Values at positions below ``C`` do not depend on later tokens (causal), so the saved rows equal those of a
+call that stopped at ``C``. The engine sets ``tail`` to the block size. A prompt's last chunk then runs to the
+prompt's end, and it is snapshotted at its last full block boundary (where a repeat of the prompt hits). Before,
+the chunk was cut at that boundary and the tail ran as one more prefill call.
 """
 from __future__ import annotations
 
@@ -41,13 +49,13 @@ def rows_kept(ring_len: int, window: int) -> int:
     return min(ring_len, window)
 
 
-def snapshot_nbytes(state, mask, window: int) -> int:
+def snapshot_nbytes(state, mask, window: int, tail: int = 0) -> int:
     """Bytes of one snapshot for this state layout (works on ``jax.eval_shape`` results too)."""
     total = 0
     for a, m in zip(jax.tree.leaves(state), mask):
         if m:
             row = int(np.prod(a.shape[2:], dtype=np.int64)) * jnp.dtype(a.dtype).itemsize
-            total += rows_kept(a.shape[1], window) * row
+            total += rows_kept(a.shape[1] - tail, window) * row
     return total
 
 
@@ -115,20 +123,22 @@ class SnapshotCache:
 # ------------------------------------------------------------------ device side: arrays + programs
 class StatePool:
     """Snapshot arrays for the per-slot leaves of ``state`` and the save / restore programs (state and pool
-    donated). ``rows``: fixed length of the (slot, entry, position) vectors of one call."""
+    donated). ``rows``: fixed length of the (slot, entry, position) vectors of one call; ``tail``: ring rows
+    beyond what a snapshot keeps (a save may come up to ``tail`` positions after its boundary: module docstring)."""
 
-    def __init__(self, state, mask, *, capacity: int, window: int, num_slots: int, rows: int):
+    def __init__(self, state, mask, *, capacity: int, window: int, num_slots: int, rows: int, tail: int = 0):
         self.mask, self.window, self.capacity, self.S, self.rows = mask, window, capacity, num_slots, rows
+        self.tail = tail
         self.treedef = jax.tree.structure(state)
         leaves = jax.tree.leaves(state)
-        self.pool = [jnp.zeros((capacity, rows_kept(a.shape[1], window)) + a.shape[2:], a.dtype)
+        self.pool = [jnp.zeros((capacity, rows_kept(a.shape[1] - tail, window)) + a.shape[2:], a.dtype)
                      for a, m in zip(leaves, mask) if m]
         self._save = jax.jit(self._save_impl, donate_argnums=(1,))
         self._restore = jax.jit(self._restore_impl, donate_argnums=(0,))
         self._compiled = {}
 
     def _ring_idx(self, a, pos):
-        n = rows_kept(a.shape[1], self.window)
+        n = rows_kept(a.shape[1] - self.tail, self.window)
         return jnp.mod(pos[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None], a.shape[1])   # [K, n]
 
     def _save_impl(self, state, pool, slot, entry, pos):
