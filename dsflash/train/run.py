@@ -168,11 +168,9 @@ def _uniform_or_rows(x: np.ndarray):
     return int(x[0]) if len(x) and (x == x[0]).all() else x
 
 
-def _rows_of(bound, i, n=None):
-    """The anchors' lower bound of the batch of rows ``i`` (indices, or ``n`` rows from ``i``)."""
-    if np.ndim(bound) == 0:
-        return bound
-    return bound[i:i + n] if n is not None else bound[np.asarray(i)]
+def _rows_of(bound, idx):
+    """The anchors' lower bound of the batch of rows ``idx``: the pool's one bound, or those rows' own."""
+    return bound if np.ndim(bound) == 0 else bound[np.asarray(idx)]
 
 
 def _target_cache(src, cfg, rows: np.ndarray, batch_size: int, precision: str, offset: int, tick) -> dict:
@@ -589,7 +587,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
         r2 = np.random.default_rng(1234)
         for i in range(0, len(draft_held) - batch_size + 1, batch_size):
             tok = jnp.asarray(draft_held[i:i + batch_size])
-            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, _rows_of(held_lo, i, batch_size)))
+            lo_b = _rows_of(held_lo, np.arange(i, i + batch_size))
+            a = jnp.asarray(loop.sample_anchors(r2, cfg, batch_size, seq_len, anchors, lo_b))
             _, aux = loop.draft_loss_jit(d, frozen, cfg, tok, a, precision, distill, served, served_precision,
                                          cached_rows(held_cache, slice(i, i + batch_size)))
             hits.append(np.asarray(aux["hit_per_pos"]))

@@ -90,7 +90,7 @@ class LLMEngine:
             mirror=self.runner.mirror, draft_sampling=bool(draft_sampling), metrics=self.metrics, seed=c.seed,
             snapshots=SnapshotCache(self.runner.snap.capacity) if self.runner.snap is not None else None,
             prefix_cache_mode=c.prefix_cache_mode, mixed_prefill_tokens=c.max_mixed_prefill_tokens,
-            snapshot_tail=self.snapshot_tail if self.runner.snap is not None else 0)
+            snapshot_tail=self.snapshot_tail)
         if self._wants_snapshots(c) and self.runner.snap is None:
             log.warning("prefix_cache_mode='exact' keeps no snapshots here (%s): prefix-cache hits use the "
                         "replay", "DP mesh" if self.runner.mesh is not None else

@@ -294,10 +294,11 @@ class Scheduler:
             last = (len(s.all_ids) - 1) // P * P       # where a repeat of the prompt hits
             if e == len(s.all_ids) and s.computed < last < e and e - last <= self.snapshot_tail:
                 at.insert(0, last)                     # inside this chunk: still in the rings after it
+            k = len(s.hashes)           # chain hashes of the blocks not registered yet, once for both saves
+            new = block_hashes(s.all_ids[k * P:at[-1]], P, parent=s.hashes[-1] if k else None) \
+                if at and at[-1] > k * P else []
             for c in at:
-                k = len(s.hashes)
-                h = block_hashes(s.all_ids[k * P:c], P, parent=s.hashes[-1] if k else None)[-1] if c > k * P \
-                    else s.hashes[c // P - 1]
+                h = new[c // P - k - 1] if c > k * P else s.hashes[c // P - 1]
                 entry = self.snapshots.put(h)
                 if entry is not None:
                     plan.saves.append((s.slot, entry, c))
