@@ -291,17 +291,25 @@ def test_stream_disconnect_frees_request(server, model_card):
     before = server.metrics().get("dsflash_request_aborted_total", 0.0)
     with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
-        n = 0
+        chunks = []
         for line in r.iter_lines():
             if line.startswith("data: "):
-                n += 1
-                if n >= 2:
+                chunks.append(line[6:])
+                if len(chunks) >= 2:
                     break
+        # two token chunks of a live request (an error event and [DONE] would also be two lines)
+        assert all(c != "[DONE]" and "choices" in json.loads(c) for c in chunks), (chunks, server.output()[-3000:])
         # mid-stream it holds pages; /metrics reads a snapshot up to snapshot_interval_s old (0.5 s), so
         # wait for it rather than read once (a single read raced the refresh on the 2-core CI machine); the
         # snapshot is refreshed between engine steps, and under the full suite's load (two workers beside this
         # server on 2 cores) 10 s once passed without a refresh showing the pages (2026-12-05; alone: passes)
-        server.wait_metric("dsflash_engine_kv_pages_used", lambda v: v > 0, timeout=30)
+        try:
+            server.wait_metric("dsflash_engine_kv_pages_used", lambda v: v > 0, timeout=30)
+        except AssertionError as e:
+            m = server.metrics()
+            raise AssertionError(f"{e}; running {m.get('dsflash_num_requests_running')}, in flight "
+                                 f"{m.get('dsflash_num_requests_in_flight')}; chunks {chunks}; server log tail:\n"
+                                 f"{server.output()[-4000:]}") from None
     # the connection is closed mid-stream: the request must leave the engine and give its KV pages back
     _in_flight_zero(server)
     server.wait_metric("dsflash_request_aborted_total", lambda v: v >= before + 1, timeout=10)

@@ -44,7 +44,7 @@ from jax import lax
 from dsflash import compile_options, environment
 from dsflash.model.state import Batch
 from dsflash.serve.engine import sampling as S
-from dsflash.serve.engine.packed import pack, pack_traced, to_host, unpacked
+from dsflash.serve.engine.packed import Packed, pack, pack_traced, to_host, unpacked
 
 # ------------------------------------------------------------------ compile accounting (process-wide)
 _compile_lock = threading.Lock()
@@ -781,6 +781,8 @@ class Runner:
         """Host inputs -> device arrays with the row axis over the DP axes; without a mesh, the inputs packed into
         one buffer (``packed.py``: one transfer instead of one per array), the guided-decoding mask beside it."""
         if self.mesh is None:
+            if isinstance(inp, Packed):        # placed already (a caller that times the transfer on its own)
+                return inp
             return pack(inp, on_device={"mask": self._device_mask(inp)} if "mask" in inp else None)
         shardings = jax.tree.map(lambda a: self._row_sharding if np.ndim(a) else self._replicated, inp)
         if jax.process_count() == 1:
