@@ -225,6 +225,36 @@ def test_async_engine_abort_bad_input_and_drain():
     eng.shutdown()
 
 
+def test_metrics_show_an_admitted_request_while_the_next_step_runs_long():
+    """/metrics reads the engine thread's snapshot. A request's first step must be in it even when the step after
+    it takes long (a compile, a big prefill chunk): the rate-limited refresh alone left the pre-admission snapshot
+    up for that whole step, which read as 0 KV pages mid-stream in the server tests (CI, 2026-12-05)."""
+    release = threading.Event()
+
+    class SlowSecondStep(FakeEngine):
+        def step(self):
+            if self.steps == 1:
+                release.wait(30)
+            return super().step()
+
+    fake = SlowSecondStep(tokens_per_request=10)
+    eng = AsyncEngine(lambda: fake, snapshot_interval_s=3600.0)   # only the forced refreshes count here
+    eng.start()
+
+    async def main():
+        stream = await eng.add_request("r", [1], SamplingParams(max_tokens=10))
+        await stream.get()                     # step 1 done; step 2 is now blocked
+        try:
+            return eng.metrics().get("num_requests_running")
+        finally:
+            release.set()
+            async for _ in stream:
+                pass
+
+    assert asyncio.run(main()) == 1
+    eng.shutdown()
+
+
 def test_async_engine_failure_fails_requests_instead_of_hanging():
     eng = AsyncEngine(lambda: FakeEngine(tokens_per_request=100, fail_step_at=3))
     eng.start()

@@ -367,7 +367,9 @@ class AsyncEngine:
                 self.num_steps += 1
                 self._dispatch(outs)
                 has_work = bool(eng.has_unfinished_requests())
-            self._refresh_snapshot(force=not has_work and not adds and not aborts)
+            # forced when idle, and after the first step of newly added requests: the step after it may be long (a
+            # compile, a large prefill), and /metrics would show the state from before they were admitted meanwhile
+            self._refresh_snapshot(force=bool(adds) or not (has_work or aborts))
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
