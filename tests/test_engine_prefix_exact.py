@@ -173,3 +173,23 @@ def test_a_prompts_last_chunk_runs_past_its_snapshot_boundary():
     replayed = run_all(eng, [("r", p, GREEDY)])["r"]
     assert replayed.metrics.num_cached_tokens == 32
     assert replayed.outputs[0].token_ids != miss.outputs[0].token_ids
+
+
+def test_rings_stay_short_where_no_snapshot_is_kept():
+    """The tail's longer rings only where snapshots exist: a snapshot budget below one snapshot keeps none (the
+    runner builds no pool), so the rings keep their own slack; enough budget for one gives them the tail."""
+    from dsflash.api import Model, _synthetic_tokenizer
+    from dsflash.checkpoint.synth import fast_init_params
+    from dsflash.config import preset
+    cfg = preset("tiny")
+    model = Model(cfg, fast_init_params(cfg, 0), _synthetic_tokenizer(cfg), name="tiny")
+    kw = dict(speculative=False, max_num_seqs=2, max_model_len=96, page_size=32, max_num_batched_tokens=64,
+              decode_steps=2, prefill_buckets=[(1, 64)])
+    small = LLMEngine(ModelBackend(model), prefix_snapshot_bytes=1, **kw)
+    assert small.runner.snap is None and small.scheduler.snapshots is None
+    assert small.geo.ring_slack == 16 and small.scheduler.snapshot_tail == 0
+    one = small.runner.snapshot_nbytes
+    fits = LLMEngine(ModelBackend(model), prefix_snapshot_bytes=one, **kw)
+    assert fits.runner.snap is not None and fits.runner.snap.capacity == 1
+    assert fits.geo.ring_slack == 16 + 32 and fits.scheduler.snapshot_tail == 32
+    assert fits.runner.snapshot_nbytes == one                # a snapshot keeps the same rows either way

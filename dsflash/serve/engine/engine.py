@@ -10,6 +10,7 @@ P/D a policy of the scheduler (``scheduler.policy``, ``dsflash/serve/pd/engine.p
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -61,10 +62,14 @@ class LLMEngine:
         self.pages_per_seq = lay.pages_per_seq
         # exact prefix caching: rings one block longer, so a prompt's last chunk can run past its last full block
         # boundary (where a repeat hits) and that boundary's state is still in the rings to snapshot after the call
-        # (snapshots.py "Tail"): one prefill call instead of a chunk cut at the boundary plus a tail call
-        self.snapshot_tail = c.page_size if self._wants_snapshots(c) else 0
+        # (snapshots.py "Tail"): one prefill call instead of a chunk cut at the boundary plus a tail call. Only where
+        # snapshots will be kept: otherwise the longer rings would be memory for nothing
+        slack = max(16, 2 * (self.k + 1))
         self.geo = CacheGeometry(num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
-                                 ring_slack=max(16, 2 * (self.k + 1)) + self.snapshot_tail)
+                                 ring_slack=slack)
+        self.snapshot_tail = c.page_size if self._keeps_snapshots(be, c, self.geo) else 0
+        if self.snapshot_tail:
+            self.geo = dataclasses.replace(self.geo, ring_slack=slack + self.snapshot_tail)
         # EPLB (docs/engine.md "EPLB"): physical expert arrays + tables in the params, before compiling
         from dsflash.serve.engine import eplb as E
         self.eplb = E.EngineEplb(be, window=c.eplb_window, interval=c.eplb_interval,
@@ -184,6 +189,18 @@ class LLMEngine:
     @staticmethod
     def _wants_snapshots(c) -> bool:
         return bool(c.enable_prefix_caching) and c.prefix_cache_mode == "exact"
+
+    @classmethod
+    def _keeps_snapshots(cls, be, c, geo) -> bool:
+        """Whether the runner will build a snapshot pool (``Runner.__init__``): exact mode, no DP mesh, and one
+        snapshot within ``prefix_snapshot_bytes`` (its size does not depend on the tail: ``snapshots.rows_kept``)."""
+        if not cls._wants_snapshots(c) or getattr(be, "mesh", None) is not None:
+            return False
+        import jax
+
+        from dsflash.serve.engine import snapshots as SN
+        state = jax.eval_shape(lambda: be.init_state(geo))
+        return SN.snapshot_nbytes(state, SN.slot_leaf_mask(be, state), be.sliding_window) <= c.prefix_snapshot_bytes
 
     @property
     def kernels_line(self) -> str:
