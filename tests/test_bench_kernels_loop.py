@@ -4,6 +4,7 @@ that hid the small kernels)."""
 import types
 
 import jax.numpy as jnp
+import pytest
 
 from dsflash.bench import kernels as bk
 
@@ -28,3 +29,17 @@ def test_time_pair_records_floor_and_net_times():
         assert 0 <= row[name + "_net_s"] <= row[name + "_s"]
         assert abs(row[name + "_net_s"] - max(row[name + "_s"] - row["loop_floor_s"], 0)) < 1e-12
     assert row["speedup_vs_xla_ref"] == row["xla_ref_s"] / row["triton_s"]
+
+
+def test_mhc_plan_overrides_parse_and_refuse_bad_specs():
+    """`bench kernels --mhc-plans`: named kernel_plan overrides, each timed beside the default plan."""
+    from dsflash.bench.kernels import mhc_plan_overrides
+    from dsflash.kernels import mhc_fused as mf
+    assert mhc_plan_overrides("") == {}
+    got = mhc_plan_overrides("b1=warps_b:1, ds40=BD:128/DS:40")
+    assert got == {"b1": {"warps_b": 1}, "ds40": {"BD": 128, "DS": 40}}
+    for ov in got.values():                        # both fit V4.1's mHC (n 4, d 5120) at a decode size
+        mf.check_plan(dict(mf.kernel_plan(6, 4, 5120), **ov), 4, 5120)
+    for bad in ("b1", "=warps_b:1", "b1=warps_b", "b1=warps_b:x", "b1=warps_b:1/"):
+        with pytest.raises(ValueError, match="--mhc-plans"):
+            mhc_plan_overrides(bad)

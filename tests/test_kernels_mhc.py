@@ -146,7 +146,8 @@ def test_plan_rejects_unsupported_shapes():
         with pytest.raises(ValueError):
             mf.kernel_plan(T, n, d)
     good = mf.kernel_plan(20, 4, 256)
-    for bad in (dict(DS=3), dict(BT=24), dict(BD=8), dict(NCP=16), dict(SB=3), dict(BTE=8)):
+    mf.check_plan(dict(good, warps_b=1), 4, 256)
+    for bad in (dict(DS=3), dict(BT=24), dict(BD=8), dict(NCP=16), dict(SB=3), dict(BTE=8), dict(warps_b=3)):
         with pytest.raises(ValueError):
             mf.check_plan(dict(good, **bad), 4, 256)
 

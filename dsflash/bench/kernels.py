@@ -488,6 +488,24 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
 
 
 # ------------------------------------------------------------------------------------------ fused mHC
+def mhc_plan_overrides(spec: str) -> dict:
+    """``--mhc-plans`` "name=KEY:VALUE/KEY:VALUE,..." -> {name: {KEY: int}} (overrides of ``kernel_plan``, e.g.
+    "b1=warps_b:1,ds40=BD:128/DS:40"); each is timed beside the default plan as ``triton_<name>``."""
+    out = {}
+    for item in filter(None, (x.strip() for x in (spec or "").split(","))):
+        name, _, body = item.partition("=")
+        if not name or not body:
+            raise ValueError(f"--mhc-plans: {item!r} is not name=KEY:VALUE[/KEY:VALUE...]")
+        ov = {}
+        for kv in body.split("/"):
+            k, _, v = kv.partition(":")
+            if not k or not v.isdigit():
+                raise ValueError(f"--mhc-plans: {kv!r} in {item!r} is not KEY:INTEGER")
+            ov[k] = int(v)
+        out[name] = ov
+    return out
+
+
 def bench_mhc(args, ceilings, log, rows, save=lambda: None):
     """Fused mHC at a sublayer boundary (post side: expand + coefficients/Sinkhorn(20) + collapse; n=4,
     d=5120) for T tokens per rank: Triton kernel vs the XLA reference. Roofline: X and y read, X1 and h written,
@@ -523,8 +541,19 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
                 return (jnp.sum(Xo.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32)) + jnp.sum(pr)
                         + jnp.sum(po) + jnp.sum(cb))
             return op
-        _time_pair(row, {"triton": op_for("triton"), "xla_ref": op_for("xla")}, (X, y, a, post, comb),
-                   (fn, base, scale), args, log)
+        def plan_op(ov):
+            from dsflash.kernels import mhc_fused_triton as mt
+
+            def op(X_, y_, a_, p_, c_, fn_, b_, s_):
+                Xo, h, (pr, po, cb) = mt.mhc_fused_triton(X_, a_, fn_, b_, s_, (y_, p_, c_), **kw, plan=ov)
+                return (jnp.sum(Xo.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32)) + jnp.sum(pr)
+                        + jnp.sum(po) + jnp.sum(cb))
+            return op
+        plans = mhc_plan_overrides(args.mhc_plans)
+        row["plans"] = {name: ov for name, ov in plans.items()}
+        _time_pair(row, {"triton": op_for("triton"), "xla_ref": op_for("xla"),
+                         **{f"triton_{name}": plan_op(ov) for name, ov in plans.items()}},
+                   (X, y, a, post, comb), (fn, base, scale), args, log)
         try:
             args0 = (X[0], a[0], fn, base, scale, (y[0], post[0], comb[0]))
             r = mf.mhc_fused_reference(*args0, **kw)
@@ -532,6 +561,13 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
             for name, gi, ri in (("X1", g[0], r[0]), ("h", g[1], r[1]), ("comb", g[2][2], r[2][2])):
                 gi, ri = np.asarray(gi, np.float32), np.asarray(ri, np.float32)
                 row[f"rel_err_{name}"] = float(np.linalg.norm(gi - ri) / np.linalg.norm(ri))
+            from dsflash.kernels import mhc_fused_triton as mt
+            for pname, ov in plans.items():       # each variant against the default plan's outputs
+                v = jax.jit(lambda *z, ov=ov: mt.mhc_fused_triton(*z, **kw, plan=ov))(*args0)
+                row[f"max_diff_vs_default_{pname}"] = max(
+                    float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y_, np.float32))))
+                    for x, y_ in ((v[0], g[0]), (v[1], g[1]), (v[2][0], g[2][0]), (v[2][1], g[2][1]),
+                                  (v[2][2], g[2][2])))
         except Exception as e:  # noqa: BLE001
             row["check_error"] = repr(e)[:400]
         rows.append(row)
@@ -674,6 +710,8 @@ def main(argv=None):
     ap.add_argument("--indexer-xla-max-rows", type=int, default=4096,
                     help="skip the XLA indexer reference above B*S rows (it materialises [B,S,32,T] bf16)")
     ap.add_argument("--mhc-tokens", default="1,16,64,256,4096,16384", help="fused mHC token counts")
+    ap.add_argument("--mhc-plans", default="", help="plan overrides timed beside the default, as "
+                    "name=KEY:VALUE/KEY:VALUE,... (e.g. b1=warps_b:1,ds40=BD:128/DS:40; keys of kernel_plan)")
     ap.add_argument("--fp8linear-rows", default="1,6,32,192,384,4096", help="dense FP8 linear row counts M")
     ap.add_argument("--fp8linear-shapes", default="all",
                     help="names of FP8_LINEAR_SHAPES (wq_a,wq_b,wkv,wo_b,wo_a,sh_w13,sh_w2) or all")

@@ -35,6 +35,10 @@ EPI_TILE_CAP = 4096          # elements of kernel B's [SB, BTE, NCP] partials ti
 PARTIAL_X_FRAC = 1 / 16      # partial bytes at most this fraction of X's bytes ...
 PARTIAL_FLOOR = 8 << 20      # ... or of this many bytes (small T: everything stays in L2)
 BD_CHOICES = (128, 64, 32)
+# Kernel B's warps (plan key "warps_b"; kernel_plan leaves it out). 4 until measured otherwise: at decode sizes one
+# B program runs the 20 Sinkhorn rounds of a [BTE, n, n] tile, whose reductions cross warps at 4 (NOTES.md,
+# "Runs 49-50": mHC is latency-bound at 1 x 6); 1 keeps them inside a warp.
+EPI_WARPS = 4
 
 
 def _cdiv(a, b):
@@ -97,3 +101,5 @@ def check_plan(p, n, d):
     if p["NCP"] < 2 * n + n * n or p["BD"] < 16 or p["DS"] < 1 or d % (p["DS"] * p["BD"]):
         raise ValueError(f"plan {p} does not fit n={n}, d={d}: need NCP >= 2n+n^2, BD >= 16, "
                          f"d % (DS*BD) == 0")
+    if p.get("warps_b", EPI_WARPS) not in (1, 2, 4, 8):
+        raise ValueError(f"warps_b (kernel B's warps) must be 1, 2, 4 or 8, got {p['warps_b']}")

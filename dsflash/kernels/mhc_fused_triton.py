@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.kernels.mhc_fused_plan import check_plan, check_shapes, kernel_plan, num_warps
+from dsflash.kernels.mhc_fused_plan import EPI_WARPS, check_plan, check_shapes, kernel_plan, num_warps
 
 # DOT modes of kernel A's logit MMA
 DOT_IEEE, DOT_TF32X3, DOT_BF16_SPLIT, DOT_SPLIT_EMULATED = 0, 1, 2, 3
@@ -279,5 +279,6 @@ def mhc_fused_triton(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, i
               jax.ShapeDtypeStruct((T, n, n), f32))
     pre, post_o, comb_o = jt.triton_call(
         m_part, ss_part, base.astype(f32), scale.astype(f32),
-        kernel=_mhc_epilogue_kernel, out_shape=outs_b, grid=grid_b, num_warps=4, num_stages=2, **b_kw)
+        kernel=_mhc_epilogue_kernel, out_shape=outs_b, grid=grid_b, num_warps=p.get("warps_b", EPI_WARPS),
+        num_stages=2, **b_kw)
     return (Xo if expand_args is not None else X), h, (pre, post_o, comb_o)
