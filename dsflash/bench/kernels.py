@@ -541,6 +541,7 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
                 return (jnp.sum(Xo.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32)) + jnp.sum(pr)
                         + jnp.sum(po) + jnp.sum(cb))
             return op
+
         def plan_op(ov):
             from dsflash.kernels import mhc_fused_triton as mt
 
@@ -550,7 +551,7 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
                         + jnp.sum(po) + jnp.sum(cb))
             return op
         plans = mhc_plan_overrides(args.mhc_plans)
-        row["plans"] = {name: ov for name, ov in plans.items()}
+        row["plans"] = dict(plans)
         _time_pair(row, {"triton": op_for("triton"), "xla_ref": op_for("xla"),
                          **{f"triton_{name}": plan_op(ov) for name, ov in plans.items()}},
                    (X, y, a, post, comb), (fn, base, scale), args, log)
