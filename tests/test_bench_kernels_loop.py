@@ -43,3 +43,26 @@ def test_mhc_plan_overrides_parse_and_refuse_bad_specs():
     for bad in ("b1", "=warps_b:1", "b1=warps_b", "b1=warps_b:x", "b1=warps_b:1/"):
         with pytest.raises(ValueError, match="--mhc-plans"):
             mhc_plan_overrides(bad)
+
+
+def test_bench_mhc_times_each_plan_and_compares_it_with_the_default(monkeypatch):
+    """The mHC section with two plan overrides, the kernel stood in by the reference (no GPU here): each plan gets
+    its own time and its largest difference from the default plan's outputs (0 for the stand-in)."""
+    from dsflash.kernels import mhc_fused as mf
+    from dsflash.kernels import mhc_fused_triton as mt
+    seen = []
+
+    def kernel(*z, plan=None, fn_terms=2, **kw):
+        seen.append(plan)
+        return mf.mhc_fused_reference(*z, **kw)
+    monkeypatch.setattr(mt, "mhc_fused_triton", kernel)
+    monkeypatch.setattr(mf, "mhc_fused", lambda *z, backend="auto", force=False, **kw: mf.mhc_fused_reference(*z, **kw))
+    args = types.SimpleNamespace(d=256, mhc_tokens="6", mhc_plans="b1=warps_b:1,ds=DS:2", reps=1)
+    rows = []
+    bk.bench_mhc(args, {"copy_TBps": 1.0, "bf16_TFLOPs": 1.0}, lambda *_: None, rows)
+    (row,) = rows
+    assert row["plans"] == {"b1": {"warps_b": 1}, "ds": {"DS": 2}}
+    for name in ("triton", "xla_ref", "triton_b1", "triton_ds"):
+        assert row[name + "_s"] > 0, row
+    assert row["max_diff_vs_default_b1"] == 0.0 and row["max_diff_vs_default_ds"] == 0.0
+    assert {"warps_b": 1} in seen and {"DS": 2} in seen

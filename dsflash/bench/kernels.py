@@ -535,21 +535,20 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
         row = dict(T=T, n=n, d=d, iters=it_, bytes_min=bytes_min, flops=flops,
                    roofline_s=_roof(bytes_min, flops, ceilings))
 
-        def op_for(backend):
+        def summed(call):        # the timed op: every output summed (the loop needs a use)
             def op(X_, y_, a_, p_, c_, fn_, b_, s_):
-                Xo, h, (pr, po, cb) = mf.mhc_fused(X_, a_, fn_, b_, s_, (y_, p_, c_), **kw, backend=backend)
+                Xo, h, (pr, po, cb) = call(X_, a_, fn_, b_, s_, (y_, p_, c_))
                 return (jnp.sum(Xo.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32)) + jnp.sum(pr)
                         + jnp.sum(po) + jnp.sum(cb))
             return op
+
+        def op_for(backend):
+            return summed(lambda *z: mf.mhc_fused(*z, **kw, backend=backend))
 
         def plan_op(ov):
             from dsflash.kernels import mhc_fused_triton as mt
+            return summed(lambda *z: mt.mhc_fused_triton(*z, **kw, plan=ov))
 
-            def op(X_, y_, a_, p_, c_, fn_, b_, s_):
-                Xo, h, (pr, po, cb) = mt.mhc_fused_triton(X_, a_, fn_, b_, s_, (y_, p_, c_), **kw, plan=ov)
-                return (jnp.sum(Xo.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32)) + jnp.sum(pr)
-                        + jnp.sum(po) + jnp.sum(cb))
-            return op
         plans = mhc_plan_overrides(args.mhc_plans)
         row["plans"] = dict(plans)
         _time_pair(row, {"triton": op_for("triton"), "xla_ref": op_for("xla"),
