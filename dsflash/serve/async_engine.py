@@ -267,8 +267,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
-        """The newest ``engine.metrics_snapshot()`` (refreshed by the engine thread every
-        ``snapshot_interval_s``) plus this wrapper's own counters."""
+        """The newest ``engine.metrics_snapshot()`` (refreshed by the engine thread at most every
+        ``snapshot_interval_s`` while it steps; at once when idle and after new requests' first step) plus this
+        wrapper's own counters."""
         snap = dict(self._snapshot)
         snap.setdefault("num_requests_in_flight", len(self._live))
         snap["async_engine_in_flight"] = len(self._live)
