@@ -299,10 +299,9 @@ def test_stream_disconnect_frees_request(server, model_card):
                     break
         # two token chunks of a live request (an error event and [DONE] would also be two lines)
         assert all(c != "[DONE]" and "choices" in json.loads(c) for c in chunks), (chunks, server.output()[-3000:])
-        # mid-stream it holds pages; /metrics reads a snapshot up to snapshot_interval_s old (0.5 s), so
-        # wait for it rather than read once (a single read raced the refresh on the 2-core CI machine); the
-        # snapshot is refreshed between engine steps, and under the full suite's load (two workers beside this
-        # server on 2 cores) 10 s once passed without a refresh showing the pages (2026-12-05; alone: passes)
+        # mid-stream it holds pages; /metrics reads the engine thread's snapshot, refreshed after the request's
+        # first step (AsyncEngine; before 12ef0d5 only every 0.5 s while stepping, so one long step could hide
+        # the pages: CI, 2026-12-05), so wait for it rather than read once
         try:
             server.wait_metric("dsflash_engine_kv_pages_used", lambda v: v > 0, timeout=30)
         except AssertionError as e:

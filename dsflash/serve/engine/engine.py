@@ -67,7 +67,7 @@ class LLMEngine:
         slack = max(16, 2 * (self.k + 1))
         self.geo = CacheGeometry(num_slots=c.max_num_seqs, num_pages=lay.num_pages, page_size=c.page_size,
                                  ring_slack=slack)
-        self.snapshot_tail = c.page_size if self._keeps_snapshots(be, c, self.geo) else 0
+        self.snapshot_tail = c.page_size if self._keeps_snapshots(be, c, self.geo, lay.num_pages) else 0
         if self.snapshot_tail:
             self.geo = dataclasses.replace(self.geo, ring_slack=slack + self.snapshot_tail)
         # EPLB (docs/engine.md "EPLB"): physical expert arrays + tables in the params, before compiling
@@ -191,16 +191,18 @@ class LLMEngine:
         return bool(c.enable_prefix_caching) and c.prefix_cache_mode == "exact"
 
     @classmethod
-    def _keeps_snapshots(cls, be, c, geo) -> bool:
-        """Whether the runner will build a snapshot pool (``Runner.__init__``): exact mode, no DP mesh, and one
-        snapshot within ``prefix_snapshot_bytes`` (its size does not depend on the tail: ``snapshots.rows_kept``)."""
-        if not cls._wants_snapshots(c) or getattr(be, "mesh", None) is not None:
+    def _keeps_snapshots(cls, be, c, geo, max_snapshots) -> bool:
+        """Whether the runner will build a snapshot pool: exact mode and ``snapshots.pool_capacity`` >= 1, the
+        runner's own rule (a snapshot's size does not depend on the tail: ``snapshots.rows_kept``)."""
+        mesh = getattr(be, "mesh", None)
+        if not cls._wants_snapshots(c) or mesh is not None:     # (no state to trace when the answer is known)
             return False
         import jax
 
         from dsflash.serve.engine import snapshots as SN
         state = jax.eval_shape(lambda: be.init_state(geo))
-        return SN.snapshot_nbytes(state, SN.slot_leaf_mask(be, state), be.sliding_window) <= c.prefix_snapshot_bytes
+        one = SN.snapshot_nbytes(state, SN.slot_leaf_mask(be, state), be.sliding_window)
+        return SN.pool_capacity(one, c.prefix_snapshot_bytes, max_snapshots, mesh) >= 1
 
     @property
     def kernels_line(self) -> str:

@@ -235,13 +235,12 @@ class Runner:
         self.dp, self.eplb, self._executor = dp, eplb, None
         pt_fill = np.repeat(np.arange(dp, dtype=np.int32) * (geo.num_pages // dp), max_num_seqs // dp)
         self.mirror = SlotMirror(max_num_seqs, pages_per_seq, max_stop_ids, pt_fill)
-        # exact prefix caching: per-slot state snapshots at block boundaries (snapshots.py); not on a DP mesh
-        # (the pool would have to follow the slots' sharding)
+        # exact prefix caching: per-slot state snapshots at block boundaries (snapshots.py; none on a DP mesh)
         from dsflash.serve.engine import snapshots as SN
         self.snap_mask = SN.slot_leaf_mask(backend, self.state)
         self.snapshot_nbytes = SN.snapshot_nbytes(self.state, self.snap_mask, backend.sliding_window, snapshot_tail)
-        cap = min(snapshot_bytes // max(1, self.snapshot_nbytes), max_snapshots)
-        self.snap = None if cap < 1 or mesh is not None else SN.StatePool(
+        cap = SN.pool_capacity(self.snapshot_nbytes, snapshot_bytes, max_snapshots, mesh)
+        self.snap = None if cap < 1 else SN.StatePool(
             self.state, self.snap_mask, capacity=cap, window=backend.sliding_window, num_slots=max_num_seqs,
             rows=max(b[0] for b in self.prefill_buckets), tail=snapshot_tail)
 

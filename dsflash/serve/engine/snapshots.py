@@ -59,6 +59,13 @@ def snapshot_nbytes(state, mask, window: int, tail: int = 0) -> int:
     return total
 
 
+def pool_capacity(one_bytes: int, budget: int, max_entries: int, mesh) -> int:
+    """Snapshots the pool holds: none on a DP mesh (the pool would have to follow the slots' sharding) or under a
+    budget below one snapshot; else as many as the budget holds, at most ``max_entries``. The engine asks it before
+    building the state (whether the rings get the tail) and the runner after (the pool itself)."""
+    return 0 if mesh is not None else min(budget // max(1, one_bytes), max_entries)
+
+
 # ------------------------------------------------------------------ host side: LRU + pins
 class SnapshotCache:
     """hash -> entry of a pool of ``capacity`` snapshots. Entries are taken least recently used first, never
