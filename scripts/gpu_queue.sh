@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# The GPU queue of dsflash/kernels/NOTES.md ("Queued for the next GPU session", items 1, 1b, 2 and 4) as two device
-# calls of < 10 minutes, so a session with a machine spends its first minutes measuring, not assembling commands.
-# Predictions are in NOTES; write the outcome next to them. From the repo root, wheels in .whl (jax_triton):
+# The GPU queue of dsflash/kernels/NOTES.md ("Queued for the next GPU session") as device calls of < 10 minutes, so a
+# session with a machine spends its first minutes measuring, not assembling commands. Predictions are in NOTES; write
+# the outcome next to them. From the repo root, wheels in .whl (jax_triton):
 #
-#   run(command="bash scripts/gpu_queue.sh engine", carry=[".whl"])    # items 1 and 1b, ~6 min
-#   run(command="bash scripts/gpu_queue.sh kernels", carry=[".whl"])   # items 2 and 4, ~5 min
+#   run(command="bash scripts/gpu_queue.sh mhc_overhead", carry=[".whl"])  # session-12 queue items 4 and 1, ~6 min
+#   run(command="bash scripts/gpu_queue.sh draft", carry=[".whl"])         # session-12 queue item 2, ~9.5 min
 #
-# engine: the engine's decode program per op (gpu_engine_steps --trace) at decode_steps 4, then decode_steps 1 with
-#   XLA's command buffers on and off (is the ~4 ms fixed per device call graph re-recording?). Files: steps_*.json,
-#   steps_*.log.
-# kernels: the chunk-invariance test on the GPU, the x-dequantised-once MoE tiles' bit identity, and their timing
-#   against the in-loop twins at prefill sizes. Files: pytest_*.log, kernels_moe_xb.json (bench kernels' own file).
+# mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
+#   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
+# draft: `bench engine --model demo` with the retrained draft, documentation then chat prompts, spec / adaptive /
+#   plain at 1, 8, 32 sequences. Files: eng_text.json, eng_chat.json and their logs.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -38,6 +37,22 @@ case $PART in
     steps ds1 150 --buckets default --decode-steps 1 --lone 1
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" steps ds1_nocb 150 --buckets default --decode-steps 1 --lone 1
     ;;
+  mhc_overhead)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mhc.py -k epilogue_warps > "$OUT/pytest_mhc.log" 2>&1
+    echo "== mhc epilogue warps (rc $?)"; tail -3 "$OUT/pytest_mhc.log"
+    timeout 150 python3 -m dsflash.bench kernels --ops mhc --mhc-tokens 6,192 --quick --out "$OUT" \
+      --mhc-plans b1=warps_b:1,b2=warps_b:2,ds40=BD:128/DS:40,ds40b1=BD:128/DS:40/warps_b:1 > "$OUT/bench_mhc.log" 2>&1
+    echo "== bench kernels mhc (rc $?)"; tail -20 "$OUT/bench_mhc.log"
+    steps overhead 240 --buckets default --decode-steps 4 --call-overhead 8 --lone 1
+    ;;
+  draft)
+    for set in text chat; do
+      timeout 280 python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens 64 \
+        --batches 1,8,32 --passes 3 --modes spec,adaptive,plain --json "$OUT/eng_$set.json" \
+        --compilation-cache-dir /tmp/cc > "$OUT/eng_$set.log" 2>&1
+      echo "== bench engine $set (rc $?)"; tail -15 "$OUT/eng_$set.log"
+    done
+    ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
     echo "== chunking (rc $?)"; tail -3 "$OUT/pytest_chunking.log"
@@ -47,6 +62,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
