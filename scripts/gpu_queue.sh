@@ -5,16 +5,19 @@
 #
 #   run(command="bash scripts/gpu_queue.sh mhc_overhead", carry=[".whl"])  # session-12 queue items 4 and 1, ~6 min
 #   run(command="bash scripts/gpu_queue.sh draft", carry=[".whl"])         # session-12 queue item 2, ~9.5 min
+#   run(command="bash scripts/gpu_queue.sh moe_decode", carry=[".whl"])    # il decode variants + ncu, ~6 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
 # draft: `bench engine --model demo` with the retrained draft, documentation then chat prompts, spec / adaptive /
 #   plain at 1, 8, 32 sequences. Files: eng_text.json, eng_chat.json and their logs.
+# moe_decode: the il decode kernels' variants (register prefetch, x dequantised once) at 1 / 32 / 64 x 6 rows, and
+#   Nsight Compute's stall reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_summary.txt.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -53,6 +56,13 @@ case $PART in
       echo "== bench engine $set (rc $?)"; tail -15 "$OUT/eng_$set.log"
     done
     ;;
+  moe_decode)
+    timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
+      --decode-configs sw_il,sw_il_pf,sw_il_xb,sw_il_bm32,sw_il_bm32_pf,sw_il_bm32_xb > "$OUT/bench_moe_decode.log" 2>&1
+    echo "== bench kernels moe decode (rc $?)"; tail -30 "$OUT/bench_moe_decode.log"
+    CONFIGS="sw_il_bm32" TOKENS="192" SKIP=2 COUNT=2 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu.log" 2>&1
+    echo "== ncu (rc $?)"; tail -40 "$OUT/ncu.log"
+    ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
     echo "== chunking (rc $?)"; tail -3 "$OUT/pytest_chunking.log"
@@ -62,6 +72,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

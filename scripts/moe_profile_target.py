@@ -25,7 +25,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args(argv)
     args = moe_plan.random_moe_problem(jax.random.PRNGKey(0), a.tokens, a.topk, a.experts, a.d, a.inter)
-    f = jax.jit(lambda *x: mt.routed_moe_triton(*x, limit=10.0, config=moe_plan.named_config(a.config)))
+    cfg = moe_plan.named_config(a.config)
+    if cfg.mma == "swap_il":        # these kernels read the load-time il layout: repack once, as the engine does
+        from dsflash.kernels import moe_layout
+        args = tuple(args[:3]) + tuple(moe_layout.repack_experts(*args[3:]))
+    f = jax.jit(lambda *x: mt.routed_moe_triton(*x, limit=10.0, config=cfg))
     jax.block_until_ready(f(*args))                 # compile + first launch
     ts = []
     for _ in range(a.reps):
