@@ -51,10 +51,19 @@ def main():
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--dump-hlo", action="store_true")
+    ap.add_argument("--mhc-plan", default="",
+                    help="an experiment's overrides of the fused mHC kernel plan for every call, KEY:VALUE/KEY:VALUE "
+                         "(as bench kernels --mhc-plans, one plan)")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     import jax
+
+    if a.mhc_plan:                          # an experiment only: the served model takes kernel_plan as it is
+        from dsflash.bench.kernels import mhc_plan_overrides
+        from dsflash.kernels import mhc_fused_triton
+        ov, base_config = mhc_plan_overrides(f"x={a.mhc_plan}")["x"], mhc_fused_triton.launch_config
+        mhc_fused_triton.launch_config = lambda *x, plan=None, **k: base_config(*x, plan=plan or ov, **k)
 
     from dsflash.bench import step_floor as SF
     from dsflash.bench import step_profile as SP

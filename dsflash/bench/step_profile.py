@@ -173,7 +173,7 @@ def profile_step(run_once, hlo_text: str, calls: int = 3, log_dir: str | None = 
     meta = hlo_metadata(hlo_text)
     norm = {k.replace(".", "_").replace("-", "_"): v for k, v in meta.items()}
     per_op = collections.defaultdict(lambda: [0.0, 0])
-    per_instr = collections.defaultdict(lambda: [0.0, 0, ""])
+    per_instr = collections.defaultdict(lambda: [0.0, 0, "", ""])
     unmatched = collections.Counter()
     arg_keys = collections.Counter()
     for name, ts, dur, args in kernels:
@@ -192,11 +192,13 @@ def profile_step(run_once, hlo_text: str, calls: int = 3, log_dir: str | None = 
         per_instr[key][0] += dur
         per_instr[key][1] += 1
         per_instr[key][2] = scope
+        per_instr[key][3] = name                 # the GPU kernel's own name (a Triton kernel's function name)
     busy = sum(d for _, _, d, _ in kernels) / 1e3 / calls
     gap = idle_gaps(kernels, calls)
     ops = {s: {"ms_per_step": v[0] / 1e3 / calls, "kernels_per_step": v[1] / calls}
            for s, v in sorted(per_op.items(), key=lambda kv: -kv[1][0])}
-    top = [{"hlo_op": k, "scope": v[2], "ms_per_step": v[0] / 1e3 / calls, "launches_per_step": v[1] / calls}
+    top = [{"hlo_op": k, "scope": v[2], "kernel": v[3], "ms_per_step": v[0] / 1e3 / calls,
+            "launches_per_step": v[1] / calls}
            for k, v in sorted(per_instr.items(), key=lambda kv: -kv[1][0])[:40]]
     return {"ops": ops, "busy_ms": busy, "wall_ms": wall_ms, "idle_ms": max(0.0, wall_ms - busy),
             "kernels_per_step": len(kernels) / calls, "top_instructions": top, "gaps": gap,
