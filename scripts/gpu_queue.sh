@@ -11,8 +11,8 @@
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
 # draft: `bench engine --model demo` with the retrained draft, documentation then chat prompts, spec / adaptive /
 #   plain at 1, 8, 32 sequences. Files: eng_text.json, eng_chat.json and their logs.
-# moe_decode: the il decode kernels' variants (register prefetch, x dequantised once) at 1 / 32 / 64 x 6 rows, and
-#   Nsight Compute's stall reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_summary.txt.
+# moe_decode: il decode configs (MOE_CONFIGS, comma-separated) at 1 / 32 / 64 x 6 rows, and Nsight Compute's stall
+#   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_summary.txt.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
@@ -58,7 +58,7 @@ case $PART in
     ;;
   moe_decode)
     timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
-      --decode-configs sw_il,sw_il_pf,sw_il_xb,sw_il_bm32,sw_il_bm32_pf,sw_il_bm32_xb > "$OUT/bench_moe_decode.log" 2>&1
+      --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
     echo "== bench kernels moe decode (rc $?)"; tail -30 "$OUT/bench_moe_decode.log"
     CONFIGS="sw_il_bm32" TOKENS="192" SKIP=2 COUNT=2 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu.log" 2>&1
     echo "== ncu (rc $?)"; tail -40 "$OUT/ncu.log"

@@ -360,11 +360,6 @@ def _il_cases():
         # x dequantised once before the up kernel (act "bf16rt"; 40 tokens: the dequant's last row block is ragged)
         (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1, act="bf16rt"), dict(T=40, k=3, E=3, seed=7)),
         (MC(**base, KS_UP=2, KS_DOWN=1, act="bf16rt"), dict(T=5, k=2, E=4, seed=8)),
-        # the next slab prefetched into registers (PREFETCH): split, unsplit multi-tile, BM 32, the named configs
-        (MC(**{**base, "prefetch": True}, KS_UP=2, KS_DOWN=1), dict(T=5, k=2, E=4, seed=9)),
-        (MC(**{**base, "prefetch": True}, KS_UP=1, KS_DOWN=1), dict(T=40, k=3, E=3, seed=10)),
-        (mt.fit_config(named_configs()["sw_il_pf"], 256, 128), dict(T=7, k=6, E=8, seed=11)),
-        (mt.fit_config(named_configs()["sw_il_bm32_pf"], 256, 128), dict(T=40, k=3, E=3, seed=12)),
         (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=5, k=2, E=4, seed=6, mutant=True)),
     ]
 

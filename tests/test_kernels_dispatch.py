@@ -188,7 +188,7 @@ def test_kernel_summary(gpu):
     assert s["indexer"] == {"decode": "triton", "prefill": "triton"}               # 6 rows x 8192 entries
     assert s["moe"] == {"decode": "triton:sw_eo_np_bm8", "prefill": "triton:sw_eo_prefill_w8"}
     il = dispatch.kernel_summary(cfg, "auto", expert_shards=4, moe_layout="il")["moe"]   # load-time layout
-    assert il == {"decode": "triton:sw_il", "prefill": "triton:sw_il_bm128"}
+    assert il == {"decode": "triton:sw_il", "prefill": "triton:sw_il_bm128_xb"}       # 2048 rows: 128 slots an expert
     assert s["fp8_linear"] == {"decode": "triton", "prefill": "xla"}                # 6 rows / 2048 rows
     assert dispatch.kernel_summary(cfg, "auto", decode_tokens=1, context=8192)["indexer"]["decode"] == "xla"
     assert dispatch.kernel_summary(cfg, "auto", precision="fp32")["moe"] == {"decode": "xla", "prefill": "xla"}

@@ -88,9 +88,13 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
 # Run 39 (one H200, bench kernels --ops moe, E 96, ms per layer): 256 tokens BM16 1.04 / BM32 0.97; 1024 BM32 2.36 /
 # BM64 2.57; 2048 BM64 4.10 / BM128 3.67; 4096 BM128 6.24, where ds_prefill_rt on checkpoint weights takes 10.8 and
 # converting il weights back for it ~5 more (run 37), so il weights never go back to the prefill kernel.
+# Run 44 (one H200, 2026-12-05, same bench): x dequantised once before the up kernel ("_xb") wins at BM 64 / 128 up to
+# 2048 tokens -- 1024 tokens (64 slots per expert) bm32 2.52 / bm64_xb 2.38; 2048 (128) bm128 4.08 / bm128_xb 3.78 --
+# but not at 4096 (bm128 6.51 / bm128_xb 6.62: the xb tile spills) nor at BM 32 or 16 (session 13, H100: 3-27 %
+# slower at 6-384 tokens).
 IL_DECODE_CONFIG_NAME = "sw_il"
 # (largest slots per expert, config) in order; above the last: "sw_il_bm128"
-IL_BANDS = ((8, "sw_il"), (64, "sw_il_bm32"))
+IL_BANDS = ((8, "sw_il"), (32, "sw_il_bm32"), (64, "sw_il_bm64_xb"), (128, "sw_il_bm128_xb"))
 IL_WIDE_CONFIG_NAME = "sw_il_bm128"
 
 

@@ -100,17 +100,6 @@ CONFIGS = {
     "sw_il_bm64": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
     "sw_il_bm128": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                              prefetch=False),
-    # sw_il / sw_il_bm32 with the next slab's weight words loaded into registers before the current one is decoded
-    # (PREFETCH; 2026-12-05, session 13): the il decode loop is at 42-50 % of its byte floor (runs 49-50).
-    # CPU-checked only.
-    # (Triton's pipeliner already stages the plain loads of sw_il through shared memory: cp.async, 4 stages; this
-    # trades that round trip, LDS 30 -> 10 a loop, for registers and one slab of lookahead.)
-    "sw_il_pf": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=True),
-    # decode twin of sw_il_bm32_xb: x dequantised once before the up kernel (48 of the BM 16 loop's 464 SASS)
-    "sw_il_xb": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False,
-                          act="bf16rt"),
-    "sw_il_bm32_pf": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
-                               prefetch=True),
     # the same with x dequantised once per token before the up kernel (act "bf16rt", moe_layout_kernels.x_dequant):
     # at BM 128 the in-loop FP8 -> bf16 of x (F2FP / HADD2 / FMUL) is 384 of the loop's 846 SASS per iteration, redone
     # in each of the I / 64 = 36 column tiles (sm_90 compile, 2026-12-04). CPU-checked only.

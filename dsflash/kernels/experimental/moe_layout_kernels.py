@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels import moe_layout
-from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _slab_k, _sw_down_out, _sw_up_out, _tile
+from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out, _tile
 from dsflash.kernels.triton_common import _dot_bf16
 
 # the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
@@ -137,10 +137,8 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       h_ptr, hs_ptr,
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, PREFETCH: tl.constexpr, DECODE: tl.constexpr):
-    """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1) on il-layout W1 / W3. PREFETCH: the next slab's raw words are
-    loaded straight into registers before this one is decoded (a register double buffer, one slab ahead); else plain
-    loads, which Triton's pipeliner stages through shared memory (cp.async, ``num_stages``, then LDS)."""
+                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
+    """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3."""
     e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
@@ -156,17 +154,10 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     offs_l = _il_rows(nb, BN)
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
-    if PREFETCH:
-        pg, sg = _il_load(w1b, s1b, offs_l, kbeg, KH, KW)
-        pu, su = _il_load(w3b, s3b, offs_l, kbeg, KH, KW)
     for i in tl.range(0, KCH // BK):
-        k0, kn = _slab_k(kbeg, i, KCH, BK)
-        if PREFETCH:
-            npg, nsg = _il_load(w1b, s1b, offs_l, kn, KH, KW)
-            npu, nsu = _il_load(w3b, s3b, offs_l, kn, KH, KW)
-        else:
-            pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
-            pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
+        k0 = kbeg + i * BK
+        pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
+        pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
         xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
         if ACT_FP8:
             sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
@@ -175,11 +166,6 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
             xb = xa
         acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
         acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
-        if PREFETCH:
-            pg = npg
-            sg = nsg
-            pu = npu
-            su = nsu
     _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
 
 
@@ -189,9 +175,8 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         o_ptr,
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                        PREFETCH: tl.constexpr, DECODE: tl.constexpr):
-    """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1; h bf16 [S, I] in sorted rows) on il W2; PREFETCH as in
-    ``_moe_up_kernel_il``."""
+                        DECODE: tl.constexpr):
+    """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2."""
     e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
@@ -204,19 +189,11 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     w2b, s2b = _il_expert(w2_ptr, s2_ptr, e, D, I)
     offs_l = _il_rows(nb, BN)
     acc = tl.zeros((BN, BM), tl.float32)
-    if PREFETCH:
-        pw, sw = _il_load(w2b, s2b, offs_l, kbeg, KH, KW)
     for i in tl.range(0, KCH // BK):
-        k0, kn = _slab_k(kbeg, i, KCH, BK)
-        if PREFETCH:
-            npw, nsw = _il_load(w2b, s2b, offs_l, kn, KH, KW)
-        else:
-            pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
+        k0 = kbeg + i * BK
+        pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
         ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
         acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
-        if PREFETCH:
-            pw = npw
-            sw = nsw
     _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
 
 
@@ -261,5 +238,4 @@ def check_config(cfg):
 def il_kernels(cfg, *, d, I, dec):
     """(up kernel, down kernel, common constexprs) for ``moe_gemm_triton._launch_sk``."""
     check_config(cfg)
-    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, PREFETCH=int(cfg.prefetch),
-                                                        DECODE=dec)
+    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
