@@ -360,6 +360,10 @@ def _il_cases():
         # x dequantised once before the up kernel (act "bf16rt"; 40 tokens: the dequant's last row block is ragged)
         (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1, act="bf16rt"), dict(T=40, k=3, E=3, seed=7)),
         (MC(**base, KS_UP=2, KS_DOWN=1, act="bf16rt"), dict(T=5, k=2, E=4, seed=8)),
+        # gate and up rows in separate programs (split_gate_up): unsplit and split K, multi-tile, BM 32, named
+        (MC(**base, KS_UP=1, KS_DOWN=1, split_gate_up=True), dict(T=40, k=3, E=3, seed=9)),
+        (MC(**base, KS_UP=2, KS_DOWN=1, split_gate_up=True), dict(T=5, k=2, E=4, seed=10)),
+        (mt.fit_config(named_configs()["sw_il_bm32_gu"], 256, 128), dict(T=40, k=3, E=3, seed=11)),
         (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=5, k=2, E=4, seed=6, mutant=True)),
     ]
 
@@ -368,7 +372,7 @@ def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0,
     """(o, h) of ``cfg`` as mma "swap_eo" on the checkpoint weights of ``check_il``'s problem."""
     import dataclasses
     sys.modules["jax_triton"] = _JtShim
-    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl")
+    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False)
     x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
     act_fp8 = precision == "reference"
     p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}

@@ -71,3 +71,18 @@ def test_x_dequantised_once_shortens_the_prefill_up_loop():
     assert xb["_moe_down_kernel_il"].per_elem() == base["_moe_down_kernel_il"].per_elem()
     dq = xb["_x_dequant_kernel"]
     assert dq.spill_stores == 0 and dq.regs <= 64, dq.regs
+
+
+def test_split_gate_up_doubles_the_up_kernels_programs_per_sm():
+    """split_gate_up (one of W1 / W3 a program, session 13): the up kernel keeps one accumulator and one matrix's
+    decoded planes, so at 192 tokens its registers fall from 116 to 64 with triton 3.6.0 and twice the programs fit
+    an SM (ncu read the joint kernel latency-bound at 4); its loop is one matrix's share of the joint loop plus x's
+    dequantisation, which each program now repeats; no spills, still wgmma."""
+    joint = {r.name: r for r in _main_kernels("sw_il", 192)}["_moe_up_kernel_il"]
+    gu = {r.name: r for r in _main_kernels("sw_il_gu", 192)}
+    assert set(gu) == {"_moe_up_kernel_il_gu", "_moe_down_kernel_il"}, set(gu)   # + the split-K epilogue
+    up = gu["_moe_up_kernel_il_gu"]
+    assert up.spill_stores == 0 and up.spill_loads == 0 and up.features["HGMMA(sass)"] > 0
+    assert up.regs <= 80 < joint.regs, (up.regs, joint.regs)
+    assert up.main_loop.ops["HMUL2"] * 2 == joint.main_loop.ops["HMUL2"], (up.main_loop.ops, joint.main_loop.ops)
+    assert up.per_elem() < 1.3 * joint.per_elem(), (up.per_elem(), joint.per_elem())

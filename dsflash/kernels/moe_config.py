@@ -32,6 +32,9 @@ class MoeConfig:
                           # "swap_ps": swapped, raw codes in fp16 MMAs per 32-wide K group, scales applied to
                           # the fp32 partials (FP8 activations only; h as FP8 codes + scales)
     prefetch: bool = True # mma "swap" / "swap_eo": next slab loaded into registers by hand (else Triton's pipeliner)
+    split_gate_up: bool = False  # mma "swap_il": the gate rows (W1) and the up rows (W3) in separate programs (half
+                          # the accumulators and decoded planes each, for more programs per SM); their fp32 sums meet
+                          # in the split-K epilogue kernel, which applies SwiGLU exactly as the joint kernel does
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)

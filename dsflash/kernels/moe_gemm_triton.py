@@ -95,6 +95,8 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         _il_kernels().check_config(cfg)
         if d % moe_layout.BK or I % moe_layout.BK:
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
+    elif cfg.split_gate_up:
+        raise ValueError(f"split_gate_up is a variant of mma 'swap_il' only; got mma {cfg.mma!r}")
     else:
         dh = w1.shape[2]
         assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
@@ -164,7 +166,8 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
                                            act_fp8=act_fp8, cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
     else:
         kern_up, kern_down, common = _experimental().sk_kernels(cfg, mma, d=d, I=I, dec=dec)
-    if ks_up == 1:
+    gu = mma == 7 and cfg.split_gate_up     # gate and up rows in separate programs: always through the partials
+    if ks_up == 1 and not gu:
         hq, hs = jt.triton_call(
             *up_args, kernel=kern_up, out_shape=h_shapes,
             grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
@@ -173,7 +176,7 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
         part, _ = jt.triton_call(
             *up_args, kernel=kern_up,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
-            grid=(TM, I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            grid=(TM, (2 if gu else 1) * I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common)
         hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)

@@ -79,7 +79,8 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
     """(KS_UP, KS_DOWN) of a kind-"sk" config at S slots."""
     tiles = min(num_tiles(S, E, cfg.BM), S)      # valid tiles hold >= 1 slot each
     unit = _ks_unit(cfg)
-    return (split_k(d, unit, tiles, inter // cfg.BN_UP, cfg.min_programs, cfg.KS_UP),
+    up_blocks = (2 if cfg.split_gate_up else 1) * inter // cfg.BN_UP    # split_gate_up: gate and up blocks apart
+    return (split_k(d, unit, tiles, up_blocks, cfg.min_programs, cfg.KS_UP),
             split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))
 
 

@@ -100,6 +100,15 @@ CONFIGS = {
     "sw_il_bm64": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False),
     "sw_il_bm128": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                              prefetch=False),
+    # sw_il / sw_il_bm32 with the gate and up rows in separate programs (split_gate_up; session 13, CPU-checked only):
+    # ncu on sw_il_bm32 at 192 tokens (H100) read the up kernel latency-bound at 4 programs per SM (128 registers),
+    # 25 % of the stall samples long scoreboard, 17 % barrier, 17 % issuing; one matrix a program halves the
+    # accumulators and the decoded planes live at once. Costs the fp32 partials' round trip (S x 2I x 4 B each way)
+    # and the split-K epilogue launch.
+    "sw_il_gu": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False,
+                          split_gate_up=True),
+    "sw_il_bm32_gu": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                               prefetch=False, split_gate_up=True),
     # the same with x dequantised once per token before the up kernel (act "bf16rt", moe_layout_kernels.x_dequant):
     # at BM 128 the in-loop FP8 -> bf16 of x (F2FP / HADD2 / FMUL) is 384 of the loop's 846 SASS per iteration, redone
     # in each of the I / 64 = 36 column tiles (sm_90 compile, 2026-12-04). CPU-checked only.

@@ -132,6 +132,19 @@ def _il_mma(acc, wh, sw, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.cons
 
 
 @triton.jit
+def _il_x_slab(xq_ptr, xs_ptr, tok, k0, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ACT_FP8: tl.constexpr):
+    """x [BM, BK] at K offset k0 for the tile's token rows, as bf16 carriers (FP8 codes x their per-32 scales when
+    ACT_FP8, else x is bf16 already)."""
+    xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
+    if ACT_FP8:
+        sx = tl.load(xs_ptr + tok[:, None] * (D // 32) + k0 // 32 + tl.arange(0, BK // 32)[None, :])
+        xb = _fp8_dequant_bf16(xa, sx, BM, BK)
+    else:
+        xb = xa
+    return xb    # one return: the compiler checks every return's type, even under a constexpr branch
+
+
+@triton.jit
 def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
                       w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                       h_ptr, hs_ptr,
@@ -146,7 +159,6 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     ks = tl.program_id(2)
     KH: tl.constexpr = D // 4
     KW: tl.constexpr = D // 128
-    KSC: tl.constexpr = D // 32
     KCH: tl.constexpr = D // KS
     kbeg = ks * KCH
     w1b, s1b = _il_expert(w1_ptr, s1_ptr, e, I, D)
@@ -158,15 +170,49 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
         k0 = kbeg + i * BK
         pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
         pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
-        xa = tl.load(xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :])
-        if ACT_FP8:
-            sx = tl.load(xs_ptr + tok[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
-            xb = _fp8_dequant_bf16(xa, sx, BM, BK)
-        else:
-            xb = xa
+        xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
         acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
         acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
     _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
+
+
+@triton.jit
+def _moe_up_kernel_il_gu(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
+                         w1_ptr, s1_ptr, w3_ptr, s3_ptr,
+                         part_ptr, unused_ptr,
+                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                         ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
+    """``_moe_up_kernel_il`` with the gate and up rows in separate programs (config ``split_gate_up``): column block
+    ``program_id(1)`` < I / BN is a block of W1 (gate), the rest of W3 (up). Each program keeps one accumulator and
+    decodes one matrix (half the registers of the joint kernel's loop state), and writes its fp32 sums to the gate
+    or up half of the partials [KS, S, 2, I] that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same
+    order and the same SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's."""
+    e, _, rows, rmask, nb, _ = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    if e < 0:
+        return
+    NB: tl.constexpr = I // BN
+    up = nb // NB
+    nb = nb % NB
+    offs_n = nb * BN + tl.arange(0, BN)
+    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    ks = tl.program_id(2)
+    KH: tl.constexpr = D // 4
+    KW: tl.constexpr = D // 128
+    KCH: tl.constexpr = D // KS
+    kbeg = ks * KCH
+    wb, sb = _il_expert(w1_ptr, s1_ptr, e, I, D)
+    if up == 1:
+        wb, sb = _il_expert(w3_ptr, s3_ptr, e, I, D)
+    offs_l = _il_rows(nb, BN)
+    acc = tl.zeros((BN, BM), tl.float32)
+    for i in tl.range(0, KCH // BK):
+        k0 = kbeg + i * BK
+        pw, sw = _il_load(wb, sb, offs_l, k0, KH, KW)
+        xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
+        acc = _il_mma(acc, pw, sw, xb, BM, BN, DECODE)
+    base = part_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + up * I + offs_n[:, None]
+    tl.store(base, acc, mask=rmask[None, :])
 
 
 @triton.jit
@@ -236,6 +282,8 @@ def check_config(cfg):
 
 
 def il_kernels(cfg, *, d, I, dec):
-    """(up kernel, down kernel, common constexprs) for ``moe_gemm_triton._launch_sk``."""
+    """(up kernel, down kernel, common constexprs) for ``moe_gemm_triton._launch_sk``; with ``split_gate_up`` the up
+    kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
-    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
+    up = _moe_up_kernel_il_gu if cfg.split_gate_up else _moe_up_kernel_il
+    return up, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
