@@ -51,6 +51,9 @@ def main():
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument("--dump-hlo", action="store_true")
+    ap.add_argument("--cb-modes", nargs="*", default=[],
+                    help="also time the step compiled with each of these xla_gpu_enable_command_buffer values "
+                         "(comma-separated command types, e.g. FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL; '' = off)")
     ap.add_argument("--mhc-plan", default="",
                     help="an experiment's overrides of the fused mHC kernel plan for every call, KEY:VALUE/KEY:VALUE "
                          "(as bench kernels --mhc-plans, one plan)")
@@ -136,6 +139,17 @@ def main():
                     stats_nocb, state, _, _ = bench.time_step(compiled, params, batch, state)
                 else:
                     stats_nocb = None
+                cb_modes = {}
+                for mode in a.cb_modes:         # which command types XLA records changes the gaps between kernels
+                    try:
+                        c2 = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": mode})
+                        st, state, _, _ = bench.time_step(c2, params, batch, state)
+                        cb_modes[mode] = st
+                        print(f"   command buffers {mode!r}: step {st['median']:.3f} ms", flush=True)
+                        del c2
+                    except Exception as e:  # noqa: BLE001
+                        cb_modes[mode] = {"error": repr(e)[:300]}
+                        print(f"   command buffers {mode!r}: {e!r}"[:300], flush=True)
                 hlo = compiled.as_text()
                 if a.dump_hlo:
                     with open(os.path.join(a.out, f"hlo_{phase}_{n}_{C}_{var}.txt"), "w") as f:
@@ -156,7 +170,8 @@ def main():
                                                             ceilings=bench.ceilings)["total"])}
                 tab = SF.op_table(prof, floor, extra)
                 rec = {"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var, "compile_s": cs,
-                       "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "finite": finite,
+                       "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "step_ms_cb_modes": cb_modes,
+                       "finite": finite,
                        "logits": bench.logits_for(phase), "experts_touched_per_layer": touched, "trace": cb_note,
                        "profile": prof, "floor": floor, "op_table": tab}
                 res["points"].append(rec)
