@@ -364,6 +364,7 @@ def _il_cases():
         (MC(**base, KS_UP=1, KS_DOWN=1, split_gate_up=True), dict(T=40, k=3, E=3, seed=9)),
         (MC(**base, KS_UP=2, KS_DOWN=1, split_gate_up=True), dict(T=5, k=2, E=4, seed=10)),
         (mt.fit_config(named_configs()["sw_il_bm32_gu"], 256, 128), dict(T=40, k=3, E=3, seed=11)),
+        (mt.fit_config(named_configs()["sw_il_gu_xb"], 256, 128), dict(T=40, k=3, E=3, seed=13)),
         (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=5, k=2, E=4, seed=6, mutant=True)),
     ]
 

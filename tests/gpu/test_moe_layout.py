@@ -106,7 +106,8 @@ def test_x_dequantised_once_is_bit_identical_to_in_loop(name):
     assert np.array_equal(np.asarray(h).view(np.uint16), np.asarray(h_xb).view(np.uint16))
 
 
-@pytest.mark.parametrize("pair", [("sw_il", "sw_il_gu"), ("sw_il_bm32", "sw_il_bm32_gu")], ids=lambda p: p[1])
+@pytest.mark.parametrize("pair", [("sw_il", "sw_il_gu"), ("sw_il", "sw_il_gu_xb"), ("sw_il_bm32", "sw_il_bm32_gu")],
+                         ids=lambda p: p[1])
 @pytest.mark.parametrize("T", [1, 32, 192])
 def test_split_gate_up_is_bit_identical_to_the_joint_kernel(pair, T):
     """split_gate_up: the same dots per matrix, their fp32 sums through the split-K epilogue, so h and o equal the

@@ -109,6 +109,9 @@ CONFIGS = {
                           split_gate_up=True),
     "sw_il_bm32_gu": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
                                prefetch=False, split_gate_up=True),
+    # sw_il_gu with x dequantised once (each gu program would otherwise redo it: 48 of its loop's 278 SASS)
+    "sw_il_gu_xb": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False,
+                             split_gate_up=True, act="bf16rt"),
     # the same with x dequantised once per token before the up kernel (act "bf16rt", moe_layout_kernels.x_dequant):
     # at BM 128 the in-loop FP8 -> bf16 of x (F2FP / HADD2 / FMUL) is 384 of the loop's 846 SASS per iteration, redone
     # in each of the I / 64 = 36 column tiles (sm_90 compile, 2026-12-04). CPU-checked only.
