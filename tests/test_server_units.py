@@ -228,7 +228,9 @@ def test_async_engine_abort_bad_input_and_drain():
 def test_metrics_show_an_admitted_request_while_the_next_step_runs_long():
     """/metrics reads the engine thread's snapshot. A request's first step must be in it even when the step after
     it takes long (a compile, a big prefill chunk): the rate-limited refresh alone left the pre-admission snapshot
-    up for that whole step, which read as 0 KV pages mid-stream in the server tests (CI, 2026-12-05)."""
+    up for that whole step, which read as 0 KV pages mid-stream in the server tests (CI, 2026-12-05). And the
+    refresh must come before the step's tokens reach their streams: a client that has seen a token could otherwise
+    read /metrics before the engine thread refreshed it (the session-13 full suite)."""
     release = threading.Event()
 
     class SlowSecondStep(FakeEngine):
@@ -236,6 +238,10 @@ def test_metrics_show_an_admitted_request_while_the_next_step_runs_long():
             if self.steps == 1:
                 release.wait(30)
             return super().step()
+
+        def metrics_snapshot(self):      # slow, as under a loaded CPU: the race it exposes failed the full suite once
+            time.sleep(0.3)
+            return super().metrics_snapshot()
 
     fake = SlowSecondStep(tokens_per_request=10)
     eng = AsyncEngine(lambda: fake, snapshot_interval_s=3600.0)   # only the forced refreshes count here

@@ -361,16 +361,19 @@ class AsyncEngine:
                 self._refresh_snapshot(force=True)
                 return
             has_work = bool(eng.has_unfinished_requests())
+            outs = []
             if has_work:
                 t0 = time.perf_counter()
                 outs = eng.step()
                 self.step_time_s += time.perf_counter() - t0
                 self.num_steps += 1
-                self._dispatch(outs)
                 has_work = bool(eng.has_unfinished_requests())
             # forced when idle, and after the first step of newly added requests: the step after it may be long (a
-            # compile, a large prefill), and /metrics would show the state from before they were admitted meanwhile
+            # compile, a large prefill), and /metrics would show the state from before they were admitted meanwhile.
+            # Before the outputs go out: a client that has seen this step's tokens then reads this step's metrics.
             self._refresh_snapshot(force=bool(adds) or not (has_work or aborts))
+            if outs:
+                self._dispatch(outs)
 
     def _dispatch(self, outs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
