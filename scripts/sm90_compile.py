@@ -334,7 +334,7 @@ def _moe_loop_elems(call, cfg):
     """Weight elements one main-loop iteration consumes (MXFP4 elements of W1+W3, or W2), when known."""
     kn = call["kernel"].__name__
     c = call["constexprs"]
-    if kn == "_moe_up_kernel_il_gu":          # split_gate_up: one of W1 / W3 a program
+    if kn == "_moe_up_kernel_il" and c.get("GU"):      # split_gate_up: one of W1 / W3 a program
         return c["BN"] * c["BK"]
     if kn.startswith(("_moe_up_kernel_sw", "_moe_up_kernel_sk", "_moe_up_kernel_ps", "_moe_up_kernel_il")) \
             and cfg.mma != "fp8":

@@ -153,11 +153,13 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
     up_args = (p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3)
     x_fp8 = act_fp8
+    up_only = {}              # the up kernel's own constexprs
     if mma in (3, 4, 5):      # "swap" / "swap_eo" / "swap_bd": the default family
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)
     elif mma == 7:            # "swap_il": weights in the load-time il layout
         kern_up, kern_down, common = _il_kernels().il_kernels(cfg, d=d, I=I, dec=dec)
+        up_only = _il_kernels().il_up_constexprs(cfg)
         if act_fp8 and cfg.act == "bf16rt":    # x dequantised once, not in each column tile's loop
             up_args = (_il_kernels().x_dequant(jt, p["xq"], p["xs"]),) + up_args[1:]
             x_fp8 = False                       # the up kernel's x only: h still travels as sk_plan says
@@ -171,13 +173,13 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
         hq, hs = jt.triton_call(
             *up_args, kernel=kern_up, out_shape=h_shapes,
             grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
-            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(x_fp8), HOUT=hout, **common)
+            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(x_fp8), HOUT=hout, **common, **up_only)
     else:
         part, _ = jt.triton_call(
             *up_args, kernel=kern_up,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
             grid=(TM, (2 if gu else 1) * I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
-            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common)
+            S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common, **up_only)
         hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
     if ks_down == 1:

@@ -150,11 +150,22 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       h_ptr, hs_ptr,
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
-    """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3."""
+                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr):
+    """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
+
+    GU (config ``split_gate_up``): the gate and up rows in separate programs -- column block ``program_id(1)`` <
+    I / BN is a block of W1 (gate), the rest of W3 (up). Such a program keeps one accumulator and decodes one matrix
+    (about half the registers of the joint loop), and writes its fp32 sums to the gate or up half of the partials
+    [KS, S, 2, I] (``h_ptr``) that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same order and the same
+    SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split."""
     e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
     if e < 0:
         return
+    if GU:
+        NB: tl.constexpr = I // BN
+        up = nb // NB
+        nb = nb % NB
+        offs_n = nb * BN + tl.arange(0, BN)
     tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
     ks = tl.program_id(2)
     KH: tl.constexpr = D // 4
@@ -163,56 +174,27 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     kbeg = ks * KCH
     w1b, s1b = _il_expert(w1_ptr, s1_ptr, e, I, D)
     w3b, s3b = _il_expert(w3_ptr, s3_ptr, e, I, D)
+    if GU:
+        if up == 1:
+            w1b = w3b
+            s1b = s3b
     offs_l = _il_rows(nb, BN)
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
     for i in tl.range(0, KCH // BK):
         k0 = kbeg + i * BK
         pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
-        pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
+        if not GU:
+            pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
         xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
         acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
-        acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
-    _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
-
-
-@triton.jit
-def _moe_up_kernel_il_gu(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
-                         w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                         part_ptr, unused_ptr,
-                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                         ACT_FP8: tl.constexpr, HOUT: tl.constexpr, DECODE: tl.constexpr):
-    """``_moe_up_kernel_il`` with the gate and up rows in separate programs (config ``split_gate_up``): column block
-    ``program_id(1)`` < I / BN is a block of W1 (gate), the rest of W3 (up). Each program keeps one accumulator and
-    decodes one matrix (half the registers of the joint kernel's loop state), and writes its fp32 sums to the gate
-    or up half of the partials [KS, S, 2, I] that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same
-    order and the same SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's."""
-    e, _, rows, rmask, nb, _ = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
-    if e < 0:
-        return
-    NB: tl.constexpr = I // BN
-    up = nb // NB
-    nb = nb % NB
-    offs_n = nb * BN + tl.arange(0, BN)
-    tok = tl.load(tok_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    ks = tl.program_id(2)
-    KH: tl.constexpr = D // 4
-    KW: tl.constexpr = D // 128
-    KCH: tl.constexpr = D // KS
-    kbeg = ks * KCH
-    wb, sb = _il_expert(w1_ptr, s1_ptr, e, I, D)
-    if up == 1:
-        wb, sb = _il_expert(w3_ptr, s3_ptr, e, I, D)
-    offs_l = _il_rows(nb, BN)
-    acc = tl.zeros((BN, BM), tl.float32)
-    for i in tl.range(0, KCH // BK):
-        k0 = kbeg + i * BK
-        pw, sw = _il_load(wb, sb, offs_l, k0, KH, KW)
-        xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
-        acc = _il_mma(acc, pw, sw, xb, BM, BN, DECODE)
-    base = part_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + up * I + offs_n[:, None]
-    tl.store(base, acc, mask=rmask[None, :])
+        if not GU:
+            acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
+    if GU:
+        base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + up * I + offs_n[:, None]
+        tl.store(base, acc_g, mask=rmask[None, :])
+    else:
+        _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
 
 
 @triton.jit
@@ -285,5 +267,9 @@ def il_kernels(cfg, *, d, I, dec):
     """(up kernel, down kernel, common constexprs) for ``moe_gemm_triton._launch_sk``; with ``split_gate_up`` the up
     kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
-    up = _moe_up_kernel_il_gu if cfg.split_gate_up else _moe_up_kernel_il
-    return up, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
+    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
+
+
+def il_up_constexprs(cfg):
+    """The up kernel's own constexprs (``il_kernels``' common ones go to both launches)."""
+    return dict(GU=int(cfg.split_gate_up))
