@@ -6,6 +6,8 @@
 #   run(command="bash scripts/gpu_queue.sh mhc_overhead", carry=[".whl"])  # session-12 queue items 4 and 1, ~6 min
 #   run(command="bash scripts/gpu_queue.sh draft", carry=[".whl"])         # session-12 queue item 2, ~9.5 min
 #   run(command="bash scripts/gpu_queue.sh moe_decode", carry=[".whl"])    # il decode variants + ncu, ~6 min
+#   run(command="bash scripts/gpu_queue.sh step_mhc", carry=[".whl"])      # session-13 queue item 1, ~6 min
+#   run(command="bash scripts/gpu_queue.sh moe_gu", carry=[".whl"])        # session-13 queue item 3, ~7 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -17,7 +19,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|moe_decode_only|step_mhc|moe_gu|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -63,6 +65,24 @@ case $PART in
     CONFIGS="sw_il_bm32" TOKENS="192" SKIP=2 COUNT=2 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu.log" 2>&1
     echo "== ncu (rc $?)"; tail -40 "$OUT/ncu.log"
     ;;
+  step_mhc)     # session 13's queue item 1: the mHC barrier and the command-buffer settings in the step
+    timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 \
+      --variants moeil --profile-no-cb --cb-modes FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL FUSION --out "$OUT" \
+      > "$OUT/step_mhc.log" 2>&1
+    echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_mhc.log" | grep -E "^==|command buffers|^mhc|^routed|kernel-busy|^decode" | head -30
+    ;;
+  moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
+    echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
+    MOE_CONFIGS=sw_il,sw_il_gu,sw_il_gu_xb,sw_il_bm32,sw_il_bm32_gu bash "$0" moe_decode_only
+    CONFIGS="sw_il_gu" TOKENS="192" SKIP=3 COUNT=3 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu_gu.log" 2>&1
+    echo "== ncu gu (rc $?)"; tail -30 "$OUT/ncu_gu.log"
+    ;;
+  moe_decode_only)
+    timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
+      --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
+    echo "== bench kernels moe decode (rc $?)"; tail -8 "$OUT/bench_moe_decode.log"
+    ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
     echo "== chunking (rc $?)"; tail -3 "$OUT/pytest_chunking.log"
@@ -72,6 +92,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|moe_decode_only|step_mhc|moe_gu|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
