@@ -47,9 +47,10 @@ How it works
   twins ``sw_il_bm32`` / ``bm64`` / ``bm128``; what ``pick_config`` gives il weights at every size since run 39): "swap_eo" on weights in the load-time "il" layout (``kernels/moe_layout.py``: uint16 halfwords
   [E, N, K/4] + uint32 scale words [E, N, K/128], made once by ``moe_layout.repack_experts`` /
   ``model.params.moe_il_weights``): nibbles pre-arranged so that a shift + mask gives bf16 bit patterns and one bf16x2
-  multiply applies the scale; bit-identical to ``sw_eo_np``. The layout is told by the weights' dtype: il weights pick
-  ``IL_DECODE_CONFIG`` for decode; other configs (prefill) get them converted back per call (correct, slow), and so
-  does the XLA reference.
+  multiply applies the scale; bit-identical to ``sw_eo_np``. The layout is told by the weights' dtype: il weights run
+  "swap_il" at every size (``moe_plan.IL_BANDS``); an explicit checkpoint-layout config gets them converted back per
+  call (correct, slow), and so does the XLA reference. ``split_gate_up`` (experimental ``sw_il_gu``...): the gate and
+  up rows in separate programs, through the split-K epilogue (more programs per SM; bit-identical at the same split).
 Configs live in ``moe_plan`` (``NAMED_CONFIGS``); ``pick_config`` chooses by rows per expert and activation format (defaults
 from the 2026-11-30 H200 measurements, see NOTES.md and benchmarks/BENCHMARKS.md).
 
