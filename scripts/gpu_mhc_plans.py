@@ -14,25 +14,21 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dsflash.bench.kernels import mhc_plan_overrides
+from dsflash.bench.kernels import mhc_inputs, mhc_plan_overrides
 from dsflash.kernels import mhc_fused as mf
 from dsflash.kernels import mhc_fused_triton as mt
 
 
 def per_call_us(T, ov, *, n=4, d=5120, calls=64, reps=5, flush_mb=0):
-    """Device us per call of ``calls`` chained calls; ``flush_mb`` > 0: each call follows a pass over a buffer of
-    that size (evicting fn and X from L2, as the step's routed experts do between two mHC calls), and the same
-    chain of passes alone is timed and subtracted. ``ov`` None: only the passes (the subtrahend)."""
+    """Device us per call of ``calls`` chained calls with plan overrides ``ov`` (None: the default plan);
+    ``flush_mb`` > 0: each call follows a pass over a buffer of that size (fn and X leave L2 before the call, not
+    between its two launches, where the step's sublayer evicts kernel A's partials: NOTES.md, session 13), and the
+    same chain of passes alone is timed and subtracted."""
     nc = 2 * n + n * n
-    key = jax.random.PRNGKey(T)
-    ks = jax.random.split(key, 6)
-    fn = jax.random.normal(ks[5], (nc, n * d), jnp.float32) * (n * d) ** -0.5
+    k_fn, k_in = jax.random.split(jax.random.PRNGKey(T))
+    fn = jax.random.normal(k_fn, (nc, n * d), jnp.float32) * (n * d) ** -0.5
     base, scale = jnp.zeros((nc,), jnp.float32), jnp.ones((3,), jnp.float32)
-    X = jax.random.normal(ks[0], (T, n, d), jnp.float32).astype(jnp.bfloat16)
-    y = jax.random.normal(ks[1], (T, d), jnp.float32).astype(jnp.bfloat16)
-    a = jax.nn.sigmoid(jax.random.normal(ks[2], (T, n)))
-    post = 2 * jax.nn.sigmoid(jax.random.normal(ks[3], (T, n)))
-    comb = jax.nn.softmax(jax.random.normal(ks[4], (T, n, n)), axis=-1)
+    X, y, a, post, comb = mhc_inputs(k_in, (T,), n, d)
     kw = dict(eps=1e-6, rms_eps=1e-20, iters=20, out_dtype=jnp.bfloat16)
 
     junk = jnp.zeros((max(flush_mb, 1) << 18,), jnp.float32)     # flush_mb MB of fp32
@@ -82,7 +78,7 @@ def main(argv=None):
     for r in rows:
         print(f"  T={r['T']:5d} " + " ".join(f"{k}={r[k]:.1f}" for k in plans))
     if a.json:
-        json.dump(dict(device=str(jax.devices()[0]), flush_mb=a.flush_mb, plans={k: v for k, v in plans.items()}, rows=rows),
+        json.dump(dict(device=str(jax.devices()[0]), flush_mb=a.flush_mb, plans=plans, rows=rows),
                   open(a.json, "w"), indent=1)
 
 

@@ -14,12 +14,12 @@
 # draft: `bench engine --model demo` with the retrained draft, documentation then chat prompts, spec / adaptive /
 #   plain at 1, 8, 32 sequences. Files: eng_text.json, eng_chat.json and their logs.
 # moe_decode: il decode configs (MOE_CONFIGS, comma-separated) at 1 / 32 / 64 x 6 rows, and Nsight Compute's stall
-#   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_summary.txt.
+#   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_*.log, ncu_summary.txt.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|moe_decode_only|step_mhc|moe_gu|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|moe_gu|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -34,6 +34,14 @@ steps() {   # name, timeout, then gpu_engine_steps arguments
   timeout "$t" python3 scripts/gpu_engine_steps.py --model "$MODEL" --out "$OUT/$name" "$@" ${STEPS_ARGS:-} > "$OUT/steps_$name.log" 2>&1
   echo "== $name (rc $?)"; grep -v '^{' "$OUT/steps_$name.log" | tail -12
   cp "$OUT/$name/engine_steps.json" "$OUT/steps_$name.json" 2>/dev/null; rm -rf "${OUT:?}/$name"
+}
+
+moe_bench() {  # decode configs (MOE_CONFIGS) at 1 / 32 / 64 x 6 rows, then ncu's stall reasons on one config at 192 tokens
+  timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
+    --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
+  echo "== bench kernels moe decode (rc $?)"; tail -30 "$OUT/bench_moe_decode.log"
+  CONFIGS="$1" TOKENS="192" SKIP=$2 COUNT=$2 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu_$1.log" 2>&1
+  echo "== ncu $1 (rc $?)"; tail -40 "$OUT/ncu_$1.log"
 }
 
 case $PART in
@@ -59,11 +67,7 @@ case $PART in
     done
     ;;
   moe_decode)
-    timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
-      --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
-    echo "== bench kernels moe decode (rc $?)"; tail -30 "$OUT/bench_moe_decode.log"
-    CONFIGS="sw_il_bm32" TOKENS="192" SKIP=2 COUNT=2 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu.log" 2>&1
-    echo "== ncu (rc $?)"; tail -40 "$OUT/ncu.log"
+    moe_bench sw_il_bm32 2      # two launches a call (up, down)
     ;;
   step_mhc)     # session 13's queue item 1: the mHC barrier and the command-buffer settings in the step
     timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 \
@@ -74,14 +78,7 @@ case $PART in
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
-    MOE_CONFIGS=sw_il,sw_il_gu,sw_il_gu_xb,sw_il_bm32,sw_il_bm32_gu bash "$0" moe_decode_only
-    CONFIGS="sw_il_gu" TOKENS="192" SKIP=3 COUNT=3 NCU_TIMEOUT=200 bash scripts/gpu_ncu_moe.sh > "$OUT/ncu_gu.log" 2>&1
-    echo "== ncu gu (rc $?)"; tail -30 "$OUT/ncu_gu.log"
-    ;;
-  moe_decode_only)
-    timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
-      --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
-    echo "== bench kernels moe decode (rc $?)"; tail -8 "$OUT/bench_moe_decode.log"
+    MOE_CONFIGS=sw_il,sw_il_gu,sw_il_gu_xb,sw_il_bm32,sw_il_bm32_gu moe_bench sw_il_gu 3   # up, epilogue, down
     ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
@@ -92,6 +89,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|moe_decode_only|step_mhc|moe_gu|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|moe_gu|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

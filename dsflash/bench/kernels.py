@@ -506,6 +506,21 @@ def mhc_plan_overrides(spec: str) -> dict:
     return out
 
 
+def mhc_inputs(key, lead, n, d):
+    """Random post-side mHC inputs of leading shape ``lead``: streams X [*lead, n, d] and sublayer output y
+    [*lead, d] (bf16), a, post [*lead, n] and comb [*lead, n, n] (fp32, in their ranges)."""
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(key, 5)
+    X = jax.random.normal(ks[0], (*lead, n, d), jnp.float32).astype(jnp.bfloat16)
+    y = jax.random.normal(ks[1], (*lead, d), jnp.float32).astype(jnp.bfloat16)
+    a = jax.nn.sigmoid(jax.random.normal(ks[2], (*lead, n)))
+    post = 2 * jax.nn.sigmoid(jax.random.normal(ks[3], (*lead, n)))
+    comb = jax.nn.softmax(jax.random.normal(ks[4], (*lead, n, n)), axis=-1)
+    return X, y, a, post, comb
+
+
 def bench_mhc(args, ceilings, log, rows, save=lambda: None):
     """Fused mHC at a sublayer boundary (post side: expand + coefficients/Sinkhorn(20) + collapse; n=4,
     d=5120) for T tokens per rank: Triton kernel vs the XLA reference. Roofline: X and y read, X1 and h written,
@@ -523,13 +538,7 @@ def bench_mhc(args, ceilings, log, rows, save=lambda: None):
     base = jnp.zeros((nc,), jnp.float32)
     scale = jnp.ones((3,), jnp.float32)
     for T in [int(v) for v in args.mhc_tokens.split(",") if v]:
-        ks = jax.random.split(jax.random.fold_in(key, T), 5)
-        ns = 2
-        X = jax.random.normal(ks[0], (ns, T, n, d), jnp.float32).astype(jnp.bfloat16)
-        y = jax.random.normal(ks[1], (ns, T, d), jnp.float32).astype(jnp.bfloat16)
-        a = jax.nn.sigmoid(jax.random.normal(ks[2], (ns, T, n)))
-        post = 2 * jax.nn.sigmoid(jax.random.normal(ks[3], (ns, T, n)))
-        comb = jax.nn.softmax(jax.random.normal(ks[4], (ns, T, n, n)), axis=-1)
+        X, y, a, post, comb = mhc_inputs(jax.random.fold_in(key, T), (2, T), n, d)
         bytes_min = 2 * T * n * d * 2 + 2 * T * d * 2 + nc * n * d * 4
         flops = 2.0 * T * n * d * (nc + 2 * n)
         row = dict(T=T, n=n, d=d, iters=it_, bytes_min=bytes_min, flops=flops,

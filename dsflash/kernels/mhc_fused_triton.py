@@ -282,8 +282,8 @@ def mhc_fused_triton(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, i
         kernel=_mhc_epilogue_kernel, out_shape=outs_b, grid=grid_b, num_warps=p.get("warps_b", EPI_WARPS),
         num_stages=2, **b_kw)
     # One barrier over both launches' outputs: the sublayer that reads h (kernel A's) then also waits for B. Without
-    # it XLA runs B only where pre / post / comb are first needed, after the whole sublayer, whose weight reads have
-    # evicted A's partials from L2 by then; B's one program then fetches them from HBM (a step trace at 1 x 6 on an
-    # H100: B 35 us in the step, the whole op 10-15 us when B follows A; NOTES.md, session 13).
+    # it XLA runs B only where pre / post / comb are first needed, after the whole sublayer (a step trace at 1 x 6 on
+    # an H100: B 35 us there, the whole op 10-15 us when B follows A; NOTES.md, session 13) -- by then, we infer,
+    # the sublayer's weight reads have evicted A's partials from L2 and B's one program reads them from HBM.
     Xo, h, pre, post_o, comb_o = jax.lax.optimization_barrier((Xo, h, pre, post_o, comb_o))
     return (Xo if expand_args is not None else X), h, (pre, post_o, comb_o)

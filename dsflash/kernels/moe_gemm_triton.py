@@ -69,7 +69,7 @@ import jax.numpy as jnp
 from dsflash.kernels import moe_layout
 from dsflash.kernels.moe_gemm_kernels import _down_reduce, _moe_down_kernel_sw, _moe_up_kernel_sw, _up_epilogue
 from dsflash.kernels.moe_plan import (DECODE_CONFIG, PREFILL_CONFIG, MoeConfig, fit_config, num_tiles, pick_config,  # noqa: F401
-                                      prepare, split_ks, tile_schedule)
+                                      prepare, split_ks, tile_schedule, up_blocks)
 
 
 def _experimental():
@@ -169,8 +169,7 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
                                            act_fp8=act_fp8, cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
     else:
         kern_up, kern_down, common = _experimental().sk_kernels(cfg, mma, d=d, I=I, dec=dec)
-    gu = mma == 7 and cfg.split_gate_up     # gate and up rows in separate programs: always through the partials
-    if ks_up == 1 and not gu:
+    if ks_up == 1 and not cfg.split_gate_up:    # (split gate / up rows always go through the partials)
         hq, hs = jt.triton_call(
             *up_args, kernel=kern_up, out_shape=h_shapes,
             grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
@@ -179,7 +178,7 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
         part, _ = jt.triton_call(
             *up_args, kernel=kern_up,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
-            grid=(TM, (2 if gu else 1) * I // cfg.BN_UP, ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            grid=(TM, up_blocks(cfg, I), ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common, **up_only)
         hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)

@@ -75,12 +75,16 @@ def split_k(size_k: int, unit: int, tiles: int, nblocks: int, target: int, ks: i
     return cands[-1]
 
 
+def up_blocks(cfg: MoeConfig, inter: int) -> int:
+    """Column blocks of the gate/up launch: I / BN_UP, twice that with ``split_gate_up`` (gate and up apart)."""
+    return (2 if cfg.split_gate_up else 1) * inter // cfg.BN_UP
+
+
 def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, int]:
     """(KS_UP, KS_DOWN) of a kind-"sk" config at S slots."""
     tiles = min(num_tiles(S, E, cfg.BM), S)      # valid tiles hold >= 1 slot each
     unit = _ks_unit(cfg)
-    up_blocks = (2 if cfg.split_gate_up else 1) * inter // cfg.BN_UP    # split_gate_up: gate and up blocks apart
-    return (split_k(d, unit, tiles, up_blocks, cfg.min_programs, cfg.KS_UP),
+    return (split_k(d, unit, tiles, up_blocks(cfg, inter), cfg.min_programs, cfg.KS_UP),
             split_k(inter, unit, tiles, d // cfg.BN_DOWN, cfg.min_programs, cfg.KS_DOWN))
 
 
