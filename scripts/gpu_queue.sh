@@ -8,6 +8,7 @@
 #   run(command="bash scripts/gpu_queue.sh moe_decode", carry=[".whl"])    # il decode variants + ncu, ~6 min
 #   run(command="bash scripts/gpu_queue.sh step_mhc", carry=[".whl"])      # session-13 queue item 1, ~6 min
 #   run(command="bash scripts/gpu_queue.sh moe_gu", carry=[".whl"])        # session-13 queue item 3, ~7 min
+#   run(command="bash scripts/gpu_queue.sh ffi", carry=[".whl"])           # Triton FFI form vs legacy, ~5 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -19,12 +20,15 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|moe_gu|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|moe_gu|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+if [ "$JAX_PLATFORMS" = cuda ] && ! python3 -c "import jax_triton" 2>/dev/null; then
+  echo "jax_triton is not importable: carry .whl holding jax_triton-0.3.1 (../shared/wheels)"; exit 3
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
 git log -1 --format='commit %H' 2>/dev/null || true
 
@@ -75,6 +79,13 @@ case $PART in
       > "$OUT/step_mhc.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_mhc.log" | grep -E "^==|command buffers|^mhc|^routed|kernel-busy|^decode" | head -30
     ;;
+  ffi)          # session 14: Triton launches in the FFI form (recorded into command buffers) against the legacy form
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_triton_call.py > "$OUT/pytest_ffi.log" 2>&1
+    echo "== triton_call FFI (rc $?)"; grep -E "census|passed|failed|Error" "$OUT/pytest_ffi.log" | head -8
+    timeout 420 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 \
+      --variants moeil,moeil_legacy --profile-no-cb --out "$OUT" > "$OUT/step_ffi.log" 2>&1
+    echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_ffi.log" | grep -E "^==|command buffers|^mhc|^routed|kernel-busy|^decode" | head -30
+    ;;
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
@@ -89,6 +100,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|moe_gu|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|moe_gu|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

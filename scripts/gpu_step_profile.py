@@ -15,7 +15,9 @@ index key to bf16 and score with the "indexer" kernel, the path before 2026-12-0
 Triton radix top-k (kernels/topk_triton.py) at every row length; ``notopk`` = the default with it off; ``fp8bn64`` =
 the FP8 linears' decode band on the "decode" config (BN 64, the default before run 29) instead of "decode_bn128";
 ``moeil`` = the default with the routed experts' weights repacked once into the load-time "il" layout
-(``dsflash.model.params.moe_il_weights``; decode then runs the MoE config ``sw_il``, prefill converts back per call).
+(``dsflash.model.params.moe_il_weights``; decode then runs the MoE config ``sw_il``, prefill converts back per call);
+``moeil_legacy`` = ``moeil`` with the Triton launches in jax-triton's legacy custom-call form
+(``kernels.triton_call.USE_FFI`` off: XLA leaves them out of its command buffers), the A/B of the FFI form.
 """
 from __future__ import annotations
 
@@ -98,6 +100,8 @@ def main():
     real_topk = dispatch.GATES["topk"]
     from dsflash.kernels import fp8_linear_triton
     real_fp8cfg = fp8_linear_triton.DECODE_CONFIG
+    from dsflash.kernels import triton_call
+    real_ffi = triton_call.USE_FFI
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0)}
@@ -112,13 +116,14 @@ def main():
             fp8_linear_triton.DECODE_CONFIG = "decode" if var == "fp8bn64" else real_fp8cfg
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
-            if var == "moeil" and il_params is None:
+            triton_call.USE_FFI = real_ffi and var != "moeil_legacy"
+            if var in ("moeil", "moeil_legacy") and il_params is None:
                 from dsflash.model.params import moe_il_weights
                 t1 = time.perf_counter()
                 il_params = moe_il_weights(bench.cfg, bench.params)
                 jax.block_until_ready(il_params)
                 print(f"routed experts repacked to the il layout in {time.perf_counter() - t1:.1f} s", flush=True)
-            params = il_params if var == "moeil" else bench.params
+            params = il_params if var in ("moeil", "moeil_legacy") else bench.params
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():
@@ -128,6 +133,9 @@ def main():
                     compiled = lowered.compile()
                     cs = time.perf_counter() - t1
                 stats, state, loads, finite = bench.time_step(compiled, params, batch, state)
+                census = {"default": SP.command_buffer_census(compiled.as_text())}
+                print(f"   command buffers (XLA default): step {stats['median']:.3f} ms, host enqueue "
+                      f"{stats['enqueue_median']:.3f} ms; {census['default']}", flush=True)
                 touched = [int((l > 0).sum()) for l in loads] if loads.size else []
                 cb_note = "command buffers on (XLA default)"
                 if a.profile_no_cb:
@@ -144,8 +152,10 @@ def main():
                     try:
                         c2 = lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": mode})
                         st, state, _, _ = bench.time_step(c2, params, batch, state)
+                        census[mode] = SP.command_buffer_census(c2.as_text())
                         cb_modes[mode] = st
-                        print(f"   command buffers {mode!r}: step {st['median']:.3f} ms", flush=True)
+                        print(f"   command buffers {mode!r}: step {st['median']:.3f} ms, host enqueue "
+                              f"{st['enqueue_median']:.3f} ms; {census[mode]}", flush=True)
                         del c2
                     except Exception as e:  # noqa: BLE001
                         cb_modes[mode] = {"error": repr(e)[:300]}
@@ -171,6 +181,7 @@ def main():
                 tab = SF.op_table(prof, floor, extra)
                 rec = {"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var, "compile_s": cs,
                        "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "step_ms_cb_modes": cb_modes,
+                       "command_buffer_census": census,
                        "finite": finite,
                        "logits": bench.logits_for(phase), "experts_touched_per_layer": touched, "trace": cb_note,
                        "profile": prof, "floor": floor, "op_table": tab}
@@ -197,6 +208,7 @@ def main():
     dispatch.GATES["indexer_paged"] = real_paged
     dispatch.GATES["topk"] = real_topk
     fp8_linear_triton.DECODE_CONFIG = real_fp8cfg
+    triton_call.USE_FFI = real_ffi
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"

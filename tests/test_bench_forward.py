@@ -128,3 +128,37 @@ def test_profile_scopes_land_in_the_compiled_hlo(tmp_path):
     meta = step_profile.hlo_metadata(b._compiled[b._last_key].as_text())
     scopes = {step_profile.scope_of(m.get("op_name", "")) for m in meta.values()}
     assert {"q_proj", "sparse_attention", "routed_experts", "mhc", "head", "indexer_topk"} <= scopes
+
+
+_CB_HLO = """HloModule jit_step
+
+%fused_add (p0: f32[4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %add = f32[4]{0} add(%p0, %p1)
+}
+
+%command_buffer (a: f32[4], b: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %loop_add_fusion = f32[4]{0} fusion(%a, %b), kind=kLoop, calls=%fused_add
+  ROOT %custom-call.2 = f32[4]{0} custom-call(%loop_add_fusion), custom_call_target="triton_kernel_call"
+}
+
+ENTRY %main (x: f32[4], y: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %y = f32[4]{0} parameter(1)
+  %call = f32[4]{0} call(%x, %y), to_apply=%command_buffer
+  %custom-call.1 = f32[4]{0} custom-call(%call), custom_call_target="triton_kernel_call"
+  %loop_add_fusion.1 = f32[4]{0} fusion(%custom-call.1, %y), kind=kLoop, calls=%fused_add
+  ROOT %custom-call.3 = f32[4]{0} custom-call(%loop_add_fusion.1), custom_call_target="__cublas$gemm"
+}
+"""
+
+
+def test_command_buffer_census_counts_launches_inside_and_outside_the_graphs():
+    """Launches recorded into a ``command_buffer`` computation and those left outside (a host launch each); the
+    fused body's own instructions are not launches."""
+    from dsflash.bench import step_profile
+    c = step_profile.command_buffer_census(_CB_HLO)
+    assert c == {"command_buffers": 1, "launches_in": 2, "launches_out": 3, "triton_in": 1, "triton_out": 1}

@@ -321,14 +321,17 @@ class ForwardBench:
         for _ in range(self.args.warmup):
             logits, state, loads = compiled(params, batch, state)
             jax.block_until_ready((logits, state))
-        ts = []
+        ts, enq = [], []
         for _ in range(self.args.reps):
             t0 = time.perf_counter()
             logits, state, loads = compiled(params, batch, state)
+            enq.append(time.perf_counter() - t0)      # the host's part: the call returns once its launches are queued
             jax.block_until_ready((logits, state))
             ts.append(time.perf_counter() - t0)
         finite = bool(np.isfinite(np.asarray(jax.device_get(logits), np.float32)).all())
-        return _stats(ts), state, np.asarray(jax.device_get(loads)), finite
+        stats = _stats(ts)
+        stats["enqueue_median"] = float(np.median(enq) * 1e3)
+        return stats, state, np.asarray(jax.device_get(loads)), finite
 
     def logits_for(self, phase):
         """``--logits``; auto: every row at decode (the engine's verification reads [B, S, V]), the last row at

@@ -121,6 +121,34 @@ def hlo_metadata(hlo_text: str) -> dict:
     return meta
 
 
+def command_buffer_census(hlo_text: str) -> dict:
+    """How much of a compiled GPU module XLA recorded into command buffers (CUDA graphs): the count of
+    ``command_buffer*`` computations, the launches (fusions and custom calls) inside them and outside, and the same
+    for the Triton custom calls alone. Launches outside a command buffer are each a host-side launch per step, so at
+    small batch they set the gaps between kernels."""
+    fused = {c.group(1) for line in hlo_text.splitlines() if " fusion(" in line for c in [_CALLS.search(line)] if c}
+    comp, inside = None, False
+    out = {"command_buffers": 0, "launches_in": 0, "launches_out": 0, "triton_in": 0, "triton_out": 0}
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and "=" not in line.split("{")[0]:
+            m = _COMP.match(line)
+            comp = m.group(1) if m else comp
+            inside = bool(comp) and comp.startswith("command_buffer")
+            out["command_buffers"] += inside
+            continue
+        m = _INSTR.match(line)
+        if not m or comp is None:
+            continue
+        rest = m.group(2)
+        if comp in fused or not (" fusion(" in rest or " custom-call(" in rest):
+            continue            # an instruction of a fused body, or not a launch
+        where = "in" if inside else "out"
+        out[f"launches_{where}"] += 1
+        if 'custom_call_target="triton_kernel_call"' in rest or 'custom_call_target="__gpu$xla.gpu.triton"' in rest:
+            out[f"triton_{where}"] += 1
+    return out
+
+
 def scope_of(op_name: str) -> str | None:
     """The innermost ``op_<scope>`` in an op_name path."""
     best = None

@@ -275,7 +275,8 @@ def fp8_linear_triton(x, w, scale, *, precision="reference", act_quant=True, con
         raise NotImplementedError(f"the FP8 linear kernel implements 'reference' and 'bf16', not {precision!r}")
     if scale is None:
         raise ValueError("the kernel needs the UE8M0 block scales (float master weights: use the reference)")
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
 
     *lead, KT = x.shape
     N = w.shape[0]

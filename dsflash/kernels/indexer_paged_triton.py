@@ -128,7 +128,8 @@ def kernel_args(q, w, pool, page_table, per_page, visible, valid, cand):
 
 
 def indexer_scores_paged_triton(q, w, pool, page_table, per_page, visible, valid, cand=None):
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
     if not supports(q, pool):
         raise ValueError(f"the paged Triton indexer reads bf16 queries with power-of-two heads / head dim over an "
                          f"MXFP4 ('q', 's') or plain ('x') pool; got q {q.shape} {q.dtype}, pool {sorted(pool)}")

@@ -97,7 +97,8 @@ def check_shapes(q, w, k):
 
 
 def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None):
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
     from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
 
     _check(q, w, k, visible, valid, cand)

@@ -255,7 +255,8 @@ def mhc_fused_triton(X, a, fn, base, scale, expand_args=None, *, eps, rms_eps, i
                      fn_terms=2):
     """The two launches (and ``pack_fn``). ``plan``: optional overrides of ``mhc_fused.kernel_plan`` (e.g.
     ``{"BT": 32}`` for a sweep); ``fn_terms``: bf16 parts of fn in the bf16 logit path (2 or 3)."""
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
 
     check_shapes(X, a, fn, base, scale, expand_args)
     T, n, d = X.shape

@@ -122,7 +122,8 @@ def _as_u8(a):
 
 def _launch(p, w1, s1, w3, s3, w2, s2, *, T, k, d, I, E, limit, act_fp8, cfg):
     """The two kernel launches on prepared inputs (``prepare``) -> (o [S, d] bf16 per slot, hq, hs)."""
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
 
     S = T * k
     TM = num_tiles(S, E, cfg.BM)

@@ -463,7 +463,8 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     """Always runs the kernel (no XLA fallback): tests, the bench and ``sparse_attention.sparse_sink_attention``
     (which decides through ``dispatch.use_triton``) call this. ``config``: an AttnConfig, a NAMED_CONFIGS key, or None
     (``pick_config(B*S)``); ``block_k`` / ``block_dv`` override BK / DV."""
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
 
     H = q.shape[2]
     Hp = max(16, 1 << (H - 1).bit_length())

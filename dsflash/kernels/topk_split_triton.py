@@ -144,7 +144,8 @@ def _launches(call, rows, vis, k, key_bits, mode, chunk):
 
 
 def _jt_call(kernel, grid, args, outs, aliases, num_warps, **const):
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
     r = jt.triton_call(*args, kernel=kernel, grid=grid, out_shape=outs, input_output_aliases=aliases or None,
                        num_warps=num_warps, num_stages=2, **const)
     return list(r) if isinstance(r, (list, tuple)) else [r]

@@ -129,7 +129,8 @@ def kernel_args(score, k: int, *, key_bits: int = 32, mode: int = 0):
 def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32):
     """== topk_select.select_topk_threshold (== indexer_topk.select_topk_sorted): [..., T] -> [..., min(topk, T)]
     int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores."""
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
     T = score.shape[-1]
     k = min(topk, T)
     rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=0)
@@ -141,7 +142,8 @@ def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32):
 
 def topk_mask_triton(score, k: int, *, key_bits: int = 32):
     """== topk_select.topk_mask: [..., T] bool, the entries lax.top_k(score, k) returns."""
-    import jax_triton as jt  # lazy: GPU only
+    from dsflash.kernels.triton_call import jax_triton
+    jt = jax_triton()  # lazy: GPU only
     rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=1)
     vis = jnp.zeros((rows.shape[0],), jnp.int32)      # unused in MODE 1
     out = jt.triton_call(rows, vis, kernel=_topk_kernel, out_shape=jax.ShapeDtypeStruct(rows.shape, jnp.int8),

@@ -1,0 +1,39 @@
+"""``triton_call.ffi_lowering_shim`` (CPU): jax-triton 0.3.1's legacy-form request becomes the typed-FFI rule with the
+call's proto as the ``opaque`` attribute; any other target passes through untouched."""
+from dsflash.kernels import triton_call
+
+
+def _recorder():
+    calls = []
+
+    def ffi_lowering(name, **kw):
+        calls.append((name, kw))
+        return lambda ctx, *args, **attrs: ("rule", name, args, attrs)
+    return calls, ffi_lowering
+
+
+def test_the_ffi_target_gets_api_4_and_the_proto_as_opaque():
+    calls, rec = _recorder()
+    shim = triton_call.ffi_lowering_shim(rec)
+    rule = shim(triton_call.FFI_TARGET, api_version=2, backend_config=b"proto", operand_output_aliases={0: 0})
+    assert calls == [(triton_call.FFI_TARGET, {"api_version": 4, "operand_output_aliases": {0: 0}})]
+    assert rule("ctx", "a", "b") == ("rule", triton_call.FFI_TARGET, ("a", "b"), {"opaque": b"proto"})
+
+
+def test_other_targets_pass_through_unchanged():
+    calls, rec = _recorder()
+    shim = triton_call.ffi_lowering_shim(rec)
+    rule = shim(triton_call.LEGACY_TARGET, api_version=2, backend_config=b"proto", operand_output_aliases={})
+    assert calls == [(triton_call.LEGACY_TARGET, {"api_version": 2, "backend_config": b"proto",
+                                                  "operand_output_aliases": {}})]
+    assert rule("ctx", "a") == ("rule", triton_call.LEGACY_TARGET, ("a",), {})
+
+
+def test_a_stand_in_for_jax_triton_is_returned_and_nothing_installed(monkeypatch):
+    import sys
+    import types
+    stub = types.ModuleType("jax_triton")
+    monkeypatch.setitem(sys.modules, "jax_triton", stub)
+    monkeypatch.setattr(triton_call, "_installed", False)
+    assert triton_call.jax_triton() is stub
+    assert triton_call._installed is False
