@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--mhc-plan", default="",
                     help="an experiment's overrides of the fused mHC kernel plan for every call, KEY:VALUE/KEY:VALUE "
                          "(as bench kernels --mhc-plans, one plan)")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="time the step (and --cb-modes) and count its command buffers; no trace, no per-op table")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -160,41 +162,48 @@ def main():
                     except Exception as e:  # noqa: BLE001
                         cb_modes[mode] = {"error": repr(e)[:300]}
                         print(f"   command buffers {mode!r}: {e!r}"[:300], flush=True)
-                hlo = compiled.as_text()
-                if a.dump_hlo:
-                    with open(os.path.join(a.out, f"hlo_{phase}_{n}_{C}_{var}.txt"), "w") as f:
-                        f.write(hlo)
-                box = {"state": state}
+                if a.no_profile:          # timings and the census only (an A/B of whole steps), no trace
+                    res["points"].append({"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var,
+                                          "compile_s": cs, "step_ms": stats, "step_ms_no_command_buffers": stats_nocb,
+                                          "step_ms_cb_modes": cb_modes, "command_buffer_census": census, "finite": finite})
+                    summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], float("nan"), 0, None))
+                    del state, compiled
+                else:
+                    hlo = compiled.as_text()
+                    if a.dump_hlo:
+                        with open(os.path.join(a.out, f"hlo_{phase}_{n}_{C}_{var}.txt"), "w") as f:
+                            f.write(hlo)
+                    box = {"state": state}
 
-                def once():
-                    lg, box["state"], _ = compiled(params, batch, box["state"])
-                    jax.block_until_ready((lg, box["state"]))
+                    def once():
+                        lg, box["state"], _ = compiled(params, batch, box["state"])
+                        jax.block_until_ready((lg, box["state"]))
 
-                prof = SP.profile_step(once, hlo, calls=a.calls)
-                floor = SF.step_floor(bench.cfg, rows, S, C, a.precision, loads if loads.size else None,
-                                      ceilings=bench.ceilings, logits=bench.logits_for(phase),
-                                      ring_slack=bench.geometry(1, S, C)[0].ring_slack)
-                extra = None
-                if phase == "decode" and bench.cfg.n_stages:
-                    extra = {"draft": (None, SF.draft_floor(bench.cfg, rows, S, C, a.precision,
-                                                            ceilings=bench.ceilings)["total"])}
-                tab = SF.op_table(prof, floor, extra)
-                rec = {"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var, "compile_s": cs,
-                       "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "step_ms_cb_modes": cb_modes,
-                       "command_buffer_census": census,
-                       "finite": finite,
-                       "logits": bench.logits_for(phase), "experts_touched_per_layer": touched, "trace": cb_note,
-                       "profile": prof, "floor": floor, "op_table": tab}
-                res["points"].append(rec)
-                print(f"\n== {phase} {n}x{S}@{C} variant={var}: step {stats['median']:.3f} ms"
-                      + (f" ({stats_nocb['median']:.3f} without command buffers)" if stats_nocb else "")
-                      + f" (compile {cs:.0f} s, finite {finite}, logits {rec['logits']}, experts touched {touched}; "
-                      f"{cb_note})", flush=True)
-                print(SF.format_table(tab, prof, floor, stats["median"]), flush=True)
-                print("largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
-                summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], prof["busy_ms"],
-                                prof["kernels_per_step"], floor["total"].get("floor_ms")))
-                del state, box, compiled
+                    prof = SP.profile_step(once, hlo, calls=a.calls)
+                    floor = SF.step_floor(bench.cfg, rows, S, C, a.precision, loads if loads.size else None,
+                                          ceilings=bench.ceilings, logits=bench.logits_for(phase),
+                                          ring_slack=bench.geometry(1, S, C)[0].ring_slack)
+                    extra = None
+                    if phase == "decode" and bench.cfg.n_stages:
+                        extra = {"draft": (None, SF.draft_floor(bench.cfg, rows, S, C, a.precision,
+                                                                ceilings=bench.ceilings)["total"])}
+                    tab = SF.op_table(prof, floor, extra)
+                    rec = {"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var, "compile_s": cs,
+                           "step_ms": stats, "step_ms_no_command_buffers": stats_nocb, "step_ms_cb_modes": cb_modes,
+                           "command_buffer_census": census,
+                           "finite": finite,
+                           "logits": bench.logits_for(phase), "experts_touched_per_layer": touched, "trace": cb_note,
+                           "profile": prof, "floor": floor, "op_table": tab}
+                    res["points"].append(rec)
+                    print(f"\n== {phase} {n}x{S}@{C} variant={var}: step {stats['median']:.3f} ms"
+                          + (f" ({stats_nocb['median']:.3f} without command buffers)" if stats_nocb else "")
+                          + f" (compile {cs:.0f} s, finite {finite}, logits {rec['logits']}, experts touched {touched}; "
+                          f"{cb_note})", flush=True)
+                    print(SF.format_table(tab, prof, floor, stats["median"]), flush=True)
+                    print("largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
+                    summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], prof["busy_ms"],
+                                    prof["kernels_per_step"], floor["total"].get("floor_ms")))
+                    del state, box, compiled
             except Exception as e:  # noqa: BLE001
                 import traceback
                 traceback.print_exc()
