@@ -83,7 +83,7 @@ case $PART in
     timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_triton_call.py > "$OUT/pytest_ffi.log" 2>&1
     echo "== triton_call FFI (rc $?)"; grep -E "census|passed|failed|Error" "$OUT/pytest_ffi.log" | head -8
     timeout 420 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 \
-      --variants moeil,moeil_legacy --profile-no-cb --no-profile --no-ceilings --out "$OUT" > "$OUT/step_ffi.log" 2>&1
+      --variants moeil_ffi,moeil_legacy --profile-no-cb --no-profile --no-ceilings --out "$OUT" > "$OUT/step_ffi.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_ffi.log" | grep -E "^==|command buffers|^mhc|^routed|kernel-busy|^decode" | head -30
     ;;
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu

@@ -16,8 +16,9 @@ Triton radix top-k (kernels/topk_triton.py) at every row length; ``notopk`` = th
 the FP8 linears' decode band on the "decode" config (BN 64, the default before run 29) instead of "decode_bn128";
 ``moeil`` = the default with the routed experts' weights repacked once into the load-time "il" layout
 (``dsflash.model.params.moe_il_weights``; decode then runs the MoE config ``sw_il``, prefill converts back per call);
-``moeil_legacy`` = ``moeil`` with the Triton launches in jax-triton's legacy custom-call form
-(``kernels.triton_call.USE_FFI`` off: XLA leaves them out of its command buffers), the A/B of the FFI form.
+``moeil_ffi`` / ``moeil_legacy`` = ``moeil`` with the Triton launches in jaxlib's FFI custom-call form (which XLA
+can record into its command buffers) / in jax-triton's legacy form (which it cannot): ``kernels.triton_call.USE_FFI``
+on / off, the A/B.
 """
 from __future__ import annotations
 
@@ -118,14 +119,14 @@ def main():
             fp8_linear_triton.DECODE_CONFIG = "decode" if var == "fp8bn64" else real_fp8cfg
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
-            triton_call.USE_FFI = real_ffi and var != "moeil_legacy"
-            if var in ("moeil", "moeil_legacy") and il_params is None:
+            triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)
+            if var in ("moeil", "moeil_ffi", "moeil_legacy") and il_params is None:
                 from dsflash.model.params import moe_il_weights
                 t1 = time.perf_counter()
                 il_params = moe_il_weights(bench.cfg, bench.params)
                 jax.block_until_ready(il_params)
                 print(f"routed experts repacked to the il layout in {time.perf_counter() - t1:.1f} s", flush=True)
-            params = il_params if var in ("moeil", "moeil_legacy") else bench.params
+            params = il_params if var in ("moeil", "moeil_ffi", "moeil_legacy") else bench.params
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():

@@ -35,5 +35,6 @@ def test_a_stand_in_for_jax_triton_is_returned_and_nothing_installed(monkeypatch
     stub = types.ModuleType("jax_triton")
     monkeypatch.setitem(sys.modules, "jax_triton", stub)
     monkeypatch.setattr(triton_call, "_installed", False)
+    monkeypatch.setattr(triton_call, "USE_FFI", True)
     assert triton_call.jax_triton() is stub
     assert triton_call._installed is False

@@ -11,8 +11,11 @@ jax-triton 0.4 lowers to the FFI target itself, but it needs triton >= 3.7. The 
 jax-triton 0.3.1, whose lowering we keep: it compiles the kernel and builds the call's proto. We change only the last
 step, so the proto becomes the FFI call's ``opaque`` attribute (the form jax-triton 0.4 and Pallas use).
 
-``USE_FFI = False`` (read at lowering time) restores the legacy form, for an A/B in one process. jaxlib <= 0.10.2
-has no FFI target, and there the legacy form stays.
+``USE_FFI`` (read at lowering time) chooses the form, so one process can run an A/B. It is **off by default until it
+has been measured on a GPU**: written in session 14 (2026-12-05), when no GPU could be started after the change. The
+form is the one jax-triton 0.4 and Pallas (jax 0.11) emit, and ``tests/gpu/test_triton_call.py`` checks it against the
+legacy form. The queued measurement is `bash scripts/gpu_queue.sh ffi`; switch the default on after it. jaxlib <=
+0.10.2 has no FFI target, so the legacy form always stays there.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import types
 
 FFI_TARGET = "triton_kernel_call_ffi"
 LEGACY_TARGET = "triton_kernel_call"
-USE_FFI = True
+USE_FFI = False     # see the module docstring: on once measured
 
 _installed = False
 
@@ -47,8 +50,8 @@ def ffi_lowering_shim(ffi_lowering):
 def _install(jt) -> None:
     global _installed
     triton_lib = getattr(jt, "triton_lib", None)
-    if _installed or not hasattr(triton_lib, "triton_kernel_call_p"):
-        return                  # done, or a stand-in for jax_triton (the interpreter and sm_90 scripts)
+    if _installed or not USE_FFI or not hasattr(triton_lib, "triton_kernel_call_p"):
+        return      # done; the legacy form wanted (jax-triton left untouched); or a stand-in (interpreter, sm_90 scripts)
     _installed = True
     if not ffi_target_available():
         return
@@ -76,7 +79,8 @@ def _install(jt) -> None:
 
 
 def jax_triton():
-    """``jax_triton``, with its launches lowered to the FFI target (once per process)."""
+    """``jax_triton``; while ``USE_FFI`` is on, its launches lowered to the FFI target from then on (the lowering is
+    installed once per process and reads ``USE_FFI`` at each lowering)."""
     import jax_triton as jt
     _install(jt)
     return jt

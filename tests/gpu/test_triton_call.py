@@ -31,11 +31,6 @@ def _chain(x, n=6):
     return x
 
 
-@pytest.fixture
-def legacy(monkeypatch):
-    monkeypatch.setattr(triton_call, "USE_FFI", False)
-
-
 def _run(x):
     f = jax.jit(lambda v: _chain(v))           # a new function each time: no lowering shared across the A/B
     lowered = f.lower(x)
@@ -46,6 +41,7 @@ def _run(x):
 def test_ffi_lowering_matches_the_legacy_one_and_is_recorded_into_command_buffers(monkeypatch):
     assert triton_call.ffi_target_available(), "this jaxlib has no triton_kernel_call_ffi"
     x = jnp.linspace(-3.0, 3.0, 4096, dtype=jnp.float32)
+    monkeypatch.setattr(triton_call, "USE_FFI", True)
     out_ffi, low_ffi, hlo_ffi = _run(x)
     monkeypatch.setattr(triton_call, "USE_FFI", False)
     out_old, low_old, hlo_old = _run(x)
