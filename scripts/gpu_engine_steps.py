@@ -142,6 +142,9 @@ def one_set(model, a, spec: str, rng) -> dict:
     m0 = eng.metrics_snapshot()
     decode_only = [r[0] / max(1, r[2]) for r in _run_until(eng, lambda: False, limit=a.steps, strict=False) if not r[1]]
     host = eng.metrics_snapshot()["host_time_s"][-a.steps:]
+    dec = eng.runner._compiled.get(("decode", 0))
+    census = SP.command_buffer_census(dec.as_text()) if dec is not None else None
+    print(f"decode program: {census}", flush=True)     # launches inside / outside XLA's command buffers
     prof = None
     if a.trace:                        # the engine's decode program per op (kernels of the traced steps)
         prof = SP.profile_step(eng.step, eng.runner._compiled[("decode", 0)].as_text(), calls=a.trace)
@@ -162,7 +165,7 @@ def one_set(model, a, spec: str, rng) -> dict:
             "startup_s": startup, "lone_ttft_ms": [1e3 * v for v in ttft], "lone_ttft_ms_median": med(ttft),
             "lone_prefill_steps": psteps, "decoding": n_dec, "decode_only_step_ms": med(decode_only), "decode_steps": a.decode_steps,
             "decode_only_host_ms": med(host),
-            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed), "decode_profile": prof, "call_overhead": over,
+            "mixed_step_ms": med(mixed), "mixed_steps": len(mixed), "decode_profile": prof, "decode_census": census, "call_overhead": over,
             "lone_prefill_step_ms": med(ttft) / max(1, statistics.median(psteps)) if ttft else None}
 
 
@@ -185,9 +188,14 @@ def main():
                     help="replay one decode call's inputs REPS times at 0, 1 and decode_steps iterations, split into "
                          "inputs / dispatch / run / results (after the trace)")
     ap.add_argument("--time-limit", type=float, default=None, help="skip the remaining bucket sets after this many s")
+    ap.add_argument("--triton-launch", choices=("default", "ffi", "legacy"), default="default",
+                    help="the Triton launches' custom-call form (kernels/triton_call.USE_FFI; default: its default)")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.triton_launch != "default":
+        from dsflash.kernels import triton_call
+        triton_call.USE_FFI = a.triton_launch == "ffi"
     import numpy as np
 
     from dsflash.serve.engine.backend import load_model
