@@ -166,7 +166,8 @@ def main():
                 if a.no_profile:          # timings and the census only (an A/B of whole steps), no trace
                     res["points"].append({"phase": phase, "n": n, "C": C, "S": S, "rows": rows, "variant": var,
                                           "compile_s": cs, "step_ms": stats, "step_ms_no_command_buffers": stats_nocb,
-                                          "step_ms_cb_modes": cb_modes, "command_buffer_census": census, "finite": finite})
+                                          "step_ms_cb_modes": cb_modes, "command_buffer_census": census,
+                                          "finite": finite})
                     summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], float("nan"), 0, None))
                     del state, compiled
                 else:

@@ -142,7 +142,8 @@ _CB_HLO = """HloModule jit_step
   %a = f32[4]{0} parameter(0)
   %b = f32[4]{0} parameter(1)
   %loop_add_fusion = f32[4]{0} fusion(%a, %b), kind=kLoop, calls=%fused_add
-  ROOT %custom-call.2 = f32[4]{0} custom-call(%loop_add_fusion), custom_call_target="triton_kernel_call"
+  %custom-call.2 = f32[4]{0} custom-call(%loop_add_fusion), custom_call_target="triton_kernel_call"
+  ROOT %custom-call.4 = f32[4]{0} custom-call(%custom-call.2), custom_call_target="triton_kernel_call_ffi"
 }
 
 ENTRY %main (x: f32[4], y: f32[4]) -> f32[4] {
@@ -161,4 +162,4 @@ def test_command_buffer_census_counts_launches_inside_and_outside_the_graphs():
     fused body's own instructions are not launches."""
     from dsflash.bench import step_profile
     c = step_profile.command_buffer_census(_CB_HLO)
-    assert c == {"command_buffers": 1, "launches_in": 2, "launches_out": 3, "triton_in": 1, "triton_out": 1}
+    assert c == {"command_buffers": 1, "launches_in": 3, "launches_out": 3, "triton_in": 2, "triton_out": 1}

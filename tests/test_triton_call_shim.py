@@ -20,6 +20,12 @@ def test_the_ffi_target_gets_api_4_and_the_proto_as_opaque():
     assert rule("ctx", "a", "b") == ("rule", triton_call.FFI_TARGET, ("a", "b"), {"opaque": b"proto"})
 
 
+def test_a_call_without_legacy_arguments_passes_through_as_given():
+    calls, rec = _recorder()
+    triton_call.ffi_lowering_shim(rec)("other_target", operand_output_aliases={})
+    assert calls == [("other_target", {"operand_output_aliases": {}})]
+
+
 def test_other_targets_pass_through_unchanged():
     calls, rec = _recorder()
     shim = triton_call.ffi_lowering_shim(rec)

@@ -121,6 +121,10 @@ def hlo_metadata(hlo_text: str) -> dict:
     return meta
 
 
+# custom-call targets of a Triton launch: jax-triton's legacy form, its FFI form, Pallas
+TRITON_TARGETS = ("triton_kernel_call", "triton_kernel_call_ffi", "__gpu$xla.gpu.triton")
+
+
 def command_buffer_census(hlo_text: str) -> dict:
     """How much of a compiled GPU module XLA recorded into command buffers (CUDA graphs): the count of
     ``command_buffer*`` computations, the launches (fusions and custom calls) inside them and outside, and the same
@@ -144,7 +148,7 @@ def command_buffer_census(hlo_text: str) -> dict:
             continue            # an instruction of a fused body, or not a launch
         where = "in" if inside else "out"
         out[f"launches_{where}"] += 1
-        if 'custom_call_target="triton_kernel_call"' in rest or 'custom_call_target="__gpu$xla.gpu.triton"' in rest:
+        if any(f'custom_call_target="{t}"' in rest for t in TRITON_TARGETS):
             out[f"triton_{where}"] += 1
     return out
 

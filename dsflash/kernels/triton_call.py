@@ -1,7 +1,8 @@
 """The kernels' one way to jax-triton: ``jt = triton_call.jax_triton()`` instead of ``import jax_triton as jt``.
 
-The first call makes every jax-triton launch lower to jaxlib's FFI target ``triton_kernel_call_ffi`` instead of the
-legacy ``triton_kernel_call``. It is the same compiled kernel and the same launch; only the custom call's form differs.
+While ``USE_FFI`` is on, it makes every jax-triton launch lower to jaxlib's FFI target ``triton_kernel_call_ffi``
+instead of the legacy ``triton_kernel_call``. It is the same compiled kernel and the same launch; only the custom
+call's form differs.
 
 Why: XLA records a custom call into its command buffers (CUDA graphs) only if the handler declares itself
 command-buffer compatible. The legacy target does not, so every Triton launch split the step's graphs and was
@@ -39,11 +40,13 @@ def ffi_lowering_shim(ffi_lowering):
     """A stand-in for ``jax.ffi.ffi_lowering`` as jax-triton 0.3.1 calls it (legacy ``api_version=2``, the proto as
     ``backend_config``): for the FFI target it returns the typed-FFI rule with the proto as ``opaque``. Any
     other target is passed through unchanged."""
-    def shim(name, *, api_version=None, backend_config=None, **kw):
+    def shim(name, **kw):
         if name != FFI_TARGET:
-            return ffi_lowering(name, api_version=api_version, backend_config=backend_config, **kw)
+            return ffi_lowering(name, **kw)
+        kw.pop("api_version", None)
+        opaque = kw.pop("backend_config")
         rule = ffi_lowering(FFI_TARGET, api_version=4, **kw)
-        return lambda ctx, *args: rule(ctx, *args, opaque=backend_config)
+        return lambda ctx, *args: rule(ctx, *args, opaque=opaque)
     return shim
 
 
@@ -51,7 +54,7 @@ def _install(jt) -> None:
     global _installed
     triton_lib = getattr(jt, "triton_lib", None)
     if _installed or not USE_FFI or not hasattr(triton_lib, "triton_kernel_call_p"):
-        return      # done; the legacy form wanted (jax-triton left untouched); or a stand-in (interpreter, sm_90 scripts)
+        return      # done; the legacy form wanted (jax-triton untouched); or a stand-in (interpreter, sm_90 scripts)
     _installed = True
     if not ffi_target_available():
         return
