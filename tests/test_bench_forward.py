@@ -138,9 +138,10 @@ _CB_HLO = """HloModule jit_step
   ROOT %add = f32[4]{0} add(%p0, %p1)
 }
 
-%command_buffer (a: f32[4], b: f32[4]) -> f32[4] {
+%command_buffer.3 (a: f32[4], b: (f32[4], s32[])) -> f32[4] {
   %a = f32[4]{0} parameter(0)
-  %b = f32[4]{0} parameter(1)
+  %bt = (f32[4]{0}, s32[]) parameter(1)
+  %b = f32[4]{0} get-tuple-element(%bt), index=0
   %loop_add_fusion = f32[4]{0} fusion(%a, %b), kind=kLoop, calls=%fused_add
   %custom-call.2 = f32[4]{0} custom-call(%loop_add_fusion), custom_call_target="triton_kernel_call"
   ROOT %custom-call.4 = f32[4]{0} custom-call(%custom-call.2), custom_call_target="triton_kernel_call_ffi"
@@ -149,7 +150,8 @@ _CB_HLO = """HloModule jit_step
 ENTRY %main (x: f32[4], y: f32[4]) -> f32[4] {
   %x = f32[4]{0} parameter(0)
   %y = f32[4]{0} parameter(1)
-  %call = f32[4]{0} call(%x, %y), to_apply=%command_buffer
+  %tup = (f32[4]{0}, s32[]) tuple(%y, %y)
+  %call = f32[4]{0} call(%x, %tup), to_apply=%command_buffer.3
   %custom-call.1 = f32[4]{0} custom-call(%call), custom_call_target="triton_kernel_call"
   %loop_add_fusion.1 = f32[4]{0} fusion(%custom-call.1, %y), kind=kLoop, calls=%fused_add
   ROOT %custom-call.3 = f32[4]{0} custom-call(%loop_add_fusion.1), custom_call_target="__cublas$gemm"

@@ -84,6 +84,7 @@ _META = re.compile(r'metadata=\{([^}]*)\}')
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\([^)]*\)\s*->.*)?\{\s*$")
+_COMP_NAME = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)")
 
 
 def hlo_metadata(hlo_text: str) -> dict:
@@ -135,7 +136,7 @@ def command_buffer_census(hlo_text: str) -> dict:
     out = {"command_buffers": 0, "launches_in": 0, "launches_out": 0, "triton_in": 0, "triton_out": 0}
     for line in hlo_text.splitlines():
         if line.rstrip().endswith("{") and "=" not in line.split("{")[0]:
-            m = _COMP.match(line)
+            m = _COMP_NAME.match(line)      # the name only: a header's parameter list may nest parentheses
             comp = m.group(1) if m else comp
             inside = bool(comp) and comp.startswith("command_buffer")
             out["command_buffers"] += inside
