@@ -44,3 +44,10 @@ def test_a_stand_in_for_jax_triton_is_returned_and_nothing_installed(monkeypatch
     monkeypatch.setattr(triton_call, "USE_FFI", True)
     assert triton_call.jax_triton() is stub
     assert triton_call._installed is False
+
+
+def test_the_ffi_target_is_assumed_only_after_jax_0_10_2(monkeypatch):
+    import jax
+    for version, expect in (("0.10.2", False), ("0.10.3", True), ("0.11.2", True), ("0.9.0", False)):
+        monkeypatch.setattr(jax, "__version__", version)
+        assert triton_call.ffi_target_available() is expect, version

@@ -30,9 +30,10 @@ _installed = False
 
 
 def ffi_target_available() -> bool:
-    """jaxlib registers ``triton_kernel_call_ffi`` from 0.10.3 on (the version Pallas switches at)."""
-    import jaxlib
-    ver = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+    """jaxlib registers ``triton_kernel_call_ffi`` from 0.10.3 on (the version Pallas switches at); jax and jaxlib are
+    released together, so jax's version stands for it."""
+    import jax
+    ver = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
     return ver > (0, 10, 2)
 
 
