@@ -147,7 +147,7 @@ def one_set(model, a, spec: str, rng) -> dict:
     print(f"decode program: {census}", flush=True)     # launches inside / outside XLA's command buffers
     prof = None
     if a.trace:                        # the engine's decode program per op (kernels of the traced steps)
-        prof = SP.profile_step(eng.step, eng.runner._compiled[("decode", 0)].as_text(), calls=a.trace)
+        prof = SP.profile_step(eng.step, dec.as_text(), calls=a.trace)
         print(f"decode program, {n_dec} sequences x {a.decode_steps} iterations: busy {prof['busy_ms']:.3f} ms, "
               f"wall {prof['wall_ms']:.3f} ms, {prof['kernels_per_step']:.0f} kernels a step", flush=True)
         for op, v in list(prof["ops"].items())[:24]:

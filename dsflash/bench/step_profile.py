@@ -83,8 +83,16 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _META = re.compile(r'metadata=\{([^}]*)\}')
 _FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s+(?:\([^)]*\)\s*->.*)?\{\s*$")
 _COMP_NAME = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)")
+
+
+def _computation(line: str, current):
+    """(is a computation header, the computation the following lines belong to). The name only is read: a header's
+    parameter list may nest parentheses (tuple parameters)."""
+    if not (line.rstrip().endswith("{") and "=" not in line.split("{")[0]):
+        return False, current
+    m = _COMP_NAME.match(line)
+    return True, (m.group(1) if m else current)
 
 
 def hlo_metadata(hlo_text: str) -> dict:
@@ -93,9 +101,8 @@ def hlo_metadata(hlo_text: str) -> dict:
     meta, calls, comp_meta = {}, {}, collections.defaultdict(list)
     comp = None
     for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and "=" not in line.split("{")[0]:
-            m = _COMP.match(line)
-            comp = m.group(1) if m else comp
+        header, comp = _computation(line, comp)
+        if header:
             continue
         m = _INSTR.match(line)
         if not m:
@@ -135,9 +142,8 @@ def command_buffer_census(hlo_text: str) -> dict:
     comp, inside = None, False
     out = {"command_buffers": 0, "launches_in": 0, "launches_out": 0, "triton_in": 0, "triton_out": 0}
     for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and "=" not in line.split("{")[0]:
-            m = _COMP_NAME.match(line)      # the name only: a header's parameter list may nest parentheses
-            comp = m.group(1) if m else comp
+        header, comp = _computation(line, comp)
+        if header:
             inside = bool(comp) and comp.startswith("command_buffer")
             out["command_buffers"] += inside
             continue
