@@ -138,7 +138,8 @@ def main():
                 stats, state, loads, finite = bench.time_step(compiled, params, batch, state)
                 census = {"default": SP.command_buffer_census(compiled.as_text())}
                 print(f"   command buffers (XLA default): step {stats['median']:.3f} ms, host enqueue "
-                      f"{stats['enqueue_median']:.3f} ms; {census['default']}", flush=True)
+                      f"{stats['enqueue_median']:.3f} ms, back to back {stats['pipelined_mean']:.3f} ms; "
+                      f"{census['default']}", flush=True)
                 touched = [int((l > 0).sum()) for l in loads] if loads.size else []
                 cb_note = "command buffers on (XLA default)"
                 if a.profile_no_cb:
@@ -158,7 +159,8 @@ def main():
                         census[mode] = SP.command_buffer_census(c2.as_text())
                         cb_modes[mode] = st
                         print(f"   command buffers {mode!r}: step {st['median']:.3f} ms, host enqueue "
-                              f"{st['enqueue_median']:.3f} ms; {census[mode]}", flush=True)
+                              f"{st['enqueue_median']:.3f} ms, back to back {st['pipelined_mean']:.3f} ms; "
+                              f"{census[mode]}", flush=True)
                         del c2
                     except Exception as e:  # noqa: BLE001
                         cb_modes[mode] = {"error": repr(e)[:300]}
