@@ -9,6 +9,7 @@
 #   run(command="bash scripts/gpu_queue.sh step_mhc", carry=[".whl"])      # session-13 queue item 1, ~6 min
 #   run(command="bash scripts/gpu_queue.sh moe_gu", carry=[".whl"])        # session-13 queue item 3, ~7 min
 #   run(command="bash scripts/gpu_queue.sh ffi", carry=[".whl"])           # Triton FFI form vs legacy, ~5 min
+#   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop, FFI + WHILE, ~7 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -20,7 +21,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|moe_gu|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|moe_gu|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -86,6 +87,14 @@ case $PART in
       --variants moeil_ffi,moeil_legacy --profile-no-cb --no-profile --no-ceilings --out "$OUT" > "$OUT/step_ffi.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_ffi.log" | grep -E "^==|command buffers|^mhc|^routed|kernel-busy|^decode" | head -30
     ;;
+  loop_ab)      # session 15: the engine's decode loop, legacy launches + default command buffers against FFI launches +
+                # WHILE / CONDITIONAL command buffers (the loop as one graph, predicate on the device)
+    LA="--buckets 1x256 --prompt-len 256 --budget 256 --lone 1 --steps 4 --decode-steps 4 --call-overhead 6"
+    STEPS_ARGS="$LA --triton-launch legacy" steps loop_legacy 230
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+      STEPS_ARGS="$LA --triton-launch ffi" steps loop_ffi_while 230
+    grep -h "call overhead\|decode program" "$OUT"/steps_loop_*.log
+    ;;
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
@@ -100,6 +109,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|moe_gu|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|moe_gu|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
