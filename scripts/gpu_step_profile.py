@@ -205,6 +205,7 @@ def main():
                           f"{cb_note})", flush=True)
                     print(SF.format_table(tab, prof, floor, stats["median"]), flush=True)
                     print("largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
+                    print("graphs (trace):", json.dumps(prof["graphs"]), flush=True)
                     summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], prof["busy_ms"],
                                     prof["kernels_per_step"], floor["total"].get("floor_ms")))
                     del state, box, compiled

@@ -165,3 +165,14 @@ def test_command_buffer_census_counts_launches_inside_and_outside_the_graphs():
     from dsflash.bench import step_profile
     c = step_profile.command_buffer_census(_CB_HLO)
     assert c == {"command_buffers": 1, "launches_in": 3, "launches_out": 3, "triton_in": 2, "triton_out": 1}
+
+
+def test_graph_census_counts_kernels_replayed_from_command_buffers():
+    """Kernels replayed from a CUDA graph carry the command buffer's name as their HLO op in the trace; the rest
+    were launched one by one (jax 0.11's XLA forms command buffers after HLO, so only the trace shows them)."""
+    from dsflash.bench import step_profile
+    k = lambda op: ("kern", 0.0, 1.0, {"hlo_op": op} if op else {})              # noqa: E731
+    kernels = [k("command_buffer_1"), k("command_buffer_1"), k("triton_kernel_call.3"), k("command_buffer_7"),
+               k(None)] * 2
+    g = step_profile.graph_census(kernels, calls=2)
+    assert g == {"graphs": 2, "kernels_in_graphs_per_step": 3.0, "kernels_outside_per_step": 2.0}

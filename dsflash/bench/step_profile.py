@@ -137,7 +137,9 @@ def command_buffer_census(hlo_text: str) -> dict:
     """How much of a compiled GPU module XLA recorded into command buffers (CUDA graphs): the count of
     ``command_buffer*`` computations, the launches (fusions and custom calls) inside them and outside, and the same
     for the Triton custom calls alone. Launches outside a command buffer are each a host-side launch per step, so at
-    small batch they set the gaps between kernels."""
+    small batch they set the gaps between kernels. Only where XLA forms command buffers in HLO: jax 0.11's XLA forms
+    them from thunks after HLO (H100, 2026-12-06: 0 here for programs the trace shows running as graphs), so there
+    ``graph_census`` of a trace is the measure."""
     fused = {c.group(1) for line in hlo_text.splitlines() if " fusion(" in line for c in [_CALLS.search(line)] if c}
     comp, inside = None, False
     out = {"command_buffers": 0, "launches_in": 0, "launches_out": 0, "triton_in": 0, "triton_out": 0}
@@ -234,16 +236,27 @@ def profile_step(run_once, hlo_text: str, calls: int = 3, log_dir: str | None = 
         per_instr[key][3] = name                 # the GPU kernel's own name (a Triton kernel's function name)
     busy = sum(d for _, _, d, _ in kernels) / 1e3 / calls
     gap = idle_gaps(kernels, calls)
+    graphs = graph_census(kernels, calls)
     ops = {s: {"ms_per_step": v[0] / 1e3 / calls, "kernels_per_step": v[1] / calls}
            for s, v in sorted(per_op.items(), key=lambda kv: -kv[1][0])}
     top = [{"hlo_op": k, "scope": v[2], "kernel": v[3], "ms_per_step": v[0] / 1e3 / calls,
             "launches_per_step": v[1] / calls}
            for k, v in sorted(per_instr.items(), key=lambda kv: -kv[1][0])[:40]]
     return {"ops": ops, "busy_ms": busy, "wall_ms": wall_ms, "idle_ms": max(0.0, wall_ms - busy),
-            "kernels_per_step": len(kernels) / calls, "top_instructions": top, "gaps": gap,
+            "kernels_per_step": len(kernels) / calls, "top_instructions": top, "gaps": gap, "graphs": graphs,
             "unmatched_ms": {k: v / 1e3 / calls for k, v in unmatched.most_common(10)},
             "trace_arg_keys": dict(arg_keys.most_common(12)),
             "gpu_processes": sorted({n for n in pnames.values() if "GPU" in n or "/device:" in n})}
+
+
+def graph_census(kernels, calls: int) -> dict:
+    """Kernels a step ran inside XLA's command buffers (CUDA graphs) and outside, from the trace: a kernel replayed
+    from a graph carries its command buffer's name (``command_buffer_N``) as its HLO op. (On jax >= 0.11 XLA forms
+    command buffers from thunks after HLO, so ``command_buffer_census`` of the compiled text finds none there.)"""
+    ops = [str(args.get("hlo_op") or "") for _, _, _, args in kernels]
+    inside = [o for o in ops if o.startswith("command_buffer")]
+    return {"graphs": len(set(inside)), "kernels_in_graphs_per_step": len(inside) / calls,
+            "kernels_outside_per_step": (len(ops) - len(inside)) / calls}
 
 
 def idle_gaps(kernels, calls: int, top: int = 12) -> dict:
