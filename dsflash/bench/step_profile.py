@@ -50,6 +50,8 @@ SCOPES = (
     ("dsflash.model.attention", "scatter_pool", "kv_write"),
     ("dsflash.model.attention", "scatter_ring", "ring_write"),
     ("dsflash.model.attention", "sparse_sink_attention", "sparse_attention"),
+    ("dsflash.model.attention", "sparse_sink_attention_paged", "sparse_attention"),
+    ("dsflash.kernels.sparse_attention", "gather_decoded", "kv_gather"),       # the paged path's reference
     ("dsflash.kernels.indexer_topk", "indexer_topk", "indexer_topk"),
     ("dsflash.kernels.indexer_topk", "indexer_topk_paged", "indexer_topk"),
     ("dsflash.model.moe", "route", "gate"),

@@ -46,7 +46,8 @@ import dataclasses
 import functools
 
 BACKENDS = ("auto", "xla", "triton")
-KERNELS = ("moe", "sparse_attention", "indexer", "indexer_paged", "mhc", "fp8_linear", "topk")
+KERNELS = ("moe", "sparse_attention", "sparse_attention_paged", "indexer", "indexer_paged", "mhc", "fp8_linear",
+           "topk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,11 @@ GATES = {
     "sparse_attention": Crossover(
         "query rows (B * S)", ((128, None),), None,
         "kernels_20261201_h200_run11_attn_v3.json (run 15: kernels_20261201_h200_run15_attn_hs4.json)"),
+    # the flash kernel reading the picked compressed entries straight from the NVFP4 pool (no bf16 gather, no
+    # concatenation): written 2026-12-06, checked in Triton's interpreter only; no range until a GPU run measures it
+    # (``force`` runs it for tests and the bench)
+    "sparse_attention_paged": Crossover(
+        "query rows (B * S)", (), ("reference",), "not measured on a GPU yet"),
     "indexer": Crossover(
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
         "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),
@@ -210,8 +216,9 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     precision       the run precision (the MoE kernel has no "fp32")
     expert_shards   expert-parallel ranks (the MoE kernel sees n_routed_experts / expert_shards experts)
     moe_layout      the routed experts' weight layout ("checkpoint", or "il" repacked at load: its decode config)
-    -> {"moe" | "sparse_attention" | "indexer" | "indexer_paged" | "mhc" | "fp8_linear" | "topk": {"decode": impl,
-        "prefill": impl}} ("indexer_paged": only calls of <= PAGED_MAX_ROWS rows; larger ones gather the keys)"""
+    -> {kernel of KERNELS: {"decode": impl, "prefill": impl}} ("indexer_paged": only calls of <= PAGED_MAX_ROWS
+        rows, larger ones gather the keys; "sparse_attention_paged": only calls whose picks number fewer than the
+        page table's entries, as ``model/attention.py`` decides)"""
     if decode_tokens is None:
         decode_tokens = 1 + (cfg.dspark_block_size if cfg.num_nextn_predict_layers else 0)
     ratios = [cfg.compress_ratios[i] for i in cfg.index_source_layer_ids if i < cfg.num_hidden_layers]
@@ -220,7 +227,8 @@ def kernel_summary(cfg, backend, *, decode_tokens: int | None = None, prefill_to
     out = {}
     for phase, t in (("decode", decode_tokens), ("prefill", prefill_tokens)):
         sizes = {"moe": t * cfg.num_experts_per_tok, "sparse_attention": t, "indexer": t * entries, "mhc": t,
-                 "fp8_linear": t, "indexer_paged": t * entries if t <= PAGED_MAX_ROWS else 0, "topk": entries}
+                 "fp8_linear": t, "indexer_paged": t * entries if t <= PAGED_MAX_ROWS else 0, "topk": entries,
+                 "sparse_attention_paged": t if t * cfg.index_topk < entries else 0}
         for kernel, size in sizes.items():
             impl = "triton" if use_triton(kernel, backend, size, precision=precision) else "xla"
             supported = GATES[kernel].precisions is None or precision in GATES[kernel].precisions

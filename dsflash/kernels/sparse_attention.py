@@ -79,3 +79,43 @@ def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision=
     from dsflash.kernels import sparse_attention_triton  # lazy: needs a CUDA GPU and jax-triton
     return sparse_attention_triton.sparse_sink_attention_triton(q, kv, idx, sink, scale, out_dtype=out_dtype,
                                                                 precision=precision)
+
+
+def gather_decoded(pool, addr, decode, dtype):
+    """The pool's rows at ``addr`` [B, n], decoded: [B, n, D] (``attention.gather_pool``'s ops)."""
+    return decode(jax.tree.map(lambda a: a[addr], pool), dtype)
+
+
+def sparse_sink_attention_paged_reference(q, win, win_idx, pool, addr, valid, sink, scale, *, decode,
+                                          out_dtype=None, precision="reference", backend="auto"):
+    """Attention over window rows and pool entries, the model's way: the entries at ``addr`` are decoded to
+    ``win.dtype`` and laid after the window rows (entry s*K + k of a sequence is its row s's pick k), then
+    ``sparse_sink_attention`` (which may run the plain kernel) over ids = window ids ++ the picks (-1 where not
+    ``valid``).
+
+    win [B, NW, D]; win_idx [B, S, KW] ids into win; pool: the pool's leaves ([P, ...] each, decoded by ``decode``
+    (leaves, dtype)); addr / valid [B, S, K]: each pick's pool row (always a readable row) and whether it is real."""
+    B, S, K = addr.shape
+    picked = gather_decoded(pool, addr.reshape(B, S * K), decode, win.dtype)
+    kv = jnp.concatenate([win, picked], axis=1)
+    local = win.shape[1] + jnp.arange(S * K, dtype=jnp.int32).reshape(1, S, K)
+    idx = jnp.concatenate([win_idx, jnp.where(valid, local, -1)], axis=-1)
+    return sparse_sink_attention(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision, backend=backend)
+
+
+def paged_kernel_fits(pool, precision) -> bool:
+    """The paged kernel reads NVFP4 pools ("q" nibbles + "s" E4M3 scales, the "reference" precision's encoding)."""
+    return precision == "reference" and set(pool) == {"q", "s"}
+
+
+def sparse_sink_attention_paged(q, win, win_idx, pool, addr, valid, sink, scale, *, decode, out_dtype=None,
+                                precision="reference", backend="auto", force=False):
+    """``sparse_sink_attention_paged_reference`` or the paged kernel (``sparse_attention_paged_triton``), as
+    ``dispatch.use_triton("sparse_attention_paged", ...)`` decides at B*S query rows, for NVFP4 pools only."""
+    if paged_kernel_fits(pool, precision) and dispatch.use_triton(
+            "sparse_attention_paged", backend, q.shape[0] * q.shape[1], precision=precision, force=force):
+        from dsflash.kernels import sparse_attention_paged_triton as spt  # lazy: needs a CUDA GPU and jax-triton
+        return spt.sparse_sink_attention_paged_triton(q, win, win_idx, pool["q"], pool["s"], addr, valid, sink,
+                                                      scale, out_dtype=out_dtype, precision=precision)
+    return sparse_sink_attention_paged_reference(q, win, win_idx, pool, addr, valid, sink, scale, decode=decode,
+                                                 out_dtype=out_dtype, precision=precision, backend=backend)

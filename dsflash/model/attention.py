@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
 from dsflash.kernels import indexer_topk as ik
-from dsflash.kernels.sparse_attention import sparse_sink_attention
+from dsflash.kernels.sparse_attention import sparse_sink_attention, sparse_sink_attention_paged
 from dsflash import quant
 from dsflash.model import state as st
 from dsflash.model.layers import (act_dtype, apply_rope, linear_bf16, linear_f32, linear_fp8, linear_fp8_grouped, rms_norm,
@@ -238,12 +238,15 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
         sel = shared["topk"]
         Bq, Sq, K = sel.shape
         if Sq * K < n_entries:
-            # decode-sized calls: decode only the entries the rows selected (row s's K picks laid at s*K), so the
-            # gathered bytes stay S*K per sequence at any context instead of the whole page table's entries
+            # decode-sized calls: only the entries the rows selected (row s's K picks), so the bytes stay S*K per
+            # sequence at any context instead of the whole page table's entries; the paged kernel reads them from
+            # the pool where its gate says, else they are decoded and laid after the window rows
             picked = pool_addresses(ctx.page_table, jnp.maximum(sel, 0).reshape(Bq, Sq * K), per_page)
-            kv_buf.append(gather_pool(state["main_kv"][str(src)], picked, st.decode_main_kv, dt))
-            local = base + jnp.arange(Sq * K, dtype=jnp.int32).reshape(1, Sq, K)
-            idx_parts.append(jnp.where(sel >= 0, local, -1))
+            o = sparse_sink_attention_paged(
+                q, kv_buf[0], idx_parts[0], state["main_kv"][str(src)], picked.reshape(Bq, Sq, K), sel >= 0,
+                params[f"{p}.attn_sink"], cfg.head_dim ** -0.5, decode=st.decode_main_kv, out_dtype=dt,
+                precision=ctx.precision, backend=ctx.backend)
+            return output_projection(params, p, o, cfg, ctx, omega), state, shared
         else:
             kv_buf.append(gather_pool(state["main_kv"][str(src)], addr_all, st.decode_main_kv, dt))
             idx_parts.append(jnp.where(sel >= 0, sel + base, -1))
