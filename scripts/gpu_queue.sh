@@ -10,6 +10,7 @@
 #   run(command="bash scripts/gpu_queue.sh moe_gu", carry=[".whl"])        # session-13 queue item 3, ~7 min
 #   run(command="bash scripts/gpu_queue.sh ffi", carry=[".whl"])           # Triton FFI form vs legacy, ~5 min
 #   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop, FFI + WHILE, ~7 min
+#   run(command="bash scripts/gpu_queue.sh paged", carry=[".whl"])         # paged sparse attention: test + step, ~6 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -21,7 +22,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|moe_gu|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -95,6 +96,13 @@ case $PART in
       STEPS_ARGS="$LA --triton-launch ffi" steps loop_ffi_while 230
     grep -h "call overhead\|decode program" "$OUT"/steps_loop_*.log
     ;;
+  paged)        # session 15: the paged sparse attention kernel (GPU test), then the step with it at every row count
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_sparse_attention_paged.py > "$OUT/pytest_paged.log" 2>&1
+    echo "== paged attention test (rc $?)"; grep -E "band|passed|failed|Error" "$OUT/pytest_paged.log" | head -8
+    timeout 240 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 64@4096 \
+      --variants moeil,moeil_paged --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_paged.log" 2>&1
+    echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_paged.log" | grep -E "^==|^sparse_att|^kv_gather|^attention_other|^decode" | head -40
+    ;;
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
@@ -109,6 +117,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|moe_gu|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -18,7 +18,8 @@ the FP8 linears' decode band on the "decode" config (BN 64, the default before r
 (``dsflash.model.params.moe_il_weights``; decode then runs the MoE config ``sw_il``, prefill converts back per call);
 ``moeil_ffi`` / ``moeil_legacy`` = ``moeil`` with the Triton launches in jaxlib's FFI custom-call form (which XLA
 can record into its command buffers) / in jax-triton's legacy form (which it cannot): ``kernels.triton_call.USE_FFI``
-on / off, the A/B.
+on / off, the A/B; ``moeil_paged`` = ``moeil`` with the paged sparse attention (``sparse_attention_paged_triton``:
+the picked compressed entries read from the NVFP4 pool, no bf16 gather or concatenation) at every row count.
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def main():
     from dsflash.kernels import moe_plan
     real_moe = moe_plan.DECODE_CONFIG
     real_paged = dispatch.GATES["indexer_paged"]
+    real_attn_paged = dispatch.GATES["sparse_attention_paged"]
     real_topk = dispatch.GATES["topk"]
     from dsflash.kernels import fp8_linear_triton
     real_fp8cfg = fp8_linear_triton.DECODE_CONFIG
@@ -120,13 +122,15 @@ def main():
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
             triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)
-            if var in ("moeil", "moeil_ffi", "moeil_legacy") and il_params is None:
+            dispatch.GATES["sparse_attention_paged"] = real_attn_paged.replace(triton=((1, None),)) \
+                if var == "moeil_paged" else real_attn_paged
+            if var in ("moeil", "moeil_ffi", "moeil_legacy", "moeil_paged") and il_params is None:
                 from dsflash.model.params import moe_il_weights
                 t1 = time.perf_counter()
                 il_params = moe_il_weights(bench.cfg, bench.params)
                 jax.block_until_ready(il_params)
                 print(f"routed experts repacked to the il layout in {time.perf_counter() - t1:.1f} s", flush=True)
-            params = il_params if var in ("moeil", "moeil_ffi", "moeil_legacy") else bench.params
+            params = il_params if var in ("moeil", "moeil_ffi", "moeil_legacy", "moeil_paged") else bench.params
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():
@@ -223,6 +227,7 @@ def main():
     dispatch.GATES["topk"] = real_topk
     fp8_linear_triton.DECODE_CONFIG = real_fp8cfg
     triton_call.USE_FFI = real_ffi
+    dispatch.GATES["sparse_attention_paged"] = real_attn_paged
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"
