@@ -99,7 +99,7 @@ case $PART in
   paged)        # session 15: the paged sparse attention kernel (GPU test), then the step with it at every row count
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_sparse_attention_paged.py > "$OUT/pytest_paged.log" 2>&1
     echo "== paged attention test (rc $?)"; grep -E "band|passed|failed|Error" "$OUT/pytest_paged.log" | head -8
-    timeout 240 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 64@4096 \
+    timeout 240 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 \
       --variants moeil,moeil_paged --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_paged.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_paged.log" | grep -E "^==|^sparse_att|^kv_gather|^attention_other|^decode" | head -40
     ;;
