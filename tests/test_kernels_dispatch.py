@@ -81,6 +81,15 @@ def fakes(monkeypatch):
         calls["topk"].append(-(-score.shape[-1] // block_size))
         return ik.candidate_mask_sorted(score, visible, block_size, topk_blocks)
 
+    def attn_paged(q, win, win_idx, pool_q, pool_s, addr, valid, sink, scale, *, out_dtype=None,
+                   precision="reference"):
+        from dsflash.model import state as st
+        calls["sparse_attention_paged"].append(q.shape[0] * q.shape[1])
+        return sa.sparse_sink_attention_paged_reference(q, win, win_idx, {"q": pool_q, "s": pool_s}, addr, valid, sink,
+                                                        scale, decode=st.decode_main_kv, out_dtype=out_dtype,
+                                                        precision=precision, backend="xla")
+
+    install("sparse_attention_paged_triton", sparse_sink_attention_paged_triton=attn_paged)
     install("topk_triton", select_topk_triton=topk, candidate_mask_triton=cand_mask)
     install("fp8_linear_triton", fp8_linear_triton=fp8)
     install("moe_gemm_triton", routed_moe_triton=moe)
@@ -272,6 +281,35 @@ def test_front_ends_decide_through_dispatch(gpu, fakes):
     moe_gemm.routed_moe(*prob, limit=10.0, backend="auto", precision="fp32")     # no fp32 kernel: reference
     moe_gemm.routed_moe(*prob, limit=10.0, backend="xla")
     assert fakes["moe"] == [8]
+
+
+def _attn_paged(rows, precision="reference"):
+    from dsflash.model import state as st
+    q, kv, idx, sink, scale = _attn(rows)
+    B, S = q.shape[:2]
+    pool = st.encode_main_kv(kv[0], precision)
+    addr = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (B, S, 4))
+    return (q, kv, idx, pool, addr, addr % 2 == 0, sink, scale), dict(decode=st.decode_main_kv, precision=precision)
+
+
+def test_paged_attention_decides_through_dispatch(gpu, fakes, monkeypatch):
+    """The paged kernel: never without a range in its gate (as shipped), at any size with ``force`` or once a range is
+    set, never for a pool the kernel cannot read (raw bf16 leaves), never under "xla"; the reference (the model's
+    gather + concatenation) gives the fake's result."""
+    args, kw = _attn_paged(128)
+    ref = sa.sparse_sink_attention_paged(*args, **kw, backend="xla")
+    assert fakes["sparse_attention_paged"] == [] and fakes["sparse_attention"] == []    # 128 rows, but "xla"
+    sa.sparse_sink_attention_paged(*args, **kw, backend="triton")
+    assert fakes["sparse_attention_paged"] == [] and fakes["sparse_attention"] == [128]  # no range: the old path
+    got = sa.sparse_sink_attention_paged(*args, **kw, backend="auto", force=True)
+    assert fakes["sparse_attention_paged"] == [128]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    monkeypatch.setitem(dispatch.GATES, "sparse_attention_paged",
+                        dispatch.GATES["sparse_attention_paged"].replace(triton=((1, None),)))
+    sa.sparse_sink_attention_paged(*_attn_paged(6)[0], **kw, backend="auto")
+    raw, kw_bf16 = _attn_paged(6, precision="bf16")
+    sa.sparse_sink_attention_paged(*raw, **kw_bf16, backend="auto")                # {"x": ...} pool: not NVFP4
+    assert fakes["sparse_attention_paged"] == [128, 6]
 
 
 def test_a_table_change_moves_the_front_end(gpu, fakes, monkeypatch):

@@ -26,6 +26,7 @@ pytestmark = [
 
 
 @pytest.mark.parametrize("script", ["triton_interpret_moe.py", "triton_interpret_sparse_attention.py",
+                                    "triton_interpret_sparse_attention_paged.py",
                                     "triton_interpret_indexer.py", "triton_interpret_mhc.py",
                                     "triton_interpret_topk.py --only split"])
 def test_interpreter_script(script):
