@@ -95,10 +95,10 @@ GATES = {
         "query rows (B * S)", ((128, None),), None,
         "kernels_20261201_h200_run11_attn_v3.json (run 15: kernels_20261201_h200_run15_attn_hs4.json)"),
     # the flash kernel reading the picked compressed entries straight from the NVFP4 pool (no bf16 gather, no
-    # concatenation): written 2026-12-06, checked in Triton's interpreter only; no range until a GPU run measures it
-    # (``force`` runs it for tests and the bench)
+    # concatenation): written 2026-12-06; GPU test passed on an H200 (gpu_tests_20261206_h200_s15_sparse_attention_
+    # paged.log), not timed: no range until a GPU run measures it (``force`` runs it for tests and the bench)
     "sparse_attention_paged": Crossover(
-        "query rows (B * S)", (), ("reference",), "not measured on a GPU yet"),
+        "query rows (B * S)", (), ("reference",), "not timed on a GPU yet"),
     "indexer": Crossover(
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
         "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),

@@ -1,5 +1,9 @@
 """Triton (jax-triton) sparse sink attention that reads the compressed entries straight from the paged NVFP4 pool.
 
+STATUS (2026-12-06): interpreter-checked (scripts/triton_interpret_sparse_attention_paged.py) and its GPU test passed
+on one H200 (tests/gpu/test_sparse_attention_paged.py, bits equal to the flash kernel); not timed, so
+``dispatch.GATES["sparse_attention_paged"]`` gives it no range yet (``gpu_queue.sh paged`` measures it in the step).
+
 Contract: ``sparse_attention.sparse_sink_attention_paged_reference`` (the model's attention sublayer as it was:
 decode the picked pool entries to bf16, lay them after the window rows, attend over both). What the kernel saves is
 that materialisation: per decode call the gather wrote every picked entry as bf16 (1 KB at D = 512) and the
