@@ -20,8 +20,8 @@ multiple of BK, so every block is one source; empty slots add exact zeros, so th
 the materialised buffer with the same padded ids bit for bit (the interpreter check), and the flash kernel's error
 band against the reference holds unchanged.
 
-``DECODE``-free: the nibble and scale decoding is integer / fp32 arithmetic (no fp8 conversions), so the interpreter
-runs the same code; ``IEEE`` (fp32 inputs, the interpreter) as in v3.
+The nibble and scale decoding is integer / fp32 arithmetic (no fp8 conversions), so Triton's interpreter runs the
+same code as the GPU; ``IEEE`` (fp32 inputs, the interpreter's dots) as in v3.
 """
 from __future__ import annotations
 
@@ -157,6 +157,11 @@ def _paged_split_kernel(q_ptr, win_ptr, iw_ptr, pq_ptr, ps_ptr, ia_ptr, op_ptr, 
 
 
 # ----------------------------------------------------------------------------------------------- wrapper
+def _bytes(a):
+    """A one-byte array (uint8 nibbles, float8_e4m3fn scales) as uint8: the kernel decodes the bits itself."""
+    return a if a.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(a, jnp.uint8)
+
+
 def pad_window_ids(win_idx, bk: int):
     """Window ids [B, S, KW] padded with empty slots (-1) to a multiple of ``bk`` (every kernel block one source)."""
     kw = win_idx.shape[-1]
@@ -206,8 +211,7 @@ def sparse_sink_attention_paged_triton(q, win, win_idx, pool_q, pool_s, addr, va
     ns, grid, kw = launch_plan(cfg, R, H, D, KW, KP, scale, precision, q.dtype, S, NW)
     win = win.astype(jnp.float32 if q.dtype == jnp.float32 else jnp.bfloat16)
     sink = sink.astype(jnp.float32)
-    args = (q, win, iw, pool_q.view(jnp.uint8) if pool_q.dtype != jnp.uint8 else pool_q,
-            jax.lax.bitcast_convert_type(pool_s, jnp.uint8) if pool_s.dtype != jnp.uint8 else pool_s, ia)
+    args = (q, win, iw, _bytes(pool_q), _bytes(pool_s), ia)
     if ns == 1:
         return jt.triton_call(*args, sink, kernel=_paged_kernel,
                               out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
