@@ -32,6 +32,16 @@ def _attempt(script, name, env):
     return False, r.stdout, f"rc {r.returncode}: " + (err[-1][:300] if err else "(no stderr)")
 
 
+
+def expect(run, cfg_fn, label, kw, expect_ok=True):
+    """A check that calls ``run(cfg_fn(), label=label, **kw)`` -> (ok, message), prints the message and asserts ok ==
+    ``expect_ok`` (False for a mutant: the check must catch it, else it is vacuous)."""
+    def f():
+        ok, msg = run(cfg_fn(), label=label, **kw)
+        print(msg + ("" if expect_ok else f"  -> {'passed (BAD: vacuous)' if ok else 'caught, as it must be'}"))
+        assert ok == expect_ok, msg
+    return f
+
 def run_checks(script, names):
     """Run every check of ``script`` in its own process (see the module doc); print each check's output, the
     retries, and a summary line; exit non-zero on failure."""

@@ -206,11 +206,7 @@ def checks():
     fcases = cases + [dict(B=1, S=2, H=16, D=64, N=80, K=64, seed=5, empty_prefix=48)]   # row 0: 3 empty blocks
 
     def fcheck(cfg_fn, label, kw, expect_ok=True):
-        def f():
-            ok, msg = run_flash(cfg_fn(), label=label, **kw)
-            print(msg + ("" if expect_ok else f"  -> band {'held (BAD: vacuous)' if ok else 'violated, as it must'}"))
-            assert ok == expect_ok, msg
-        return f
+        return interpret_isolation.expect(run_flash, cfg_fn, label, kw, expect_ok)
     fcfgs = [
         ("flash_auto", lambda: small("flash_bk64", BK=16)),                      # NS from the row count
         ("flash_ns2", lambda: small("flash_bk64", BK=16, NS=2)),                 # split + XLA combine, ragged
