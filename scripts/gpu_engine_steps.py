@@ -144,7 +144,8 @@ def one_set(model, a, spec: str, rng) -> dict:
     host = eng.metrics_snapshot()["host_time_s"][-a.steps:]
     dec = eng.runner._compiled.get(("decode", 0))
     census = SP.command_buffer_census(dec.as_text()) if dec is not None else None
-    print(f"decode program: {census}", flush=True)     # launches inside / outside XLA's command buffers
+    print(f"decode program: {census}", flush=True)     # launches inside / outside XLA's command buffers (HLO text;
+    # blind on jax 0.11, which forms them after HLO: the trace's "graphs" line below is the measure there)
     prof = None
     if a.trace:                        # the engine's decode program per op (kernels of the traced steps)
         prof = SP.profile_step(eng.step, dec.as_text(), calls=a.trace)
@@ -153,6 +154,7 @@ def one_set(model, a, spec: str, rng) -> dict:
         for op, v in list(prof["ops"].items())[:24]:
             print(f"  {op:<44}{v['ms_per_step']:>9.3f} ms{v['kernels_per_step']:>7.0f} kernels", flush=True)
         print("  largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
+        print("  decode program graphs (trace):", json.dumps(prof["graphs"]), flush=True)
     eng.add_request("new", prompt(a.prompt_len), first)
     rows = _run_until(eng, lambda: "new" not in {s.request_id for s in list(eng.running) + list(eng.waiting)})
     mixed = [r[0] for r in rows if r[1] and r[2]]

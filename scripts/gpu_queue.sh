@@ -90,11 +90,11 @@ case $PART in
     ;;
   loop_ab)      # session 15: the engine's decode loop, legacy launches + default command buffers against FFI launches +
                 # WHILE / CONDITIONAL command buffers (the loop as one graph, predicate on the device)
-    LA="--buckets 1x256 --prompt-len 256 --budget 256 --lone 1 --steps 4 --decode-steps 4 --call-overhead 6"
+    LA="--buckets 1x256 --prompt-len 256 --budget 256 --lone 1 --steps 4 --decode-steps 4 --call-overhead 6 --trace 2"
     STEPS_ARGS="$LA --triton-launch legacy" steps loop_legacy 230
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
       STEPS_ARGS="$LA --triton-launch ffi" steps loop_ffi_while 230
-    grep -h "call overhead\|decode program" "$OUT"/steps_loop_*.log
+    grep -h "call overhead\|decode program" "$OUT"/steps_loop_*.log      # "graphs (trace)": kernels replayed from graphs
     ;;
   paged)        # session 15: the paged sparse attention kernel (GPU test), then the step with it at every row count
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_sparse_attention_paged.py > "$OUT/pytest_paged.log" 2>&1

@@ -124,13 +124,14 @@ def main():
             triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)
             dispatch.GATES["sparse_attention_paged"] = real_attn_paged.replace(triton=((1, None),)) \
                 if var == "moeil_paged" else real_attn_paged
-            if var in ("moeil", "moeil_ffi", "moeil_legacy", "moeil_paged") and il_params is None:
+            uses_il = var.startswith("moeil")           # moeil and its A/B variants run the il layout
+            if uses_il and il_params is None:
                 from dsflash.model.params import moe_il_weights
                 t1 = time.perf_counter()
                 il_params = moe_il_weights(bench.cfg, bench.params)
                 jax.block_until_ready(il_params)
                 print(f"routed experts repacked to the il layout in {time.perf_counter() - t1:.1f} s", flush=True)
-            params = il_params if var in ("moeil", "moeil_ffi", "moeil_legacy", "moeil_paged") else bench.params
+            params = il_params if uses_il else bench.params
             try:
                 batch, state = bench.make_inputs(S, [C] * rows)
                 with SP.scoped_model():

@@ -51,16 +51,6 @@ def _inputs(B, S, H, D, NW, KW, K, P, seed):
     return q, win, win_idx, pool, addr, valid, sink, D ** -0.5
 
 
-def _materialised(win, win_idx, pool, addr, valid, bk):
-    """The flash kernel's inputs for the same blocks: window rows ++ decoded picks, padded window ids ++ pick ids."""
-    B, S, K = addr.shape
-    picked = st.decode_main_kv(jax.tree.map(lambda a: a[addr.reshape(B, S * K)], pool), jnp.float32)
-    kv = jnp.concatenate([win.astype(jnp.float32), picked], axis=1)
-    local = win.shape[1] + jnp.arange(S * K, dtype=jnp.int32).reshape(1, S, K)
-    idx = jnp.concatenate([spt.pad_window_ids(win_idx, bk), jnp.where(valid, local, -1)], axis=-1)
-    return kv, idx
-
-
 def run(cfg, B=2, S=3, H=16, D=64, NW=20, KW=12, K=24, P=100, seed=0, mutate=None, label=""):
     sys.modules["jax_triton"] = _JtShim
     q, win, win_idx, pool, addr, valid, sink, scale = _inputs(B, S, H, D, NW, KW, K, P, seed)
@@ -74,7 +64,9 @@ def run(cfg, B=2, S=3, H=16, D=64, NW=20, KW=12, K=24, P=100, seed=0, mutate=Non
         out = np.asarray(spt.sparse_sink_attention_paged_triton(
             q.astype(jnp.float32), win, win_idx, kpool["q"], kpool["s"], addr, valid, sink, scale,
             out_dtype=jnp.float32, config=cfg))
-        kv, idx = _materialised(win, win_idx, pool, addr, valid, cfg.BK)
+        # the flash kernel's inputs for the same blocks: the padded window ids, the buffer in fp32 (IEEE dots)
+        kv, idx = sa.paged_buffer(win.astype(jnp.float32), spt.pad_window_ids(win_idx, cfg.BK), pool, addr, valid,
+                                  st.decode_main_kv)
         flash = np.asarray(sat.sparse_sink_attention_triton(q.astype(jnp.float32), kv, idx, sink, scale,
                                                             out_dtype=jnp.float32, config=cfg))
     ref = np.asarray(sa.sparse_sink_attention_paged_reference(

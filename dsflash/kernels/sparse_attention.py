@@ -88,19 +88,23 @@ def gather_decoded(pool, addr, decode, dtype):
 
 def sparse_sink_attention_paged_reference(q, win, win_idx, pool, addr, valid, sink, scale, *, decode,
                                           out_dtype=None, precision="reference", backend="auto"):
-    """Attention over window rows and pool entries, the model's way: the entries at ``addr`` are decoded to
-    ``win.dtype`` and laid after the window rows (entry s*K + k of a sequence is its row s's pick k), then
-    ``sparse_sink_attention`` (which may run the plain kernel) over ids = window ids ++ the picks (-1 where not
-    ``valid``).
+    """Attention over window rows and pool entries, the model's way: ``sparse_sink_attention`` (which may run the
+    plain kernel) over ``paged_buffer``'s materialised rows and ids.
 
     win [B, NW, D]; win_idx [B, S, KW] ids into win; pool: the pool's leaves ([P, ...] each, decoded by ``decode``
     (leaves, dtype)); addr / valid [B, S, K]: each pick's pool row (always a readable row) and whether it is real."""
+    kv, idx = paged_buffer(win, win_idx, pool, addr, valid, decode)
+    return sparse_sink_attention(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision, backend=backend)
+
+
+def paged_buffer(win, win_idx, pool, addr, valid, decode):
+    """The one buffer the plain attention reads: (kv = window rows ++ the picks decoded to ``win.dtype``, ids =
+    ``win_idx`` ++ each pick's row there, -1 where not ``valid``). Entry s*K + k of a sequence is its row s's pick k."""
     B, S, K = addr.shape
     picked = gather_decoded(pool, addr.reshape(B, S * K), decode, win.dtype)
     kv = jnp.concatenate([win, picked], axis=1)
     local = win.shape[1] + jnp.arange(S * K, dtype=jnp.int32).reshape(1, S, K)
-    idx = jnp.concatenate([win_idx, jnp.where(valid, local, -1)], axis=-1)
-    return sparse_sink_attention(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision, backend=backend)
+    return kv, jnp.concatenate([win_idx, jnp.where(valid, local, -1)], axis=-1)
 
 
 def paged_kernel_fits(pool, precision) -> bool:

@@ -49,10 +49,7 @@ def test_paged_kernel_matches_flash_bits_and_the_reference_band(case):
     cfg = cfg if cfg.kind == "flash" else sat.NAMED_CONFIGS["flash_bk32"]
     out = np.asarray(jax.jit(lambda *a: spt.sparse_sink_attention_paged_triton(
         *a, scale, out_dtype=jnp.float32, config=cfg))(q, win, win_idx, pool["q"], pool["s"], addr, valid, sink))
-    picked = st.decode_main_kv(jax.tree.map(lambda a: a[addr.reshape(B, S * K)], pool), jnp.bfloat16)
-    kv = jnp.concatenate([win, picked], axis=1)
-    local = NW + jnp.arange(S * K, dtype=jnp.int32).reshape(1, S, K)
-    idx = jnp.concatenate([spt.pad_window_ids(win_idx, cfg.BK), jnp.where(valid, local, -1)], axis=-1)
+    kv, idx = sa.paged_buffer(win, spt.pad_window_ids(win_idx, cfg.BK), pool, addr, valid, st.decode_main_kv)
     flash = np.asarray(jax.jit(lambda *a: sat.sparse_sink_attention_triton(
         *a, scale, out_dtype=jnp.float32, config=cfg))(q, kv, idx, sink))
     ref = np.asarray(sa.sparse_sink_attention_paged_reference(
