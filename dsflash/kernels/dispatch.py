@@ -95,10 +95,12 @@ GATES = {
         "query rows (B * S)", ((128, None),), None,
         "kernels_20261201_h200_run11_attn_v3.json (run 15: kernels_20261201_h200_run15_attn_hs4.json)"),
     # the flash kernel reading the picked compressed entries straight from the NVFP4 pool (no bf16 gather, no
-    # concatenation): written 2026-12-06; GPU test passed on an H200 (gpu_tests_20261206_h200_s15_sparse_attention_
-    # paged.log), not timed: no range until a GPU run measures it (``force`` runs it for tests and the bench)
+    # concatenation). GPU test passed (H200 s15, H100 s16). Timed in the step on an H100 (s16): no gain -- at 32 x 6
+    # the kernel costs 0.13 ms more than the flash kernel on bf16 rows, the gather it removes saved 0.12; kernel-busy
+    # equal at 1 / 32 x 6, back to back equal at 1 / 32 / 64 x 6. So no range (``force`` runs it for tests, the bench)
     "sparse_attention_paged": Crossover(
-        "query rows (B * S)", (), ("reference",), "not timed on a GPU yet"),
+        "query rows (B * S)", (), ("reference",),
+        "no faster in the step: step_profile_20261206_h100_s16_paged.json, step_profile_20261206_h100_s16_b2b.json"),
     "indexer": Crossover(
         "query rows x index entries (B * S * T)", ((INDEXER_XLA_MAX_ROW_ENTRIES + 1, None),), None,
         "kernels_20261130_h200_indexer_mhc.json (commit 199278b)"),
