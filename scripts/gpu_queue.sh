@@ -11,6 +11,7 @@
 #   run(command="bash scripts/gpu_queue.sh ffi", carry=[".whl"])           # Triton FFI form vs legacy, ~5 min
 #   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop, FFI + WHILE, ~7 min
 #   run(command="bash scripts/gpu_queue.sh paged", carry=[".whl"])         # paged sparse attention: test + step, ~6 min
+#   run(command="bash scripts/gpu_queue.sh moe_prefill", carry=[".whl"])   # il prefill tile candidates + ncu DRAM bytes, ~7 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -18,11 +19,15 @@
 #   plain at 1, 8, 32 sequences. Files: eng_text.json, eng_chat.json and their logs.
 # moe_decode: il decode configs (MOE_CONFIGS, comma-separated) at 1 / 32 / 64 x 6 rows, and Nsight Compute's stall
 #   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_*.log, ncu_summary.txt.
+# moe_prefill: il prefill tiles at 1024 / 4096 / 16384 tokens -- the three the serving bands use and the 2026-12-06
+#   candidates (experimental/moe_configs.py; PREFILL_CONFIGS overrides the list) -- then Nsight Compute's DRAM bytes
+#   and L2 hit rate of sw_il_bm128's and sw_il_bm128_ksd3's kernels at 4096 tokens (NCU_MOE=0 skips them). Files:
+#   kernels_*.json, bench_moe_prefill.log, ncu_moe_prefill_*.log.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -108,6 +113,24 @@ case $PART in
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
     MOE_CONFIGS=sw_il,sw_il_gu,sw_il_gu_xb,sw_il_bm32,sw_il_bm32_gu moe_bench sw_il_gu 3   # up, epilogue, down
     ;;
+  moe_prefill)  # helper 2026-12-06: wide il prefill candidates against the serving bands' tiles (predictions: NOTES),
+                # then the DRAM bytes behind the hypothesis that the down kernel re-reads h from DRAM in each of its
+                # 80 column sweeps (~9 GB at 4096 tokens; <= 1.5 GB if h stayed in L2; sw_il_bm128_ksd3 keeps it there)
+    timeout 330 python3 -m dsflash.bench kernels --ops moe --tokens 1024,4096,16384 --quick --no-torch --out "$OUT" \
+      --prefill-configs ${PREFILL_CONFIGS:-sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb,sw_il_bm128_ksd3,sw_il_bm64_xb_s2,sw_il_bm128_gu_xb,sw_il_bm64_gu_xb_s2} \
+      > "$OUT/bench_moe_prefill.log" 2>&1
+    echo "== bench kernels moe prefill (rc $?)"; grep -v '^{' "$OUT/bench_moe_prefill.log" | tail -14
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ "${NCU_MOE:-1}" != 0 ] && [ -n "$NCU" ] && for cn in sw_il_bm128:2 sw_il_bm128_ksd3:3; do   # config:launches a call
+      c=${cn%:*} n=${cn#*:}     # profile the second call's launches (the first call compiles)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 100 "$NCU" --clock-control none --target-processes all \
+        --kernel-name regex:_moe_ --launch-skip "$n" --launch-count "$n" \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+        python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_moe_prefill_$c.log" 2>&1
+      echo "== ncu $c T=4096 (rc $?)"
+      grep -E "_moe_|gpu__time|dram__bytes|lts__t_sector|sm__throughput" "$OUT/ncu_moe_prefill_$c.log" | head -24
+    done
+    ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
     echo "== chunking (rc $?)"; tail -3 "$OUT/pytest_chunking.log"
@@ -117,6 +140,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

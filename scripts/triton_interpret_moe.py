@@ -366,6 +366,14 @@ def _il_cases():
         (mt.fit_config(named_configs()["sw_il_bm32_gu"], 256, 128), dict(T=40, k=3, E=3, seed=11)),
         (mt.fit_config(named_configs()["sw_il_gu_xb"], 256, 128), dict(T=40, k=3, E=3, seed=13)),
         (MC(**base, KS_UP=1, KS_DOWN=1), dict(T=5, k=2, E=4, seed=6, mutant=True)),
+        # the 2026-12-06 prefill candidates (named configs): BM 128 split gate / up with x once (two tiles for some
+        # experts: 128 slots per expert on average), BM 64 stages 2 joint and split (96 slots per expert: two tiles),
+        # the down GEMM split 3 ways along I (I 384: three 128-wide slabs), and a planted mutant at BM 128
+        (mt.fit_config(named_configs()["sw_il_bm128_gu_xb"], 256, 128), dict(T=64, k=6, E=3, seed=14)),
+        (mt.fit_config(named_configs()["sw_il_bm64_xb_s2"], 256, 128), dict(T=48, k=4, E=2, seed=15)),
+        (mt.fit_config(named_configs()["sw_il_bm64_gu_xb_s2"], 256, 128), dict(T=48, k=4, E=2, seed=16)),
+        (mt.fit_config(named_configs()["sw_il_bm128_ksd3"], 256, 384), dict(T=64, k=6, E=3, I=384, seed=17)),
+        (mt.fit_config(named_configs()["sw_il_bm128_gu_xb"], 256, 128), dict(T=16, k=6, E=3, seed=18, mutant=True)),
     ]
 
 

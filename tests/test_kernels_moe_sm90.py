@@ -86,3 +86,29 @@ def test_split_gate_up_doubles_the_up_kernels_programs_per_sm():
     assert up.regs <= 80 < joint.regs, (up.regs, joint.regs)
     assert up.main_loop.ops["HMUL2"] * 2 == joint.main_loop.ops["HMUL2"], (up.main_loop.ops, joint.main_loop.ops)
     assert up.per_elem() < 1.3 * joint.per_elem(), (up.per_elem(), joint.per_elem())
+
+
+def _blocks_per_sm(r):
+    return int(sm90_compile._occupancy(r.regs, r.num_warps, r.smem).split()[0])
+
+
+@pytest.mark.parametrize("name", ["sw_il_bm128_ksd3", "sw_il_bm64_xb_s2", "sw_il_bm128_gu_xb", "sw_il_bm64_gu_xb_s2"])
+def test_prefill_candidates_compile_without_spills(name):
+    """The 2026-12-06 prefill candidates (experimental/moe_configs.py) at 4096 tokens: every launch spill-free, the
+    GEMMs on wgmma, and the facts each was added for (triton 3.6.0: NOTES.md / the helper's table) -- the split down
+    GEMM through the split-K reduction, 4 down programs per SM at BM 64 stages 2, 3 split up programs per SM there, and
+    BM 128 split gate / up without the 16 B spill of sw_il_bm128_xb's joint up kernel."""
+    reps = {r.name: r for r in sm90_compile.moe_reports(name, 4096)}
+    for r in reps.values():
+        assert r.spill_stores == 0 and r.spill_loads == 0, (name, r.name, r.ptxas_log[-300:])
+    up, down = reps["_moe_up_kernel_il"], reps["_moe_down_kernel_il"]
+    for r in (up, down):
+        assert r.features["HGMMA(sass)"] > 0 and r.main_loop is not None and r.loop_elems > 0, (name, r.name)
+    if name.endswith("_ksd3"):
+        assert "_moe_down_reduce_sk" in reps and "KS=3" in down.label, (set(reps), down.label)
+    if "_gu" in name:
+        assert "_moe_up_epilogue_sk" in reps and "_x_dequant_kernel" in reps, set(reps)
+    if "bm64" in name and name.endswith("_s2"):
+        assert _blocks_per_sm(down) >= 4, (down.regs, down.smem)
+    if name == "sw_il_bm64_gu_xb_s2":
+        assert _blocks_per_sm(up) >= 3, (up.regs, up.smem)

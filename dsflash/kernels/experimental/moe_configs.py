@@ -121,4 +121,27 @@ CONFIGS = {
                                prefetch=False, act="bf16rt"),
     "sw_il_bm128_xb": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                 prefetch=False, act="bf16rt"),
+    # Prefill candidates at 1024-16384 tokens (2026-12-06, helper session; sm_90 compile + interpreter only, NOT RUN ON
+    # A GPU; the compile table and the predictions are in NOTES.md). No BM 256 config is here: every BM 256 variant
+    # spills with the il kernels as written (the x / h tile's even / odd split goes through registers: 128 a thread
+    # at BM 256, on top of a 128-register accumulator), in the down kernel too, at any stage count or split.
+    # * _ksd3: the down GEMM split 3 ways along I (fp32 partials + the split-K reduction, as the decode configs do;
+    #   outputs bit-identical to the il / swap_eo kernels at the same split, not to KS_DOWN 1's summation order).
+    #   The down launch's grid runs tiles fastest, so each of its d / 64 = 80 column sweeps re-reads all of h (113 MB
+    #   at 4096 tokens, > the 50 MB L2): ~9 GB from DRAM, about the down kernel's measured 3.56 ms at 2.5 TB/s. A
+    #   768-wide K chunk of h is 38 MB at 4096 tokens and can stay in L2 across the sweeps (not at 16384: 151 MB).
+    #   On sw_il_bm128 (what IL_BANDS picks above 128 slots per expert; its up kernel is spill-free, the _xb one is not).
+    "sw_il_bm128_ksd3": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                  prefetch=False, KS_UP=1, KS_DOWN=3),
+    # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per
+    #   SM instead of 2 (the up kernel stays at 2: 208 registers); same math as sw_il_bm64_xb (stages only pipeline)
+    "sw_il_bm64_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
+                                  prefetch=False, act="bf16rt"),
+    # * split_gate_up at prefill tiles: BM 128 is the spill-free twin of sw_il_bm128_xb (213 registers, 2 programs per
+    #   SM as before); BM 64 stages 2 puts 3 up programs (143 registers) and 4 down programs on an SM. Both pay the
+    #   fp32 partials' round trip (S x 2I x 4 B each way) and read x twice as often (72 column sweeps instead of 36).
+    "sw_il_bm128_gu_xb": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                   prefetch=False, split_gate_up=True, act="bf16rt"),
+    "sw_il_bm64_gu_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
+                                     prefetch=False, split_gate_up=True, act="bf16rt"),
 }
