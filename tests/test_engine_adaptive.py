@@ -1,6 +1,7 @@
 """Adaptive speculation (dsflash/serve/engine/adaptive.py): the draft-length decision on synthetic costs and
-acceptance, and the real engine on the toy backend: a request whose drafts never verify stops drafting, greedy
-output stays plain decoding's, and switching between the compiled programs compiles nothing."""
+acceptance (plain where drafting would displace prefill: ``Scheduler.prefill_room``), and the real engine on the toy
+backend: a request whose drafts never verify stops drafting, greedy output stays plain decoding's, and switching
+between the compiled programs compiles nothing."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine.adaptive import (SpeculationPolicy, choose_draft_length, expected_extra_rows,
                                           expected_tokens)
+from dsflash.serve.engine.scheduler import DECODE, PREFILL, Scheduler, Sequence
 from dsflash.serve.engine.testing import ToyBackend
 from dsflash.serve.types import SamplingParams
 
@@ -141,6 +143,52 @@ def test_a_due_probe_waits_while_prompts_wait_for_prefill():
         assert calls == want, prefilling
 
 
+def _drafting_pays(block=5, **kw):
+    """A policy whose measured costs favour drafting at good acceptance (1.2x a plain iteration)."""
+    pol = SpeculationPolicy(block, "adaptive", probe_calls=1, cold_calls=0, remeasure_plain_every=10**6, **kw)
+    pol.costs[block].observe(1.2, 1)
+    pol.costs[0].observe(1.0, 1)
+    return pol
+
+
+def test_drafting_that_would_displace_prefill_runs_plain():
+    """Where drafting would take tokens from the step's prefill (the budget binds), the call is plain whatever the
+    costs say; where the budget has room for both, prompts waiting change nothing. "always" still drafts."""
+    pol = _drafting_pays()
+    a = _measured(_Seq("a"), 2.0)
+    assert pol.choose([a]) == 5 and pol.choose([a], prefilling=True) == 5
+    assert pol.choose([a], prefilling=True, displaces_prefill=80) == 0
+    assert pol.draft_len == 0 and pol.calls_plain_for_prefill == 1
+    pol.observe(0, 1.0, 1, [])                      # observed as a plain call
+    assert pol.choose([a], prefilling=True) == 5
+    assert pol.metrics()["spec_calls_plain_for_prefill"] == 1
+    assert SpeculationPolicy(5, "always").choose([a], prefilling=True, displaces_prefill=80) == 5
+    assert SpeculationPolicy(5, "off").choose([a], prefilling=True, displaces_prefill=80) == 0
+
+
+def test_a_due_probe_is_not_consumed_by_a_call_that_would_displace_prefill():
+    """Drafts that never verify: the engine-wide reprobe comes due; calls whose drafting would displace prefill run
+    plain and leave it due (no back-off either), and the first call without that conflict probes. A displaced call
+    right after the probe does not judge it either: the next free call does (back-off 1 -> 2)."""
+    pol = SpeculationPolicy(3, "adaptive", probe_calls=1, cold_calls=0, reprobe_every=3, remeasure_every=10**6)
+    pol.costs[3].observe(1.3, 1)
+    pol.costs[0].observe(1.0, 1)
+    pol.engine_acc, pol.engine_n = 0.0, 1e6
+    for i in range(3):
+        assert pol.choose([_Seq(str(i))]) == 0
+        pol.observe(0, 1.0, 1, [])
+    for i in range(10):                              # due (3 calls without a draft) but displaced: plain
+        assert pol.choose([_Seq(f"d{i}")], prefilling=True, displaces_prefill=12) == 0
+        pol.observe(0, 1.0, 1, [])
+    assert pol.backoff == 1 and not pol._probed and pol.calls_plain_for_prefill == 10
+    s = _Seq("p")
+    assert pol.choose([s], prefilling=True) == 3     # the probe, at the first step that leaves the prefill alone
+    pol.observe(3, 1.3, 1, [(s, 1, 0)])
+    assert pol.choose([s], prefilling=True, displaces_prefill=12) == 0 and pol.backoff == 1
+    pol.observe(0, 1.0, 1, [])
+    assert pol.choose([s]) == 0 and pol.backoff == 2     # the probe found nothing: backed off once
+
+
 def test_drafting_cost_follows_the_plain_cost_as_a_ratio():
     """The drafting cost is its measured ratio to the plain cost around it: when the machine's load doubles the plain
     cost later, drafting is not left looking cheap at its old absolute cost."""
@@ -223,6 +271,72 @@ def test_always_and_off_never_adapt():
     assert off.lengths == (0,) and off.choose([_Seq("a")]) == 0
     with pytest.raises(ValueError, match="speculative_mode"):
         SpeculationPolicy(5, "sometimes")
+
+
+# ------------------------------------------------------------------ Scheduler.prefill_room (the rule's input)
+def _scheduler(B, decode_rows, waiting=(48,), *, dp=1, cap=None, buckets=((1, 128), (4, 32)), slots=64,
+               busy_slots=0, waiting_rank=None):
+    """A scheduler with ``decode_rows`` sequences decoding (per rank: a list) and waiting prompts of the given
+    lengths; ``busy_slots`` of each rank's slots taken."""
+    sch = Scheduler(num_slots=slots, num_pages=512, page_size=16, pages_per_seq=16, dp=dp, block=5, decode_steps=4,
+                    max_num_batched_tokens=B, prefix_caching=False, prefix_replay="bounded", replay_window=16,
+                    replay_exact=64, prefill_buckets=list(buckets), mirror=None, draft_sampling=False, metrics=None,
+                    mixed_prefill_tokens=cap)
+    sp = SamplingParams(max_tokens=64)
+    per_rank = decode_rows if isinstance(decode_rows, (list, tuple)) else [decode_rows] + [0] * (dp - 1)
+    for r, n in enumerate(per_rank):
+        for i in range(n):
+            s = Sequence(f"d{r}-{i}", 0, None, [2] * 48, sp, 0.0, 0, [])
+            s.status, s.out_ids, s.rank = DECODE, [3], r
+            sch.running.append(s)
+    for pool in sch.rank_slots:
+        for _ in range(busy_slots):
+            pool.allocate()
+    for i, n in enumerate(waiting):
+        sch.add(f"w{i}", [Sequence(f"w{i}", 0, None, [2] * n, sp, 0.0, 0, [])], waiting_rank)
+    return sch
+
+
+def test_drafting_shrinks_the_prefill_only_where_the_budget_binds():
+    # the H100 bench's batch 32 (block 5, B = 128): drafting leaves 16 tokens of the 48-token prompt, plain all 48
+    sch = _scheduler(128, 32)
+    assert sch.prefill_room(6) == 16 and sch.prefill_room(1) == 48
+    # a large budget has room for the prompt either way
+    big = _scheduler(4096, 32)
+    assert big.prefill_room(6) == big.prefill_room(1) == 48
+    # nothing pending, or no slot to admit the waiting prompt into: nothing to displace
+    assert _scheduler(128, 32, waiting=()).prefill_room(6) == 0
+    full = _scheduler(128, 32, slots=32, busy_slots=32)
+    assert full.prefill_room(6) == full.prefill_room(1) == 0
+
+
+def test_prefill_room_packs_the_pending_prompts_as_the_scheduler_does():
+    """A running prompt's remaining 30 tokens, then waiting prompts, packed into the buckets: (4, 32) takes at most 32
+    tokens of a prompt, so with 4 decode rows drafting (budget 104) leaves as much as plain (124); only a budget
+    below what the buckets can take (K1 = 20: 48) shrinks the prefill."""
+    sch = _scheduler(128, 4, waiting=(100, 100, 100))
+    pre = sch.waiting.popleft()
+    pre.status, pre.computed = PREFILL, 70
+    sch.running.append(pre)
+    assert sch.prefill_room(1) == sch.prefill_room(6) == 30 + 32 + 32
+    assert sch.prefill_room(20) == 48
+
+
+@pytest.mark.parametrize("cap, drafting, plain", [(16, 16, 16), (64, 16, 48)])
+def test_the_mixed_prefill_cap(cap, drafting, plain):
+    """``max_mixed_prefill_tokens``: a cap below both budgets binds either way (drafting displaces nothing); one
+    between them does not save the prefill from drafting."""
+    sch = _scheduler(128, 32, cap=cap, buckets=((1, 128), (4, 32), (1, cap)))
+    assert (sch.prefill_room(6), sch.prefill_room(1)) == (drafting, plain)
+
+
+def test_each_dp_rank_has_its_own_budget():
+    """Rank 0's decode rows shrink rank 0's prefill budget only: a prompt waiting on rank 1 is not displaced."""
+    kw = dict(dp=2, buckets=((2, 128), (8, 32)))
+    other = _scheduler(128, [32, 0], waiting_rank=1, **kw)
+    assert other.prefill_room(6) == other.prefill_room(1) == 48
+    same = _scheduler(128, [32, 0], waiting_rank=0, **kw)
+    assert same.prefill_room(6) == 16 and same.prefill_room(1) == 48
 
 
 # ------------------------------------------------------------------ the engine

@@ -1,11 +1,12 @@
 """Adaptive speculation on the real tiny model: switching between the drafting and the plain program (lazy draft
 context: the plain one skips the draft's context update, drafting catches it up) keeps greedy output plain
-decoding's at fp32 and compiles nothing after warm-up."""
+decoding's at fp32 and compiles nothing after warm-up; no decode call drafts where that would displace prefill."""
 import pytest
 
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine.adaptive import SpeculationPolicy
 from dsflash.serve.engine.backend import ModelBackend
+from dsflash.serve.engine.scheduler import DECODE
 from dsflash.serve.types import SamplingParams
 from test_engine_model import prompts
 from test_engine_scheduler import run_all
@@ -30,13 +31,19 @@ def flip(eng, period):
     pol._decide = lambda accepted: eng.k if next(calls) % period == 0 else 0
 
 
-@pytest.mark.slow
-def test_fp32_switching_with_lazy_draft_context_equals_plain(model):
+@pytest.fixture(scope="module")
+def fp32(model):
+    """(plain engine, adaptive engine) on the tiny model at fp32, compiled once for this module's tests."""
     be = ModelBackend(model, precision="fp32")
+    return LLMEngine(be, speculative_mode="off", **OPTS), LLMEngine(be, **OPTS)
+
+
+@pytest.mark.slow
+def test_fp32_switching_with_lazy_draft_context_equals_plain(fp32):
+    plain, eng = fp32
     items = [(f"a{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
              for i, p in enumerate(prompts(6, seed=3, lo=3, hi=50))]
-    want = run_all(LLMEngine(be, speculative_mode="off", **OPTS), items)
-    eng = LLMEngine(be, **OPTS)
+    want = run_all(plain, items)
     assert eng.runner.lazy_ctx and eng.runner.draft_lengths == (0, eng.k)
     flip(eng, 3)
     got = run_all(eng, items)
@@ -44,6 +51,49 @@ def test_fp32_switching_with_lazy_draft_context_equals_plain(model):
         assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
     m = eng.metrics_snapshot()
     assert m["spec_num_drafts"] > 0 and 0.2 < m["spec_drafted_call_fraction"] < 0.5
+    assert m["compiles_after_warmup"] == 0
+
+
+def _trace_schedule(eng):
+    """Per step: (decode rows before it, drafting would shrink its prefill, its decode call's draft length or None,
+    its prefill tokens, ``prefill_room`` at its tokens per decode iteration)."""
+    sch, trace, schedule = eng.scheduler, [], eng.scheduler.schedule
+
+    def traced():
+        rows = any(s.status == DECODE for s in sch.running)
+        room = {K1: sch.prefill_room(K1) for K1 in (1, eng.k + 1)}
+        plan = schedule()
+        n = sum(n for _, n in plan.prefill[1]) if plan.prefill else 0
+        trace.append((rows, room[eng.k + 1] < room[1], plan.K1 - 1 if plan.decode else None, n, room[plan.K1]))
+        return plan
+    sch.schedule = traced
+    return trace
+
+
+@pytest.mark.slow
+def test_no_decode_call_drafts_where_it_would_displace_prefill(fp32):
+    """Issue 23: 8 requests, 4 slots, a 64-token budget; prompts of 50-80 tokens are prefilled while others decode,
+    and in such a step drafting (block 3: 4 budget tokens a row) would take tokens from the prefill where the budget
+    binds. The cost model is forced to favour drafting: every decode call over running rows then drafts except
+    those, and greedy output is plain decoding's (fp32, sequential verify)."""
+    plain, eng = fp32
+    items = [(f"p{i}", [5 + (7 * i + j) % 400 for j in range(50 + 4 * i)],
+              SamplingParams(max_tokens=6 + 3 * (i % 3), temperature=0.0, ignore_eos=True)) for i in range(8)]
+    want = run_all(plain, items)
+    eng.speculation = pol = SpeculationPolicy(eng.k, "adaptive")
+    pol._decide = lambda accepted: eng.k                 # the costs say: draft
+    trace = _trace_schedule(eng)
+    got = run_all(eng, items)
+    for rid in want:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    calls = [(displaced, d) for rows, displaced, d, _, _ in trace if rows and d is not None]
+    assert all(d == 0 for displaced, d in calls if displaced), trace
+    assert all(d == eng.k for displaced, d in calls if not displaced), trace
+    assert sum(displaced for displaced, _ in calls) >= 2 and sum(d == eng.k for _, d in calls) >= 2, trace
+    # the room is what the step prefilled (an upper bound in general: here no prefix cache, pages enough)
+    assert all(n == room for *_, n, room in trace), trace
+    m = eng.metrics_snapshot()
+    assert m["spec_calls_plain_for_prefill"] == sum(displaced for displaced, _ in calls) > 0
     assert m["compiles_after_warmup"] == 0
 
 

@@ -337,7 +337,9 @@ class LLMEngine:
         # tokens per decode iteration (a plain call leaves more of the budget to prefill)
         decoding = [s for s in self.running if s.status == DECODE]
         prefilling = bool(self.waiting) or len(decoding) < len(self.running)
-        self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling) + 1
+        # ... and plain where drafting would take tokens from this step's prefill (the budget binds)
+        displaced = self._displaced_prefill(decoding, prefilling)
+        self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced) + 1
         plan = self.scheduler.schedule()
         rec = None
         early: list = []          # prefill results already processed (handed out before the decode call)
@@ -387,6 +389,15 @@ class LLMEngine:
         self._compiles_in_steps += R.compile_count() - c0
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
+
+    def _displaced_prefill(self, decoding, prefilling) -> int:
+        """Prompt tokens a drafting decode call would take from this step's prefill (0 where the budget has room
+        for both, or the mixed-step cap binds either way): the adaptive policy then runs plain (adaptive.py)."""
+        pol = self.speculation
+        if pol.mode != "adaptive" or not decoding or not prefilling:
+            return 0
+        room = self.scheduler.prefill_room
+        return max(0, room(1) - room(pol.block + 1))
 
     def _observe_speculation(self, plan, dc):
         """The decode call's cost and each sequence's verifications / accepted drafts, for the next choice."""

@@ -417,7 +417,7 @@ class Scheduler:
         ``[D * Rb, T]`` with rank r's chunks in rows ``[r*Rb, r*Rb + n_r)`` (the rest are dummy rows). The
         decode call's rows are the slots, which already lie in their rank's range.
         Returns ``((bucket, chunks, rows) or None, decode)``."""
-        D, K1, B = self.dp, self.K1, self.max_num_batched_tokens
+        D, K1 = self.dp, self.K1
         dec_rows = [0] * D
         for s, _ in decode:
             dec_rows[s.rank] += 1
@@ -426,12 +426,7 @@ class Scheduler:
             pre[s.rank].append(s)
         best, best_key = None, None
         if any(pre):
-            budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
-            buckets, cap = self.prefill_buckets, self.mixed_prefill_tokens
-            if cap is not None and any(dec_rows):
-                # decode rows wait for the prefill: a smaller chunk in a smaller program (where one is compiled)
-                budgets = [min(b, cap) for b in budgets]
-                buckets = [b for b in buckets if b[0] // D * b[1] <= cap] or buckets
+            budgets, buckets = self._prefill_budgets(dec_rows, K1)
             align = self.page_size if self.exact else 0
             for bucket in buckets:
                 Rb, T = bucket[0] // D, bucket[1]
@@ -451,6 +446,58 @@ class Scheduler:
         if not keep:
             return None, decode
         return (bucket, [c for c, _ in keep], [row for _, row in keep]), decode
+
+    def _prefill_budgets(self, dec_rows, K1):
+        """Per-rank prefill token budgets and the candidate buckets of a step with ``dec_rows`` decode rows per rank
+        at ``K1`` tokens per decode iteration (``_plan_prefill``; ``prefill_room`` asks the same question)."""
+        D, B = self.dp, self.max_num_batched_tokens
+        budgets = [max(B - dec_rows[r] * K1, min(B, 16)) for r in range(D)]
+        buckets, cap = self.prefill_buckets, self.mixed_prefill_tokens
+        if cap is not None and any(dec_rows):
+            # decode rows wait for the prefill: a smaller chunk in a smaller program (where one is compiled)
+            budgets = [min(b, cap) for b in budgets]
+            buckets = [b for b in buckets if b[0] // D * b[1] <= cap] or buckets
+        return budgets, buckets
+
+    def prefill_room(self, K1: int) -> int:
+        """Prompt tokens the next ``schedule`` could prefill if its decode iterations took ``K1`` tokens each (the
+        adaptive policy's question: does drafting, ``K1 = block + 1``, leave less prefill than plain, ``K1 = 1``?).
+        ``_plan_prefill``'s packing on token counts: per DP rank its budget (``_prefill_budgets``: decode rows, the
+        mixed-step cap) over its pending prompts in admission order, at most a bucket's rows and tokens per row,
+        the best bucket. Pending: running prompts' remaining tokens, then, FCFS, whole prompts of as many waiting
+        sequences as the rank has free slots. It errs high (a prefix-cache hit or a page shortage admits less, exact
+        prefix caching cuts chunks at block boundaries; only a preemption by decode growth frees budget instead),
+        i.e. toward "drafting displaces prefill" and plain decoding."""
+        D = self.dp
+        rows, pending = [0] * D, [[] for _ in range(D)]
+        for s in self.running:                     # those that get a decode row (``schedule``'s step 1)
+            if s.status == DECODE and s.params.max_tokens - len(s.out_ids) - s.pending_lb > 0 \
+                    and not (s.guide is not None and s.pending):
+                rows[s.rank] += 1
+        for s in sorted([s for s in self.running if s.status == PREFILL], key=lambda v: v.order):
+            pending[s.rank].append(len(s.all_ids) - s.computed)
+        budgets, buckets = self._prefill_budgets(rows, K1)
+        most = max(b[0] // D for b in buckets)     # prompts a rank can pack in one step
+        free = [min(p.num_free, most - len(q)) for p, q in zip(self.rank_slots, pending)]
+        for s in self.waiting:
+            if max(free) <= 0:
+                break
+            if free[s.rank] > 0:
+                pending[s.rank].append(len(s.all_ids) - s.computed)
+                free[s.rank] -= 1
+        return max(sum(self._packed(pending[r][:b[0] // D], b[1], budgets[r]) for r in range(D)) for b in buckets)
+
+    @staticmethod
+    def _packed(lengths, T, budget) -> int:
+        """Tokens ``_pack`` gives prompts with ``lengths`` tokens left (in order): at most ``T`` each, ``budget``
+        in all."""
+        total = 0
+        for n in lengths:
+            n = min(n, T, budget - total)
+            if n <= 0:
+                break
+            total += n
+        return total
 
     @staticmethod
     def _pack(seqs, T, budget, align=0, tail=0):
