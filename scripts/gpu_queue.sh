@@ -9,19 +9,21 @@
 #   run(command="bash scripts/gpu_queue.sh step_mhc", carry=[".whl"])      # session-13 queue item 1, ~6 min
 #   run(command="bash scripts/gpu_queue.sh moe_gu", carry=[".whl"])        # session-13 queue item 3, ~7 min
 #   run(command="bash scripts/gpu_queue.sh ffi", carry=[".whl"])           # Triton FFI form vs legacy, ~5 min
-#   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop, FFI + WHILE, ~7 min
+#   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop: legacy, FFI, FFI + WHILE, ~5 min
 #   run(command="bash scripts/gpu_queue.sh paged", carry=[".whl"])         # paged sparse attention: test + step, ~6 min
 #   run(command="bash scripts/gpu_queue.sh moe_prefill", carry=[".whl"])   # il prefill tile candidates + ncu DRAM bytes, ~7 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
 # draft: `bench engine --model demo` with the retrained draft, documentation then chat prompts, spec / adaptive /
-#   plain at 1, 8, 32 sequences. Files: eng_text.json, eng_chat.json and their logs.
+#   plain at 1, 8, 32 sequences (DRAFT_SETS, DRAFT_BATCHES, DRAFT_TIMEOUT per set: default "text chat", 1,8,32, 280 s).
+#   Files: eng_text.json, eng_chat.json and their logs.
 # moe_decode: il decode configs (MOE_CONFIGS, comma-separated) at 1 / 32 / 64 x 6 rows, and Nsight Compute's stall
 #   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_*.log, ncu_summary.txt.
-# moe_prefill: il prefill tiles at 1024 / 4096 / 16384 tokens -- the three the serving bands use and the 2026-12-06
-#   candidates (experimental/moe_configs.py; PREFILL_CONFIGS overrides the list) -- then Nsight Compute's DRAM bytes
-#   and L2 hit rate of sw_il_bm128's and sw_il_bm128_ksd3's kernels at 4096 tokens (NCU_MOE=0 skips them). Files:
+# moe_prefill: il prefill tiles at 1024 / 4096 / 16384 tokens -- the three the serving bands use, the same with the
+#   column blocks launched fastest (_nf) and the 2026-12-06 candidates (experimental/moe_configs.py; PREFILL_CONFIGS
+#   overrides the list, e.g. adding sw_il_bm128_gu_xb,sw_il_bm64_gu_xb_s2) -- then Nsight Compute's DRAM bytes and
+#   L2 hit rate of sw_il_bm128's and sw_il_bm128_nf's kernels at 4096 tokens (NCU_MOE=0 skips them). Files:
 #   kernels_*.json, bench_moe_prefill.log, ncu_moe_prefill_*.log.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
@@ -70,9 +72,9 @@ case $PART in
     steps overhead 240 --buckets default --decode-steps 4 --call-overhead 8 --lone 1
     ;;
   draft)
-    for set in text chat; do
-      timeout 280 python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens 64 \
-        --batches 1,8,32 --passes 3 --modes spec,adaptive,plain --json "$OUT/eng_$set.json" \
+    for set in ${DRAFT_SETS:-text chat}; do    # session 16: text's batches 8 and 32 did not fit 280 s after batch 1
+      timeout "${DRAFT_TIMEOUT:-280}" python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 \
+        --max-tokens 64 --batches "${DRAFT_BATCHES:-1,8,32}" --passes 3 --modes spec,adaptive,plain --json "$OUT/eng_$set.json" \
         --compilation-cache-dir /tmp/cc > "$OUT/eng_$set.log" 2>&1
       echo "== bench engine $set (rc $?)"; tail -15 "$OUT/eng_$set.log"
     done
@@ -97,6 +99,7 @@ case $PART in
                 # WHILE / CONDITIONAL command buffers (the loop as one graph, predicate on the device)
     LA="--buckets 1x256 --prompt-len 256 --budget 256 --lone 1 --steps 4 --decode-steps 4 --call-overhead 6 --trace 2"
     STEPS_ARGS="$LA --triton-launch legacy" steps loop_legacy 230
+    STEPS_ARGS="$LA --triton-launch ffi" steps loop_ffi 230    # session 16: the FFI launches alone (XLA's default flags)
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
       STEPS_ARGS="$LA --triton-launch ffi" steps loop_ffi_while 230
     grep -h "call overhead\|decode program" "$OUT"/steps_loop_*.log      # "graphs (trace)": kernels replayed from graphs
@@ -113,15 +116,15 @@ case $PART in
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
     MOE_CONFIGS=sw_il,sw_il_gu,sw_il_gu_xb,sw_il_bm32,sw_il_bm32_gu moe_bench sw_il_gu 3   # up, epilogue, down
     ;;
-  moe_prefill)  # helper 2026-12-06: wide il prefill candidates against the serving bands' tiles (predictions: NOTES),
-                # then the DRAM bytes behind the hypothesis that the down kernel re-reads h from DRAM in each of its
-                # 80 column sweeps (~9 GB at 4096 tokens; <= 1.5 GB if h stayed in L2; sw_il_bm128_ksd3 keeps it there)
+  moe_prefill)  # session 16: wide il prefill candidates against the serving bands' tiles (predictions: NOTES), then
+                # the DRAM bytes behind the hypothesis that with M tiles launched fastest each column sweep re-reads
+                # all of x / h from DRAM (~9 GB a kernel at 4096 tokens; the _nf order should read ~1-2 GB)
     timeout 330 python3 -m dsflash.bench kernels --ops moe --tokens 1024,4096,16384 --quick --no-torch --out "$OUT" \
-      --prefill-configs ${PREFILL_CONFIGS:-sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb,sw_il_bm128_ksd3,sw_il_bm64_xb_s2,sw_il_bm128_gu_xb,sw_il_bm64_gu_xb_s2} \
+      --prefill-configs ${PREFILL_CONFIGS:-sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb,sw_il_bm64_xb_nf,sw_il_bm128_nf,sw_il_bm128_xb_nf,sw_il_bm128_ksd3,sw_il_bm64_xb_s2} \
       > "$OUT/bench_moe_prefill.log" 2>&1
     echo "== bench kernels moe prefill (rc $?)"; grep -v '^{' "$OUT/bench_moe_prefill.log" | tail -14
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ "${NCU_MOE:-1}" != 0 ] && [ -n "$NCU" ] && for cn in sw_il_bm128:2 sw_il_bm128_ksd3:3; do   # config:launches a call
+    [ "${NCU_MOE:-1}" != 0 ] && [ -n "$NCU" ] && for cn in sw_il_bm128:2 sw_il_bm128_nf:2; do   # config:launches a call
       c=${cn%:*} n=${cn#*:}     # profile the second call's launches (the first call compiles)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 100 "$NCU" --clock-control none --target-processes all \
         --kernel-name regex:_moe_ --launch-skip "$n" --launch-count "$n" \

@@ -211,3 +211,17 @@ def test_demo_model_moe_with_il_weights_is_bit_identical():
     run = jax.jit(lambda p: moe_block.moe(x, p, prefix, m.cfg, "reference", backend="xla")[0])
     sub = lambda p: {n: a for n, a in p.items() if n.startswith(prefix + ".")}      # noqa: E731
     np.testing.assert_array_equal(np.asarray(run(sub(m.params))), np.asarray(run(sub(il))))
+
+
+def test_n_fast_is_refused_outside_the_il_kernels():
+    """Only the il kernels read their program ids the other way round: a launch order set on another family would be
+    silently ignored by its kernels, so the shape check names it."""
+    import dataclasses
+
+    from dsflash.kernels import moe_gemm_triton as mt
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(jax.random.PRNGKey(5), 5, 2, 4, 256, 128)
+    eo = dataclasses.replace(moe_plan.named_config("sw_eo_np"), n_fast=True)
+    with pytest.raises(ValueError, match="n_fast"):
+        mt._check_shapes(x, idx, w1, s1, w3, s3, w2, s2, eo)
+    il = moe_plan.named_config("sw_il_bm128_nf")
+    mt._check_shapes(x, idx, *L.repack_experts(w1, s1, w3, s3, w2, s2), il)      # accepted on il weights

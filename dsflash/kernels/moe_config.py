@@ -32,6 +32,10 @@ class MoeConfig:
                           # "swap_ps": swapped, raw codes in fp16 MMAs per 32-wide K group, scales applied to
                           # the fp32 partials (FP8 activations only; h as FP8 codes + scales)
     prefetch: bool = True # mma "swap" / "swap_eo": next slab loaded into registers by hand (else Triton's pipeliner)
+    n_fast: bool = False  # mma "swap_il": launch the column blocks fastest (grid (N blocks, M tiles, K splits)), so
+                          # the programs in flight share a few token tiles (x / h read once from DRAM, L2 across the
+                          # column blocks) instead of every tile of one column block (all of x / h streamed again
+                          # for each of the I / 64 or d / 64 column blocks). Same programs, same math: bit-identical
     split_gate_up: bool = False  # mma "swap_il": the gate rows (W1) and the up rows (W3) in separate programs (half
                           # the accumulators and decoded planes each, for more programs per SM); their fp32 sums meet
                           # in the split-K epilogue kernel, which applies SwiGLU exactly as the joint kernel does

@@ -96,8 +96,8 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         _il_kernels().check_config(cfg)
         if d % moe_layout.BK or I % moe_layout.BK:
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
-    elif cfg.split_gate_up:
-        raise ValueError(f"split_gate_up is a variant of mma 'swap_il' only; got mma {cfg.mma!r}")
+    elif cfg.split_gate_up or cfg.n_fast:
+        raise ValueError(f"split_gate_up / n_fast are variants of mma 'swap_il' only; got mma {cfg.mma!r}")
     else:
         dh = w1.shape[2]
         assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
@@ -146,6 +146,12 @@ def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
     return dict(ks_up=ks_up, ks_down=ks_down, mma=mma, hout=hout)
 
 
+def _grid(cfg: MoeConfig, tiles, blocks, splits):
+    """A kind-"sk" launch grid: M tiles fastest (program_id 0), or with ``cfg.n_fast`` the column blocks fastest
+    (the il kernels read their program ids the same way round: ``moe_layout_kernels._tile_il``)."""
+    return (blocks, tiles, splits) if cfg.n_fast else (tiles, blocks, splits)
+
+
 def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8, cfg):
     """Split-K decode launches: up (+ epilogue when split), down (+ reduction when split)."""
     pl = sk_plan(cfg, S, E, d, I, act_fp8)
@@ -173,25 +179,25 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     if ks_up == 1 and not cfg.split_gate_up:    # (split gate / up rows always go through the partials)
         hq, hs = jt.triton_call(
             *up_args, kernel=kern_up, out_shape=h_shapes,
-            grid=(TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            grid=_grid(cfg, TM, I // cfg.BN_UP, 1), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=1, ACT_FP8=int(x_fp8), HOUT=hout, **common, **up_only)
     else:
         part, _ = jt.triton_call(
             *up_args, kernel=kern_up,
             out_shape=(jax.ShapeDtypeStruct((ks_up, S, 2 * I), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)),
-            grid=(TM, up_blocks(cfg, I), ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
+            grid=_grid(cfg, TM, up_blocks(cfg, I), ks_up), num_warps=cfg.warps_up, num_stages=cfg.stages,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common, **up_only)
         hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
     if ks_down == 1:
         o = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
-            grid=(TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            grid=_grid(cfg, TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=1, **common)
     else:
         part = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
-            grid=(TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            grid=_grid(cfg, TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
         o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)
     return o, hq, hs

@@ -121,7 +121,7 @@ CONFIGS = {
                                prefetch=False, act="bf16rt"),
     "sw_il_bm128_xb": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                 prefetch=False, act="bf16rt"),
-    # Prefill candidates at 1024-16384 tokens (2026-12-06, helper session; sm_90 compile + interpreter only, NOT RUN ON
+    # Prefill candidates at 1024-16384 tokens (2026-12-06, session 16; sm_90 compile + interpreter only, NOT RUN ON
     # A GPU; the compile table and the predictions are in NOTES.md). No BM 256 config is here: every BM 256 variant
     # spills with the il kernels as written (the x / h tile's even / odd split goes through registers: 128 a thread
     # at BM 256, on top of a 128-register accumulator), in the down kernel too, at any stage count or split.
@@ -131,6 +131,19 @@ CONFIGS = {
     #   at 4096 tokens, > the 50 MB L2): ~9 GB from DRAM, about the down kernel's measured 3.56 ms at 2.5 TB/s. A
     #   768-wide K chunk of h is 38 MB at 4096 tokens and can stay in L2 across the sweeps (not at 16384: 151 MB).
     #   On sw_il_bm128 (what IL_BANDS picks above 128 slots per expert; its up kernel is spill-free, the _xb one is not).
+    # * _nf: the serving bands' wide tiles with the column blocks launched fastest (n_fast; session 16). With M tiles
+    #   fastest, the ~264 programs in flight are every tile of one column block, so each of the down kernel's
+    #   d / 64 = 80 column sweeps streams all of h (per slot: 113 MB bf16 at 4096 tokens, > the 50 MB L2) from DRAM
+    #   again: ~9 GB, about the down kernel's 3.56 ms at ~2.5 TB/s. (The up kernel's x is per token: 21 MB FP8 / 42
+    #   MB bf16 at 4096 tokens, mostly L2-resident; at 16384 it is not.) With the column blocks fastest the programs in
+    #   flight share ~3-7 token tiles (h / x from L2 after the first read) and each expert's weights are read once per
+    #   token tile at worst (~3 tiles per expert at 4096 tokens: <= 2-4 GB in all, ~1 if an expert's tiles share).
+    "sw_il_bm128_nf": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                prefetch=False, n_fast=True),
+    "sw_il_bm128_xb_nf": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                   prefetch=False, act="bf16rt", n_fast=True),
+    "sw_il_bm64_xb_nf": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                                  prefetch=False, act="bf16rt", n_fast=True),
     "sw_il_bm128_ksd3": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                   prefetch=False, KS_UP=1, KS_DOWN=3),
     # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels import moe_layout
-from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out, _tile
+from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out
 from dsflash.kernels.triton_common import _dot_bf16
 
 # the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
@@ -145,20 +145,40 @@ def _il_x_slab(xq_ptr, xs_ptr, tok, k0, D: tl.constexpr, BM: tl.constexpr, BK: t
 
 
 @triton.jit
+def _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.constexpr, NF: tl.constexpr):
+    """``moe_gemm_kernels._tile`` with the grid's first two axes chosen by NF (config ``n_fast``): 0 = M tile
+    ``program_id(0)``, column block ``program_id(1)``; 1 = the other way round (column blocks launch fastest)."""
+    if NF:
+        t = tl.program_id(1)
+        nb = tl.program_id(0)
+    else:
+        t = tl.program_id(0)
+        nb = tl.program_id(1)
+    e = tl.load(tile_e_ptr + t)
+    r0 = tl.load(tile_s_ptr + t)
+    r1 = tl.load(tile_end_ptr + t)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    offs_n = nb * BN + tl.arange(0, BN)
+    return e, r0, rows, rmask, nb, offs_n
+
+
+@triton.jit
 def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, tile_end_ptr,
                       w1_ptr, s1_ptr, w3_ptr, s3_ptr,
                       h_ptr, hs_ptr,
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr):
+                      ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
+                      NF: tl.constexpr):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
 
-    GU (config ``split_gate_up``): the gate and up rows in separate programs -- column block ``program_id(1)`` <
+    GU (config ``split_gate_up``): the gate and up rows in separate programs -- column block ``nb`` <
     I / BN is a block of W1 (gate), the rest of W3 (up). Such a program keeps one accumulator and decodes one matrix
     (about half the registers of the joint loop), and writes its fp32 sums to the gate or up half of the partials
     [KS, S, 2, I] (``h_ptr``) that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same order and the same
     SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split."""
-    e, _, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    e, _, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF)
     if e < 0:
         return
     if GU:
@@ -203,9 +223,9 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         o_ptr,
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                        DECODE: tl.constexpr):
+                        DECODE: tl.constexpr, NF: tl.constexpr):
     """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2."""
-    e, r0, rows, rmask, nb, offs_n = _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN)
+    e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF)
     if e < 0:
         return
     rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
@@ -267,7 +287,8 @@ def il_kernels(cfg, *, d, I, dec):
     """(up kernel, down kernel, common constexprs) for ``moe_gemm_triton._launch_sk``; with ``split_gate_up`` the up
     kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
-    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec)
+    return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec,
+                                                        NF=int(cfg.n_fast))
 
 
 def il_up_constexprs(cfg):
