@@ -166,6 +166,26 @@ def test_drafting_that_would_displace_prefill_runs_plain():
     assert SpeculationPolicy(5, "off").choose([a], prefilling=True, displaces_prefill=80) == 0
 
 
+def test_prefill_first_switches_log_at_debug_and_cost_switches_at_info(caplog):
+    """Under load the prefill-first rule can flip the draft length step by step: those switches (and the switch back
+    right after one) log at debug, a switch the costs decide still at info."""
+    import logging
+    pol = _drafting_pays()
+    a = _measured(_Seq("a"), 2.0)
+    with caplog.at_level(logging.DEBUG, logger="dsflash.serve.engine"):
+        assert pol.choose([a]) == 5
+        for _ in range(3):
+            assert pol.choose([a], prefilling=True, displaces_prefill=40) == 0
+            assert pol.choose([a], prefilling=True) == 5
+    switches = [r.levelno for r in caplog.records if "draft length" in r.getMessage()]
+    assert switches == [logging.INFO] + [logging.DEBUG] * 6, [(r.levelname, r.getMessage()) for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="dsflash.serve.engine"):
+        pol.costs[5].ratio = 10.0              # drafting now costs 10 plain iterations: the costs switch to plain
+        assert pol.choose([a]) == 0
+    assert [r.levelno for r in caplog.records if "draft length" in r.getMessage()] == [logging.INFO]
+
+
 def test_a_due_probe_is_not_consumed_by_a_call_that_would_displace_prefill():
     """Drafts that never verify: the engine-wide reprobe comes due; calls whose drafting would displace prefill run
     plain and leave it due (no back-off either), and the first call without that conflict probes. A displaced call

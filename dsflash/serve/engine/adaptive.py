@@ -198,6 +198,7 @@ class SpeculationPolicy:
         self._reprobing = self._probed = False
         self._wait = 1                     # 2 while prompts wait for prefill (choose)
         self.calls_plain_for_prefill = 0   # calls run plain because drafting would have shrunk the step's prefill
+        self._plain_for_prefill_last = False    # the last switch to 0 was that rule's (its switch back logs at debug)
 
     @property
     def engine_mean(self) -> float:
@@ -254,10 +255,12 @@ class SpeculationPolicy:
         d = self._decide(accepted)
         if d != self.draft_len:
             c = {k: (None if v is None else round(1e3 * v, 2)) for k, v in self.current_costs(accepted).items()}
-            log.info("speculation: draft length %d -> %d (ms per iteration by draft length %s, %d rows, "
-                     "expected accepted drafts per verification %.2f)", self.draft_len, d, c, len(seqs),
-                     sum(accepted) / max(1, len(seqs)))
+            log.log(logging.DEBUG if self._plain_for_prefill_last else logging.INFO,
+                    "speculation: draft length %d -> %d (ms per iteration by draft length %s, %d rows, "
+                    "expected accepted drafts per verification %.2f)", self.draft_len, d, c, len(seqs),
+                    sum(accepted) / max(1, len(seqs)))
             self.draft_len = d
+            self._plain_for_prefill_last = False
         return d
 
     def _plain_for_prefill(self, displaced: int) -> int:
@@ -269,10 +272,11 @@ class SpeculationPolicy:
         ``_decide`` on purpose: the back-off and a pending probe are left as they are (a probe waits for a step
         without prefill to displace), and the call is observed as any plain one."""
         self.calls_plain_for_prefill += 1
-        if self.draft_len:
-            log.info("speculation: draft length %d -> 0 (prefill waiting: drafting would take %d tokens from this "
-                     "step's prefill)", self.draft_len, displaced)
+        if self.draft_len:      # debug, as the switch back: under load this can alternate step by step (the metric
+            log.debug("speculation: draft length %d -> 0 (prefill waiting: drafting would take %d tokens from this "
+                      "step's prefill)", self.draft_len, displaced)      # spec_calls_plain_for_prefill counts it)
             self.draft_len = 0
+            self._plain_for_prefill_last = True
         return 0
 
     def _decide(self, accepted: list) -> int:
