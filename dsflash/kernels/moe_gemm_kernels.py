@@ -150,8 +150,12 @@ def _tile(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.constex
     """This program's M-tile (``program_id(0)``) and N block (``program_id(1)``): the tile's expert e (-1 on a spare
     tile: the kernel returns at once; the tile tables have an entry for every tile, so the other loads are harmless),
     its first sorted row r0, rows r0 + [0, BM) masked to the end of the expert's run, nb and the N columns offs_n."""
-    t = tl.program_id(0)
-    nb = tl.program_id(1)
+    return _tile_at(tile_e_ptr, tile_s_ptr, tile_end_ptr, tl.program_id(0), tl.program_id(1), BM, BN)
+
+
+@triton.jit
+def _tile_at(tile_e_ptr, tile_s_ptr, tile_end_ptr, t, nb, BM: tl.constexpr, BN: tl.constexpr):
+    """``_tile`` for M-tile ``t`` and N block ``nb`` (the il kernels choose which program id names which)."""
     e = tl.load(tile_e_ptr + t)
     r0 = tl.load(tile_s_ptr + t)
     r1 = tl.load(tile_end_ptr + t)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels import moe_layout
-from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out
+from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out, _tile_at
 from dsflash.kernels.triton_common import _dot_bf16
 
 # the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
@@ -154,13 +154,7 @@ def _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.cons
     else:
         t = tl.program_id(0)
         nb = tl.program_id(1)
-    e = tl.load(tile_e_ptr + t)
-    r0 = tl.load(tile_s_ptr + t)
-    r1 = tl.load(tile_end_ptr + t)
-    rows = r0 + tl.arange(0, BM)
-    rmask = rows < r1
-    offs_n = nb * BN + tl.arange(0, BN)
-    return e, r0, rows, rmask, nb, offs_n
+    return _tile_at(tile_e_ptr, tile_s_ptr, tile_end_ptr, t, nb, BM, BN)
 
 
 @triton.jit
