@@ -225,3 +225,7 @@ def test_n_fast_is_refused_outside_the_il_kernels():
         mt._check_shapes(x, idx, w1, s1, w3, s3, w2, s2, eo)
     il = moe_plan.named_config("sw_il_bm128_nf")
     mt._check_shapes(x, idx, *L.repack_experts(w1, s1, w3, s3, w2, s2), il)      # accepted on il weights
+    assert mt._grid(il, 288, 80, 1) == (80, 288, 1)
+    with pytest.raises(ValueError, match="65535"):                              # CUDA's grid y limit
+        mt._grid(il, 70_000, 80, 1)
+    assert mt._grid(moe_plan.named_config("sw_il_bm128"), 70_000, 80, 1) == (70_000, 80, 1)

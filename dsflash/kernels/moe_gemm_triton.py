@@ -149,6 +149,9 @@ def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
 def _grid(cfg: MoeConfig, tiles, blocks, splits):
     """A kind-"sk" launch grid: M tiles fastest (program_id 0), or with ``cfg.n_fast`` the column blocks fastest
     (the il kernels read their program ids the same way round: ``moe_layout_kernels._tile_il``)."""
+    if cfg.n_fast and tiles > 65535:            # CUDA's grid y limit (x takes 2**31 - 1)
+        raise ValueError(f"n_fast puts the M tiles on the grid's y axis (at most 65535); got {tiles} tiles: "
+                         f"use a wider tile (BM) or a config without n_fast")
     return (blocks, tiles, splits) if cfg.n_fast else (tiles, blocks, splits)
 
 
