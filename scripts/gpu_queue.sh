@@ -95,8 +95,8 @@ case $PART in
       --variants moeil_ffi,moeil_legacy --profile-no-cb --no-profile --no-ceilings --out "$OUT" > "$OUT/step_ffi.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_ffi.log" | grep -E "^==|command buffers|^mhc|^routed|kernel-busy|^decode" | head -30
     ;;
-  loop_ab)      # session 15: the engine's decode loop, legacy launches + default command buffers against FFI launches +
-                # WHILE / CONDITIONAL command buffers (the loop as one graph, predicate on the device)
+  loop_ab)      # sessions 15-16: the engine's decode loop with legacy launches, FFI launches (both with XLA's default
+                # command buffers), and FFI launches + WHILE / CONDITIONAL command buffers (the loop as one graph)
     LA="--buckets 1x256 --prompt-len 256 --budget 256 --lone 1 --steps 4 --decode-steps 4 --call-overhead 6 --trace 2"
     STEPS_ARGS="$LA --triton-launch legacy" steps loop_legacy 230
     STEPS_ARGS="$LA --triton-launch ffi" steps loop_ffi 230    # session 16: the FFI launches alone (XLA's default flags)

@@ -320,6 +320,12 @@ class Scheduler:
         s.hashes.extend(new)
 
     # ------------------------------------------------------------------ the step plan
+    @staticmethod
+    def _wants_decode_row(s: Sequence) -> bool:
+        """Whether decoding sequence ``s`` takes a row of the next decode call: not if what is in flight already
+        finishes it, nor (guided) while its next mask waits for the token in flight."""
+        return s.params.max_tokens - len(s.out_ids) - s.pending_lb > 0 and not (s.guide is not None and s.pending)
+
     def schedule(self) -> StepPlan:
         K1, P = self.K1, self.page_size
         # 1. decode growth, oldest first (the youngest is preempted when the pool runs dry)
@@ -327,12 +333,10 @@ class Scheduler:
         for s in sorted([s for s in self.running if s.status == DECODE], key=lambda v: v.order):
             if s.status != DECODE:
                 continue  # preempted while growing an older sequence
+            if not self._wants_decode_row(s):
+                continue
             pos = len(s.all_ids) - 2 + s.pending
             rem = s.params.max_tokens - len(s.out_ids) - s.pending_lb
-            if rem <= 0:
-                continue                          # finishes with what is in flight
-            if s.guide is not None and s.pending:
-                continue                          # guided: the next mask needs the token in flight
             h = 1 if s.guide is not None else min(self.decode_steps, rem)   # guided: one token per call
             if not self._grow(s, pos + 1 + h * K1):
                 if not self._grow(s, pos + 1 + K1):
@@ -471,8 +475,7 @@ class Scheduler:
         D = self.dp
         rows, pending = [0] * D, [[] for _ in range(D)]
         for s in self.running:                     # those that get a decode row (``schedule``'s step 1)
-            if s.status == DECODE and s.params.max_tokens - len(s.out_ids) - s.pending_lb > 0 \
-                    and not (s.guide is not None and s.pending):
+            if s.status == DECODE and self._wants_decode_row(s):
                 rows[s.rank] += 1
         for s in sorted([s for s in self.running if s.status == PREFILL], key=lambda v: v.order):
             pending[s.rank].append(len(s.all_ids) - s.computed)
