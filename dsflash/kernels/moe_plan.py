@@ -97,10 +97,13 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
 # 2048 tokens -- 1024 tokens (64 slots per expert) bm32 2.52 / bm64_xb 2.38; 2048 (128) bm128 4.08 / bm128_xb 3.78 --
 # but not at 4096 (bm128 6.51 / bm128_xb 6.62: the xb tile spills) nor at BM 32 or 16 (session 13, H100: 3-27 %
 # slower at 6-384 tokens).
+# Session 17 (one H100, 2026-12-06, same bench, benchmarks/results/kernels_20261206_h100_s17_moe_prefill_nf.json):
+# launching the column blocks fastest ("_nf", MoeConfig.n_fast) wins above 128 slots per expert -- 4096 tokens
+# bm128 7.08 / bm128_nf 6.70, 16384 24.69 / 19.36 -- and loses at 64 (1024 tokens bm64_xb 2.43 / bm64_xb_nf 2.69).
 IL_DECODE_CONFIG_NAME = "sw_il"
-# (largest slots per expert, config) in order; above the last: "sw_il_bm128"
+# (largest slots per expert, config) in order; above the last: IL_WIDE_CONFIG_NAME
 IL_BANDS = ((8, "sw_il"), (32, "sw_il_bm32"), (64, "sw_il_bm64_xb"), (128, "sw_il_bm128_xb"))
-IL_WIDE_CONFIG_NAME = "sw_il_bm128"
+IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf"
 
 
 def pick_config(rows: int, experts: int, act_fp8: bool = True, layout: str = "checkpoint") -> MoeConfig:
