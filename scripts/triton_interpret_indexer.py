@@ -24,6 +24,20 @@ import interpret_isolation  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from dsflash.kernels import indexer_topk as ik, indexer_topk_triton as it  # noqa: E402
+import triton.runtime.interpreter as _interp  # noqa: E402
+
+_patch_lang_tensor = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor_index(tensor, scope):
+    """The interpreter holds a scalar as a 1-element array and makes ``range(scalar)`` call ``int(array)``, which
+    numpy >= 2.x refuses for a 1-d array ("only 0-dimensional arrays ..."): the row form's loops run from / to
+    runtime scalars. Same conversion, via ``.item()``. (Compiled kernels are not affected.)"""
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+
+_interp._patch_lang_tensor = _patch_lang_tensor_index
 
 
 def inputs(B, S, Hi, Di, T, seed, grid=True, dtype=jnp.bfloat16, cand=False):
@@ -42,17 +56,31 @@ def inputs(B, S, Hi, Di, T, seed, grid=True, dtype=jnp.bfloat16, cand=False):
     return q.astype(dtype), w.astype(dtype), k.astype(dtype), visible.astype(jnp.int32), valid, c
 
 
-def kernel_scores(q, w, k, visible, valid, cand):
+def kernel_scores(q, w, k, visible, valid, cand, form="tiles", block_t=None, min_programs=None, mod=it):
+    """The Triton scores as ``indexer_scores_triton`` launches them: ``form`` "tiles" (``_indexer_score_kernel``) or
+    "rows" (``_indexer_score_rows_kernel``, the entry axis split as ``rows_form_splits`` says). The output starts as
+    NaN, so an entry no program writes shows. ``mod``: the module holding the kernels (a mutant's, for the checks
+    that must fail)."""
     B, S, Hi, Di = q.shape
     T = k.shape[1]
     prm = it.launch_params(S, Hi, T)
     prm.pop("num_warps")
-    out = np.zeros((B, S, T), np.float32)
+    if block_t:
+        prm["BT"] = block_t
+    out = np.full((B, S, T), np.nan, np.float32)
     lim = np.asarray(jnp.where(valid, visible, 0).astype(jnp.int32))
     c = np.asarray(cand).astype(np.int8) if cand is not None else np.zeros(1, np.int8)
-    it._indexer_score_kernel[(B * triton.cdiv(S, prm["BS"]), triton.cdiv(T, prm["BT"]))](
+    rows = B * triton.cdiv(S, prm["BS"])
+    if form == "rows":
+        splits, tps = it.rows_form_splits(B, S, T, prm["BS"], prm["BT"],
+                                          min_programs or it.ROWS_FORM_MIN_PROGRAMS)
+        kernel, grid, extra = mod._indexer_score_rows_kernel, (rows, splits), dict(TPS=tps)
+    else:
+        kernel, grid, extra = mod._indexer_score_kernel, (rows, triton.cdiv(T, prm["BT"])), {}
+    kernel[grid](
         Fake(np.asarray(q)), Fake(np.asarray(w)), Fake(np.asarray(k)), Fake(lim), Fake(c), Fake(out),
-        S=S, T=T, Hi=Hi, Di=Di, HAS_CAND=int(cand is not None), ROUND=int(q.dtype == jnp.bfloat16), IEEE=1, **prm)
+        S=S, T=T, Hi=Hi, Di=Di, HAS_CAND=int(cand is not None), ROUND=int(q.dtype == jnp.bfloat16), IEEE=1, **prm,
+        **extra)
     return out
 
 
@@ -129,6 +157,114 @@ def _continuous():
     assert rel < 1e-2, rel
 
 
+def prefill_inputs(B, S, Hi, Di, T, seed, start, ratio, pad=0, grid=True, dtype=jnp.bfloat16, cand=False):
+    """A causal prefill chunk: row s of sequence b sees (start[b] + s + 1) // ratio entries (as attention.py passes
+    ``(pos + 1) // ratio``); the last ``pad`` rows of every sequence are padding (valid False)."""
+    q, w, k, _, _, c = inputs(B, S, Hi, Di, T, seed, grid, dtype, cand)
+    start = np.broadcast_to(np.asarray(start), (B,))
+    visible = (start[:, None] + np.arange(S)[None] + 1) // ratio
+    assert visible.max() <= T, (visible.max(), T)
+    valid = np.ones((B, S), bool)
+    valid[:, S - pad:] = False
+    return q, w, k, jnp.asarray(visible, jnp.int32), jnp.asarray(valid), c
+
+
+def tile_census(visible, valid, S, Hi, T, block_t=None, min_programs=None):
+    """(tiles computed, tiles stored as -inf only, tiles computed with some entries masked) of the row form."""
+    prm = it.launch_params(S, Hi, T)
+    BS, BT = prm["BS"], block_t or prm["BT"]
+    B = visible.shape[0]
+    splits, tps = it.rows_form_splits(B, S, T, BS, BT, min_programs or it.ROWS_FORM_MIN_PROGRAMS)
+    nt = triton.cdiv(T, BT)
+    lim = np.where(np.asarray(valid), np.asarray(visible), 0)
+    lim = np.pad(lim, ((0, 0), (0, triton.cdiv(S, BS) * BS - S)))
+    comp = dead = part = 0
+    for b in range(B):
+        for s0 in range(0, S, BS):
+            blk = lim[b, s0:s0 + BS]
+            for sp in range(splits):
+                j0, j1 = sp * tps, min(sp * tps + tps, nt)
+                live = max(min(-(-int(blk.max()) // BT), j1), j0)
+                comp, dead = comp + live - j0, dead + j1 - live
+                part += sum(int(blk.min()) < min((j + 1) * BT, T) for j in range(j0, live))
+    return comp, dead, part
+
+
+def run_rows(B, S, Hi, Di, T, seed, start, ratio, pad=0, grid=True, dtype=jnp.bfloat16, cand=False, block_t=None,
+             min_programs=None, poison=False, mod=it):
+    """The row form against the tile form (must be the same bits: same tile math) and the reference (bit for bit on
+    grid inputs). Returns (ok, message) so a mutant's check can expect False."""
+    q, w, k, visible, valid, c = prefill_inputs(B, S, Hi, Di, T, seed, start, ratio, pad, grid, dtype, cand)
+    if poison:   # one NaN query element: that row's visible scores are NaN in every form
+        q = q.at[B - 1, S // 2, 1, 3].set(jnp.nan)
+    ref = np.asarray(ik.indexer_scores_reference(q, w, k, visible, valid, c))
+    tiles = kernel_scores(q, w, k, visible, valid, c, "tiles", block_t)
+    rows = kernel_scores(q, w, k, visible, valid, c, "rows", block_t, min_programs, mod=mod)
+    comp, dead, part = tile_census(visible, valid, S, Hi, T, block_t, min_programs)
+    assert dead > 0 and part > 0, (comp, dead, part)      # the case exercises the skip and the partial tiles
+    same_tiles = bool(np.array_equal(rows.view(np.uint32), tiles.view(np.uint32)))
+    fin = np.isfinite(ref)
+    same_mask = bool(np.array_equal(np.isnan(rows), np.isnan(ref)) and np.array_equal(np.isneginf(rows),
+                                                                                      np.isneginf(ref)))
+    if grid:
+        same_ref = bool(np.array_equal(rows[fin], ref[fin])) and same_mask
+    else:
+        rel = float(np.abs(rows[fin] - ref[fin]).max() / max(np.abs(ref[fin]).max(), 1e-30))
+        same_ref = same_mask and rel < 1e-2
+    bad = int((rows.view(np.uint32) != tiles.view(np.uint32)).sum())
+    msg = (f"rows form B{B} S{S} Hi{Hi} Di{Di} T{T} BT{block_t or it.launch_params(S, Hi, T)['BT']} start {start} "
+           f"ratio {ratio} pad {pad} {jnp.dtype(dtype).name} grid={grid} cand={cand} poison={poison}: tiles computed "
+           f"{comp}, -inf only {dead}, partly masked {part}; bit-identical to the tile form {same_tiles} "
+           f"({bad} entries differ), to the reference {same_ref} (NaN {int(np.isnan(rows).sum())})")
+    return same_tiles and same_ref, msg
+
+
+def mutant(name, old, new):
+    """A copy of indexer_topk_triton.py with one edit, imported from a temporary file (the checks must catch it)."""
+    import importlib.util
+    import tempfile
+    src = open(it.__file__).read()
+    assert src.count(old) == 1, old
+    path = os.path.join(tempfile.mkdtemp(prefix="idx_mutant_"), f"{name}.py")
+    with open(path, "w") as f:
+        f.write(src.replace(old, new))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rows_check(expect_ok=True, mod_fn=None, **kw):
+    def f():
+        ok, msg = run_rows(**kw, **({"mod": mod_fn()} if mod_fn else {}))
+        print(msg + ("" if expect_ok else f"  -> {'passed (BAD: the check is vacuous)' if ok else 'caught'}"))
+        assert ok == expect_ok, msg
+    return f
+
+
+LIVE = "tl.cdiv(tl.max(lim, axis=0), BT)"
+# seq 0 sees 1..37 entries (tiles 1, 2 dead for every block), seq 1 101..137 (tile 0 / 0-1 per block), T % 128 != 0
+ROWS_BASE = dict(B=2, S=37, Hi=16, Di=32, T=300, seed=11, start=(0, 100), ratio=1, pad=3)
+ROWS_CHECKS = {
+    "rows_prefill": rows_check(**ROWS_BASE),
+    # ratio 2 (visible (51 + s) // 2), 32-entry tiles, T % 32 != 0, consumer layer's candidate set, 5 padding rows
+    "rows_ratio2_cand": rows_check(B=1, S=70, Hi=32, Di=64, T=200, seed=12, start=50, ratio=2, pad=5, cand=True,
+                                   block_t=32),
+    # entries split over the second grid axis (min_programs 64: 3 splits of 6 tiles), rows not a multiple of BS
+    "rows_split": rows_check(B=2, S=45, Hi=8, Di=32, T=260, seed=13, start=(0, 130), ratio=1, pad=2, block_t=16,
+                             min_programs=64),
+    "rows_fp32": rows_check(B=1, S=21, Hi=16, Di=32, T=100, seed=14, start=40, ratio=1, pad=1, dtype=jnp.float32,
+                            block_t=16),
+    # V4.1's head shape (Hi 32, Di 128, BT 128) on continuous input: same bits as the tile form, 1 ulp of the reference
+    "rows_continuous": rows_check(B=1, S=24, Hi=32, Di=128, T=260, seed=15, start=(120,), ratio=1, grid=False),
+    "rows_poison": rows_check(**{**ROWS_BASE, "seed": 16}, poison=True),
+    # mutants the checks must catch: one tile fewer computed (its entries -inf), the block's least lim for its most
+    "mutant_skip_one_more": rows_check(False, lambda: mutant("idx_mut_skip", LIVE, LIVE + " - 1"), **ROWS_BASE),
+    "mutant_min_lim": rows_check(False, lambda: mutant("idx_mut_min", LIVE, LIVE.replace("max", "min")),
+                                 **{**ROWS_BASE, "B": 1, "start": 100}),
+}
+
+
 CHECKS = {   # each runs in its own process (``interpret_isolation``)
     "specials": lambda: check_specials(it._bf16_rne, it._relu_nan),
     "poison_w": lambda: run_poison(),
@@ -139,6 +275,7 @@ CHECKS = {   # each runs in its own process (``interpret_isolation``)
     "filter": lambda: run(B=1, S=5, Hi=8, Di=32, T=130, topk=16, seed=3, filt=(8, 4)),  # candidate source
     "fp32": lambda: run(B=1, S=4, Hi=16, Di=32, T=100, topk=20, seed=4, dtype=jnp.float32),  # "fp32" precision
     "continuous": _continuous,
+    **ROWS_CHECKS,
 }
 
 

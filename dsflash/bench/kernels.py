@@ -467,6 +467,9 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
         ops = {"triton": lambda q_, w_, k_, v_, m_: ik.select(it.indexer_scores_triton(q_, w_, k_, v_, m_), v_,
                                                               topk=K)[0],
                "triton_scores_only": lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_)}
+        if S >= it.ROWS_FORM_MIN_S:   # prefill sizes run the row form: time the tile form beside it (same bits)
+            ops["triton_scores_tiles"] = lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_,
+                                                                                             form="tiles")
         if B * S <= args.indexer_xla_max_rows:
             ops["xla_ref"] = lambda q_, w_, k_, v_, m_: ik.indexer_topk(q_, w_, k_, v_, m_, topk=K, backend="xla")[0]
         _time_pair(row, ops, (q, w), (k, visible, valid), args, log)
@@ -478,6 +481,9 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
             got = np.asarray(jax.jit(it.indexer_scores_triton)(*a))
             fin = np.isfinite(ref)
             row["score_exact_share"] = float(np.mean(got[fin] == ref[fin]))
+            if "triton_scores_tiles" in ops:
+                tiles = np.asarray(jax.jit(lambda *x: it.indexer_scores_triton(*x, form="tiles"))(*a))
+                row["rows_vs_tiles_bits_equal"] = bool(np.array_equal(got.view(np.uint32), tiles.view(np.uint32)))
             row["nan"] = bool(np.isnan(got).any())
         except Exception as e:  # noqa: BLE001
             row["check_error"] = repr(e)[:400]
@@ -819,7 +825,9 @@ def main(argv=None):
             print(f"{sec}: " + "x".join(keys) + "  triton ms / xla ms / roof ms / %roof / xXLA")
             for r in result[sec]:
                 g = r.get
-                extra = f" scores-only {_fmt(g('triton_scores_only_s'))}" if sec == "indexer" else \
+                extra = f" scores-only {_fmt(g('triton_scores_only_s'))}" + (
+                    f" (tile form {_fmt(g('triton_scores_tiles_s'))}, same bits {g('rows_vs_tiles_bits_equal')})"
+                    if g("triton_scores_tiles_s") else "") if sec == "indexer" else \
                     f" relerr X1 {g('rel_err_X1', float('nan')):.1e} comb {g('rel_err_comb', float('nan')):.1e}"
                 print(f"  {'x'.join(str(r[k]) for k in keys):>16} {_fmt(g('triton_s')):>9} {_fmt(g('xla_ref_s')):>9} "
                       f"{_fmt(g('roofline_s')):>8} {_fmt(g('frac_of_roofline'), 100, 1):>6} "

@@ -13,6 +13,16 @@ prefill) and no [S, Hi, T] intermediate ever reaches memory (the XLA reference m
 Roundings are done with integer round-to-nearest-even (the interpreter's casts truncate; on a GPU this is the
 same result as the hardware cast). Selection stays in XLA (``indexer_topk.select``): ``lax.top_k`` over the
 written fp32 scores, see NOTES.md for why.
+
+Two forms of the same tile math (``_tile_scores``; same tile shape and warps, so the same bits):
+* tile form ``_indexer_score_kernel``: one program per (row block, entry tile). Decode-sized calls.
+* row form ``_indexer_score_rows_kernel`` (calls of >= ``ROWS_FORM_MIN_S`` rows, i.e. prefill): one program per row
+  block (x a chunk of the entries when rows are few) loops over the entry tiles with q / w loaded once, and only
+  stores -inf for the tiles no row of the block sees (>= cdiv(max visible, BT)). Why: in a 16K-token prefill (H100,
+  2026-12-06) the tile form took 23.3 + 11.4 ms in the two indexer layers, ~44 ns per tile whatever the size: it
+  re-read q from memory once per entry tile and computed the ~half of the tiles that a causal prefill masks whole.
+  The per-tile epilogue (two integer RNE roundings, relu, head sum: ~2,200 SASS per warp per tile) is the floor
+  left, not the MMA. See NOTES.md "Indexer row form".
 """
 from __future__ import annotations
 
@@ -42,9 +52,30 @@ def _relu_nan(x):
 
 
 @triton.jit
+def _tile_scores(q, w, kt, BS: tl.constexpr, Hi: tl.constexpr, BT: tl.constexpr, ROUND: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Scores [BS, BT] of one tile, unmasked, from q [BS*Hi, Di], w [BS*Hi] (fp32) and keys kt [BT, Di]: the one copy
+    of the per-element math that both kernels run (same dot shape, roundings and head-sum reshape)."""
+    if IEEE:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact, so same math
+        qk = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(kt))
+    if ROUND:
+        qk = _bf16_rne(qk)
+    c = _relu_nan(qk) * w[:, None]                      # bf16 x bf16 is exact in fp32: one rounding below
+    if ROUND:
+        c = _bf16_rne(c)
+    sc = tl.sum(tl.reshape(c, (BS, Hi, BT)), axis=1)    # [BS, BT]
+    if ROUND:
+        sc = _bf16_rne(sc)
+    return sc
+
+
+@triton.jit
 def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.constexpr, T: tl.constexpr,
                           Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
                           HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr):
+    """Tile form: one program per (BS rows, one BT tile of entries). Decode-sized calls."""
     nsb = tl.cdiv(S, BS)
     b = (tl.program_id(0) // nsb).to(tl.int64)
     s0 = (tl.program_id(0) % nsb) * BS
@@ -57,19 +88,8 @@ def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.c
     q = tl.load(q_ptr + ((b * S + qrow) * Hi + offs_m % Hi)[:, None] * Di + offs_d[None, :],
                 mask=qmask[:, None], other=0.0)
     kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + offs_d[None, :], mask=tmask[:, None], other=0.0)
-    if IEEE:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact, so same math
-        qk = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(kt))
     w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
-    if ROUND:
-        qk = _bf16_rne(qk)
-    c = _relu_nan(qk) * w[:, None]                      # bf16 x bf16 is exact in fp32: one rounding below
-    if ROUND:
-        c = _bf16_rne(c)
-    sc = tl.sum(tl.reshape(c, (BS, Hi, BT)), axis=1)    # [BS, BT]
-    if ROUND:
-        sc = _bf16_rne(sc)
+    sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE)
     rows = s0 + tl.arange(0, BS)
     rmask = rows < S
     lim = tl.load(lim_ptr + b * S + rows, mask=rmask, other=0)
@@ -78,6 +98,48 @@ def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.c
     if HAS_CAND:
         ok = ok & (tl.load(cand_ptr + out, mask=rmask[:, None] & tmask[None, :], other=0) != 0)
     tl.store(o_ptr + out, tl.where(ok, sc, float("-inf")), mask=rmask[:, None] & tmask[None, :])
+
+
+@triton.jit
+def _indexer_score_rows_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.constexpr, T: tl.constexpr,
+                               Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+                               TPS: tl.constexpr, HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr):
+    """Row form (prefill): one program per (BS rows, TPS consecutive BT tiles of entries), q / w / lim loaded once.
+    Tiles from the first one no row of the block sees (index >= cdiv(max lim, BT)) are only stored as -inf; the
+    others run ``_tile_scores`` and the same masks as the tile form. Row blocks go last-first: in a causal prefill
+    the last rows see the most entries, so the longest programs start first."""
+    nsb = tl.cdiv(S, BS)
+    b = (tl.program_id(0) // nsb).to(tl.int64)
+    s0 = (nsb - 1 - tl.program_id(0) % nsb) * BS
+    offs_m = tl.arange(0, BS * Hi)                      # m = row * Hi + head
+    qrow = s0 + offs_m // Hi
+    qmask = qrow < S
+    offs_d = tl.arange(0, Di)
+    q = tl.load(q_ptr + ((b * S + qrow) * Hi + offs_m % Hi)[:, None] * Di + offs_d[None, :],
+                mask=qmask[:, None], other=0.0)
+    w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
+    rows = s0 + tl.arange(0, BS)
+    rmask = rows < S
+    lim = tl.load(lim_ptr + b * S + rows, mask=rmask, other=0)
+    j0 = tl.program_id(1) * TPS
+    j1 = tl.minimum(j0 + TPS, tl.cdiv(T, BT))
+    live = tl.maximum(tl.minimum(tl.cdiv(tl.max(lim, axis=0), BT), j1), j0)   # tiles j0 .. live-1 are computed
+    # tiles no row of the block sees: -inf only. This loop first: after the main loop its addresses were kept live
+    # across it (sm_90: 178 registers, 1 block per SM; first: 128, 2 blocks)
+    for j in range(live, j1):
+        t = j * BT + tl.arange(0, BT)
+        out = (b * S + rows)[:, None] * T + t[None, :]
+        tl.store(o_ptr + out, tl.full((BS, BT), float("-inf"), tl.float32), mask=rmask[:, None] & (t < T)[None, :])
+    for j in range(j0, live):
+        t = j * BT + tl.arange(0, BT)
+        tmask = t < T
+        kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE)
+        ok = t[None, :] < lim[:, None]
+        out = (b * S + rows)[:, None] * T + t[None, :]
+        if HAS_CAND:
+            ok = ok & (tl.load(cand_ptr + out, mask=rmask[:, None] & tmask[None, :], other=0) != 0)
+        tl.store(o_ptr + out, tl.where(ok, sc, float("-inf")), mask=rmask[:, None] & tmask[None, :])
 
 
 def launch_params(S, Hi, T):
@@ -96,13 +158,38 @@ def check_shapes(q, w, k):
         raise ValueError(f"the Triton indexer needs power-of-two heads and head dim >= 16, got Hi={Hi}, Di={Di}")
 
 
-def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None):
+# The row form for calls of at least this many query rows (prefill chunks); the tile form below it. Decode and
+# draft-verify calls have <= 8 rows (1 + the draft block; dispatch.PAGED_MAX_ROWS) and keep the form that was measured
+# there; the engine's prefill chunks have hundreds of rows or more. The row form is never more work: with
+# ``min_programs`` it splits the entries into as many chunks as the tile form has tiles when rows are few.
+ROWS_FORM_MIN_S = 16
+# split the entries over a second grid axis until there are this many programs (2 blocks x 132 SMs on an H100,
+# x ~4 so a causal prefill's uneven programs balance); at 4096 rows of one sequence there are 1024 row blocks already
+ROWS_FORM_MIN_PROGRAMS = 1024
+
+
+def rows_form_splits(B, S, T, BS, BT, min_programs=ROWS_FORM_MIN_PROGRAMS):
+    """(splits, tiles per split) of the row form's entry axis: as few splits as give ``min_programs`` programs."""
+    nt = triton.cdiv(T, BT)
+    progs = B * triton.cdiv(S, BS)
+    splits = max(1, min(nt, triton.cdiv(min_programs, progs)))
+    tps = triton.cdiv(nt, splits)
+    return triton.cdiv(nt, tps), tps
+
+
+def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, form="auto",
+                          rows_min_s=ROWS_FORM_MIN_S, min_programs=ROWS_FORM_MIN_PROGRAMS):
+    """Scores [B, S, T] fp32 (the reference's contract). ``form``: "tiles" (one program per row block x entry tile),
+    "rows" (one program per row block looping over the tiles, skipping those no row sees), or "auto" (rows from
+    ``rows_min_s`` query rows). Both forms give the same bits (same tile math, same launch shape per tile)."""
     from dsflash.kernels.triton_call import jax_triton
     jt = jax_triton()  # lazy: GPU only
     from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
 
     _check(q, w, k, visible, valid, cand)
     check_shapes(q, w, k)
+    if form not in ("auto", "tiles", "rows"):
+        raise ValueError(f"form must be 'auto', 'tiles' or 'rows', got {form!r}")
     B, S, Hi, Di = q.shape
     T = k.shape[1]
     prm = launch_params(S, Hi, T)
@@ -112,10 +199,16 @@ def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None):
     lim = jnp.where(valid, visible, 0).astype(jnp.int32)
     has_cand = cand is not None
     cand_arg = cand.astype(jnp.int8) if has_cand else jnp.zeros((1,), jnp.int8)
+    rows = form == "rows" or (form == "auto" and S >= rows_min_s)
+    if rows:
+        splits, tps = rows_form_splits(B, S, T, prm["BS"], prm["BT"], min_programs)
+        kernel, grid, extra = _indexer_score_rows_kernel, (B * triton.cdiv(S, prm["BS"]), splits), dict(TPS=tps)
+    else:
+        kernel, grid, extra = _indexer_score_kernel, (B * triton.cdiv(S, prm["BS"]), triton.cdiv(T, prm["BT"])), {}
     return jt.triton_call(
         q, w.astype(q.dtype), k.astype(q.dtype), lim, cand_arg,
-        kernel=_indexer_score_kernel,
+        kernel=kernel,
         out_shape=jax.ShapeDtypeStruct((B, S, T), jnp.float32),
-        grid=(B * triton.cdiv(S, prm["BS"]), triton.cdiv(T, prm["BT"])), num_warps=nw, num_stages=2,
+        grid=grid, num_warps=nw, num_stages=2,
         S=S, T=T, Hi=Hi, Di=Di, HAS_CAND=int(has_cand), ROUND=int(q.dtype == jnp.bfloat16),
-        IEEE=int(q.dtype == jnp.float32), **prm)
+        IEEE=int(q.dtype == jnp.float32), **prm, **extra)
