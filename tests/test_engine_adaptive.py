@@ -610,3 +610,109 @@ def test_a_decode_call_reports_the_verify_rows_it_ran():
     _run(eng, PROMPTS, tag="v")
     assert seen and all(fwd == rows for fwd, rows, _ in seen), seen
     assert any(rows > it for _, rows, it in seen)      # the toy's drafts verify: some calls ran extra rows
+
+
+# ------------------------------------------------------------------ what a plain call of an adaptive engine costs
+class RecordingToy(ToyBackend):
+    """The toy, logging (while ``log`` is a list) every target forward's rows per sequence and taps flag and every
+    call of the draft model, as a program is traced."""
+    log = None
+
+    def forward(self, params, batch, state, *, logits="last", taps=False):
+        if self.log is not None:
+            self.log.append(("forward", int(batch.tokens.shape[1]), bool(taps)))
+        return super().forward(params, batch, state, logits=logits, taps=taps)
+
+    def propose(self, params, state, y, pos, slots, floor, temperature, keys):
+        if self.log is not None:
+            self.log.append(("propose",))
+        return super().propose(params, state, y, pos, slots, floor, temperature, keys)
+
+    def update_context(self, params, out, batch, state):
+        if self.log is not None:
+            self.log.append(("update_context",))
+        return super().update_context(params, out, batch, state)
+
+
+def _traced_decode(eng, draft_len):
+    """What the engine's decode program of ``draft_len`` calls, as traced (a fresh trace of the runner's program)."""
+    import functools
+
+    import jax
+    r, be = eng.runner, eng.backend
+    be.log = []
+    try:
+        jax.jit(functools.partial(r._decode_impl, drafting=draft_len > 0)).lower(
+            r.params, r.state, r.rows, r.place(r.empty_decode_inputs()))
+        return be.log
+    finally:
+        be.log = None
+
+
+def test_a_plain_call_runs_one_row_per_sequence_and_no_draft_model():
+    """Issue 23 (H100: adaptive drafted in none of a pass's calls yet ran 0.81x plain): an adaptive engine's call
+    that does not draft runs the plain engine's iteration -- one forward of one row per sequence, no proposal and
+    no draft-context update (lazy draft context) -- plus the taps it records for a later catch-up. The drafting
+    program proposes and updates the draft context. (A guard: this held before the issue's investigation; the
+    measured costs are in docs/engine.md.)"""
+    eng, plain = LLMEngine(RecordingToy(), **COMMON), LLMEngine(RecordingToy(), speculative_mode="off", **COMMON)
+    assert eng.runner.draft_lengths == (0, eng.k) and eng.runner.lazy_ctx
+    assert _traced_decode(plain, 0) == [("forward", 1, False)]
+    assert _traced_decode(eng, 0) == [("forward", 1, True)]
+    drafting = _traced_decode(eng, eng.k)
+    assert ("propose",) in drafting and ("update_context",) in drafting
+
+
+def test_plain_calls_do_not_redo_the_expected_verify_rows(monkeypatch):
+    """Issue 23: with the sequential verify (CPU) every decision charged the verify rows expected at the rows'
+    acceptance estimates, a 30-step bisection (``expected_extra_rows``) of ~0.45 ms host time a call at 8 rows --
+    paid by every plain call too (choose 483 -> 21 us, demo, CPU). Only a drafting call's verifications move the
+    estimates, so a run of plain calls computes it once; a drafting call's results compute it again."""
+    import types
+
+    import dsflash.serve.engine.adaptive as A
+    calls = []
+    real = A.expected_extra_rows
+    monkeypatch.setattr(A, "expected_extra_rows", lambda d, acc: calls.append(tuple(acc)) or real(d, acc))
+    pol = SpeculationPolicy(5, "adaptive", sequential_verify=True)
+    seqs = [types.SimpleNamespace(request_id=str(i)) for i in range(8)]
+    for _ in range(pol.probe_calls + 1):     # the start-up probes: drafting 4x plain, half a draft accepted
+        pol.observe(5, 0.032, 4, [(s, 4, 2) for s in seqs], 6, 4)
+        pol.observe(0, 0.008, 4, [], None, 4)
+    calls.clear()
+    for _ in range(20):
+        assert pol.choose(seqs) == 0
+        pol.observe(0, 0.008, 4, [], None, 4)
+    assert len(calls) == 1 and all(x > 0 for x in calls[0])
+    pol.observe(5, 0.032, 4, [(s, 4, 4) for s in seqs], 8, 4)     # a drafting call: the estimates move
+    pol.choose(seqs)
+    assert len(calls) == 2 and calls[1] != calls[0]
+    assert pol._extra_rows(calls[1]) == real(5, calls[1])
+
+
+def test_the_kernels_line_names_the_plain_programs_rows(monkeypatch):
+    """The start-up line's ``decode=`` is the decode program at ``max_num_seqs * (block + 1)`` rows; an adaptive
+    engine's plain calls run ``max_num_seqs`` rows, where a kernel's gate may pick another implementation (H100,
+    demo, batch 8: the line said indexer triton / MoE sw_il_bm32 where those calls run XLA's indexer and sw_il, as the
+    plain engine's line says; read as what they run, it suggested they ran the verify-width program). The line
+    names the plain program's rows and what it runs differently. A gate at 16 rows stands in for a GPU's."""
+    import types
+
+    import dsflash.kernels.dispatch as D
+    from dsflash.config import preset
+    monkeypatch.setattr(D, "use_triton",
+                        lambda kernel, backend, size, **kw: kernel == "sparse_attention" and size >= 16)
+
+    def line(K1, lengths):
+        fake = types.SimpleNamespace(
+            run_options={"backend": "xla", "precision": "reference", "bounded_replay": None},
+            backend=types.SimpleNamespace(cfg=preset("tiny")),
+            config=types.SimpleNamespace(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=128),
+            runner=types.SimpleNamespace(K1=K1, k=K1 - 1, draft_lengths=lengths))
+        fake._plain_program_kernels = types.MethodType(LLMEngine._plain_program_kernels, fake)
+        return LLMEngine.kernels_line.fget(fake)
+    adaptive = line(4, (0, 3))
+    assert "sparse_attention decode=triton" in adaptive
+    assert adaptive.endswith("draft length 3 (32 rows); draft length 0 (8 rows): sparse_attention decode=xla")
+    assert "draft length 0" not in line(4, (3,))            # always drafting: one decode program
+    assert "draft length 0" not in line(1, (0,))            # plain

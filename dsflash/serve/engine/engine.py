@@ -216,7 +216,24 @@ class LLMEngine:
                  "prefill_tokens": c.max_num_batched_tokens, "precision": ro["precision"],
                  "moe_layout": ro.get("moe_weight_layout", "checkpoint")} if cfg is not None else {}
         return (f"{kernels_summary(ro['backend'], cfg, **sizes)}; precision={ro['precision']}, "
-                f"bounded_replay={ro['bounded_replay'] or 'exact'}")
+                f"bounded_replay={ro['bounded_replay'] or 'exact'}{self._plain_program_kernels(cfg, sizes)}")
+
+    def _plain_program_kernels(self, cfg, sizes) -> str:
+        """The kernels line's ``decode=`` is the decode program at ``max_num_seqs * (block + 1)`` rows; an adaptive
+        engine's draft-length-0 program runs ``max_num_seqs`` rows, where a kernel's gate can pick another
+        implementation (H100, demo, batch 8: indexer xla, MoE sw_il, as the plain engine). Read as the program its
+        plain calls run, that line suggested they ran the verify-width kernels (issue 23, they do not). This part
+        names the plain program's rows and the kernels it runs differently."""
+        r = self.runner
+        if cfg is None or r.K1 == 1 or 0 not in r.draft_lengths:
+            return ""
+        from dsflash.kernels.dispatch import kernel_summary
+        ro, rows = self.run_options, self.config.max_num_seqs
+        wide = kernel_summary(cfg, ro["backend"], **sizes)
+        one = kernel_summary(cfg, ro["backend"], **{**sizes, "decode_tokens": rows})
+        diff = [f"{k} decode={v['decode']}" for k, v in one.items() if v["decode"] != wide[k]["decode"]]
+        return (f"; decode= above: draft length {r.k} ({rows * r.K1} rows); draft length 0 ({rows} rows): "
+                + (", ".join(diff) if diff else "the same decode kernels"))
 
     @property
     def compiles_after_warmup(self) -> int:
