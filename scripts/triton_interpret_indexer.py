@@ -116,6 +116,37 @@ def check_specials(rne, relu=None):
     print(f"specials: {x.size} bit patterns (canonical GPU NaN 0x7FFFFFFF included) round like XLA's convert, NaN kept")
 
 
+@triton.jit
+def _round_kernel(x_ptr, r_ptr, N: tl.constexpr, BN: tl.constexpr, HW_ROUND: tl.constexpr):
+    o = tl.arange(0, BN)
+    x = tl.load(x_ptr + o, mask=o < N, other=0.0)
+    tl.store(r_ptr + o, it._bf16_round(x, HW_ROUND), mask=o < N)
+
+
+def check_hw_nan_bits():
+    """The hardware-rounding path (``_bf16_round`` HW_ROUND 1, ``hw_round=True``) is a GPU-only path: what the
+    interpreter CAN check is its NaN select, whose bits must be ``_bf16_rne``'s for every NaN pattern (the GPU's
+    canonical 0x7FFFFFFF, signed and signalling payloads); its other lanes are the interpreter's cast, which is not
+    RNE (it truncates: 0x3F818000 -> 0x3F810000, 0x7F7FFFFF stays finite; a subnormal came out as 0x807E0000),
+    shown here on the round-up / tie / overflow patterns, which is why ``indexer_scores_triton``
+    refuses ``hw_round`` under TRITON_INTERPRET instead of running (and so checking) the integer path."""
+    x = np.concatenate([SPECIALS, np.array([0xFFA00001, 0x7F800002, 0xFFFFFFFF, 0x7FC00001], np.uint32)]).view(
+        np.float32)
+    outs = {}
+    for hw in (0, 1, 2):
+        r = np.zeros_like(x)
+        _round_kernel[(1,)](Fake(x), Fake(r), N=x.size, BN=triton.next_power_of_2(x.size), HW_ROUND=hw)
+        outs[hw] = r.view(np.uint32)
+    nan = np.isnan(x)
+    assert np.array_equal(outs[1][nan], outs[0][nan]), [hex(v) for v in outs[1][nan]]
+    assert not np.array_equal(outs[2][nan], outs[0][nan])   # the check has teeth: no NaN select (HW_ROUND 2) fails it
+    n_diff = int((outs[1][~nan] != outs[0][~nan]).sum())
+    assert n_diff > 0                   # the interpreter's cast is not RNE, so the rounding half is not checkable here
+    print(f"hw_nan_bits: {int(nan.sum())} NaN patterns give _bf16_rne's bits under HW_ROUND 1 (HW_ROUND 2, no "
+          f"select: {int((outs[2][nan] != outs[0][nan]).sum())} differ); {n_diff} of {int((~nan).sum())} non-NaN "
+          "patterns differ from RNE (the interpreter's cast truncates: GPU only)")
+
+
 def run_poison(B=2, S=3, Hi=16, Di=32, T=300, seed=6, where="w"):
     """Non-finite input: the kernel must give the reference's NaN / -inf pattern (the GPU test's poison call)."""
     q, w, k, visible, valid, _ = inputs(B, S, Hi, Di, T, seed)
@@ -267,6 +298,7 @@ ROWS_CHECKS = {
 
 CHECKS = {   # each runs in its own process (``interpret_isolation``)
     "specials": lambda: check_specials(it._bf16_rne, it._relu_nan),
+    "hw_nan_bits": check_hw_nan_bits,
     "poison_w": lambda: run_poison(),
     "poison_q": lambda: run_poison(where="q"),
     "grid": lambda: run(),

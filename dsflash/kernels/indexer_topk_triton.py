@@ -23,6 +23,10 @@ Two forms of the same tile math (``_tile_scores``; same tile shape and warps, so
   re-read q from memory once per entry tile and computed the ~half of the tiles that a causal prefill masks whole.
   The per-tile epilogue (two integer RNE roundings, relu, head sum: ~2,200 SASS per warp per tile) is the floor
   left, not the MMA. See NOTES.md "Indexer row form".
+Opt-in ``hw_round=True`` (``_bf16_round`` HW_ROUND 1, 2026-12-06, NOT YET RUN ON A GPU): the three roundings by the
+hardware convert (cvt.rn.bf16.f32) with ``_bf16_rne``'s NaN bits, so the same bits by construction; the row form's
+loop 2,245 -> 1,472 SASS a tile (sm_90 compile). Default off until tests/gpu/test_indexer.py's
+test_hw_round_bit_identical passes; refused in the interpreter (its casts truncate).
 """
 from __future__ import annotations
 
@@ -45,6 +49,28 @@ def _bf16_rne(x):
 
 
 @triton.jit
+def _bf16_round(x, HW_ROUND: tl.constexpr):
+    """fp32 -> bf16 -> fp32, round to nearest even. HW_ROUND 0 (the default): ``_bf16_rne``, integer ops, what
+    Triton's interpreter can run. 1 (opt-in, NOT YET RUN ON A GPU): the hardware convert (sm_90 PTX
+    ``cvt.rn.bf16.f32`` / ``cvt.rn.bf16x2.f32``: RNE, no .ftz, so subnormals kept, inf kept, overflow to inf) for
+    every value but NaN, and for NaN ``_bf16_rne``'s bits (top half of x with the quiet bit set; the convert would
+    give the canonical 0x7FFF), selected in the bf16 domain: so the bits are ``_bf16_rne``'s for every input by
+    construction, given that the bf16 -> fp32 widening is a bit move (it is: the sm_90 SASS has no F2F.F32.BF16;
+    tests/test_kernels_indexer_rows.py asserts it). The select costs ~450 SASS a tile (selected in fp32 instead:
+    ~670). 2: the convert alone (NaN canonical), a compile study only, never launched. The interpreter's casts
+    truncate, so ``indexer_scores_triton`` refuses HW_ROUND there (see ``hw_round_supported``)."""
+    if HW_ROUND == 0:
+        r = _bf16_rne(x)
+    elif HW_ROUND == 1:
+        u = x.to(tl.uint32, bitcast=True)
+        nan_bits = ((u >> 16) | 0x0040).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        r = tl.where(x != x, nan_bits, x.to(tl.bfloat16)).to(tl.float32)
+    else:
+        r = x.to(tl.bfloat16).to(tl.float32)
+    return r
+
+
+@triton.jit
 def _relu_nan(x):
     """The reference's relu (jnp.maximum(x, 0)): NaN stays NaN. ``tl.maximum`` lowers to fmax semantics on the
     GPU (max(NaN, 0) = 0), which would turn a NaN logit into a 0 contribution."""
@@ -53,7 +79,7 @@ def _relu_nan(x):
 
 @triton.jit
 def _tile_scores(q, w, kt, BS: tl.constexpr, Hi: tl.constexpr, BT: tl.constexpr, ROUND: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, HW_ROUND: tl.constexpr = 0):
     """Scores [BS, BT] of one tile, unmasked, from q [BS*Hi, Di], w [BS*Hi] (fp32) and keys kt [BT, Di]: the one copy
     of the per-element math that both kernels run (same dot shape, roundings and head-sum reshape)."""
     if IEEE:   # the interpreter's bf16 dot is wrong; fp32 products of bf16 values are exact, so same math
@@ -61,20 +87,21 @@ def _tile_scores(q, w, kt, BS: tl.constexpr, Hi: tl.constexpr, BT: tl.constexpr,
     else:
         qk = tl.dot(q, tl.trans(kt))
     if ROUND:
-        qk = _bf16_rne(qk)
+        qk = _bf16_round(qk, HW_ROUND)
     c = _relu_nan(qk) * w[:, None]                      # bf16 x bf16 is exact in fp32: one rounding below
     if ROUND:
-        c = _bf16_rne(c)
+        c = _bf16_round(c, HW_ROUND)
     sc = tl.sum(tl.reshape(c, (BS, Hi, BT)), axis=1)    # [BS, BT]
     if ROUND:
-        sc = _bf16_rne(sc)
+        sc = _bf16_round(sc, HW_ROUND)
     return sc
 
 
 @triton.jit
 def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.constexpr, T: tl.constexpr,
                           Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
-                          HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr):
+                          HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
+                          HW_ROUND: tl.constexpr = 0):
     """Tile form: one program per (BS rows, one BT tile of entries). Decode-sized calls."""
     nsb = tl.cdiv(S, BS)
     b = (tl.program_id(0) // nsb).to(tl.int64)
@@ -89,7 +116,7 @@ def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.c
                 mask=qmask[:, None], other=0.0)
     kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + offs_d[None, :], mask=tmask[:, None], other=0.0)
     w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
-    sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE)
+    sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE, HW_ROUND)
     rows = s0 + tl.arange(0, BS)
     rmask = rows < S
     lim = tl.load(lim_ptr + b * S + rows, mask=rmask, other=0)
@@ -103,7 +130,8 @@ def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.c
 @triton.jit
 def _indexer_score_rows_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.constexpr, T: tl.constexpr,
                                Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
-                               TPS: tl.constexpr, HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr):
+                               TPS: tl.constexpr, HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
+                               HW_ROUND: tl.constexpr = 0):
     """Row form (prefill): one program per (BS rows, TPS consecutive BT tiles of entries), q / w / lim loaded once.
     Tiles from the first one no row of the block sees (index >= cdiv(max lim, BT)) are only stored as -inf; the
     others run ``_tile_scores`` and the same masks as the tile form. Row blocks go last-first: in a causal prefill
@@ -134,7 +162,7 @@ def _indexer_score_rows_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S:
         t = j * BT + tl.arange(0, BT)
         tmask = t < T
         kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE)
+        sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE, HW_ROUND)
         ok = t[None, :] < lim[:, None]
         out = (b * S + rows)[:, None] * T + t[None, :]
         if HAS_CAND:
@@ -177,11 +205,27 @@ def rows_form_splits(B, S, T, BS, BT, min_programs=ROWS_FORM_MIN_PROGRAMS):
     return triton.cdiv(nt, tps), tps
 
 
+def hw_round_supported():
+    """Whether the hardware bf16 rounding (``hw_round=True``) can run as meant: not in Triton's interpreter, whose
+    fp32 -> bf16 casts truncate (0x3F818000 -> 0x3F810000 where RNE gives 0x3F820000; 0x7F7FFFFF stays finite).
+    There it is refused rather than silently run on the integer path: a fallback would let an interpreter check of
+    ``hw_round=True`` pass while checking the other path."""
+    try:
+        return not triton.knobs.runtime.interpret
+    except AttributeError:   # older triton: the same switch
+        import os
+        return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+
+
 def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, form="auto",
-                          rows_min_s=ROWS_FORM_MIN_S, min_programs=ROWS_FORM_MIN_PROGRAMS):
+                          rows_min_s=ROWS_FORM_MIN_S, min_programs=ROWS_FORM_MIN_PROGRAMS, hw_round=False):
     """Scores [B, S, T] fp32 (the reference's contract). ``form``: "tiles" (one program per row block x entry tile),
     "rows" (one program per row block looping over the tiles, skipping those no row sees), or "auto" (rows from
-    ``rows_min_s`` query rows). Both forms give the same bits (same tile math, same launch shape per tile)."""
+    ``rows_min_s`` query rows). Both forms give the same bits (same tile math, same launch shape per tile).
+    ``hw_round`` (opt-in, default off until tests/gpu/test_indexer.py's test_hw_round_bit_identical has passed on
+    a GPU): the three bf16 roundings by the hardware convert with ``_bf16_rne``'s NaN bits (``_bf16_round``
+    HW_ROUND 1; the same bits by construction, ~1,470 instead of 2,245 SASS a tile in the row form's loop). Only
+    bf16 inputs round (fp32 inputs ignore it); refused in Triton's interpreter (``hw_round_supported``)."""
     from dsflash.kernels.triton_call import jax_triton
     jt = jax_triton()  # lazy: GPU only
     from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
@@ -190,6 +234,9 @@ def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, f
     check_shapes(q, w, k)
     if form not in ("auto", "tiles", "rows"):
         raise ValueError(f"form must be 'auto', 'tiles' or 'rows', got {form!r}")
+    if hw_round and not hw_round_supported():
+        raise ValueError("hw_round=True needs the GPU's cvt.rn.bf16.f32: Triton's interpreter truncates fp32 -> bf16 "
+                         "casts, so it cannot run (or check) the hardware-rounding path; use hw_round=False there")
     B, S, Hi, Di = q.shape
     T = k.shape[1]
     prm = launch_params(S, Hi, T)
@@ -211,4 +258,4 @@ def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, f
         out_shape=jax.ShapeDtypeStruct((B, S, T), jnp.float32),
         grid=grid, num_warps=nw, num_stages=2,
         S=S, T=T, Hi=Hi, Di=Di, HAS_CAND=int(has_cand), ROUND=int(q.dtype == jnp.bfloat16),
-        IEEE=int(q.dtype == jnp.float32), **prm, **extra)
+        IEEE=int(q.dtype == jnp.float32), HW_ROUND=int(bool(hw_round) and q.dtype == jnp.bfloat16), **prm, **extra)

@@ -13,7 +13,10 @@ is best effort, the allocator need not reuse the buffer).
 First H200 run (2026-11-30, commit 199278b): the poison call returned -0. everywhere (plain-grid cases, the run
 stopped at 4 failures): the kernel's integer bf16 rounding carried the GPU's canonical NaN 0x7FFFFFFF into the
 sign bit. Fixed in the kernel (NaN kept, relu NaN-propagating like jnp.maximum); checked in the interpreter,
-not yet re-run here."""
+not yet re-run here.
+test_hw_round_bit_identical (written 2026-12-06, session 17, not yet run): ``hw_round=True`` (hardware bf16
+rounding) must give the default's bits in both forms on grid, normal, exactly-halfway, subnormal and NaN / inf
+inputs."""
 import zlib
 
 import numpy as np
@@ -102,6 +105,96 @@ def test_matches_reference(case, grid, mode):
                 assert abs(ref[b, s, i] - kth) <= 2 * _ulp(np.float32(kth)), (b, s, i, ref[b, s, i], kth)
     print(f"{case} {mode}: near-tie set differences {flips}, exact score share "
           f"{np.mean(got[fin] == ref[fin]):.4f}")
+
+
+def _bf16_bits(bits):
+    """bf16 values from their bit patterns (NaN payloads and signs kept)."""
+    return jax.lax.bitcast_convert_type(jnp.asarray(np.asarray(bits, np.uint16)), jnp.bfloat16)
+
+
+def _hw_inputs(case, kind, seed):
+    """Inputs for the hw_round A/B. "grid" / "normal": ``_inputs``. "ties": q, k in {-15..15}/16 (qk = n/256 with up
+    to ~12 significant bits: many qk exactly halfway between two bf16 values) and w in {+-3, +-5, +-7}/8 (c = bf16(qk)
+    x w has up to 11 bits: halfway products too). "subnormal": head h's q scaled by 2^-(92 + 4 (h % 5)), k by 2^-34,
+    so qk = n x 2^-(132 + 4 (h % 5)), ~95 % below fp32's normal limit 2^-126 (fp32 subnormals on a 2^-149 step that
+    bf16, on a 2^-133 step, must round: ~75 % of qk, ~10 % of c = qk x w with ~6 % ties; ~97 % of the scores are
+    subnormal in a numpy model without flush to zero). "nonfinite": on the grid, entries t % 7 == 1 hold a NaN key
+    element (signs and payloads varied), t % 7 == 2 keys x 2^120 (the fp32 accumulator overflows to +-inf for large
+    |n|, finite near-max values elsewhere), t % 7 == 3 a +inf key element (inf, -inf or inf x 0 = NaN per head); rows
+    r % 3 == 1 a NaN head weight and r % 3 == 2 a NaN query element."""
+    B, S, Hi, Di, T, _ = case
+    bf = jnp.bfloat16
+    if kind in ("grid", "normal"):
+        return _inputs(case, seed, kind == "grid")
+    q, w, k, visible, valid = _inputs(case, seed, True)
+    ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+    if kind == "ties":
+        q = (jax.random.randint(ks[0], (B, S, Hi, Di), -15, 16).astype(jnp.float32) / 16).astype(bf)
+        k = (jax.random.randint(ks[1], (B, T, Di), -15, 16).astype(jnp.float32) / 16).astype(bf)
+        pick = jax.random.randint(ks[2], (B, S, Hi), 0, 6)
+        w = (jnp.array([-7, -5, -3, 3, 5, 7], jnp.float32)[pick] / 8).astype(bf)
+    elif kind == "subnormal":
+        scale = jnp.exp2(-(92.0 + 4 * (jnp.arange(Hi) % 5)))[None, None, :, None]
+        q = (q.astype(jnp.float32) * scale).astype(bf)
+        k = (k.astype(jnp.float32) * 2.0 ** -34).astype(bf)
+    elif kind == "nonfinite":
+        t = jnp.arange(T)
+        nan_k = _bf16_bits([0x7FC0, 0xFFC1, 0x7F81, 0xFFFF])[t % 4]
+        k = k.at[:, :, 3].set(jnp.where(t % 7 == 1, nan_k, k[:, :, 3]))
+        k = jnp.where((t % 7 == 2)[None, :, None], (k.astype(jnp.float32) * 2.0 ** 120).astype(bf), k)
+        k = k.at[:, :, 0].set(jnp.where(t % 7 == 3, jnp.inf, k[:, :, 0]).astype(bf))
+        r = jnp.arange(B * S).reshape(B, S)
+        w = w.at[:, :, 0].set(jnp.where(r % 3 == 1, _bf16_bits([0xFFC3])[0], w[:, :, 0]))
+        q = q.at[:, :, 2, 5].set(jnp.where(r % 3 == 2, _bf16_bits([0x7FA5])[0], q[:, :, 2, 5]))
+    return q, w, k, visible, valid
+
+
+def _halfway_share(q, k, s):
+    """Share of row s (sequence 0) qk values, exact in float64 (grid inputs), that lie exactly halfway between two
+    bf16 values (fp32 low half 0x8000), and the share that are fp32 subnormals bf16 must round (input design)."""
+    qk = np.asarray(q[0, s], np.float64) @ np.asarray(k[0], np.float64).T          # [Hi, T], exact
+    f = qk.astype(np.float32)
+    b = f.view(np.uint32)
+    sub = (f != 0) & (np.abs(f) < np.finfo(np.float32).tiny)
+    return float(np.mean((b & 0xFFFF) == 0x8000)), float(np.mean(sub & ((b & 0xFFFF) != 0)))
+
+
+_HW_JIT = {}   # (form, hw_round) -> jitted scorer, shared by the cases
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}S{}Hi{}Di{}T{}k{}".format(*c))
+@pytest.mark.parametrize("kind", ["grid", "normal", "ties", "subnormal", "nonfinite"])
+def test_hw_round_bit_identical(case, kind):
+    """``hw_round=True`` (the three bf16 roundings by the hardware convert, NaN bits selected as ``_bf16_rne``'s;
+    written 2026-12-06, session 17, CPU only) against the default integer rounding: the same uint32 bits for every
+    entry, in both forms (tile and row), on finite, exactly-halfway, subnormal and NaN / inf inputs. This is the
+    check that lets ``hw_round`` become the default (NOTES.md "Hardware bf16 rounding")."""
+    import functools
+
+    from dsflash.kernels import indexer_topk_triton as it
+    q, w, k, visible, valid = _hw_inputs(case, kind, zlib.crc32(repr((case, kind, "hw")).encode()))
+    if kind == "ties":
+        half, _ = _halfway_share(q, k, 0)
+        assert half > 0.01, half                       # the input exercises ties at the qk rounding
+    if kind == "subnormal":
+        _, sub = _halfway_share(q, k, 0)
+        assert sub > 0.01, sub                         # and inexact fp32 subnormals there
+    for form in ("tiles", "rows"):
+        f = {hw: _HW_JIT.setdefault((form, hw), jax.jit(functools.partial(it.indexer_scores_triton, form=form,
+                                                                          hw_round=hw))) for hw in (False, True)}
+        a = np.asarray(f[False](q, w, k, visible, valid))
+        b = np.asarray(f[True](q, w, k, visible, valid))
+        ua, ub = a.view(np.uint32), b.view(np.uint32)
+        bad = np.flatnonzero(ua != ub)
+        fin = np.isfinite(a)
+        print(f"{case} {kind} {form}: NaN {int(np.isnan(a).sum())}, +-inf {int(np.isinf(a).sum())}, subnormal "
+              f"{int(np.sum(fin & (a != 0) & (np.abs(a) < np.finfo(np.float32).tiny)))}, differing {bad.size}")
+        assert bad.size == 0, (form, bad.size, [(hex(x), hex(y)) for x, y in zip(ua.reshape(-1)[bad[:8]],
+                                                                                   ub.reshape(-1)[bad[:8]])])
+        if kind == "nonfinite":
+            assert np.isnan(a).any()
+        if kind == "subnormal":    # after the bits check: a flush to zero here leaves subnormal rounding untested
+            assert np.any(fin & (a != 0) & (np.abs(a) < np.finfo(np.float32).tiny)), "no subnormal score: flushed?"
 
 
 def test_one_row_decode_stays_on_xla():
