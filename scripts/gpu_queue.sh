@@ -11,7 +11,9 @@
 #   run(command="bash scripts/gpu_queue.sh ffi", carry=[".whl"])           # Triton FFI form vs legacy, ~5 min
 #   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop: legacy, FFI, FFI + WHILE, ~5 min
 #   run(command="bash scripts/gpu_queue.sh paged", carry=[".whl"])         # paged sparse attention: test + step, ~6 min
-#   run(command="bash scripts/gpu_queue.sh moe_prefill", carry=[".whl"])   # il prefill tile candidates + ncu DRAM bytes, ~7 min
+#   run(command="bash scripts/gpu_queue.sh moe_prefill", carry=[".whl"])   # launch-order bits, il prefill tiles, ncu bytes, ~8 min
+#   run(command="bash scripts/gpu_queue.sh indexer_hw", carry=[".whl"])    # indexer hw_round: GPU bits + A/B, ~4 min
+#   run(command="bash scripts/gpu_queue.sh adaptive_switch", carry=[".whl"])  # adaptive program-switch cost + batch 32, ~8 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -21,15 +23,20 @@
 # moe_decode: il decode configs (MOE_CONFIGS, comma-separated) at 1 / 32 / 64 x 6 rows, and Nsight Compute's stall
 #   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_*.log, ncu_summary.txt.
 # moe_prefill: il prefill tiles at 1024 / 4096 / 16384 tokens -- the three the serving bands use, the same with the
-#   column blocks launched fastest (_nf) and the 2026-12-06 candidates (experimental/moe_configs.py; PREFILL_CONFIGS
-#   overrides the list, e.g. adding sw_il_bm128_gu_xb,sw_il_bm64_gu_xb_s2) -- then Nsight Compute's DRAM bytes and
-#   L2 hit rate of sw_il_bm128's and sw_il_bm128_nf's kernels at 4096 tokens (NCU_MOE=0 skips them). Files:
-#   kernels_*.json, bench_moe_prefill.log, ncu_moe_prefill_*.log.
+#   column blocks launched fastest (_nf), grouped (_nf_g4 / _g8, session 17) and the split gate / up candidates
+#   (experimental/moe_configs.py; PREFILL_CONFIGS overrides the list), after the GPU test that the launch orders are
+#   bit-identical to their bases -- then Nsight Compute's DRAM bytes and L2 hit rate of NCU_CONFIGS' kernels at 4096
+#   tokens (default sw_il_bm128_nf and _nf_g8; NCU_MOE=0 skips them). Files: pytest_order.log, kernels_*.json,
+#   bench_moe_prefill.log, ncu_moe_prefill_*.log.
+# indexer_hw: tests/gpu/test_indexer.py -k hw_round, then `bench kernels --ops indexer --indexer-hw-round` at the
+#   4K / 16K causal prefill shapes (scripts/gpu_kernels_run.sh). Files: gpu_tests.log, bench.log, kernels_*.json.
+# adaptive_switch: scripts/adaptive_switch_cost.py at batch 32 (catch-up and switch costs), then `bench engine` at
+#   batch 32, 9 passes, chat then documentation prompts. Files: switch.json / .log, eng32_{chat,text}.json / .log.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -116,15 +123,17 @@ case $PART in
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
     MOE_CONFIGS=sw_il,sw_il_gu,sw_il_gu_xb,sw_il_bm32,sw_il_bm32_gu moe_bench sw_il_gu 3   # up, epilogue, down
     ;;
-  moe_prefill)  # session 16: wide il prefill candidates against the serving bands' tiles (predictions: NOTES), then
-                # the DRAM bytes behind the hypothesis that with M tiles launched fastest each column sweep re-reads
-                # all of x / h from DRAM (~9 GB a kernel at 4096 tokens; the _nf order should read ~1-2 GB)
+  moe_prefill)  # sessions 16-17: wide il prefill candidates against the serving bands' tiles (predictions: NOTES):
+                # the launch orders (n_fast, group_m) bit-identical to their bases on the GPU first, then the bench,
+                # then the DRAM bytes of the base and the _nf order (session 17's _nf profile crashed under ncu)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k launch_order > "$OUT/pytest_order.log" 2>&1
+    echo "== launch orders bit-identical (rc $?)"; tail -3 "$OUT/pytest_order.log"
     timeout 330 python3 -m dsflash.bench kernels --ops moe --tokens 1024,4096,16384 --quick --no-torch --out "$OUT" \
-      --prefill-configs ${PREFILL_CONFIGS:-sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb,sw_il_bm64_xb_nf,sw_il_bm128_nf,sw_il_bm128_xb_nf,sw_il_bm128_ksd3,sw_il_bm64_xb_s2} \
+      --prefill-configs ${PREFILL_CONFIGS:-sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_nf,sw_il_bm128_nf_g4,sw_il_bm128_nf_g8,sw_il_bm128_gu_xb,sw_il_bm128_gu_xb_nf,sw_il_bm64_gu_xb_s2} \
       > "$OUT/bench_moe_prefill.log" 2>&1
     echo "== bench kernels moe prefill (rc $?)"; grep -v '^{' "$OUT/bench_moe_prefill.log" | tail -14
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ "${NCU_MOE:-1}" != 0 ] && [ -n "$NCU" ] && for cn in sw_il_bm128:2 sw_il_bm128_nf:2; do   # config:launches a call
+    [ "${NCU_MOE:-1}" != 0 ] && [ -n "$NCU" ] && for cn in ${NCU_CONFIGS:-sw_il_bm128_nf:2 sw_il_bm128_nf_g8:2}; do   # config:launches
       c=${cn%:*} n=${cn#*:}     # profile the second call's launches (the first call compiles)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 100 "$NCU" --clock-control none --target-processes all \
         --kernel-name regex:_moe_ --launch-skip "$n" --launch-count "$n" \
@@ -132,6 +141,22 @@ case $PART in
         python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_moe_prefill_$c.log" 2>&1
       echo "== ncu $c T=4096 (rc $?)"
       grep -E "_moe_|gpu__time|dram__bytes|lts__t_sector|sm__throughput" "$OUT/ncu_moe_prefill_$c.log" | head -24
+    done
+    ;;
+  indexer_hw)   # session 17: the indexer scorer's opt-in hardware bf16 rounding, bits then time (NOTES "hw_round")
+    SKIP_TESTS=0 PYTEST_K="hw_round" TEST_TIMEOUT=240 BENCH_TIMEOUT=300 OUT="$OUT" bash scripts/gpu_kernels_run.sh \
+      --ops indexer --indexer-shapes 1x4096x4096,1x16384x16384 --indexer-hw-round --reps 3 > "$OUT/indexer_hw.log" 2>&1
+    echo "== indexer hw_round (rc $?)"; grep -E "passed|failed|hw-round|scores-only|same bits" "$OUT/indexer_hw.log" | tail -20
+    ;;
+  adaptive_switch)  # session 17: what switching the adaptive engine's decode programs costs (issue 23; NOTES)
+    timeout 200 python3 scripts/adaptive_switch_cost.py --batch 32 --parts catchup,switch --repeats 30 \
+      --json "$OUT/switch.json" > "$OUT/switch.log" 2>&1
+    echo "== switch cost (rc $?)"; tail -12 "$OUT/switch.log"
+    for set in chat text; do
+      timeout 170 python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens 64 \
+        --batches 32 --passes 9 --modes spec,adaptive,plain --json "$OUT/eng32_$set.json" \
+        --compilation-cache-dir /tmp/cc > "$OUT/eng32_$set.log" 2>&1
+      echo "== bench engine $set batch 32 (rc $?)"; grep -E "^\[|/ plain|decode phase" "$OUT/eng32_$set.log" | tail -9
     done
     ;;
   kernels)
@@ -143,6 +168,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -379,6 +379,13 @@ def _il_cases():
         (mt.fit_config(named_configs()["sw_il_bm128_xb_nf"], 256, 128), dict(T=64, k=6, E=3, seed=19)),
         (mt.fit_config(named_configs()["sw_il_bm64_xb_nf"], 256, 128), dict(T=48, k=4, E=2, seed=20)),
         (MC(**base, KS_UP=2, KS_DOWN=3, split_gate_up=True, n_fast=True), dict(T=40, k=3, E=3, I=384, seed=21)),
+        # groups of M tiles (group_m, with n_fast): the named BM 128 config (T 64 k 6 E 3: 4-6 tiles, so a short
+        # last group), BM 16 in groups of 4 with split gate / up and both GEMMs split along K (9+ tiles: two full
+        # groups and a short one), and the split gate / up BM 128 twin with the column blocks fastest
+        (mt.fit_config(named_configs()["sw_il_bm128_nf_g4"], 256, 128), dict(T=64, k=6, E=3, seed=22)),
+        (MC(**base, KS_UP=2, KS_DOWN=3, split_gate_up=True, n_fast=True, group_m=4),
+         dict(T=40, k=3, E=3, I=384, seed=23)),
+        (mt.fit_config(named_configs()["sw_il_bm128_gu_xb_nf"], 256, 128), dict(T=64, k=6, E=3, seed=24)),
     ]
 
 
@@ -386,7 +393,7 @@ def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0,
     """(o, h) of ``cfg`` as mma "swap_eo" on the checkpoint weights of ``check_il``'s problem."""
     import dataclasses
     sys.modules["jax_triton"] = _JtShim
-    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False, n_fast=False)
+    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False, n_fast=False, group_m=1)
     x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
     act_fp8 = precision == "reference"
     p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}

@@ -230,3 +230,21 @@ def test_n_fast_is_refused_outside_the_il_kernels():
     with pytest.raises(ValueError, match="65535"):                              # CUDA's grid y limit
         mt._grid(il, 70_000, 80, 1)
     assert mt._grid(moe_plan.named_config("sw_il_bm128"), 70_000, 80, 1) == (70_000, 80, 1)
+
+
+def test_group_m_needs_n_fast_and_the_il_kernels():
+    """group_m reorders an n_fast launch only: without n_fast, or on another family, it would be silently ignored by
+    the kernels, so the launcher names it; the grid is n_fast's (same programs, another order)."""
+    import dataclasses
+
+    from dsflash.kernels import moe_gemm_triton as mt
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(jax.random.PRNGKey(5), 5, 2, 4, 256, 128)
+    with pytest.raises(ValueError, match="group_m"):
+        mt._check_shapes(x, idx, w1, s1, w3, s3, w2, s2,
+                         dataclasses.replace(moe_plan.named_config("sw_eo_np"), group_m=4))
+    g4 = moe_plan.named_config("sw_il_bm128_nf_g4")
+    mt._check_shapes(x, idx, *L.repack_experts(w1, s1, w3, s3, w2, s2), g4)      # accepted on il weights
+    assert mt._grid(g4, 288, 80, 1) == (80, 288, 1)
+    for bad in (dataclasses.replace(g4, n_fast=False), dataclasses.replace(g4, group_m=0)):
+        with pytest.raises(ValueError, match="group_m"):
+            mt._grid(bad, 288, 80, 1)

@@ -114,11 +114,14 @@ def test_prefill_candidates_compile_without_spills(name):
         assert _blocks_per_sm(up) >= 3, (up.regs, up.smem)
 
 
-@pytest.mark.parametrize("name,base", [("sw_il_bm128_nf", "sw_il_bm128"), ("sw_il_bm64_xb_nf", "sw_il_bm64_xb")])
+@pytest.mark.parametrize("name,base", [("sw_il_bm128_nf", "sw_il_bm128"), ("sw_il_bm64_xb_nf", "sw_il_bm64_xb"),
+                                       ("sw_il_bm128_nf_g8", "sw_il_bm128"),
+                                       ("sw_il_bm128_gu_xb_nf", "sw_il_bm128_gu_xb")])
 def test_n_fast_swaps_the_grid_and_keeps_the_loop(name, base):
     """n_fast (column blocks launched fastest) changes which program id names the M tile, nothing else: the launch
     grids are the base config's with their first two axes swapped, no spills, and the hot loops within a few SASS of
-    the base config's (triton 3.6.0: 856 / 378 against 846 / 374 at BM 128)."""
+    the base config's (triton 3.6.0: 856 / 378 against 846 / 374 at BM 128). group_m (the grouped order) only adds
+    the program-id arithmetic before the loop."""
     new = {r.name: r for r in sm90_compile.moe_reports(name, 4096)}
     old = {r.name: r for r in sm90_compile.moe_reports(base, 4096)}
     assert set(new) == set(old), (set(new), set(old))

@@ -36,6 +36,10 @@ class MoeConfig:
                           # the programs in flight share a few token tiles (x / h read once from DRAM, L2 across the
                           # column blocks) instead of every tile of one column block (all of x / h streamed again
                           # for each of the I / 64 or d / 64 column blocks). Same programs, same math: bit-identical
+    group_m: int = 1      # with n_fast: groups of group_m M tiles, within a group the tiles fastest, then the column
+                          # blocks (Triton's grouped ordering), so the programs in flight also share column blocks:
+                          # an expert whose slots span several tiles of a group has its weights read once for them,
+                          # not once per tile (1: plain n_fast, column blocks fastest). Same programs: bit-identical
     split_gate_up: bool = False  # mma "swap_il": the gate rows (W1) and the up rows (W3) in separate programs (half
                           # the accumulators and decoded planes each, for more programs per SM); their fp32 sums meet
                           # in the split-K epilogue kernel, which applies SwiGLU exactly as the joint kernel does

@@ -96,8 +96,8 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         _il_kernels().check_config(cfg)
         if d % moe_layout.BK or I % moe_layout.BK:
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
-    elif cfg.split_gate_up or cfg.n_fast:
-        raise ValueError(f"split_gate_up / n_fast are variants of mma 'swap_il' only; got mma {cfg.mma!r}")
+    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1:
+        raise ValueError(f"split_gate_up / n_fast / group_m are variants of mma 'swap_il' only; got mma {cfg.mma!r}")
     else:
         dh = w1.shape[2]
         assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
@@ -149,6 +149,9 @@ def sk_plan(cfg: MoeConfig, S, E, d, I, act_fp8=True):
 def _grid(cfg: MoeConfig, tiles, blocks, splits):
     """A kind-"sk" launch grid: M tiles fastest (program_id 0), or with ``cfg.n_fast`` the column blocks fastest
     (the il kernels read their program ids the same way round: ``moe_layout_kernels._tile_il``)."""
+    if cfg.group_m < 1 or (cfg.group_m > 1 and not cfg.n_fast):
+        raise ValueError(f"group_m groups the M tiles of an n_fast launch: it needs n_fast and group_m >= 1; got "
+                         f"n_fast={cfg.n_fast}, group_m={cfg.group_m}")
     if cfg.n_fast and tiles > 65535:            # CUDA's grid y limit (x takes 2**31 - 1)
         raise ValueError(f"n_fast puts the M tiles on the grid's y axis (at most 65535); got {tiles} tiles: "
                          f"use a wider tile (BM) or a config without n_fast")

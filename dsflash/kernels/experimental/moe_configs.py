@@ -144,6 +144,15 @@ CONFIGS = {
                                    prefetch=False, act="bf16rt", n_fast=True),
     "sw_il_bm64_xb_nf": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
                                   prefetch=False, act="bf16rt", n_fast=True),
+    # * _g4 / _g8 (group_m; session 17): sw_il_bm128_nf measured (H100) 5 % faster than sw_il_bm128 at 4096 tokens and
+    #   22 % at 16384, its down kernel 3.56 -> ~2.8 ms at 4096 -- still ~7x its FP8-rate flops. With column blocks
+    #   fastest each expert's weights are read once per token tile (2-3 tiles per expert at 4096 tokens, ~8 at
+    #   16384: ~0.6 GB a read of all 96 experts' W2); launching groups of 4 / 8 tiles, tiles fastest within a group,
+    #   lets a group's tiles of one expert share each weight column block while their x / h stays in L2.
+    "sw_il_bm128_nf_g4": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                   prefetch=False, n_fast=True, group_m=4),
+    "sw_il_bm128_nf_g8": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                   prefetch=False, n_fast=True, group_m=8),
     "sw_il_bm128_ksd3": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                   prefetch=False, KS_UP=1, KS_DOWN=3),
     # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per
@@ -157,4 +166,8 @@ CONFIGS = {
                                    prefetch=False, split_gate_up=True, act="bf16rt"),
     "sw_il_bm64_gu_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
                                      prefetch=False, split_gate_up=True, act="bf16rt"),
+    # the spill-free split twin with the column blocks fastest (session 17: n_fast won above 128 slots per expert;
+    # the gu configs read x twice as often, which n_fast's L2 reuse should absorb)
+    "sw_il_bm128_gu_xb_nf": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                      prefetch=False, split_gate_up=True, act="bf16rt", n_fast=True),
 }

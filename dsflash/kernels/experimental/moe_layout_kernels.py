@@ -145,10 +145,22 @@ def _il_x_slab(xq_ptr, xs_ptr, tok, k0, D: tl.constexpr, BM: tl.constexpr, BK: t
 
 
 @triton.jit
-def _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.constexpr, NF: tl.constexpr):
+def _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.constexpr, NF: tl.constexpr,
+             GM: tl.constexpr):
     """``moe_gemm_kernels._tile`` with the grid's first two axes chosen by NF (config ``n_fast``): 0 = M tile
-    ``program_id(0)``, column block ``program_id(1)``; 1 = the other way round (column blocks launch fastest)."""
-    if NF:
+    ``program_id(0)``, column block ``program_id(1)``; 1 = the other way round (column blocks launch fastest). GM > 1
+    (config ``group_m``, with NF): the launch order read as groups of GM M tiles, each group's tiles fastest and then
+    its column blocks; the last group may be short. Every (tile, block) pair is still one program."""
+    if NF and GM > 1:
+        nbs = tl.num_programs(0)
+        lin = tl.program_id(1) * nbs + tl.program_id(0)      # the launch order: program_id(0) fastest
+        per = GM * nbs
+        first = (lin // per) * GM
+        gs = tl.minimum(tl.num_programs(1) - first, GM)
+        within = lin % per
+        t = first + within % gs
+        nb = within // gs
+    elif NF:
         t = tl.program_id(1)
         nb = tl.program_id(0)
     else:
@@ -164,7 +176,7 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                       ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
-                      NF: tl.constexpr):
+                      NF: tl.constexpr, GM: tl.constexpr):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
 
     GU (config ``split_gate_up``): the gate and up rows in separate programs -- column block ``nb`` <
@@ -172,7 +184,7 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     (about half the registers of the joint loop), and writes its fp32 sums to the gate or up half of the partials
     [KS, S, 2, I] (``h_ptr``) that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same order and the same
     SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split."""
-    e, _, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF)
+    e, _, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
     if GU:
@@ -217,9 +229,9 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         o_ptr,
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                        DECODE: tl.constexpr, NF: tl.constexpr):
+                        DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr):
     """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2."""
-    e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF)
+    e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
     rows_c = tl.where(rmask, rows, r0).to(tl.int64)     # clamp: padded rows re-read a valid row
@@ -282,7 +294,7 @@ def il_kernels(cfg, *, d, I, dec):
     kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
     return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec,
-                                                        NF=int(cfg.n_fast))
+                                                        NF=int(cfg.n_fast), GM=cfg.group_m)
 
 
 def il_up_constexprs(cfg):
