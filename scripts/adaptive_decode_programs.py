@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaptive_common import endless_decode_inputs
+
 
 def programs(model, batch, args):
     from dsflash.serve.engine import LLMEngine
@@ -38,11 +40,7 @@ def caller(eng, d, pos0):
     from dsflash.serve.engine.packed import to_host
     r = eng.runner
     S_ = r.S
-    inp = r.empty_decode_inputs()
-    inp["page_table"] = np.arange(S_ * r.P, dtype=np.int32).reshape(S_, r.P) % eng.geo.num_pages
-    inp["row_steps"][:] = r.max_iters
-    inp["sp"] = {k: v.copy() for k, v in inp["sp"].items()}
-    inp["sp"]["max_gen"][:] = 10**6
+    inp = endless_decode_inputs(eng)
     fn = r._compiled[("decode", d)]
 
     def call():

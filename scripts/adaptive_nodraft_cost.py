@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaptive_common import endless_decode_inputs
+
 
 def build(model, mode, args):
     from dsflash.serve.engine import LLMEngine
@@ -71,11 +73,7 @@ def caller(eng, fn, pos0):
     from dsflash.serve.engine.packed import to_host
     r = eng.runner
     S_ = r.S
-    inp = r.empty_decode_inputs()
-    inp["page_table"] = np.arange(S_ * r.P, dtype=np.int32).reshape(S_, r.P) % eng.geo.num_pages
-    inp["row_steps"][:] = r.max_iters
-    inp["sp"] = {k: v.copy() for k, v in inp["sp"].items()}
-    inp["sp"]["max_gen"][:] = 10**6
+    inp = endless_decode_inputs(eng)
 
     def call():
         rows = {k: jnp.array(v) for k, v in jax.device_get(r.rows).items()}

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from adaptive_common import endless_decode_inputs
+
 
 def build(model, mode, args, **kw):
     from dsflash.serve.engine import LLMEngine
@@ -63,13 +65,9 @@ def _interleaved(calls, repeats):
 
 def catchup(eng, args, out):
     r = eng.runner
-    pt = jnp.asarray(np.arange(r.S * r.P, dtype=np.int32).reshape(r.S, r.P) % eng.geo.num_pages)
+    inp = endless_decode_inputs(eng)
+    pt = jnp.asarray(inp["page_table"])
     f = jax.jit(lambda p, st, rows: r._catch_up_context(p, st, rows, pt))
-    inp = r.empty_decode_inputs()
-    inp["page_table"] = np.asarray(pt)
-    inp["row_steps"][:] = r.max_iters
-    inp["sp"] = {k: v.copy() for k, v in inp["sp"].items()}
-    inp["sp"]["max_gen"][:] = 10**6
 
     def cu(stale):
         def call():
@@ -101,11 +99,7 @@ def catchup(eng, args, out):
 def programs(eng, args, out):
     from dsflash.serve.engine.packed import to_host
     r = eng.runner
-    inp = r.empty_decode_inputs()
-    inp["page_table"] = np.arange(r.S * r.P, dtype=np.int32).reshape(r.S, r.P) % eng.geo.num_pages
-    inp["row_steps"][:] = r.max_iters
-    inp["sp"] = {k: v.copy() for k, v in inp["sp"].items()}
-    inp["sp"]["max_gen"][:] = 10**6
+    inp = endless_decode_inputs(eng)
 
     def caller(d, stale):
         def call():
@@ -129,11 +123,7 @@ def switch(eng, args, out):
     leaves it or set current / behind by hand: separates the program switch from the catch-up."""
     from dsflash.serve.engine.packed import to_host
     r = eng.runner
-    inp = r.empty_decode_inputs()
-    inp["page_table"] = np.arange(r.S * r.P, dtype=np.int32).reshape(r.S, r.P) % eng.geo.num_pages
-    inp["row_steps"][:] = r.max_iters
-    inp["sp"] = {k: v.copy() for k, v in inp["sp"].items()}
-    inp["sp"]["max_gen"][:] = 10**6
+    inp = endless_decode_inputs(eng)
 
     def run(d, rows):
         r.state, r.rows, res = r._compiled[("decode", d)](r.params, r.state, rows, r.place(inp))

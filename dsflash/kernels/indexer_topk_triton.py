@@ -98,6 +98,31 @@ def _tile_scores(q, w, kt, BS: tl.constexpr, Hi: tl.constexpr, BT: tl.constexpr,
 
 
 @triton.jit
+def _block_qw(q_ptr, w_ptr, b, s0, S: tl.constexpr, Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr):
+    """The block's BS query rows x Hi heads stacked into M (m = row * Hi + head): q [BS*Hi, Di], w [BS*Hi] fp32;
+    rows past S load zeros."""
+    offs_m = tl.arange(0, BS * Hi)
+    qrow = s0 + offs_m // Hi
+    qmask = qrow < S
+    q = tl.load(q_ptr + ((b * S + qrow) * Hi + offs_m % Hi)[:, None] * Di + tl.arange(0, Di)[None, :],
+                mask=qmask[:, None], other=0.0)
+    w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
+    return q, w
+
+
+@triton.jit
+def _store_scores(sc, o_ptr, cand_ptr, b, rows, rmask, lim, t, tmask, S: tl.constexpr, T: tl.constexpr,
+                  HAS_CAND: tl.constexpr):
+    """One tile's scores [BS, BT] stored, -inf where the entry is not visible to the row (t >= lim) or outside
+    the candidate set."""
+    ok = t[None, :] < lim[:, None]
+    out = (b * S + rows)[:, None] * T + t[None, :]
+    if HAS_CAND:
+        ok = ok & (tl.load(cand_ptr + out, mask=rmask[:, None] & tmask[None, :], other=0) != 0)
+    tl.store(o_ptr + out, tl.where(ok, sc, float("-inf")), mask=rmask[:, None] & tmask[None, :])
+
+
+@triton.jit
 def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.constexpr, T: tl.constexpr,
                           Hi: tl.constexpr, Di: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
                           HAS_CAND: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr,
@@ -108,23 +133,13 @@ def _indexer_score_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S: tl.c
     s0 = (tl.program_id(0) % nsb) * BS
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     tmask = t < T
-    offs_m = tl.arange(0, BS * Hi)                      # m = row * Hi + head
-    qrow = s0 + offs_m // Hi
-    qmask = qrow < S
-    offs_d = tl.arange(0, Di)
-    q = tl.load(q_ptr + ((b * S + qrow) * Hi + offs_m % Hi)[:, None] * Di + offs_d[None, :],
-                mask=qmask[:, None], other=0.0)
-    kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + offs_d[None, :], mask=tmask[:, None], other=0.0)
-    w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
+    q, w = _block_qw(q_ptr, w_ptr, b, s0, S, Hi, Di, BS)
+    kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + tl.arange(0, Di)[None, :], mask=tmask[:, None], other=0.0)
     sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE, HW_ROUND)
     rows = s0 + tl.arange(0, BS)
     rmask = rows < S
     lim = tl.load(lim_ptr + b * S + rows, mask=rmask, other=0)
-    ok = t[None, :] < lim[:, None]
-    out = (b * S + rows)[:, None] * T + t[None, :]
-    if HAS_CAND:
-        ok = ok & (tl.load(cand_ptr + out, mask=rmask[:, None] & tmask[None, :], other=0) != 0)
-    tl.store(o_ptr + out, tl.where(ok, sc, float("-inf")), mask=rmask[:, None] & tmask[None, :])
+    _store_scores(sc, o_ptr, cand_ptr, b, rows, rmask, lim, t, tmask, S, T, HAS_CAND)
 
 
 @triton.jit
@@ -139,13 +154,8 @@ def _indexer_score_rows_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S:
     nsb = tl.cdiv(S, BS)
     b = (tl.program_id(0) // nsb).to(tl.int64)
     s0 = (nsb - 1 - tl.program_id(0) % nsb) * BS
-    offs_m = tl.arange(0, BS * Hi)                      # m = row * Hi + head
-    qrow = s0 + offs_m // Hi
-    qmask = qrow < S
+    q, w = _block_qw(q_ptr, w_ptr, b, s0, S, Hi, Di, BS)
     offs_d = tl.arange(0, Di)
-    q = tl.load(q_ptr + ((b * S + qrow) * Hi + offs_m % Hi)[:, None] * Di + offs_d[None, :],
-                mask=qmask[:, None], other=0.0)
-    w = tl.load(w_ptr + (b * S + qrow) * Hi + offs_m % Hi, mask=qmask, other=0.0).to(tl.float32)
     rows = s0 + tl.arange(0, BS)
     rmask = rows < S
     lim = tl.load(lim_ptr + b * S + rows, mask=rmask, other=0)
@@ -163,11 +173,7 @@ def _indexer_score_rows_kernel(q_ptr, w_ptr, k_ptr, lim_ptr, cand_ptr, o_ptr, S:
         tmask = t < T
         kt = tl.load(k_ptr + (b * T + t)[:, None] * Di + offs_d[None, :], mask=tmask[:, None], other=0.0)
         sc = _tile_scores(q, w, kt, BS, Hi, BT, ROUND, IEEE, HW_ROUND)
-        ok = t[None, :] < lim[:, None]
-        out = (b * S + rows)[:, None] * T + t[None, :]
-        if HAS_CAND:
-            ok = ok & (tl.load(cand_ptr + out, mask=rmask[:, None] & tmask[None, :], other=0) != 0)
-        tl.store(o_ptr + out, tl.where(ok, sc, float("-inf")), mask=rmask[:, None] & tmask[None, :])
+        _store_scores(sc, o_ptr, cand_ptr, b, rows, rmask, lim, t, tmask, S, T, HAS_CAND)
 
 
 def launch_params(S, Hi, T):
