@@ -28,10 +28,8 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from adaptive_common import endless_decode_inputs
+from adaptive_common import iteration_timer
 
 
 def build(model, mode, args):
@@ -70,23 +68,7 @@ def variant(eng, name):
 
 
 def caller(eng, fn, pos0):
-    from dsflash.serve.engine.packed import to_host
-    r = eng.runner
-    S_ = r.S
-    inp = endless_decode_inputs(eng)
-
-    def call():
-        rows = {k: jnp.array(v) for k, v in jax.device_get(r.rows).items()}
-        rows.update(active=jnp.ones((S_,), bool), pos=jnp.full((S_,), pos0, jnp.int32),
-                    y=jnp.full((S_,), 7, jnp.int32), n_gen=jnp.zeros((S_,), jnp.int32))
-        if "ctx_pos" in rows:
-            rows["ctx_pos"] = jnp.full((S_,), pos0, jnp.int32)
-        jax.block_until_ready((rows, r.state))
-        t = time.perf_counter()
-        r.state, r.rows, res = fn(r.params, r.state, rows, r.place(inp))
-        res = to_host(res)
-        return (time.perf_counter() - t) / int(res["iters"])
-    return call
+    return iteration_timer(eng, fn, pos0)
 
 
 def programs(model, args, out):
