@@ -216,11 +216,7 @@ def hw_round_supported():
     fp32 -> bf16 casts truncate (0x3F818000 -> 0x3F810000 where RNE gives 0x3F820000; 0x7F7FFFFF stays finite).
     There it is refused rather than silently run on the integer path: a fallback would let an interpreter check of
     ``hw_round=True`` pass while checking the other path."""
-    try:
-        return not triton.knobs.runtime.interpret
-    except AttributeError:   # older triton: the same switch
-        import os
-        return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+    return not triton.knobs.runtime.interpret     # (triton is pinned to 3.6, which has the knob)
 
 
 def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, form="auto",
