@@ -56,15 +56,17 @@ def test_prefill_calls_run_the_row_form(monkeypatch):
         _launch(monkeypatch, 1, 64, 256, form="row")
 
 
-def test_hw_round_is_opt_in_and_reaches_both_forms(monkeypatch):
-    """``hw_round`` (hardware bf16 rounding, NOT YET RUN ON A GPU) is off by default, reaches the kernel as
-    HW_ROUND 1 in both forms when asked, is ignored for fp32 inputs (no rounding there), and is refused in Triton's
-    interpreter (its casts truncate: it would neither run nor check the hardware path)."""
+def test_hw_round_is_the_default_off_the_interpreter_and_reaches_both_forms(monkeypatch):
+    """``hw_round`` (hardware bf16 rounding; GPU bit-identity test passed 2026-12-06) is on by default where it can
+    run, reaches the kernel as HW_ROUND 1 in both forms, can be turned off, is ignored for fp32 inputs (no rounding
+    there), and in Triton's interpreter is off by default and refused when asked (its casts truncate: it would
+    neither run nor check the hardware path)."""
     for S, kernel in ((6, it._indexer_score_kernel), (4096, it._indexer_score_rows_kernel)):
-        off = _launch(monkeypatch, 1, S, 4096)
+        off = _launch(monkeypatch, 1, S, 4096, hw_round=False)
         on = _launch(monkeypatch, 1, S, 4096, hw_round=True)
-        assert off["kernel"] is on["kernel"] is kernel and off["grid"] == on["grid"]
-        assert off["HW_ROUND"] == 0 and on["HW_ROUND"] == 1 and on["ROUND"] == 1
+        default = _launch(monkeypatch, 1, S, 4096)
+        assert off["kernel"] is on["kernel"] is default["kernel"] is kernel and off["grid"] == on["grid"]
+        assert off["HW_ROUND"] == 0 and on["HW_ROUND"] == 1 and on["ROUND"] == 1 and default["HW_ROUND"] == 1
     f32 = _launch(monkeypatch, 1, 64, 256, dtype=jnp.float32, hw_round=True)
     assert f32["HW_ROUND"] == 0 and f32["ROUND"] == 0
     assert it.hw_round_supported()
@@ -72,7 +74,7 @@ def test_hw_round_is_opt_in_and_reaches_both_forms(monkeypatch):
     assert not it.hw_round_supported()
     with pytest.raises(ValueError, match="interpreter"):
         _launch(monkeypatch, 1, 64, 256, hw_round=True)
-    assert _launch(monkeypatch, 1, 64, 256)["HW_ROUND"] == 0          # the default still runs there
+    assert _launch(monkeypatch, 1, 64, 256)["HW_ROUND"] == 0          # the default runs there, integer rounding
 
 
 @pytest.fixture(scope="module")

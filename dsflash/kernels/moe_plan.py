@@ -103,7 +103,9 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
 IL_DECODE_CONFIG_NAME = "sw_il"
 # (largest slots per expert, config) in order; above the last: IL_WIDE_CONFIG_NAME
 IL_BANDS = ((8, "sw_il"), (32, "sw_il_bm32"), (64, "sw_il_bm64_xb"), (128, "sw_il_bm128_xb"))
-IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf"
+# Session 18 (one H100, 2026-12-06, kernels_20261206_h100_s18_moe_prefill_g8.json): grouping 8 M tiles per column
+# block ("_g8", MoeConfig.group_m) -- 4096 tokens bm128_nf 6.53 / _g4 6.42 / _g8 6.21, 16384 19.11 / 19.50 / 19.23.
+IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf_g8"
 
 
 def pick_config(rows: int, experts: int, act_fp8: bool = True, layout: str = "checkpoint") -> MoeConfig:

@@ -14,7 +14,8 @@ First H200 run (2026-11-30, commit 199278b): the poison call returned -0. everyw
 stopped at 4 failures): the kernel's integer bf16 rounding carried the GPU's canonical NaN 0x7FFFFFFF into the
 sign bit. Fixed in the kernel (NaN kept, relu NaN-propagating like jnp.maximum); checked in the interpreter,
 not yet re-run here.
-test_hw_round_bit_identical (written 2026-12-06, session 17, not yet run): ``hw_round=True`` (hardware bf16
+test_hw_round_bit_identical (written 2026-12-06, session 17; 25 passed on one H100 the same day, session 18, so
+hw_round became the default on a GPU): ``hw_round=True`` (hardware bf16
 rounding) must give the default's bits in both forms on grid, normal, exactly-halfway, subnormal and NaN / inf
 inputs."""
 import zlib
