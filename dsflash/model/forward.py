@@ -51,14 +51,24 @@ def embed_streams(params, tokens, cfg, precision):
     return X, p
 
 
-def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None, valid=None):
-    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre, expert load [E])."""
+def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None, valid=None,
+          pending=None, defer=False):
+    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre, expert load [E]).
+
+    ``pending`` (then ``X`` is None): the previous block's deferred last expand ``(z, X1, post, comb)``, done here
+    in the same fused pass as this block's first coefficients and collapse (as ``post_mix`` does between the two
+    sublayers) instead of as a separate op whose output the next op reads back. ``defer``: return that tuple in
+    place of X'' for the next block (``expand_pending`` materialises it). Same math either way: the XLA backend
+    runs the separate pieces in the same order."""
     pre = f"{name}"
     # mHC at the two sublayer boundaries as fused ops: pre_mix = coefficients(X) + collapse(X, p); post_mix =
     # expand, then coefficients + collapse of the result. The XLA backend computes exactly the separate pieces;
     # the fused Triton kernel runs where kernels/dispatch.py says (its "mhc" crossover table).
-    hx, (a_pre, a_post, a_comb) = mhc.pre_mix(X, p, params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"],
-                                              params[f"{pre}.hc_attn_scale"], cfg, precision, backend)
+    attn_hc = (params[f"{pre}.hc_attn_fn"], params[f"{pre}.hc_attn_base"], params[f"{pre}.hc_attn_scale"])
+    if pending is None:
+        hx, (a_pre, a_post, a_comb) = mhc.pre_mix(X, p, *attn_hc, cfg, precision, backend)
+    else:
+        X, hx, (a_pre, a_post, a_comb) = mhc.post_mix(*pending, p, *attn_hc, cfg, precision, backend)
     x = rms_norm(hx, params[f"{pre}.attn_norm.weight"], cfg.rms_norm_eps, precision)
     y = attn_fn(x)
     X1, hf, (f_pre, f_post, f_comb) = mhc.post_mix(y, X, a_post, a_comb, a_pre, params[f"{pre}.hc_ffn_fn"],
@@ -66,7 +76,14 @@ def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, rou
                                                    precision, backend)
     h = rms_norm(hf, params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
     z, load = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn, valid=valid)
+    if defer:
+        return (z, X1, f_post, f_comb), f_pre, load
     return mhc.expand(z, X1, f_post, f_comb, precision), f_pre, load
+
+
+def expand_pending(X, pending, precision):
+    """X itself, or the streams a deferred last expand ``(z, X1, post, comb)`` stands for."""
+    return X if pending is None else mhc.expand(*pending, precision)
 
 
 def engram_step(params, cfg, k, layer, X, batch, cids_ext, precision):
@@ -144,10 +161,16 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
     taps = {}
     loads = []
     tail_rows = None
+    # Each block's last expand is deferred into the next block's first fused mHC pass (``block``'s ``pending``):
+    # at 4096 prefill tokens the separate expand was a 0.4 ms XLA op a layer (one H100, session 18). It is
+    # materialised where something else reads the streams (tail view, Engram, DSpark taps, the head).
+    pending = None
     dec_ctx = make_ctx(batch, opts, batch.dec_floor)
     for l in range(L):
         name = f"layers.{l}"
         comp_x = comp_ctx = None
+        if pending is not None and (l == switch_at or l in cfg.engram_layer_ids or l in cfg.dspark_target_layer_ids):
+            X, pending = expand_pending(X, pending, prec), None
         if l == switch_at:
             tail_rows, tctx = tail_view(batch, ctx, opts.replay_tail)
             X_full, p_full, ctx_full = X, p, dec_ctx
@@ -172,10 +195,12 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
             y, state, shared = csa_attention(params, cfg, l, x, ctx, state, shared, comp_x, comp_ctx)
             return y
 
-        X, p, load = block(params, cfg, name, X, p, attn_fn, prec, opts.backend, routed_fn=routed_fn,
-                           valid=ctx.valid)
+        nxt, p, load = block(params, cfg, name, None if pending is not None else X, p, attn_fn, prec, opts.backend,
+                             routed_fn=routed_fn, valid=ctx.valid, pending=pending, defer=True)
+        X, pending = None, nxt
         loads.append(load)
 
+    X = expand_pending(X, pending, prec)
     h = rms_norm(mhc.collapse(X, p, prec), params["norm.weight"], cfg.rms_norm_eps, prec)
     out = {}
     lengths = ctx.lengths
