@@ -52,8 +52,9 @@ def embed_streams(params, tokens, cfg, precision):
 
 
 def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, routed_fn=None, valid=None,
-          pending=None, defer=False):
-    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre, expert load [E]).
+          pending=None, defer=False, with_input=False):
+    """One block with the delayed mHC wiring (SPEC §7): returns (X'', f_pre, expert load [E]) (``with_input``:
+    and the block's input streams X, last).
 
     ``pending`` (then ``X`` is None): the previous block's deferred last expand ``(z, X1, post, comb)``, done here
     in the same fused pass as this block's first coefficients and collapse (as ``post_mix`` does between the two
@@ -76,9 +77,8 @@ def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, rou
                                                    precision, backend)
     h = rms_norm(hf, params[f"{pre}.ffn_norm.weight"], cfg.rms_norm_eps, precision)
     z, load = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn, valid=valid)
-    if defer:
-        return (z, X1, f_post, f_comb), f_pre, load
-    return mhc.expand(z, X1, f_post, f_comb, precision), f_pre, load
+    out = (z, X1, f_post, f_comb) if defer else mhc.expand(z, X1, f_post, f_comb, precision)
+    return (out, f_pre, load, X) if with_input else (out, f_pre, load)
 
 
 def expand_pending(X, pending, precision):
@@ -161,15 +161,16 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
     taps = {}
     loads = []
     tail_rows = None
-    # Each block's last expand is deferred into the next block's first fused mHC pass (``block``'s ``pending``):
-    # at 4096 prefill tokens the separate expand was a 0.4 ms XLA op a layer (one H100, session 18). It is
-    # materialised where something else reads the streams (tail view, Engram, DSpark taps, the head).
+    # Each block's last expand is deferred into the next block's first fused mHC pass (``block``'s ``pending``),
+    # so it is not a separate op whose output the next one reads back. It is materialised where something else
+    # changes or selects the streams (tail view, Engram) and for the head; DSpark's taps read the streams the
+    # next block's fused pass wrote.
     pending = None
     dec_ctx = make_ctx(batch, opts, batch.dec_floor)
     for l in range(L):
         name = f"layers.{l}"
         comp_x = comp_ctx = None
-        if pending is not None and (l == switch_at or l in cfg.engram_layer_ids or l in cfg.dspark_target_layer_ids):
+        if pending is not None and (l == switch_at or l in cfg.engram_layer_ids):
             X, pending = expand_pending(X, pending, prec), None
         if l == switch_at:
             tail_rows, tctx = tail_view(batch, ctx, opts.replay_tail)
@@ -187,16 +188,17 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
             ctx = dec_ctx
         if l in cfg.engram_layer_ids:
             X = engram_step(params, cfg, cfg.engram_index(l), l, X, batch, cids_ext, prec)
-        if l in cfg.dspark_target_layer_ids:
-            taps[l] = jnp.mean(X.astype(jnp.float32), axis=-2).astype(act_dtype(prec))
 
         def attn_fn(x, l=l, ctx=ctx, comp_x=comp_x, comp_ctx=comp_ctx):
             nonlocal state, shared
             y, state, shared = csa_attention(params, cfg, l, x, ctx, state, shared, comp_x, comp_ctx)
             return y
 
-        nxt, p, load = block(params, cfg, name, None if pending is not None else X, p, attn_fn, prec, opts.backend,
-                             routed_fn=routed_fn, valid=ctx.valid, pending=pending, defer=True)
+        nxt, p, load, X_in = block(params, cfg, name, None if pending is not None else X, p, attn_fn, prec,
+                                   opts.backend, routed_fn=routed_fn, valid=ctx.valid, pending=pending, defer=True,
+                                   with_input=True)
+        if l in cfg.dspark_target_layer_ids:
+            taps[l] = jnp.mean(X_in.astype(jnp.float32), axis=-2).astype(act_dtype(prec))
         X, pending = None, nxt
         loads.append(load)
 
