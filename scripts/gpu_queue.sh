@@ -14,6 +14,9 @@
 #   run(command="bash scripts/gpu_queue.sh moe_prefill", carry=[".whl"])   # launch-order bits, il prefill tiles, ncu bytes, ~8 min
 #   run(command="bash scripts/gpu_queue.sh indexer_hw", carry=[".whl"])    # indexer hw_round: GPU bits + A/B, ~4 min
 #   run(command="bash scripts/gpu_queue.sh adaptive_switch", carry=[".whl"])  # adaptive program-switch cost + batch 32, ~8 min
+#   run(command="bash scripts/gpu_queue.sh moe_stalls", carry=[".whl"])    # ncu stall / pipe sections of the il prefill kernels, ~3 min
+#   run(command="bash scripts/gpu_queue.sh decode_glue", carry=[".whl"])   # decode step + its HLO's concatenation fusions, ~3 min
+#   run(command="bash scripts/gpu_queue.sh spec_long", carry=[".whl"])     # issue 23: batch 32, 256-token outputs, ~8 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -32,11 +35,18 @@
 #   4K / 16K causal prefill shapes (scripts/gpu_kernels_run.sh). Files: gpu_tests.log, bench.log, kernels_*.json.
 # adaptive_switch: scripts/adaptive_switch_cost.py at batch 32 (catch-up and switch costs), then `bench engine` at
 #   batch 32, 9 passes, chat then documentation prompts. Files: switch.json / .log, eng32_{chat,text}.json / .log.
+# moe_stalls: Nsight Compute's SpeedOfLight / WarpStateStats / SchedulerStats / ComputeWorkloadAnalysis /
+#   InstructionStats / Occupancy sections of the il prefill kernels at 4096 tokens (NCU_CONFIGS, default the serving
+#   sw_il_bm128_nf_g8). Files: ncu_stalls_*.log.
+# decode_glue: gpu_step_profile at 32 x 6 @ 4K with --dump-hlo, then the HLO lines of its input_concatenate fusions.
+#   Files: step_glue.log, step_profile.json, hlo_*.txt.
+# spec_long: `bench engine --model demo` at batch 32 with 256-token outputs, 5 passes, chat then documentation
+#   prompts. Files: eng32long_{chat,text}.json / .log.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -159,6 +169,34 @@ case $PART in
       echo "== bench engine $set batch 32 (rc $?)"; grep -E "^\[|/ plain|decode phase" "$OUT/eng32_$set.log" | tail -9
     done
     ;;
+  moe_stalls)   # session 18: why the il prefill kernels run at 150-250 TFLOP/s with their bytes in L2 (NOTES "Session
+                # 18"): Nsight Compute's warp-state, scheduler, pipe and instruction sections of up + down at 4096 tokens
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8}; do
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
+        --kernel-name regex:_moe_ --launch-skip 2 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy \
+        python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_stalls_$c.log" 2>&1
+      echo "== ncu stalls $c T=4096 (rc $?)"
+      grep -E "_moe_|Duration|Stall|Issue Slot|Issued Ipc|Pipe|Executed Ipc|No Eligible|Achieved Occ|Registers" \
+        "$OUT/ncu_stalls_$c.log" | head -60
+    done
+    ;;
+  decode_glue)  # session 18: which XLA fusions the 32 x 6 decode step's concatenations are (0.42 ms a step in four
+                # input_concatenate fusions, sparse_attention / kv_gather / attention_other scopes): the HLO beside them
+    timeout 300 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 32@4096 \
+      --variants moeil --profile-no-cb --dump-hlo --out "$OUT" > "$OUT/step_glue.log" 2>&1
+    echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_glue.log" | grep -E "^==|^sparse_att|^kv_gather|^attention_other|^decode" | head
+    for f in "$OUT"/hlo_*.txt; do grep -E "^ *(ROOT )?%?input_concatenate_fusion(\.[0-9]+)? = " "$f" | cut -c1-400; done
+    ;;
+  spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
+    for set in chat text; do
+      timeout 260 python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens 256 \
+        --batches 32 --passes 5 --modes spec,adaptive,plain --json "$OUT/eng32long_$set.json" \
+        --compilation-cache-dir /tmp/cc > "$OUT/eng32long_$set.log" 2>&1
+      echo "== bench engine $set batch 32, 256 tokens (rc $?)"; grep -E "^\[|/ plain|decode phase" "$OUT/eng32long_$set.log" | tail -9
+    done
+    ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
     echo "== chunking (rc $?)"; tail -3 "$OUT/pytest_chunking.log"
@@ -168,6 +206,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
