@@ -22,6 +22,15 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
         # decode-only steps: a subset of the run's steps and iterations, each with its own time
         d = r["decode_phase"]
         assert 0 < d["steps"] < r["steps"] and 0 < d["iters"] <= r["decode_iters"] and d["ms_per_iter"] > 0
+        # every step by kind: the kinds add up to the run's steps, iterations, emitted and prefilled tokens
+        ph = r["phases"]
+        assert ph["decode"]["steps"] == d["steps"] and ph["decode"]["iters"] == d["iters"]
+        assert ph["mixed"]["steps"] > 0 and ph["decode"]["prompt_tokens"] == 0
+        assert sum(v["steps"] for v in ph.values()) == r["steps"]
+        assert sum(v["iters"] for v in ph.values()) == r["decode_iters"]
+        assert sum(v["generated"] for v in ph.values()) == r["generated_tokens"]
+        assert sum(v["prompt_tokens"] for v in ph.values()) == 3 * 8
+        assert abs(sum(v["s"] for v in ph.values()) - r["elapsed_s"]) < 0.5 * r["elapsed_s"]
         assert r["compiles_after_warmup"] == 0
     # the toy draft often agrees with the toy target: fewer iterations than tokens per sequence
     assert spec["mean_acceptance_length"] > 1.2 and spec["decode_iters"] < plain["decode_iters"]
@@ -32,7 +41,7 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
                - (b["forward_block1_with_context_ms"] + b["propose_ms"]) / b["forward_1_ms"]) < 1e-9
     assert "iteration_breakdown" not in plain
     text = capsys.readouterr().out
-    assert "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive / plain tokens/s" in text
+    assert "by step kind: mixed" in text and "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive / plain tokens/s" in text
 
 
 def test_chat_prompts_are_held_out_first_turns_as_served():

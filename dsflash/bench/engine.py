@@ -183,6 +183,9 @@ def run_mode(model, args, mode: str) -> dict:
                         seed=args.seed)
 
     decode_phase = {"steps": 0, "iters": 0, "s": 0.0}
+    # every step by kind: "mixed" (a prefill call in it) or "decode" (decode-only); what each kind costs and emits
+    phase_keys = ("steps", "s", "generated", "prompt_tokens", "iters")
+    phases = {k: dict.fromkeys(phase_keys, 0) for k in ("mixed", "decode")}
 
     def one_pass(tag):
         for i, p in enumerate(prompts):
@@ -198,12 +201,20 @@ def run_mode(model, args, mode: str) -> dict:
                 if o.finished:
                     n_tok += len(o.outputs[0].token_ids)
             after = eng.metrics_snapshot()
+            mixed = after["num_prefill_calls"] > before["num_prefill_calls"]
+            d_iters = after["num_decode_iters"] - before["num_decode_iters"]
             # a decode-only step (no prefill call in it): its wall time is the engine's decode iteration cost
-            if after["num_prefill_calls"] == before["num_prefill_calls"] and \
-                    after["num_decode_iters"] > before["num_decode_iters"]:
+            if not mixed and d_iters > 0:
                 decode_phase["steps"] += 1
-                decode_phase["iters"] += after["num_decode_iters"] - before["num_decode_iters"]
+                decode_phase["iters"] += d_iters
                 decode_phase["s"] += te - ts
+            if mixed or d_iters > 0:
+                ph = phases["mixed" if mixed else "decode"]
+                ph["steps"] += 1
+                ph["s"] += te - ts
+                ph["iters"] += d_iters
+                ph["generated"] += after["generation_tokens"] - before["generation_tokens"]
+                ph["prompt_tokens"] += after["computed_prompt_tokens"] - before["computed_prompt_tokens"]
             before = after
         return n_tok, time.perf_counter() - t
 
@@ -212,11 +223,14 @@ def run_mode(model, args, mode: str) -> dict:
     passes = []
     while cmd == "pass":
         decode_phase.update(steps=0, iters=0, s=0.0)
+        for ph in phases.values():
+            ph.update(dict.fromkeys(phase_keys, 0))
         m0 = eng.metrics_snapshot()
         n_tok, dt = one_pass(f"run{len(passes)}")
-        passes.append((dt, n_tok, m0, eng.metrics_snapshot(), dict(decode_phase)))
+        passes.append((dt, n_tok, m0, eng.metrics_snapshot(), dict(decode_phase),
+                       {k: dict(v) for k, v in phases.items()}))
         cmd = yield
-    dt, n_tok, m0, m, dph = sorted(passes, key=lambda r: r[0])[len(passes) // 2]     # the median pass
+    dt, n_tok, m0, m, dph, phs = sorted(passes, key=lambda r: r[0])[len(passes) // 2]     # the median pass
     decode_phase.update(dph)
     steps = m["num_steps"] - m0["num_steps"]
     host = m["host_time_s"][-steps:] if steps else []
@@ -239,6 +253,10 @@ def run_mode(model, args, mode: str) -> dict:
         "decode_phase": {"steps": decode_phase["steps"], "iters": decode_phase["iters"],
                          "ms_per_iter": 1e3 * decode_phase["s"] / decode_phase["iters"] if decode_phase["iters"]
                          else None},
+        # the median pass's steps by kind (mixed: with a prefill call), each with its time and the tokens it emitted
+        # and prefilled: where a mode's time goes against another's
+        "phases": {k: dict(v, ms_per_step=1e3 * v["s"] / v["steps"] if v["steps"] else None,
+                           generated_per_s=v["generated"] / v["s"] if v["s"] else None) for k, v in phs.items()},
         "drafts": drafts, "draft_tokens": drafts * eng.k, "accepted_tokens": acc,
         "acceptance_rate": acc / (drafts * eng.k) if drafts else 0.0,
         "mean_acceptance_length": 1 + acc / drafts if drafts else 0.0,
@@ -280,6 +298,10 @@ def run_modes(m, args, modes) -> list:
         if dp["ms_per_iter"] is not None:
             print(f"        decode phase: {dp['ms_per_iter']:.2f} ms per decode iteration over {dp['steps']} decode-only "
                   f"steps ({dp['iters']} iterations)")
+        print("        by step kind: " + "; ".join(
+            f"{k} {v['steps']} steps {1e3 * v['s']:.1f} ms ({v['ms_per_step'] or 0:.2f} ms each), {v['iters']} decode "
+            f"iterations, {v['generated']} tokens emitted, {v['prompt_tokens']} prompt tokens"
+            for k, v in r["phases"].items()))
         print(f"        {r['kernels']}")
         if r["speculative"]:
             pp = " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_pos"])
