@@ -386,6 +386,10 @@ def _il_cases():
         (MC(**base, KS_UP=2, KS_DOWN=3, split_gate_up=True, n_fast=True, group_m=4),
          dict(T=40, k=3, E=3, I=384, seed=23)),
         (mt.fit_config(named_configs()["sw_il_bm128_gu_xb_nf"], 256, 128), dict(T=64, k=6, E=3, seed=24)),
+        # h in plane order (plane_h, session 18): the named wide tile (I 128: both column blocks of one slab) and its
+        # 2-stage down launch at I 384 (three slabs: the slab offset of each block's two runs)
+        (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp"], 256, 128), dict(T=64, k=6, E=3, seed=25)),
+        (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp_sd2"], 256, 384), dict(T=64, k=6, E=3, I=384, seed=26)),
     ]
 
 
@@ -393,7 +397,8 @@ def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0,
     """(o, h) of ``cfg`` as mma "swap_eo" on the checkpoint weights of ``check_il``'s problem."""
     import dataclasses
     sys.modules["jax_triton"] = _JtShim
-    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False, n_fast=False, group_m=1)
+    eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False, n_fast=False, group_m=1,
+                             plane_h=False)
     x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
     act_fp8 = precision == "reference"
     p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}
@@ -441,6 +446,9 @@ def check_il(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0, li
     mt._check_shapes(x, idx, *iw, il)
     o_il, h_il, _ = mt._launch(p, *iw, T=T, k=k, d=d, I=I, E=E, limit=limit, act_fp8=act_fp8, cfg=il)
     o_eo, o_il, h_eo, h_il = (np.asarray(a) for a in (o_eo, o_il, h_eo, h_il))
+    if il.plane_h:                  # the launcher's h is in plane order (routed_moe_triton un-permutes it too)
+        from dsflash.kernels.experimental.moe_layout_kernels import h_from_planes
+        h_il = h_from_planes(h_il)
     o_same = bool(np.array_equal(o_eo.view(np.uint16), o_il.view(np.uint16)))     # bf16 (or its uint16 bits)
     h_same = bool(np.array_equal(h_eo.view(np.uint16), h_il.view(np.uint16)))
     out = o_il.astype(np.float32).reshape(T, k, d).sum(1)

@@ -92,7 +92,8 @@ def _blocks_per_sm(r):
     return int(sm90_compile._occupancy(r.regs, r.num_warps, r.smem).split()[0])
 
 
-@pytest.mark.parametrize("name", ["sw_il_bm128_ksd3", "sw_il_bm64_xb_s2", "sw_il_bm128_gu_xb", "sw_il_bm64_gu_xb_s2"])
+@pytest.mark.parametrize("name", ["sw_il_bm128_ksd3", "sw_il_bm64_xb_s2", "sw_il_bm128_gu_xb", "sw_il_bm64_gu_xb_s2",
+                                  "sw_il_bm128_nf_g8_hp", "sw_il_bm128_nf_g8_hp_sd2"])
 def test_prefill_candidates_compile_without_spills(name):
     """The 2026-12-06 prefill candidates (experimental/moe_configs.py) at 4096 tokens: every launch spill-free, the
     GEMMs on wgmma, and the facts each was added for (triton 3.6.0: NOTES.md / the helper's table) -- the split down
@@ -112,6 +113,15 @@ def test_prefill_candidates_compile_without_spills(name):
         assert _blocks_per_sm(down) >= 4, (down.regs, down.smem)
     if name == "sw_il_bm64_gu_xb_s2":
         assert _blocks_per_sm(up) >= 3, (up.regs, up.smem)
+    if "_hp" in name:
+        # plane_h (session 18): h's two planes staged straight into the wgmma operand, so the down loop has no even /
+        # odd split (PRMT), no store back (STS) and no LDS of h (triton 3.6.0: 377 -> 265 SASS, 208 -> 167 registers)
+        lp = down.main_loop
+        assert lp.ops["PRMT"] == 0 and lp.ops["STS"] == 0 and lp.ops["LDS"] <= 8, dict(lp.ops)
+        assert lp.n < 0.75 * 377 and down.regs <= 168, (lp.n, down.regs)
+        assert up.main_loop.n <= 1.02 * 840, up.main_loop.n          # the up loop unchanged (its h store permuted)
+    if name.endswith("_sd2"):
+        assert down.num_stages == 2 and up.num_stages == 3 and _blocks_per_sm(down) >= 3, (down.regs, down.smem)
 
 
 @pytest.mark.parametrize("name,base", [("sw_il_bm128_nf", "sw_il_bm128"), ("sw_il_bm64_xb_nf", "sw_il_bm64_xb"),

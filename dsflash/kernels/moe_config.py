@@ -43,6 +43,12 @@ class MoeConfig:
     split_gate_up: bool = False  # mma "swap_il": the gate rows (W1) and the up rows (W3) in separate programs (half
                           # the accumulators and decoded planes each, for more programs per SM); their fp32 sums meet
                           # in the split-K epilogue kernel, which applies SwiGLU exactly as the joint kernel does
+    plane_h: bool = False # mma "swap_il", KS_UP 1, joint gate / up: h stored with each 128-wide K slab as its 64 even
+                          # then 64 odd elements, so the down kernel's wgmma B planes load straight into shared memory
+                          # (no in-register even / odd split + store back per column block). Same operands, same
+                          # dots: o bit-identical; h is un-permuted when returned as an intermediate
+    stages_down: int = 0  # num_stages of the down launch (0: ``stages``); plane_h's down loop fits 3 programs per SM
+                          # at 2 stages while its up kernel spills there
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)

@@ -109,6 +109,13 @@ def _fp8_roundtrip_store_bf16(h, q_ptr, rows, rmask, offs_n, NCOLS: tl.constexpr
                               BN: tl.constexpr):
     """h (fp32 holding bf16 values) -> its FP8 E4M3 per-32 round trip (quant.fp8_roundtrip), stored as bf16.
     Exact: codes have 4 significant bits and the scales are powers of two, so code * scale is a bf16 value."""
+    r = _fp8_roundtrip_bf16(h, BM, BN)
+    tl.store(q_ptr + rows[:, None] * NCOLS + offs_n[None, :], r.to(tl.bfloat16), mask=rmask[:, None])
+
+
+@triton.jit
+def _fp8_roundtrip_bf16(h, BM: tl.constexpr, BN: tl.constexpr):
+    """``_fp8_roundtrip_store_bf16``'s values (fp32 [BM, BN] holding bf16 values), not stored."""
     NB: tl.constexpr = BN // 32
     h3 = tl.reshape(h, (BM, NB, 32))
     amax = tl.max(tl.abs(h3), axis=2)
@@ -118,8 +125,7 @@ def _fp8_roundtrip_store_bf16(h, q_ptr, rows, rmask, offs_n, NCOLS: tl.constexpr
     s = (e << 23).to(tl.float32, bitcast=True)
     inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
     q = _round_e4m3(tl.minimum(tl.maximum(h3 * inv[:, :, None], -448.0), 448.0))
-    r = tl.reshape(q * s[:, :, None], (BM, BN))
-    tl.store(q_ptr + rows[:, None] * NCOLS + offs_n[None, :], r.to(tl.bfloat16), mask=rmask[:, None])
+    return tl.reshape(q * s[:, :, None], (BM, BN))
 
 
 @triton.jit

@@ -96,8 +96,9 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         _il_kernels().check_config(cfg)
         if d % moe_layout.BK or I % moe_layout.BK:
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
-    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1:
-        raise ValueError(f"split_gate_up / n_fast / group_m are variants of mma 'swap_il' only; got mma {cfg.mma!r}")
+    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h:
+        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h are variants of mma 'swap_il' only; got mma "
+                         f"{cfg.mma!r}")
     else:
         dh = w1.shape[2]
         assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)
@@ -182,6 +183,9 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
                                            act_fp8=act_fp8, cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)
     else:
         kern_up, kern_down, common = _experimental().sk_kernels(cfg, mma, d=d, I=I, dec=dec)
+    if cfg.plane_h and (ks_up != 1 or cfg.split_gate_up):
+        raise ValueError(f"plane_h is written by the joint up kernel's own epilogue: it needs KS_UP 1 and no "
+                         f"split_gate_up; got ks_up={ks_up}, split_gate_up={cfg.split_gate_up}")
     if ks_up == 1 and not cfg.split_gate_up:    # (split gate / up rows always go through the partials)
         hq, hs = jt.triton_call(
             *up_args, kernel=kern_up, out_shape=h_shapes,
@@ -198,12 +202,12 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     if ks_down == 1:
         o = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
-            grid=_grid(cfg, TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            grid=_grid(cfg, TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages_down or cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=1, **common)
     else:
         part = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
-            grid=_grid(cfg, TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages,
+            grid=_grid(cfg, TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages_down or cfg.stages,
             S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
         o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)
     return o, hq, hs
@@ -237,6 +241,8 @@ def routed_moe_triton(x, idx, weight, w1, s1, w3, s3, w2, s2, *, limit, precisio
     local = ((idx >= 0) & (idx < E)).reshape(T, k, 1)
     out = jnp.sum(jnp.where(local, o.reshape(T, k, d).astype(jnp.float32), 0.0), axis=1)
     if return_intermediates:
+        if cfg.plane_h:     # back to the natural column order, so h compares with every other config's
+            hq = _il_kernels().h_from_planes(hq)
         return out, dict(p, hq=hq, hs=hs, o=o)
     return out
 

@@ -153,6 +153,14 @@ CONFIGS = {
                                    prefetch=False, n_fast=True, group_m=4),
     "sw_il_bm128_nf_g8": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                    prefetch=False, n_fast=True, group_m=8),
+    # * _hp (plane_h; session 18, CPU only): the serving wide tile with h in plane order, so the down kernel's loop
+    #   loses the in-register even / odd split of h (16 LDS.128 + 64 PRMT + 32 STS.64 + one fence a slab: NOTES.md
+    #   "MoE prefill kernels' instruction stream"); the up kernel's loop is unchanged (its h store is permuted).
+    "sw_il_bm128_nf_g8_hp": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                      prefetch=False, n_fast=True, group_m=8, plane_h=True),
+    #   ... and its down launch at 2 stages (167 -> 168 registers, 105 -> 68 KB: 3 programs per SM instead of 2)
+    "sw_il_bm128_nf_g8_hp_sd2": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                          stages_down=2, prefetch=False, n_fast=True, group_m=8, plane_h=True),
     "sw_il_bm128_ksd3": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                   prefetch=False, KS_UP=1, KS_DOWN=3),
     # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per

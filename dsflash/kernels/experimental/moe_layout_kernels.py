@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels import moe_layout
-from dsflash.kernels.moe_gemm_kernels import _fp8_dequant_bf16, _sw_down_out, _sw_up_out, _tile_at
+from dsflash.kernels.moe_gemm_kernels import (_fp8_dequant_bf16, _fp8_roundtrip_bf16, _sw_down_out, _sw_up_out,
+                                              _swiglu_h, _tile_at)
 from dsflash.kernels.triton_common import _dot_bf16
 
 # the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
@@ -145,6 +146,29 @@ def _il_x_slab(xq_ptr, xs_ptr, tok, k0, D: tl.constexpr, BM: tl.constexpr, BK: t
 
 
 @triton.jit
+def _il_up_out_planes(acc_g, acc_u, rw_ptr, h_ptr, rows, rmask, nb, I: tl.constexpr, LIMIT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, HOUT: tl.constexpr):
+    """``_sw_up_out`` at KS 1 (HOUT 1 / 2: bf16 h) with h stored in plane order: the block's even columns as one
+    contiguous run, its odd ones as another 64 columns on (per-element scattered stores spilled the up kernel)."""
+    rw = tl.load(rw_ptr + rows, mask=rmask, other=0.0)
+    hb = _swiglu_h(tl.trans(acc_g), tl.trans(acc_u), rw, LIMIT)
+    if HOUT == 1:
+        hb = _fp8_roundtrip_bf16(hb, BM, BN)
+    he, ho = tl.split(tl.reshape(hb.to(tl.bfloat16), (BM, BN // 2, 2)))
+    c0 = nb * BN
+    base = h_ptr + rows[:, None] * I + ((c0 // 128) * 128 + (c0 % 128) // 2 + tl.arange(0, BN // 2))[None, :]
+    tl.store(base, he, mask=rmask[:, None])
+    tl.store(base + 64, ho, mask=rmask[:, None])
+
+
+def h_from_planes(h):
+    """h in plane order (within each 128-wide K slab column 2j at j, 2j + 1 at 64 + j: the order of ``_il_mma``'s
+    two dots) back to the natural column order (JAX): [S, I] -> [S, I]."""
+    S, I = h.shape
+    return h.reshape(S, I // 128, 2, 64).transpose(0, 1, 3, 2).reshape(S, I)
+
+
+@triton.jit
 def _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM: tl.constexpr, BN: tl.constexpr, NF: tl.constexpr,
              GM: tl.constexpr):
     """``moe_gemm_kernels._tile`` with the grid's first two axes chosen by NF (config ``n_fast``): 0 = M tile
@@ -176,7 +200,7 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                       ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
-                      NF: tl.constexpr, GM: tl.constexpr):
+                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
 
     GU (config ``split_gate_up``): the gate and up rows in separate programs -- column block ``nb`` <
@@ -219,6 +243,8 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     if GU:
         base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + up * I + offs_n[:, None]
         tl.store(base, acc_g, mask=rmask[None, :])
+    elif HP:
+        _il_up_out_planes(acc_g, acc_u, rw_ptr, h_ptr, rows, rmask, nb, I, LIMIT, BM, BN, HOUT)
     else:
         _sw_up_out(acc_g, acc_u, rw_ptr, h_ptr, hs_ptr, rows, rmask, offs_n, nb, ks, S, I, LIMIT, BM, BN, KS, HOUT)
 
@@ -229,8 +255,10 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         o_ptr,
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                        DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr):
-    """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2."""
+                        DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0):
+    """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2.
+    HP: h in plane order (``h_from_planes``): the two B planes are plain tile loads that Triton stages straight into
+    the wgmma's shared-memory operand, instead of one [BM, 128] load split in registers and stored back."""
     e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -246,8 +274,16 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     for i in tl.range(0, KCH // BK):
         k0 = kbeg + i * BK
         pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
-        ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
-        acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
+        if HP:
+            hrow = h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK // 2)[None, :]
+            he = tl.load(hrow)
+            ho = tl.load(hrow + BK // 2)
+            wl, wo = _il_planes(pw, sw, BN, DECODE)
+            acc += _dot_bf16(wl, tl.trans(he), DECODE)
+            acc += _dot_bf16(wo, tl.trans(ho), DECODE)
+        else:
+            ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
+            acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
     _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
 
 
@@ -294,7 +330,7 @@ def il_kernels(cfg, *, d, I, dec):
     kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
     return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec,
-                                                        NF=int(cfg.n_fast), GM=cfg.group_m)
+                                                        NF=int(cfg.n_fast), GM=cfg.group_m, HP=int(cfg.plane_h))
 
 
 def il_up_constexprs(cfg):
