@@ -202,13 +202,13 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     if ks_down == 1:
         o = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
-            grid=_grid(cfg, TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down, num_stages=cfg.stages_down or cfg.stages,
-            S=S, BN=cfg.BN_DOWN, KS=1, **common)
+            grid=_grid(cfg, TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down,
+            num_stages=cfg.stages_down or cfg.stages, S=S, BN=cfg.BN_DOWN, KS=1, **common)
     else:
         part = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
-            grid=_grid(cfg, TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down, num_stages=cfg.stages_down or cfg.stages,
-            S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
+            grid=_grid(cfg, TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down,
+            num_stages=cfg.stages_down or cfg.stages, S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
         o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)
     return o, hq, hs
 
