@@ -66,6 +66,16 @@ steps() {   # name, timeout, then gpu_engine_steps arguments
   cp "$OUT/$name/engine_steps.json" "$OUT/steps_$name.json" 2>/dev/null; rm -rf "${OUT:?}/$name"
 }
 
+eng32() {     # `bench engine --model demo` at batch 32, chat then documentation prompts: tag, max tokens, passes, timeout
+  for set in chat text; do
+    timeout "$4" python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens "$2" \
+      --batches 32 --passes "$3" --modes spec,adaptive,plain --json "$OUT/$1_$set.json" \
+      --compilation-cache-dir /tmp/cc > "$OUT/$1_$set.log" 2>&1
+    echo "== bench engine $set batch 32, $2 tokens (rc $?)"
+    grep -E "^\[|/ plain|decode phase|by step kind" "$OUT/$1_$set.log" | tail -12
+  done
+}
+
 moe_bench() {  # decode configs (MOE_CONFIGS) at 1 / 32 / 64 x 6 rows, then ncu's stall reasons on one config at 192 tokens
   timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
     --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
@@ -162,15 +172,10 @@ case $PART in
     timeout 200 python3 scripts/adaptive_switch_cost.py --batch 32 --parts catchup,switch --repeats 30 \
       --json "$OUT/switch.json" > "$OUT/switch.log" 2>&1
     echo "== switch cost (rc $?)"; tail -12 "$OUT/switch.log"
-    for set in chat text; do
-      timeout 170 python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens 64 \
-        --batches 32 --passes 9 --modes spec,adaptive,plain --json "$OUT/eng32_$set.json" \
-        --compilation-cache-dir /tmp/cc > "$OUT/eng32_$set.log" 2>&1
-      echo "== bench engine $set batch 32 (rc $?)"; grep -E "^\[|/ plain|decode phase" "$OUT/eng32_$set.log" | tail -9
-    done
+    eng32 eng32 64 9 170
     ;;
-  moe_stalls)   # session 18: why the il prefill kernels run at 150-250 TFLOP/s with their bytes in L2 (NOTES "Session
-                # 18"): Nsight Compute's warp-state, scheduler, pipe and instruction sections of up + down at 4096 tokens
+  moe_stalls)   # session 18: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2
+                # (NOTES "Session 18"): Nsight Compute's warp-state, scheduler, pipe and instruction sections of up + down at 4096 tokens
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8}; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
@@ -190,12 +195,7 @@ case $PART in
     for f in "$OUT"/hlo_*.txt; do grep -E "^ *(ROOT )?%?input_concatenate_fusion(\.[0-9]+)? = " "$f" | cut -c1-400; done
     ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
-    for set in chat text; do
-      timeout 260 python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens 256 \
-        --batches 32 --passes 5 --modes spec,adaptive,plain --json "$OUT/eng32long_$set.json" \
-        --compilation-cache-dir /tmp/cc > "$OUT/eng32long_$set.log" 2>&1
-      echo "== bench engine $set batch 32, 256 tokens (rc $?)"; grep -E "^\[|/ plain|decode phase" "$OUT/eng32long_$set.log" | tail -9
-    done
+    eng32 eng32long 256 5 260
     ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
