@@ -51,3 +51,20 @@ def test_the_last_expand_runs_in_the_next_blocks_fused_pass(monkeypatch, replay)
                      "pre_mix": 1 + len(own),                     # layer 0 and after each materialisation
                      "post_mix": L + (L - 1 - len(own))}, (calls, sorted(own))
     assert set(cfg.dspark_target_layer_ids) - own, "no DSpark tap layer keeps the deferral: taps untested here"
+
+
+def test_the_head_expands_only_the_last_rows(monkeypatch):
+    """With logits "last" only each sequence's last row reaches the head, so the last expand, collapse and norm run
+    on those rows (B x 1), not on every token of the chunk; with "all" on every row."""
+    cfg = preset("tiny")
+    for logits, rows in (("last", 1), ("all", S)):
+        shapes = []
+        orig = mhc.expand
+
+        def recorded(y, *a, **k):
+            shapes.append(y.shape)
+            return orig(y, *a, **k)
+        monkeypatch.setattr(mhc, "expand", recorded)
+        _count_calls(monkeypatch, cfg, logits=logits)       # (wraps the recorder; the head's expand is the last)
+        monkeypatch.setattr(mhc, "expand", orig)
+        assert shapes[-1] == (2, rows, cfg.hidden_size), (logits, shapes)

@@ -202,16 +202,23 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
         X, pending = None, nxt
         loads.append(load)
 
-    X = expand_pending(X, pending, prec)
-    h = rms_norm(mhc.collapse(X, p, prec), params["norm.weight"], cfg.rms_norm_eps, prec)
     out = {}
     lengths = ctx.lengths
+    if opts.logits == "last":
+        # only each sequence's last row reaches the head: take it before the last expand, collapse and norm (per-row
+        # ops, so the same values) instead of running those over every token of a prefill chunk
+        last = jnp.maximum(lengths - 1, 0)[:, None]
+        if pending is None:
+            X = _take_rows(X, last)
+        else:
+            pending = tuple(_take_rows(a, last) for a in pending)
+        p = _take_rows(p, last)
+    X = expand_pending(X, pending, prec)
+    h = rms_norm(mhc.collapse(X, p, prec), params["norm.weight"], cfg.rms_norm_eps, prec)
     if opts.logits == "all":
         out["logits"] = linear_f32(h, params["head.weight"])
     elif opts.logits == "last":
-        last = jnp.maximum(lengths - 1, 0)
-        hl = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-        out["logits"] = head_logits(hl, params["head.weight"])
+        out["logits"] = head_logits(h[:, 0], params["head.weight"])
     if opts.expert_load:
         out["expert_load"] = jnp.stack(loads)      # [L, E] tokens per expert (padding / idle rows excluded)
     if opts.taps:
