@@ -182,7 +182,6 @@ def run_mode(model, args, mode: str) -> dict:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=not args.chat_prompts,
                         seed=args.seed)
 
-    decode_phase = {"steps": 0, "iters": 0, "s": 0.0}
     # every step by kind: "mixed" (a prefill call in it) or "decode" (decode-only); what each kind costs and emits
     phase_keys = ("steps", "s", "generated", "prompt_tokens", "iters")
     phases = {k: dict.fromkeys(phase_keys, 0) for k in ("mixed", "decode")}
@@ -204,10 +203,6 @@ def run_mode(model, args, mode: str) -> dict:
             mixed = after["num_prefill_calls"] > before["num_prefill_calls"]
             d_iters = after["num_decode_iters"] - before["num_decode_iters"]
             # a decode-only step (no prefill call in it): its wall time is the engine's decode iteration cost
-            if not mixed and d_iters > 0:
-                decode_phase["steps"] += 1
-                decode_phase["iters"] += d_iters
-                decode_phase["s"] += te - ts
             if mixed or d_iters > 0:
                 ph = phases["mixed" if mixed else "decode"]
                 ph["steps"] += 1
@@ -222,16 +217,14 @@ def run_mode(model, args, mode: str) -> dict:
     cmd = yield                                # built and warm: the caller interleaves the modes' passes
     passes = []
     while cmd == "pass":
-        decode_phase.update(steps=0, iters=0, s=0.0)
         for ph in phases.values():
             ph.update(dict.fromkeys(phase_keys, 0))
         m0 = eng.metrics_snapshot()
         n_tok, dt = one_pass(f"run{len(passes)}")
-        passes.append((dt, n_tok, m0, eng.metrics_snapshot(), dict(decode_phase),
-                       {k: dict(v) for k, v in phases.items()}))
+        passes.append((dt, n_tok, m0, eng.metrics_snapshot(), {k: dict(v) for k, v in phases.items()}))
         cmd = yield
-    dt, n_tok, m0, m, dph, phs = sorted(passes, key=lambda r: r[0])[len(passes) // 2]     # the median pass
-    decode_phase.update(dph)
+    dt, n_tok, m0, m, phs = sorted(passes, key=lambda r: r[0])[len(passes) // 2]     # the median pass
+    decode_phase = phs["decode"]
     steps = m["num_steps"] - m0["num_steps"]
     host = m["host_time_s"][-steps:] if steps else []
     drafts = m["spec_num_drafts"] - m0["spec_num_drafts"]

@@ -59,8 +59,8 @@ def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, rou
     ``pending`` (then ``X`` is None): the previous block's deferred last expand ``(z, X1, post, comb)``, done here
     in the same fused pass as this block's first coefficients and collapse (as ``post_mix`` does between the two
     sublayers) instead of as a separate op whose output the next op reads back. ``defer``: return that tuple in
-    place of X'' for the next block (``expand_pending`` materialises it). Same math either way: the XLA backend
-    runs the separate pieces in the same order."""
+    place of X'' for the next block (``mhc.expand(*pending)`` materialises it). Same math either way: the XLA
+    backend runs the separate pieces in the same order."""
     pre = f"{name}"
     # mHC at the two sublayer boundaries as fused ops: pre_mix = coefficients(X) + collapse(X, p); post_mix =
     # expand, then coefficients + collapse of the result. The XLA backend computes exactly the separate pieces;
@@ -79,11 +79,6 @@ def block(params, cfg, name, X, p, attn_fn, precision, backend, draft=False, rou
     z, load = moe(h, params, f"{pre}.ffn", cfg, precision, backend, draft=draft, routed_fn=routed_fn, valid=valid)
     out = (z, X1, f_post, f_comb) if defer else mhc.expand(z, X1, f_post, f_comb, precision)
     return (out, f_pre, load, X) if with_input else (out, f_pre, load)
-
-
-def expand_pending(X, pending, precision):
-    """X itself, or the streams a deferred last expand ``(z, X1, post, comb)`` stands for."""
-    return X if pending is None else mhc.expand(*pending, precision)
 
 
 def engram_step(params, cfg, k, layer, X, batch, cids_ext, precision):
@@ -171,7 +166,7 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
         name = f"layers.{l}"
         comp_x = comp_ctx = None
         if pending is not None and (l == switch_at or l in cfg.engram_layer_ids):
-            X, pending = expand_pending(X, pending, prec), None
+            X, pending = mhc.expand(*pending, prec), None
         if l == switch_at:
             tail_rows, tctx = tail_view(batch, ctx, opts.replay_tail)
             X_full, p_full, ctx_full = X, p, dec_ctx
@@ -208,12 +203,9 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
         # only each sequence's last row reaches the head: take it before the last expand, collapse and norm (per-row
         # ops, so the same values) instead of running those over every token of a prefill chunk
         last = jnp.maximum(lengths - 1, 0)[:, None]
-        if pending is None:
-            X = _take_rows(X, last)
-        else:
-            pending = tuple(_take_rows(a, last) for a in pending)
+        pending = tuple(_take_rows(a, last) for a in pending)     # (every block defers: pending is set here)
         p = _take_rows(p, last)
-    X = expand_pending(X, pending, prec)
+    X = mhc.expand(*pending, prec)
     h = rms_norm(mhc.collapse(X, p, prec), params["norm.weight"], cfg.rms_norm_eps, prec)
     if opts.logits == "all":
         out["logits"] = linear_f32(h, params["head.weight"])
