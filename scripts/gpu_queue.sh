@@ -66,10 +66,10 @@ steps() {   # name, timeout, then gpu_engine_steps arguments
   cp "$OUT/$name/engine_steps.json" "$OUT/steps_$name.json" 2>/dev/null; rm -rf "${OUT:?}/$name"
 }
 
-eng32() {     # `bench engine --model demo` at batch 32, chat then documentation prompts: tag, max tokens, passes, timeout
+eng32() {     # `bench engine --model demo` at batch 32, chat then documentation prompts: tag, max tokens, passes, timeout[, max model len]
   for set in chat text; do
     timeout "$4" python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 --max-tokens "$2" \
-      --batches 32 --passes "$3" --modes spec,adaptive,plain --json "$OUT/$1_$set.json" \
+      --max-model-len "${5:-256}" --batches 32 --passes "$3" --modes spec,adaptive,plain --json "$OUT/$1_$set.json" \
       --compilation-cache-dir /tmp/cc > "$OUT/$1_$set.log" 2>&1
     echo "== bench engine $set batch 32, $2 tokens (rc $?)"
     grep -E "^\[|/ plain|decode phase|by step kind" "$OUT/$1_$set.log" | tail -12
@@ -195,7 +195,7 @@ case $PART in
     for f in "$OUT"/hlo_*.txt; do grep -E "^ *(ROOT )?%?input_concatenate_fusion(\.[0-9]+)? = " "$f" | cut -c1-400; done
     ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
-    eng32 eng32long 256 5 260
+    eng32 eng32long 256 5 260 384   # prompts up to 128 tokens (chat) / 48 (documentation) + 256 out
     ;;
   kernels)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_model_prefill_chunking.py > "$OUT/pytest_chunking.log" 2>&1
