@@ -390,6 +390,11 @@ def _il_cases():
         # 2-stage down launch at I 384 (three slabs: the slab offset of each block's two runs)
         (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp"], 256, 128), dict(T=64, k=6, E=3, seed=25)),
         (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp_sd2"], 256, 384), dict(T=64, k=6, E=3, I=384, seed=26)),
+        # x in plane order too (plane_x, session 19): the named wide tile at I 384 (d 256: the dequant kernel writes
+        # both of x's slabs from one program), and at precision "bf16" (x reordered in JAX, no dequant) at BM 32
+        (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp_xp"], 256, 384), dict(T=64, k=6, E=3, I=384, seed=27)),
+        (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1, act="bf16rt", plane_x=True),
+         dict(T=40, k=3, E=3, seed=28, precision="bf16")),
     ]
 
 
@@ -398,7 +403,7 @@ def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0,
     import dataclasses
     sys.modules["jax_triton"] = _JtShim
     eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False, n_fast=False, group_m=1,
-                             plane_h=False)
+                             plane_h=False, plane_x=False)
     x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
     act_fp8 = precision == "reference"
     p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}

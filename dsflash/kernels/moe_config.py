@@ -47,6 +47,10 @@ class MoeConfig:
                           # then 64 odd elements, so the down kernel's wgmma B planes load straight into shared memory
                           # (no in-register even / odd split + store back per column block). Same operands, same
                           # dots: o bit-identical; h is un-permuted when returned as an intermediate
+    plane_x: bool = False # mma "swap_il", act "bf16rt": x dequantised once (or, at precision "bf16", taken as it is)
+                          # into plane order (each 128-wide K slab as its 64 even then 64 odd elements), so the up
+                          # kernel's wgmma B planes load straight into shared memory (no in-register even / odd split
+                          # + store back per column block, which also spilled at BM 128). Same dots: bit-identical
     stages_down: int = 0  # num_stages of the down launch (0: ``stages``); plane_h's down loop fits 3 programs per SM
                           # at 2 stages while its up kernel spills there
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32

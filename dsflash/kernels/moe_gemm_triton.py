@@ -96,8 +96,9 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         _il_kernels().check_config(cfg)
         if d % moe_layout.BK or I % moe_layout.BK:
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
-    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h:
-        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h are variants of mma 'swap_il' only; got mma "
+    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h or cfg.plane_x:
+        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h / plane_x are variants of mma 'swap_il' only; "
+                         f"got mma "
                          f"{cfg.mma!r}")
     else:
         dh = w1.shape[2]
@@ -176,8 +177,10 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
         kern_up, kern_down, common = _il_kernels().il_kernels(cfg, d=d, I=I, dec=dec)
         up_only = _il_kernels().il_up_constexprs(cfg)
         if act_fp8 and cfg.act == "bf16rt":    # x dequantised once, not in each column tile's loop
-            up_args = (_il_kernels().x_dequant(jt, p["xq"], p["xs"]),) + up_args[1:]
+            up_args = (_il_kernels().x_dequant(jt, p["xq"], p["xs"], planes=cfg.plane_x),) + up_args[1:]
             x_fp8 = False                       # the up kernel's x only: h still travels as sk_plan says
+        elif cfg.plane_x:                       # precision "bf16": x is bf16 already, only reordered
+            up_args = (_il_kernels().to_planes(p["xq"]),) + up_args[1:]
     elif mma == 2:
         return _experimental().launch_gemv(jt, p, up_args, w2, s2, h_shapes, S=S, TM=TM, d=d, I=I, limit=limit,
                                            act_fp8=act_fp8, cfg=cfg, ks_up=ks_up, ks_down=ks_down, hout=hout, dec=dec)

@@ -136,13 +136,16 @@ def test_split_gate_up_is_bit_identical_to_the_joint_kernel(pair, T):
                                   ("sw_il_bm128", "sw_il_bm128_nf_g8"), ("sw_il_bm64_xb", "sw_il_bm64_xb_nf"),
                                   ("sw_il_bm128_gu_xb", "sw_il_bm128_gu_xb_nf"),
                                   ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp"),
-                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_sd2")], ids=lambda p: p[1])
+                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_sd2"),
+                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_xp"),
+                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_xp")], ids=lambda p: p[1])
 def test_launch_order_is_bit_identical(pair):
     """n_fast / group_m change only the order the programs launch in (moe_layout_kernels._tile_il): every (tile,
     column block) program runs once with the same math, so h and o equal the base config's bit for bit. 4096 tokens:
     ~3 tiles per expert at BM 128, so groups are short and the last one partial (288 tiles). plane_h (``_hp``) only
     changes where h's columns are stored (the launcher un-permutes the returned h) and how the down kernel stages
-    them: the same dots on the same operands, so the same bits."""
+    them: the same dots on the same operands, so the same bits. plane_x (``_xp``) likewise reads x dequantised once
+    into plane order (act "bf16rt"): the values the in-loop dequantisation makes, in the same two dots."""
     base, new = pair
     case = (4096, 6, 96, 5120, 2304)
     args = _problem(case, new)

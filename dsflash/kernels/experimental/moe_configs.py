@@ -161,6 +161,16 @@ CONFIGS = {
     #   ... and its down launch at 2 stages (167 -> 168 registers, 105 -> 68 KB: 3 programs per SM instead of 2)
     "sw_il_bm128_nf_g8_hp_sd2": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                           stages_down=2, prefetch=False, n_fast=True, group_m=8, plane_h=True),
+    # * _xp (plane_x; session 19): x dequantised once into plane order (act "bf16rt"), so the up kernel's loop loses
+    #   x's in-loop dequantisation (F2FP + HADD2 + FMUL per element: 384 of its 842 SASS an iteration at BM 128) and
+    #   the in-register even / odd split that made sw_il_bm128_xb spill. ncu (H100, session 19) has the up kernel
+    #   issuing on 42 % of cycles with its warps waiting on barriers and wgmma: ALU and tensor work serialised, so
+    #   fewer ALU instructions an iteration should shorten it. Same dots: bit-identical to _hp.
+    "sw_il_bm128_nf_g8_hp_xp": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                         prefetch=False, act="bf16rt", n_fast=True, group_m=8, plane_h=True,
+                                         plane_x=True),
+    "sw_il_bm128_nf_g8_xp": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                      prefetch=False, act="bf16rt", n_fast=True, group_m=8, plane_x=True),
     "sw_il_bm128_ksd3": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                   prefetch=False, KS_UP=1, KS_DOWN=3),
     # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per

@@ -200,8 +200,11 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                       ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
-                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0):
+                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0, XP: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
+
+    XP (config ``plane_x``): x is bf16 in plane order (``x_dequant(planes=True)`` / ``to_planes``), loaded as its two
+    [BM, 64] planes per slab; the same two dots as ``_il_mma`` on the same operands.
 
     GU (config ``split_gate_up``): the gate and up rows in separate programs -- column block ``nb`` <
     I / BN is a block of W1 (gate), the rest of W3 (up). Such a program keeps one accumulator and decodes one matrix
@@ -236,10 +239,22 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
         pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
         if not GU:
             pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
-        xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
-        acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
-        if not GU:
-            acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
+        if XP:      # x in plane order: two plain [BM, 64] loads Triton stages straight into the wgmma operand
+            xrow = xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK // 2)[None, :]
+            xe = tl.load(xrow)
+            xo = tl.load(xrow + BK // 2)
+            wl, wo = _il_planes(pg, sg, BN, DECODE)
+            acc_g += _dot_bf16(wl, tl.trans(xe), DECODE)
+            acc_g += _dot_bf16(wo, tl.trans(xo), DECODE)
+            if not GU:
+                ul, uo = _il_planes(pu, su, BN, DECODE)
+                acc_u += _dot_bf16(ul, tl.trans(xe), DECODE)
+                acc_u += _dot_bf16(uo, tl.trans(xo), DECODE)
+        else:
+            xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
+            acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
+            if not GU:
+                acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
     if GU:
         base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + up * I + offs_n[:, None]
         tl.store(base, acc_g, mask=rmask[None, :])
@@ -288,7 +303,8 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
 
 
 @triton.jit
-def _x_dequant_kernel(xq_ptr, xs_ptr, o_ptr, T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def _x_dequant_kernel(xq_ptr, xs_ptr, o_ptr, T: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                      PLANES: tl.constexpr = 0):
     """x's FP8 codes [T, D] times their per-32 pow2 scales [T, D/32] -> bf16 [T, D] (exact: ``_fp8_dequant_bf16``,
     the up kernel's own in-loop step), once per token for ``act="bf16rt"`` (the up kernel otherwise dequantises x
     again in each of its I / BN column tiles: at BM 128 that is 384 of the loop's 846 SASS per iteration)."""
@@ -298,11 +314,20 @@ def _x_dequant_kernel(xq_ptr, xs_ptr, o_ptr, T: tl.constexpr, D: tl.constexpr, B
     r64 = rows.to(tl.int64)[:, None]
     q = tl.load(xq_ptr + r64 * D + k0 + tl.arange(0, BK)[None, :], mask=rm, other=0.0)
     sc = tl.load(xs_ptr + r64 * (D // 32) + k0 // 32 + tl.arange(0, BK // 32)[None, :], mask=rm, other=0.0)
-    tl.store(o_ptr + r64 * D + k0 + tl.arange(0, BK)[None, :], _fp8_dequant_bf16(q, sc, BT, BK), mask=rm)
+    xb = _fp8_dequant_bf16(q, sc, BT, BK)
+    if PLANES:      # within each 128-wide slab: element 2j at column j, 2j + 1 at 64 + j (``to_planes``)
+        xe, xo = tl.split(tl.reshape(xb, (BT, BK // 2, 2)))
+        j = tl.arange(0, BK // 2)
+        col = k0 + (j // 64) * 128 + j % 64
+        tl.store(o_ptr + r64 * D + col[None, :], xe, mask=rm)
+        tl.store(o_ptr + r64 * D + col[None, :] + 64, xo, mask=rm)
+    else:
+        tl.store(o_ptr + r64 * D + k0 + tl.arange(0, BK)[None, :], xb, mask=rm)
 
 
-def x_dequant(jt, xq, xs, *, BT: int = 16, BK: int = 256):
-    """bf16 carriers of x's FP8 round trip (``_x_dequant_kernel``), bit for bit what the up kernel would make."""
+def x_dequant(jt, xq, xs, *, BT: int = 16, BK: int = 256, planes: bool = False):
+    """bf16 carriers of x's FP8 round trip (``_x_dequant_kernel``), bit for bit what the up kernel would make; with
+    ``planes`` in plane order (``to_planes``)."""
     import jax
     import jax.numpy as jnp
 
@@ -310,7 +335,15 @@ def x_dequant(jt, xq, xs, *, BT: int = 16, BK: int = 256):
     while D % BK:
         BK //= 2
     return jt.triton_call(xq, xs, kernel=_x_dequant_kernel, out_shape=jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
-                          grid=(triton.cdiv(T, BT), D // BK), num_warps=4, T=T, D=D, BT=BT, BK=BK)
+                          grid=(triton.cdiv(T, BT), D // BK), num_warps=4, T=T, D=D, BT=BT, BK=BK,
+                          PLANES=int(planes))
+
+
+def to_planes(x):
+    """[T, D] in natural column order -> plane order (within each 128-wide K slab the 64 even then the 64 odd
+    elements; the inverse of ``h_from_planes``): what ``plane_x``'s up kernel reads (JAX)."""
+    T, D = x.shape
+    return x.reshape(T, D // 128, 64, 2).transpose(0, 1, 3, 2).reshape(T, D)
 
 
 def check_config(cfg):
@@ -320,6 +353,9 @@ def check_config(cfg):
     if cfg.act not in ("fp8", "bf16rt"):
         raise ValueError(f"mma 'swap_il' takes act 'fp8' (x dequantised in the up kernel's loop) or 'bf16rt' (once, "
                          f"before it); got {cfg.act!r}")
+    if cfg.plane_x and cfg.act != "bf16rt":
+        raise ValueError(f"plane_x reads x dequantised once, before the up kernel: it needs act 'bf16rt'; got "
+                         f"{cfg.act!r}")
     if cfg.warps_up != 4 or cfg.warps_down != 4 or cfg.BM < 16:
         raise ValueError(f"mma 'swap_il' needs 4 warps and BM >= 16 (wgmma; BM 8 lowers to mma.sync with another "
                          f"operand layout); got {cfg}")
@@ -335,4 +371,4 @@ def il_kernels(cfg, *, d, I, dec):
 
 def il_up_constexprs(cfg):
     """The up kernel's own constexprs (``il_kernels``' common ones go to both launches)."""
-    return dict(GU=int(cfg.split_gate_up))
+    return dict(GU=int(cfg.split_gate_up), XP=int(cfg.plane_x))
