@@ -174,17 +174,20 @@ case $PART in
     echo "== switch cost (rc $?)"; tail -12 "$OUT/switch.log"
     eng32 eng32 64 9 170
     ;;
-  moe_stalls)   # session 18: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2
-                # (NOTES "Session 18"): Nsight Compute's warp-state, scheduler, pipe and instruction sections of up + down at 4096 tokens
+  moe_stalls)   # sessions 18-19: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2:
+                # stall reasons per issued instruction by metric (ncu's section set segfaulted, session 19), 4096 tokens
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8}; do
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
-        --kernel-name regex:_moe_ --launch-skip 2 --launch-count 2 --section SpeedOfLight --section WarpStateStats \
-        --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats --section Occupancy \
+    M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active
+    for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
+             not_selected selected dispatch_stall no_instruction branch_resolving drain; do
+      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+    done
+    [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8_hp}; do
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
+        --kernel-name regex:_moe_ --launch-skip 2 --launch-count 2 --metrics "$M" \
         python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_stalls_$c.log" 2>&1
       echo "== ncu stalls $c T=4096 (rc $?)"
-      grep -E "_moe_|Duration|Stall|Issue Slot|Issued Ipc|Pipe|Executed Ipc|No Eligible|Achieved Occ|Registers" \
-        "$OUT/ncu_stalls_$c.log" | head -60
+      grep -E "_moe_|gpu__|smsp__|sm__|launch__" "$OUT/ncu_stalls_$c.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -44
     done
     ;;
   decode_glue)  # session 18: which XLA fusions the 32 x 6 decode step's concatenations are (0.42 ms a step in four
