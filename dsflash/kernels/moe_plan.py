@@ -105,7 +105,9 @@ IL_DECODE_CONFIG_NAME = "sw_il"
 IL_BANDS = ((8, "sw_il"), (32, "sw_il_bm32"), (64, "sw_il_bm64_xb"), (128, "sw_il_bm128_xb"))
 # Session 18 (one H100, 2026-12-06, kernels_20261206_h100_s18_moe_prefill_g8.json): grouping 8 M tiles per column
 # block ("_g8", MoeConfig.group_m) -- 4096 tokens bm128_nf 6.53 / _g4 6.42 / _g8 6.21, 16384 19.11 / 19.50 / 19.23.
-IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf_g8"
+# Session 19 (one H100, kernels_20261206_h100_s19_moe_prefill_hp.json): h stored in plane order for the down kernel
+# ("_hp", MoeConfig.plane_h; bit-identical) -- 1024 tokens _g8 3.60 / _hp 3.57, 4096 6.18 / 6.00, 16384 19.41 / 18.24.
+IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf_g8_hp"
 
 
 def pick_config(rows: int, experts: int, act_fp8: bool = True, layout: str = "checkpoint") -> MoeConfig:
