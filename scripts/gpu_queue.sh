@@ -35,9 +35,9 @@
 #   4K / 16K causal prefill shapes (scripts/gpu_kernels_run.sh). Files: gpu_tests.log, bench.log, kernels_*.json.
 # adaptive_switch: scripts/adaptive_switch_cost.py at batch 32 (catch-up and switch costs), then `bench engine` at
 #   batch 32, 9 passes, chat then documentation prompts. Files: switch.json / .log, eng32_{chat,text}.json / .log.
-# moe_stalls: Nsight Compute's SpeedOfLight / WarpStateStats / SchedulerStats / ComputeWorkloadAnalysis /
-#   InstructionStats / Occupancy sections of the il prefill kernels at 4096 tokens (NCU_CONFIGS, default the serving
-#   sw_il_bm128_nf_g8). Files: ncu_stalls_*.log.
+# moe_stalls: Nsight Compute's stall reasons per issued instruction, issue activity, registers and active warps of
+#   the il prefill kernels at 4096 tokens, as a metric list (the section set segfaulted on the H100 in session 19;
+#   NCU_CONFIGS, default the serving sw_il_bm128_nf_g8_hp). Files: ncu_stalls_*.log.
 # decode_glue: gpu_step_profile at 32 x 6 @ 4K with --dump-hlo, then the HLO lines of its input_concatenate fusions.
 #   Files: step_glue.log, step_profile.json, hlo_*.txt.
 # spec_long: `bench engine --model demo` at batch 32 with 256-token outputs, 5 passes, chat then documentation
