@@ -395,6 +395,8 @@ def _il_cases():
         (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp_xp"], 256, 384), dict(T=64, k=6, E=3, I=384, seed=27)),
         (MC(**{**base, "BM": 32}, KS_UP=1, KS_DOWN=1, act="bf16rt", plane_x=True),
          dict(T=40, k=3, E=3, seed=28, precision="bf16")),
+        # two column blocks per down program (down_pair, session 19): the named config at I 384, d 256 (two pairs)
+        (mt.fit_config(named_configs()["sw_il_bm128_nf_g8_hp_xp_dp"], 256, 384), dict(T=64, k=6, E=3, I=384, seed=29)),
     ]
 
 
@@ -403,7 +405,7 @@ def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0,
     import dataclasses
     sys.modules["jax_triton"] = _JtShim
     eo = dataclasses.replace(cfg, mma="swap_eo", decode="tl", split_gate_up=False, n_fast=False, group_m=1,
-                             plane_h=False, plane_x=False)
+                             plane_h=False, plane_x=False, down_pair=False)
     x, idx, weight, w1, s1, w3, s3, w2, s2 = _problem(T, k, E, d, I, seed)
     act_fp8 = precision == "reference"
     p = {kk: np.array(v) for kk, v in mt.prepare(x, idx, weight, E=E, BM=cfg.BM, act_fp8=act_fp8).items()}

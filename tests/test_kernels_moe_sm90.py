@@ -93,7 +93,8 @@ def _blocks_per_sm(r):
 
 
 @pytest.mark.parametrize("name", ["sw_il_bm128_ksd3", "sw_il_bm64_xb_s2", "sw_il_bm128_gu_xb", "sw_il_bm64_gu_xb_s2",
-                                  "sw_il_bm128_nf_g8_hp", "sw_il_bm128_nf_g8_hp_sd2", "sw_il_bm128_nf_g8_hp_xp"])
+                                  "sw_il_bm128_nf_g8_hp", "sw_il_bm128_nf_g8_hp_sd2", "sw_il_bm128_nf_g8_hp_xp",
+                                  "sw_il_bm128_nf_g8_hp_dp"])
 def test_prefill_candidates_compile_without_spills(name):
     """The 2026-12-06 prefill candidates (experimental/moe_configs.py) at 4096 tokens: every launch spill-free, the
     GEMMs on wgmma, and the facts each was added for (triton 3.6.0: NOTES.md / the helper's table) -- the split down
@@ -101,7 +102,9 @@ def test_prefill_candidates_compile_without_spills(name):
     BM 128 split gate / up without the 16 B spill of sw_il_bm128_xb's joint up kernel."""
     reps = {r.name: r for r in sm90_compile.moe_reports(name, 4096)}
     for r in reps.values():
-        assert r.spill_stores == 0 and r.spill_loads == 0, (name, r.name, r.ptxas_log[-300:])
+        # down_pair's two accumulators: 12 B spilled outside the loop (the epilogue's second store; triton 3.6.0)
+        allowed = 16 if name.endswith("_dp") and r.name == "_moe_down_kernel_il" else 0
+        assert r.spill_stores <= allowed and r.spill_loads <= allowed, (name, r.name, r.ptxas_log[-300:])
     up, down = reps["_moe_up_kernel_il"], reps["_moe_down_kernel_il"]
     for r in (up, down):
         assert r.features["HGMMA(sass)"] > 0 and r.main_loop is not None and r.loop_elems > 0, (name, r.name)
@@ -117,8 +120,9 @@ def test_prefill_candidates_compile_without_spills(name):
         # plane_h (session 18): h's two planes staged straight into the wgmma operand, so the down loop has no even /
         # odd split (PRMT), no store back (STS) and no LDS of h (triton 3.6.0: 377 -> 265 SASS, 208 -> 167 registers)
         lp = down.main_loop
-        assert lp.ops["PRMT"] == 0 and lp.ops["STS"] == 0 and lp.ops["LDS"] <= 8, dict(lp.ops)
-        assert lp.n < 0.75 * 377 and down.regs <= 168, (lp.n, down.regs)
+        assert lp.ops["PRMT"] == 0 and lp.ops["STS"] == 0, dict(lp.ops)
+        if not name.endswith("_dp"):                                # (two weight slabs a loop with down_pair)
+            assert lp.ops["LDS"] <= 8 and lp.n < 0.75 * 377 and down.regs <= 168, (dict(lp.ops), lp.n, down.regs)
         if "_xp" in name:
             # plane_x (session 19): x dequantised once into plane order, so the up loop has neither x's dequantisation
             # (F2FP / HADD2 / FMUL per element) nor its even / odd split (PRMT / STS) (triton 3.6.0: 842 -> 447 SASS)
@@ -129,6 +133,12 @@ def test_prefill_candidates_compile_without_spills(name):
             assert lp.n < 0.6 * 842, lp.n
         else:
             assert up.main_loop.n <= 1.02 * 840, up.main_loop.n      # the up loop unchanged (its h store permuted)
+    if name.endswith("_dp"):
+        # down_pair: half the down programs, each with both column blocks' 8 + 8 wgmmas on one h slab, no spill in the
+        # loop (triton 3.6.0: 440 SASS a slab for two blocks against _hp's 265 for one)
+        assert "(40, " in down.label and down.main_loop.ops["HGMMA"] == 16, (down.label, dict(down.main_loop.ops))
+        assert down.main_loop.ops["LDL"] == 0 and down.main_loop.ops["STL"] == 0, dict(down.main_loop.ops)
+        assert down.main_loop.n < 2 * 265 * 0.9, down.main_loop.n
     if name.endswith("_sd2"):
         assert down.num_stages == 2 and up.num_stages == 3 and _blocks_per_sm(down) >= 3, (down.regs, down.smem)
 

@@ -51,6 +51,9 @@ class MoeConfig:
                           # into plane order (each 128-wide K slab as its 64 even then 64 odd elements), so the up
                           # kernel's wgmma B planes load straight into shared memory (no in-register even / odd split
                           # + store back per column block, which also spilled at BM 128). Same dots: bit-identical
+    down_pair: bool = False  # mma "swap_il" with plane_h: each down program computes two adjacent column blocks (2 x
+                          # BN_DOWN rows of W2) from one read of its h slab, halving h's L2 traffic (each h tile is
+                          # read once per program: d / BN_DOWN times without it). Same dots per column: bit-identical
     stages_down: int = 0  # num_stages of the down launch (0: ``stages``); plane_h's down loop fits 3 programs per SM
                           # at 2 stages while its up kernel spills there
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32

@@ -96,8 +96,11 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
         _il_kernels().check_config(cfg)
         if d % moe_layout.BK or I % moe_layout.BK:
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
-    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h or cfg.plane_x:
-        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h / plane_x are variants of mma 'swap_il' only; "
+        if cfg.down_pair and d % (2 * cfg.BN_DOWN):
+            raise ValueError(f"down_pair computes 2 x BN_DOWN={cfg.BN_DOWN} columns a program: d={d} must divide")
+    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h or cfg.plane_x or cfg.down_pair:
+        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h / plane_x / down_pair are variants of mma "
+                         f"'swap_il' only; "
                          f"got mma "
                          f"{cfg.mma!r}")
     else:
@@ -169,13 +172,14 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
     h_shapes = (jax.ShapeDtypeStruct((S, I), hdt), jax.ShapeDtypeStruct((S, I // 32), jnp.float32))
     up_args = (p["xq"], p["xs"], p["tok"], p["rw"], p["tile_e"], p["tile_s"], p["tile_end"], w1, s1, w3, s3)
     x_fp8 = act_fp8
-    up_only = {}              # the up kernel's own constexprs
+    up_only, down_only = {}, {}     # each kernel's own constexprs
     if mma in (3, 4, 5):      # "swap" / "swap_eo" / "swap_bd": the default family
         kern_up, kern_down = _moe_up_kernel_sw, _moe_down_kernel_sw
         common = dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, EO=mma - 3, PREFETCH=int(cfg.prefetch), DECODE=dec)
     elif mma == 7:            # "swap_il": weights in the load-time il layout
         kern_up, kern_down, common = _il_kernels().il_kernels(cfg, d=d, I=I, dec=dec)
         up_only = _il_kernels().il_up_constexprs(cfg)
+        down_only = _il_kernels().il_down_constexprs(cfg)
         if act_fp8 and cfg.act == "bf16rt":    # x dequantised once, not in each column tile's loop
             up_args = (_il_kernels().x_dequant(jt, p["xq"], p["xs"], planes=cfg.plane_x),) + up_args[1:]
             x_fp8 = False                       # the up kernel's x only: h still travels as sk_plan says
@@ -202,16 +206,17 @@ def _launch_sk(jt, p, w1, s1, w3, s3, w2, s2, *, S, TM, d, I, E, limit, act_fp8,
             S=S, LIMIT=float(limit), BN=cfg.BN_UP, KS=ks_up, ACT_FP8=int(x_fp8), HOUT=hout, **common, **up_only)
         hq, hs = _up_epilogue(jt, part, p, h_shapes, S=S, I=I, limit=limit, ks_up=ks_up, hout=hout)
     down_args = (hq, hs, p["order"], p["tile_e"], p["tile_s"], p["tile_end"], w2, s2)
+    down_blocks = d // cfg.BN_DOWN // (2 if cfg.down_pair else 1)
     if ks_down == 1:
         o = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((S, d), jnp.bfloat16),
-            grid=_grid(cfg, TM, d // cfg.BN_DOWN, 1), num_warps=cfg.warps_down,
-            num_stages=cfg.stages_down or cfg.stages, S=S, BN=cfg.BN_DOWN, KS=1, **common)
+            grid=_grid(cfg, TM, down_blocks, 1), num_warps=cfg.warps_down,
+            num_stages=cfg.stages_down or cfg.stages, S=S, BN=cfg.BN_DOWN, KS=1, **common, **down_only)
     else:
         part = jt.triton_call(
             *down_args, kernel=kern_down, out_shape=jax.ShapeDtypeStruct((ks_down, S, d), jnp.float32),
-            grid=_grid(cfg, TM, d // cfg.BN_DOWN, ks_down), num_warps=cfg.warps_down,
-            num_stages=cfg.stages_down or cfg.stages, S=S, BN=cfg.BN_DOWN, KS=ks_down, **common)
+            grid=_grid(cfg, TM, down_blocks, ks_down), num_warps=cfg.warps_down,
+            num_stages=cfg.stages_down or cfg.stages, S=S, BN=cfg.BN_DOWN, KS=ks_down, **common, **down_only)
         o = _down_reduce(jt, part, S=S, d=d, ks_down=ks_down)
     return o, hq, hs
 

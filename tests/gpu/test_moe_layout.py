@@ -138,7 +138,9 @@ def test_split_gate_up_is_bit_identical_to_the_joint_kernel(pair, T):
                                   ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp"),
                                   ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_sd2"),
                                   ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_xp"),
-                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_xp")], ids=lambda p: p[1])
+                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_xp"),
+                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_dp"),
+                                  ("sw_il_bm128_nf_g8", "sw_il_bm128_nf_g8_hp_xp_dp")], ids=lambda p: p[1])
 def test_launch_order_is_bit_identical(pair):
     """n_fast / group_m change only the order the programs launch in (moe_layout_kernels._tile_il): every (tile,
     column block) program runs once with the same math, so h and o equal the base config's bit for bit. 4096 tokens:

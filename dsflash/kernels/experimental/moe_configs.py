@@ -171,6 +171,14 @@ CONFIGS = {
                                          plane_x=True),
     "sw_il_bm128_nf_g8_xp": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                       prefetch=False, act="bf16rt", n_fast=True, group_m=8, plane_x=True),
+    # * _dp (down_pair; session 19): two column blocks per down program from one read of the h slab. ncu has the down
+    #   kernel waiting on memory (long scoreboard leads), and its h traffic from L2 is 80 column blocks x 243 tiles x
+    #   128 x 2304 x 2 B = 11.5 GB at 4096 tokens in 2.5 ms (~4.6 TB/s): halved here. Same dots: bit-identical.
+    "sw_il_bm128_nf_g8_hp_dp": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                         prefetch=False, n_fast=True, group_m=8, plane_h=True, down_pair=True),
+    "sw_il_bm128_nf_g8_hp_xp_dp": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128,
+                                            stages=3, prefetch=False, act="bf16rt", n_fast=True, group_m=8,
+                                            plane_h=True, plane_x=True, down_pair=True),
     "sw_il_bm128_ksd3": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                   prefetch=False, KS_UP=1, KS_DOWN=3),
     # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per

@@ -270,10 +270,13 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         o_ptr,
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                        DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0):
+                        DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0,
+                        DP: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2.
     HP: h in plane order (``h_from_planes``): the two B planes are plain tile loads that Triton stages straight into
-    the wgmma's shared-memory operand, instead of one [BM, 128] load split in registers and stored back."""
+    the wgmma's shared-memory operand, instead of one [BM, 128] load split in registers and stored back.
+    DP (config ``down_pair``, with HP): the program's column blocks are 2 nb and 2 nb + 1, both from one read of each h
+    slab (two accumulators); each column's dots are the single-block kernel's."""
     e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -284,12 +287,28 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     KCH: tl.constexpr = I // KS
     kbeg = ks * KCH
     w2b, s2b = _il_expert(w2_ptr, s2_ptr, e, D, I)
-    offs_l = _il_rows(nb, BN)
+    if DP:
+        offs_l = _il_rows(2 * nb, BN)
+        offs_l1 = _il_rows(2 * nb + 1, BN)
+        acc1 = tl.zeros((BN, BM), tl.float32)
+    else:
+        offs_l = _il_rows(nb, BN)
     acc = tl.zeros((BN, BM), tl.float32)
     for i in tl.range(0, KCH // BK):
         k0 = kbeg + i * BK
         pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
-        if HP:
+        if DP:
+            pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW)
+            hrow = h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK // 2)[None, :]
+            he = tl.load(hrow)
+            ho = tl.load(hrow + BK // 2)
+            wl, wo = _il_planes(pw, sw, BN, DECODE)
+            acc += _dot_bf16(wl, tl.trans(he), DECODE)
+            acc += _dot_bf16(wo, tl.trans(ho), DECODE)
+            wl1, wo1 = _il_planes(pw1, sw1, BN, DECODE)
+            acc1 += _dot_bf16(wl1, tl.trans(he), DECODE)
+            acc1 += _dot_bf16(wo1, tl.trans(ho), DECODE)
+        elif HP:
             hrow = h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK // 2)[None, :]
             he = tl.load(hrow)
             ho = tl.load(hrow + BK // 2)
@@ -299,7 +318,11 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         else:
             ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
             acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
-    _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
+    if DP:
+        _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, 2 * nb * BN + tl.arange(0, BN), ks, S, D, KS)
+        _sw_down_out(acc1, o_ptr, slot_ptr, rows, rmask, (2 * nb + 1) * BN + tl.arange(0, BN), ks, S, D, KS)
+    else:
+        _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, offs_n, ks, S, D, KS)
 
 
 @triton.jit
@@ -353,6 +376,8 @@ def check_config(cfg):
     if cfg.act not in ("fp8", "bf16rt"):
         raise ValueError(f"mma 'swap_il' takes act 'fp8' (x dequantised in the up kernel's loop) or 'bf16rt' (once, "
                          f"before it); got {cfg.act!r}")
+    if cfg.down_pair and not cfg.plane_h:
+        raise ValueError(f"down_pair reads h's two planes once for two column blocks: it needs plane_h; got {cfg}")
     if cfg.plane_x and cfg.act != "bf16rt":
         raise ValueError(f"plane_x reads x dequantised once, before the up kernel: it needs act 'bf16rt'; got "
                          f"{cfg.act!r}")
@@ -372,3 +397,8 @@ def il_kernels(cfg, *, d, I, dec):
 def il_up_constexprs(cfg):
     """The up kernel's own constexprs (``il_kernels``' common ones go to both launches)."""
     return dict(GU=int(cfg.split_gate_up), XP=int(cfg.plane_x))
+
+
+def il_down_constexprs(cfg):
+    """The down kernel's own constexprs."""
+    return dict(DP=int(cfg.down_pair))
