@@ -197,7 +197,7 @@ def test_kernel_summary(gpu):
     assert s["indexer"] == {"decode": "triton", "prefill": "triton"}               # 6 rows x 8192 entries
     assert s["moe"] == {"decode": "triton:sw_eo_np_bm8", "prefill": "triton:sw_eo_prefill_w8"}
     il = dispatch.kernel_summary(cfg, "auto", expert_shards=4, moe_layout="il")["moe"]   # load-time layout
-    assert il == {"decode": "triton:sw_il", "prefill": "triton:sw_il_bm128_xb"}       # 2048 rows: 128 slots an expert
+    assert il == {"decode": "triton:sw_il", "prefill": "triton:sw_il_bm128_nf_g8_hp_xp_dp"}   # 2048 rows: 128 an expert
     assert s["fp8_linear"] == {"decode": "triton", "prefill": "xla"}                # 6 rows / 2048 rows
     assert dispatch.kernel_summary(cfg, "auto", decode_tokens=1, context=8192)["indexer"]["decode"] == "xla"
     assert dispatch.kernel_summary(cfg, "auto", precision="fp32")["moe"] == {"decode": "xla", "prefill": "xla"}
@@ -393,7 +393,7 @@ def test_moe_defaults_and_experimental_configs():
               for e in (8, 96) for f in (True, False)}
     assert picked == {id(c) for c in moe_plan.NAMED_CONFIGS.values()}
     from dsflash.kernels.experimental import moe_configs
-    assert not set(moe_configs.CONFIGS) & set(moe_plan.NAMED_CONFIGS) and len(moe_plan.named_configs()) == 66
+    assert not set(moe_configs.CONFIGS) & set(moe_plan.NAMED_CONFIGS) and len(moe_plan.named_configs()) == 70
     assert moe_plan.named_config("sk_fp8") is moe_configs.CONFIGS["sk_fp8"]
     assert moe_plan.named_config("sw_eo_np") is moe_plan.SW_EO_NP
     with pytest.raises(ValueError, match="unknown MoE config"):

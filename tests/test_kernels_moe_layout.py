@@ -179,14 +179,15 @@ def test_reference_accepts_il_weights_bit_identically():
 def test_il_weights_run_swap_il_at_every_size_with_wider_tiles_for_prefill():
     """il weights never go back to the checkpoint-layout prefill kernel (run 37: converting them back cost ~5 ms
     per layer); the token tile grows with the slots per expert (run 39's measured bands), and above 128 slots per
-    expert the column blocks launch fastest (session 17), 8 token tiles to a column block (session 18), h in plane
-    order (session 19)."""
+    expert the column blocks launch fastest (session 17), 8 token tiles to a column block (session 18), and above 64
+    slots per expert x and h in plane order with two column blocks per down program (session 19)."""
     name = {id(c): n for n, c in moe_plan.named_configs().items()}
     rows = (6, 96, 768, 1536, 3072, 3073, 6144, 6145, 12288, 12289, 24576)
     picked = {r: name[id(moe_plan.pick_config(r, 96, layout="il"))] for r in rows}
     assert picked == {6: "sw_il", 96: "sw_il", 768: "sw_il", 1536: "sw_il_bm32", 3072: "sw_il_bm32",
-                      3073: "sw_il_bm64_xb", 6144: "sw_il_bm64_xb", 6145: "sw_il_bm128_xb", 12288: "sw_il_bm128_xb",
-                      12289: "sw_il_bm128_nf_g8_hp", 24576: "sw_il_bm128_nf_g8_hp"}
+                      3073: "sw_il_bm64_xb", 6144: "sw_il_bm64_xb", 6145: "sw_il_bm128_nf_g8_hp_xp_dp",
+                      12288: "sw_il_bm128_nf_g8_hp_xp_dp", 12289: "sw_il_bm128_nf_g8_hp_xp_dp",
+                      24576: "sw_il_bm128_nf_g8_hp_xp_dp"}
     assert all(moe_plan.pick_config(r, 96, layout="il").mma == "swap_il" for r in (1, 10 ** 6))
     assert moe_plan.pick_config(96, 96) == moe_plan.DECODE_SMALL_CONFIG          # the default is unchanged
     assert moe_plan.pick_config(1152, 96) == moe_plan.DECODE_CONFIG

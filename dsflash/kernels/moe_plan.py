@@ -102,12 +102,16 @@ def split_ks(cfg: MoeConfig, S: int, E: int, d: int, inter: int) -> tuple[int, i
 # bm128 7.08 / bm128_nf 6.70, 16384 24.69 / 19.36 -- and loses at 64 (1024 tokens bm64_xb 2.43 / bm64_xb_nf 2.69).
 IL_DECODE_CONFIG_NAME = "sw_il"
 # (largest slots per expert, config) in order; above the last: IL_WIDE_CONFIG_NAME
-IL_BANDS = ((8, "sw_il"), (32, "sw_il_bm32"), (64, "sw_il_bm64_xb"), (128, "sw_il_bm128_xb"))
+IL_BANDS = ((8, "sw_il"), (32, "sw_il_bm32"), (64, "sw_il_bm64_xb"))
 # Session 18 (one H100, 2026-12-06, kernels_20261206_h100_s18_moe_prefill_g8.json): grouping 8 M tiles per column
 # block ("_g8", MoeConfig.group_m) -- 4096 tokens bm128_nf 6.53 / _g4 6.42 / _g8 6.21, 16384 19.11 / 19.50 / 19.23.
 # Session 19 (one H100, kernels_20261206_h100_s19_moe_prefill_hp.json): h stored in plane order for the down kernel
 # ("_hp", MoeConfig.plane_h; bit-identical) -- 1024 tokens _g8 3.60 / _hp 3.57, 4096 6.18 / 6.00, 16384 19.41 / 18.24.
-IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf_g8_hp"
+# Later in session 19 (same H100, kernels_20261206_h100_s19_moe_prefill_xp_dp.json / _moe_2048.json): x dequantised
+# once into plane order ("_xp", plane_x) and two column blocks per down program ("_dp", down_pair), both bit-identical:
+# 1024 tokens _hp 3.63 / _hp_xp_dp 2.37, 2048 bm128_xb 4.24 / _hp_xp_dp 3.16 / bm64_xb 4.31, 4096 _hp 6.05 /
+# _hp_xp_dp 4.66, 16384 18.36 / 13.89; so the wide band now starts above 64 slots per expert (bm128_xb retired).
+IL_WIDE_CONFIG_NAME = "sw_il_bm128_nf_g8_hp_xp_dp"
 
 
 def pick_config(rows: int, experts: int, act_fp8: bool = True, layout: str = "checkpoint") -> MoeConfig:
