@@ -17,6 +17,7 @@
 #   run(command="bash scripts/gpu_queue.sh moe_stalls", carry=[".whl"])    # ncu stall / pipe sections of the il prefill kernels, ~3 min
 #   run(command="bash scripts/gpu_queue.sh decode_glue", carry=[".whl"])   # decode step + its HLO's concatenation fusions, ~3 min
 #   run(command="bash scripts/gpu_queue.sh spec_long", carry=[".whl"])     # issue 23: batch 32, 256-token outputs, ~8 min
+#   run(command="bash scripts/gpu_queue.sh prefill_step", carry=[".whl"])  # the step per op: decode 32x6, prefill 4K / 16K, ~3 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -37,7 +38,7 @@
 #   batch 32, 9 passes, chat then documentation prompts. Files: switch.json / .log, eng32_{chat,text}.json / .log.
 # moe_stalls: Nsight Compute's stall reasons per issued instruction, issue activity, registers and active warps of
 #   the il prefill kernels at 4096 tokens, as a metric list (the section set segfaulted on the H100 in session 19;
-#   NCU_CONFIGS, default the serving sw_il_bm128_nf_g8_hp). Files: ncu_stalls_*.log.
+#   NCU_CONFIGS, default the serving sw_il_bm128_nf_g8_hp_xp_dp). Files: ncu_stalls_*.log.
 # decode_glue: gpu_step_profile at 32 x 6 @ 4K with --dump-hlo, then the HLO lines of its input_concatenate fusions.
 #   Files: step_glue.log, step_profile.json, hlo_*.txt.
 # spec_long: `bench engine --model demo` at batch 32 with 256-token outputs, 5 passes, chat then documentation
@@ -182,7 +183,7 @@ case $PART in
              not_selected selected dispatch_stall no_instruction branch_resolving drain; do
       M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
     done
-    [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8_hp}; do
+    [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8_hp_xp_dp}; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
         --kernel-name regex:_moe_ --launch-skip 2 --launch-count 2 --metrics "$M" \
         python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_stalls_$c.log" 2>&1
@@ -197,6 +198,11 @@ case $PART in
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_glue.log" | grep -E "^==|^sparse_att|^kv_gather|^attention_other|^decode" | head
     for f in "$OUT"/hlo_*.txt; do grep -E "^ *(ROOT )?%?input_concatenate_fusion(\.[0-9]+)? = " "$f" | cut -c1-400; done
     ;;
+  prefill_step) # session 19's queue item 1: the whole step per op with the session's MoE default and in-GEMM rounding
+    timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 32@4096 \
+      --prefill 4096@0 16384@0 --variants moeil --profile-no-cb --out "$OUT" > "$OUT/prefill_step.log" 2>&1
+    echo "== step profile (rc $?)"; grep -E "^(point|decode|prefill) " "$OUT/prefill_step.log" | tail -8
+    ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
     eng32 eng32long 256 5 260 384   # prompts up to 128 tokens (chat) / 48 (documentation) + 256 out
     ;;
@@ -209,6 +215,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
