@@ -133,6 +133,23 @@ def _il_mma(acc, wh, sw, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.cons
 
 
 @triton.jit
+def _plane_pair(row_ptr, k0, BK: tl.constexpr):
+    """The two planes of a plane-order slab (``plane_h`` / ``plane_x``): row_ptr [BM, 1] row starts, K offset k0 ->
+    (even, odd) [BM, BK / 2], plain tile loads Triton can stage straight into the wgmma's shared-memory operand."""
+    p = row_ptr + k0 + tl.arange(0, BK // 2)[None, :]
+    return tl.load(p), tl.load(p + BK // 2)
+
+
+@triton.jit
+def _il_mma_planes(acc, wh, sw, xe, xo, BN: tl.constexpr, DECODE: tl.constexpr):
+    """``_il_mma`` with the B operand already in its two planes (xe, xo: bf16 [BM, 64])."""
+    wl, wo = _il_planes(wh, sw, BN, DECODE)
+    acc += _dot_bf16(wl, tl.trans(xe), DECODE)
+    acc += _dot_bf16(wo, tl.trans(xo), DECODE)
+    return acc
+
+
+@triton.jit
 def _il_x_slab(xq_ptr, xs_ptr, tok, k0, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ACT_FP8: tl.constexpr):
     """x [BM, BK] at K offset k0 for the tile's token rows, as bf16 carriers (FP8 codes x their per-32 scales when
     ACT_FP8, else x is bf16 already)."""
@@ -239,17 +256,11 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
         pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
         if not GU:
             pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
-        if XP:      # x in plane order: two plain [BM, 64] loads Triton stages straight into the wgmma operand
-            xrow = xq_ptr + tok[:, None] * D + k0 + tl.arange(0, BK // 2)[None, :]
-            xe = tl.load(xrow)
-            xo = tl.load(xrow + BK // 2)
-            wl, wo = _il_planes(pg, sg, BN, DECODE)
-            acc_g += _dot_bf16(wl, tl.trans(xe), DECODE)
-            acc_g += _dot_bf16(wo, tl.trans(xo), DECODE)
+        if XP:      # x in plane order
+            xe, xo = _plane_pair(xq_ptr + tok[:, None] * D, k0, BK)
+            acc_g = _il_mma_planes(acc_g, pg, sg, xe, xo, BN, DECODE)
             if not GU:
-                ul, uo = _il_planes(pu, su, BN, DECODE)
-                acc_u += _dot_bf16(ul, tl.trans(xe), DECODE)
-                acc_u += _dot_bf16(uo, tl.trans(xo), DECODE)
+                acc_u = _il_mma_planes(acc_u, pu, su, xe, xo, BN, DECODE)
         else:
             xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
             acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
@@ -299,22 +310,12 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
         if DP:
             pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW)
-            hrow = h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK // 2)[None, :]
-            he = tl.load(hrow)
-            ho = tl.load(hrow + BK // 2)
-            wl, wo = _il_planes(pw, sw, BN, DECODE)
-            acc += _dot_bf16(wl, tl.trans(he), DECODE)
-            acc += _dot_bf16(wo, tl.trans(ho), DECODE)
-            wl1, wo1 = _il_planes(pw1, sw1, BN, DECODE)
-            acc1 += _dot_bf16(wl1, tl.trans(he), DECODE)
-            acc1 += _dot_bf16(wo1, tl.trans(ho), DECODE)
+            he, ho = _plane_pair(h_ptr + rows_c[:, None] * I, k0, BK)
+            acc = _il_mma_planes(acc, pw, sw, he, ho, BN, DECODE)
+            acc1 = _il_mma_planes(acc1, pw1, sw1, he, ho, BN, DECODE)
         elif HP:
-            hrow = h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK // 2)[None, :]
-            he = tl.load(hrow)
-            ho = tl.load(hrow + BK // 2)
-            wl, wo = _il_planes(pw, sw, BN, DECODE)
-            acc += _dot_bf16(wl, tl.trans(he), DECODE)
-            acc += _dot_bf16(wo, tl.trans(ho), DECODE)
+            he, ho = _plane_pair(h_ptr + rows_c[:, None] * I, k0, BK)
+            acc = _il_mma_planes(acc, pw, sw, he, ho, BN, DECODE)
         else:
             ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
             acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
