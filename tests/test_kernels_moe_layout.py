@@ -250,3 +250,25 @@ def test_group_m_needs_n_fast_and_the_il_kernels():
     for bad in (dataclasses.replace(g4, n_fast=False), dataclasses.replace(g4, group_m=0)):
         with pytest.raises(ValueError, match="group_m"):
             mt._grid(bad, 288, 80, 1)
+
+
+def test_plane_x_and_down_pair_are_refused_where_they_would_be_ignored():
+    """plane_x reads x dequantised once (act "bf16rt"), down_pair reads h's planes (plane_h), both only in the il
+    kernels: set anywhere else they would be silently ignored or read the wrong columns, so the shape check names the
+    field; the serving wide config is accepted on il weights."""
+    import dataclasses
+
+    from dsflash.kernels import moe_gemm_triton as mt
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(jax.random.PRNGKey(5), 5, 2, 4, 256, 128)
+    il_w = L.repack_experts(w1, s1, w3, s3, w2, s2)
+    for field in ("plane_x", "down_pair"):
+        with pytest.raises(ValueError, match=field):
+            mt._check_shapes(x, idx, w1, s1, w3, s3, w2, s2,
+                             dataclasses.replace(moe_plan.named_config("sw_eo_np"), **{field: True}))
+    wide = moe_plan.named_config(moe_plan.IL_WIDE_CONFIG_NAME)
+    assert wide.plane_x and wide.down_pair and wide.plane_h and wide.act == "bf16rt"
+    mt._check_shapes(x, idx, *il_w, wide)                                        # accepted on il weights
+    with pytest.raises(ValueError, match="plane_x.*bf16rt"):
+        mt._check_shapes(x, idx, *il_w, dataclasses.replace(wide, act="fp8"))
+    with pytest.raises(ValueError, match="down_pair.*plane_h"):
+        mt._check_shapes(x, idx, *il_w, dataclasses.replace(wide, plane_h=False))
