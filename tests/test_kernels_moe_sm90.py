@@ -94,7 +94,7 @@ def _blocks_per_sm(r):
 
 @pytest.mark.parametrize("name", ["sw_il_bm128_ksd3", "sw_il_bm64_xb_s2", "sw_il_bm128_gu_xb", "sw_il_bm64_gu_xb_s2",
                                   "sw_il_bm128_nf_g8_hp", "sw_il_bm128_nf_g8_hp_sd2", "sw_il_bm128_nf_g8_hp_xp",
-                                  "sw_il_bm128_nf_g8_hp_dp"])
+                                  "sw_il_bm128_nf_g8_hp_dp", "sw_il_bm128_nf_g8_hp_xp_dp"])
 def test_prefill_candidates_compile_without_spills(name):
     """The 2026-12-06 prefill candidates (experimental/moe_configs.py) at 4096 tokens: every launch spill-free, the
     GEMMs on wgmma, and the facts each was added for (triton 3.6.0: NOTES.md / the helper's table) -- the split down
