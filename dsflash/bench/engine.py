@@ -202,7 +202,7 @@ def run_mode(model, args, mode: str) -> dict:
             after = eng.metrics_snapshot()
             mixed = after["num_prefill_calls"] > before["num_prefill_calls"]
             d_iters = after["num_decode_iters"] - before["num_decode_iters"]
-            # a decode-only step (no prefill call in it): its wall time is the engine's decode iteration cost
+            # by kind: "mixed" has a prefill call in it; a decode-only step's wall time is the decode iterations' cost
             if mixed or d_iters > 0:
                 ph = phases["mixed" if mixed else "decode"]
                 ph["steps"] += 1
