@@ -18,6 +18,7 @@
 #   run(command="bash scripts/gpu_queue.sh decode_glue", carry=[".whl"])   # decode step + its HLO's concatenation fusions, ~3 min
 #   run(command="bash scripts/gpu_queue.sh spec_long", carry=[".whl"])     # issue 23: batch 32, 256-token outputs, ~8 min
 #   run(command="bash scripts/gpu_queue.sh prefill_step", carry=[".whl"])  # the step per op: decode 32x6, prefill 4K / 16K, ~3 min
+#   run(command="bash scripts/gpu_queue.sh mhc_prefill", carry=[".whl"])   # fused mHC plans at 4K / 16K tokens, ~3 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -38,7 +39,7 @@
 #   batch 32, 9 passes, chat then documentation prompts. Files: switch.json / .log, eng32_{chat,text}.json / .log.
 # moe_stalls: Nsight Compute's stall reasons per issued instruction, issue activity, registers and active warps of
 #   the il prefill kernels at 4096 tokens, as a metric list (the section set segfaulted on the H100 in session 19;
-#   NCU_CONFIGS, default the serving sw_il_bm128_nf_g8_hp_xp_dp). Files: ncu_stalls_*.log.
+#   NCU_CONFIGS, default the serving sw_il_bm128_nf_g8_hp_xp_dp; NCU_EXTRA appends metrics). Files: ncu_stalls_*.log.
 # decode_glue: gpu_step_profile at 32 x 6 @ 4K with --dump-hlo, then the HLO lines of its input_concatenate fusions.
 #   Files: step_glue.log, step_profile.json, hlo_*.txt.
 # spec_long: `bench engine --model demo` at batch 32 with 256-token outputs, 5 passes, chat then documentation
@@ -183,12 +184,13 @@ case $PART in
              not_selected selected dispatch_stall no_instruction branch_resolving drain; do
       M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
     done
+    M=$M${NCU_EXTRA:+,$NCU_EXTRA}   # e.g. session 20's L2 traffic: lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
     [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8_hp_xp_dp}; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
         --kernel-name regex:_moe_ --launch-skip 2 --launch-count 2 --metrics "$M" \
         python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_stalls_$c.log" 2>&1
       echo "== ncu stalls $c T=4096 (rc $?)"
-      grep -E "_moe_|gpu__|smsp__|sm__|launch__" "$OUT/ncu_stalls_$c.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -44
+      grep -E "_moe_|gpu__|smsp__|sm__|launch__|lts__|dram__" "$OUT/ncu_stalls_$c.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -60
     done
     ;;
   decode_glue)  # session 18: which XLA fusions the 32 x 6 decode step's concatenations are (0.42 ms a step in four
@@ -197,6 +199,20 @@ case $PART in
       --variants moeil --profile-no-cb --dump-hlo --out "$OUT" > "$OUT/step_glue.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_glue.log" | grep -E "^==|^sparse_att|^kv_gather|^attention_other|^decode" | head
     for f in "$OUT"/hlo_*.txt; do grep -E "^ *(ROOT )?%?input_concatenate_fusion(\.[0-9]+)? = " "$f" | cut -c1-400; done
+    ;;
+  mhc_prefill)  # session 20: the fused mHC kernel A at prefill sizes (~30 % of the read bandwidth at 4K / 16K tokens
+                # in the step), hardware bf16 rounding and smaller tiles (more warps a SM); max_diff_vs_default_* = bits
+    timeout 400 python3 -m dsflash.bench kernels --ops mhc --mhc-tokens ${MHC_TOKENS:-4096,16384} --quick --out "$OUT" \
+      --mhc-plans ${MHC_PLANS:-hw=hw_round:1,t32=BT:32/BD:32,hw_t32=BT:32/BD:32/hw_round:1,hw_t16=BT:16/BD:64/hw_round:1,hw_t32_ds4=BT:32/BD:32/DS:4/hw_round:1} \
+      > "$OUT/bench_mhc.log" 2>&1
+    echo "== bench kernels mhc (rc $?)"; grep -vE '^\{' "$OUT/bench_mhc.log" | tail -30
+    python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/kernels_*.json"):
+    for r in json.load(open(f)).get("mhc", []):
+        print(r["T"], {k: (round(v * 1e3, 4) if k.endswith("_s") else v) for k, v in r.items()
+                       if k.endswith("_s") or k.startswith("max_diff") or k.startswith("rel_err")})
+PY
     ;;
   prefill_step) # session 19's queue item 1: the whole step per op with the session's MoE default and in-GEMM rounding
     timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 32@4096 \
@@ -215,6 +231,6 @@ case $PART in
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

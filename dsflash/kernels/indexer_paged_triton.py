@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels.indexer_topk_shapes import paged_supports as supports
-from dsflash.kernels.indexer_topk_triton import _bf16_rne, _relu_nan
+from dsflash.kernels.indexer_topk_triton import _relu_nan
+from dsflash.kernels.triton_common import _bf16_rne
 from dsflash.kernels.triton_common import _dot_bf16
 
 

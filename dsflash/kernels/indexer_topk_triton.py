@@ -36,39 +36,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16 -> fp32, round to nearest even, NaN kept NaN. The NaN branch matters on the GPU: fp32
-    arithmetic there returns the canonical NaN 0x7FFFFFFF, and adding the rounding bias carries it into the sign
-    bit (0x80000000 = -0.0): NaN weights came out as -0. scores on the H200 (2026-11-30). The quiet bit is set
-    before truncating so a signalling payload cannot truncate to inf."""
-    u = x.to(tl.uint32, bitcast=True)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, (u | 0x00400000) & 0xFFFF0000, rounded).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_round(x, HW_ROUND: tl.constexpr):
-    """fp32 -> bf16 -> fp32, round to nearest even. HW_ROUND 0 (the default): ``_bf16_rne``, integer ops, what
-    Triton's interpreter can run. 1 (opt-in, NOT YET RUN ON A GPU): the hardware convert (sm_90 PTX
-    ``cvt.rn.bf16.f32`` / ``cvt.rn.bf16x2.f32``: RNE, no .ftz, so subnormals kept, inf kept, overflow to inf) for
-    every value but NaN, and for NaN ``_bf16_rne``'s bits (top half of x with the quiet bit set; the convert would
-    give the canonical 0x7FFF), selected in the bf16 domain: so the bits are ``_bf16_rne``'s for every input by
-    construction, given that the bf16 -> fp32 widening is a bit move (it is: the sm_90 SASS has no F2F.F32.BF16;
-    tests/test_kernels_indexer_rows.py asserts it). The select costs ~450 SASS a tile (selected in fp32 instead:
-    ~670). 2: the convert alone (NaN canonical), a compile study only, never launched. The interpreter's casts
-    truncate, so ``indexer_scores_triton`` refuses HW_ROUND there (see ``hw_round_supported``)."""
-    if HW_ROUND == 0:
-        r = _bf16_rne(x)
-    elif HW_ROUND == 1:
-        u = x.to(tl.uint32, bitcast=True)
-        nan_bits = ((u >> 16) | 0x0040).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        r = tl.where(x != x, nan_bits, x.to(tl.bfloat16)).to(tl.float32)
-    else:
-        r = x.to(tl.bfloat16).to(tl.float32)
-    return r
+from dsflash.kernels.triton_common import _bf16_rne, _bf16_round  # noqa: F401 (_bf16_rne: the interpreter script's it._bf16_rne)
 
 
 @triton.jit

@@ -101,5 +101,7 @@ def check_plan(p, n, d):
     if p["NCP"] < 2 * n + n * n or p["BD"] < 16 or p["DS"] < 1 or d % (p["DS"] * p["BD"]):
         raise ValueError(f"plan {p} does not fit n={n}, d={d}: need NCP >= 2n+n^2, BD >= 16, "
                          f"d % (DS*BD) == 0")
+    if p.get("hw_round", 0) not in (0, 1):
+        raise ValueError(f"hw_round (X1 / h rounded by the hardware convert) must be 0 or 1, got {p['hw_round']}")
     if p.get("warps_b", EPI_WARPS) not in (1, 2, 4, 8):
         raise ValueError(f"warps_b (kernel B's warps) must be 1, 2, 4 or 8, got {p['warps_b']}")

@@ -51,19 +51,10 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels.mhc_fused_plan import EPI_WARPS, check_plan, check_shapes, kernel_plan, num_warps
+from dsflash.kernels.triton_common import _bf16_rne, _bf16_round  # noqa: F401 (_bf16_rne: the interpreter script's mt._bf16_rne)
 
 # DOT modes of kernel A's logit MMA
 DOT_IEEE, DOT_TF32X3, DOT_BF16_SPLIT, DOT_SPLIT_EMULATED = 0, 1, 2, 3
-
-
-@triton.jit
-def _bf16_rne(x):
-    """fp32 -> bf16 -> fp32, round to nearest even, NaN kept NaN (the GPU's canonical NaN 0x7FFFFFFF would
-    otherwise carry into the sign bit and come out as -0.0; seen in the indexer kernel on the H200)."""
-    u = x.to(tl.uint32, bitcast=True)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, (u | 0x00400000) & 0xFFFF0000, rounded).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -96,7 +87,7 @@ def _mhc_split_kernel(x_ptr, a_ptr, fp_ptr, y_ptr, post_ptr, comb_ptr,
                       xo_ptr, h_ptr, mp_ptr, ssp_ptr,
                       T: tl.constexpr, N: tl.constexpr, D: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
                       DCH: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EXPAND: tl.constexpr,
-                      ROUND: tl.constexpr, DOT: tl.constexpr, TERMS: tl.constexpr):
+                      ROUND: tl.constexpr, HW_ROUND: tl.constexpr, DOT: tl.constexpr, TERMS: tl.constexpr):
     """Kernel A: tokens [pid0*BT, +BT) x d range [pid1*DCH, +DCH): X1 / h stored, partial logits / sum(x^2).
     Everything is a 2D [BT, BD] tile of one stream (no 3D tiles, no reshapes: with them the compiler recomputed
     the expand once per consumer layout and spilled); the logit MMA's K is split by stream, stream c of a chunk
@@ -145,7 +136,7 @@ def _mhc_split_kernel(x_ptr, a_ptr, fp_ptr, y_ptr, post_ptr, comb_ptr,
                     mix += comb_jc[j * N + c][:, None] * xs[j]
                 x = post_c[c][:, None] * y + mix                      # the reference's association
                 if ROUND:
-                    x = _bf16_rne(x)
+                    x = _bf16_round(x, HW_ROUND)
                 tl.store(ob + d0 + c * D + xt, x.to(xo_ptr.dtype.element_ty), mask=tm2)
             else:
                 x = xs[c]
@@ -153,7 +144,7 @@ def _mhc_split_kernel(x_ptr, a_ptr, fp_ptr, y_ptr, post_ptr, comb_ptr,
             h += a_c[c][:, None] * x
             m = _logit_mma(m, x, fb + i * (N * BD * NCP) + c * (BD * NCP), koff, N * D * NCP, DOT, TERMS)
         if ROUND:
-            h = _bf16_rne(h)
+            h = _bf16_round(h, HW_ROUND)
         tl.store(hb + d0 + ht, h.to(h_ptr.dtype.element_ty), mask=tm2)
     row = s * T + tr                                                 # partials are [DS, T, NCP] and [DS, T]
     tl.store(mp_ptr + row[:, None] * NCP + oj[None, :], m, mask=tm2)
@@ -244,8 +235,13 @@ def launch_config(T, n, d, *, expand, x_dtype, out_dtype, eps, rms_eps, iters, p
         dot = DOT_IEEE if interpret else DOT_TF32X3
     nc = 2 * n + n * n
     common = dict(T=T, N=n, D=d, NC=nc, NCP=p["NCP"])
+    hw_round = p.get("hw_round", 0)
+    if hw_round and interpret:
+        raise ValueError("plan hw_round=1 needs the GPU's cvt.rn.bf16.f32: Triton's interpreter truncates fp32 -> bf16 "
+                         "casts, so it cannot run (or check) the hardware-rounding path")
     a_kw = dict(common, DCH=d // p["DS"], BT=p["BT"], BD=p["BD"], EXPAND=int(bool(expand)),
-                ROUND=int(jnp.dtype(out_dtype) == bf16), DOT=dot, TERMS=fn_terms if bf16_exact else 1)
+                ROUND=int(jnp.dtype(out_dtype) == bf16), HW_ROUND=int(hw_round), DOT=dot,
+                TERMS=fn_terms if bf16_exact else 1)
     b_kw = dict(common, DS=p["DS"], SB=p["SB"], BT=p["BTE"], EPS=float(eps), RMS_EPS=float(rms_eps),
                 ITERS=int(iters))
     return p, ((triton.cdiv(T, p["BT"]), p["DS"]), a_kw), ((triton.cdiv(T, p["BTE"]),), b_kw)
