@@ -203,7 +203,7 @@ case $PART in
   mhc_prefill)  # session 20: the fused mHC kernel A at prefill sizes (~30 % of the read bandwidth at 4K / 16K tokens
                 # in the step), hardware bf16 rounding and smaller tiles (more warps a SM); max_diff_vs_default_* = bits
     timeout 400 python3 -m dsflash.bench kernels --ops mhc --mhc-tokens ${MHC_TOKENS:-4096,16384} --quick --out "$OUT" \
-      --mhc-plans ${MHC_PLANS:-hw=hw_round:1,t32=BT:32/BD:32,hw_t32=BT:32/BD:32/hw_round:1,hw_t16=BT:16/BD:64/hw_round:1,hw_t32_ds4=BT:32/BD:32/DS:4/hw_round:1} \
+      --mhc-plans ${MHC_PLANS:-hw=hw_round:1,t32=BT:32/BD:32,hw_t32=BT:32/BD:32/hw_round:1,hw_t16=BT:16/BD:64/hw_round:1} \
       > "$OUT/bench_mhc.log" 2>&1
     echo "== bench kernels mhc (rc $?)"; grep -vE '^\{' "$OUT/bench_mhc.log" | tail -30
     python3 - "$OUT" <<'PY'
@@ -215,8 +215,9 @@ for f in glob.glob(sys.argv[1] + "/kernels_*.json"):
 PY
     ;;
   prefill_step) # session 19's queue item 1: the whole step per op with the session's MoE default and in-GEMM rounding
-    timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 32@4096 \
-      --prefill 4096@0 16384@0 --variants moeil --profile-no-cb --out "$OUT" > "$OUT/prefill_step.log" 2>&1
+    timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton \
+      ${STEP_POINTS:---decode 32@4096 --prefill 4096@0 16384@0} --variants moeil --profile-no-cb --out "$OUT" \
+      > "$OUT/prefill_step.log" 2>&1
     echo "== step profile (rc $?)"; grep -E "^(point|decode|prefill) " "$OUT/prefill_step.log" | tail -8
     ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
