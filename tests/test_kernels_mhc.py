@@ -138,7 +138,20 @@ def test_plan_partials_stay_small_at_large_T():
         p = mf.kernel_plan(T, **V41)
         assert mf.partial_bytes(T, p["DS"], p["NCP"]) < 0.04 * T * 4 * 5120 * 2, (T, p)
     p = mf.kernel_plan(16384, **V41)
-    assert p["BT"] == 64 and p["DS"] <= 4, p
+    assert p["DS"] <= 4, p
+
+
+def test_plan_above_2048_tokens_is_the_measured_narrow_tile():
+    """Above 2048 tokens: [16, 64] tiles on 4 warps with hardware rounding and the splits of the BT-64 rule, the
+    plan the session-20 H100 sweep timed (0.612 -> 0.475 ms at 4096 tokens, 2.026 -> 1.635 at 16384); at and below
+    2048 tokens the rule's plan, never the hardware rounding (not measured there)."""
+    for T in (2049, 4096, 16384, 65536):
+        p = mf.kernel_plan(T, **V41)
+        assert (p["BT"], p["BD"], p["num_warps"], p.get("hw_round")) == (mf.NARROW_BT, mf.NARROW_BD, 4, 1), (T, p)
+        assert p["programs"] == -(-T // 16) * p["DS"], (T, p)
+    assert (mf.kernel_plan(4096, **V41)["DS"], mf.kernel_plan(16384, **V41)["DS"]) == (5, 2)   # as measured
+    for T in (1, 128, 1024, 2048):
+        assert "hw_round" not in mf.kernel_plan(T, **V41)
 
 
 def test_plan_rejects_unsupported_shapes():

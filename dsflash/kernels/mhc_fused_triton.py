@@ -237,8 +237,10 @@ def launch_config(T, n, d, *, expand, x_dtype, out_dtype, eps, rms_eps, iters, p
     common = dict(T=T, N=n, D=d, NC=nc, NCP=p["NCP"])
     hw_round = p.get("hw_round", 0)
     if hw_round and interpret:
-        raise ValueError("plan hw_round=1 needs the GPU's cvt.rn.bf16.f32: Triton's interpreter truncates fp32 -> bf16 "
-                         "casts, so it cannot run (or check) the hardware-rounding path")
+        if "hw_round" in (plan or {}):
+            raise ValueError("plan hw_round=1 needs the GPU's cvt.rn.bf16.f32: Triton's interpreter truncates fp32 -> "
+                             "bf16 casts, so it cannot run (or check) the hardware-rounding path")
+        hw_round = 0        # kernel_plan's choice: the integer rounding gives the same bits, and runs interpreted
     a_kw = dict(common, DCH=d // p["DS"], BT=p["BT"], BD=p["BD"], EXPAND=int(bool(expand)),
                 ROUND=int(jnp.dtype(out_dtype) == bf16), HW_ROUND=int(hw_round), DOT=dot,
                 TERMS=fn_terms if bf16_exact else 1)
