@@ -175,6 +175,19 @@ def test_crossover_table():
     assert [two.covers(T) for T in (1, 64, 65, 4095, 4096, 10 ** 6)] == [True, True, False, False, True, True]
 
 
+def test_hardware_rounding_runs_on_the_gpu_only():
+    """kernel_plan's hw_round (above 2048 tokens) launches HW_ROUND 1 on a GPU; interpreted, where fp32 -> bf16 casts
+    truncate, the same plan runs the integer rounding (the same bits), and asking for hw_round there is refused."""
+    mt = pytest.importorskip("dsflash.kernels.mhc_fused_triton")
+    kw = dict(expand=True, x_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, eps=1e-6, rms_eps=1e-20, iters=20)
+    for interpret, want in ((False, 1), (True, 0)):
+        p, (_, a_kw), _ = mt.launch_config(4096, 4, 5120, interpret=interpret, **kw)
+        assert (p["BT"], p["BD"], a_kw["HW_ROUND"]) == (16, 64, want), (interpret, p, a_kw)
+    assert mt.launch_config(1024, 4, 5120, **kw)[1][1]["HW_ROUND"] == 0
+    with pytest.raises(ValueError, match="interpreter"):
+        mt.launch_config(64, 4, 5120, interpret=True, plan={"hw_round": 1}, **kw)
+
+
 @pytest.mark.parametrize("dot,terms", [(2, 2), (2, 3), (3, 2), (1, 1)])
 def test_pack_fn_layout_and_split(dot, terms):
     """pack_fn's [parts, d/BD, n*BD, NCP] tiles hold fn[j, c*d + i*BD + e] at [., i, c*BD + e, j] (zeros past NC),
