@@ -24,6 +24,7 @@ import interpret_isolation  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from dsflash.kernels import indexer_topk as ik, indexer_topk_triton as it  # noqa: E402
+from dsflash.kernels.triton_common import _bf16_rne  # noqa: E402
 import triton.runtime.interpreter as _interp  # noqa: E402
 
 _patch_lang_tensor = _interp._patch_lang_tensor
@@ -297,7 +298,7 @@ ROWS_CHECKS = {
 
 
 CHECKS = {   # each runs in its own process (``interpret_isolation``)
-    "specials": lambda: check_specials(it._bf16_rne, it._relu_nan),
+    "specials": lambda: check_specials(_bf16_rne, it._relu_nan),
     "hw_nan_bits": check_hw_nan_bits,
     "poison_w": lambda: run_poison(),
     "poison_q": lambda: run_poison(where="q"),

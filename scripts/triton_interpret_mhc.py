@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from triton_interpret_moe import Fake  # noqa: E402
 import interpret_isolation  # noqa: E402
 from dsflash.kernels import mhc_fused as mf, mhc_fused_triton as mt  # noqa: E402
+from dsflash.kernels.triton_common import _bf16_rne  # noqa: E402
 
 
 def inputs(T, n, d, seed, dtype=jnp.bfloat16):
@@ -160,7 +161,7 @@ def _check(kw, first=False, coef_band=1e-4, want_splits=None):
 
 def _specials():
     from triton_interpret_indexer import check_specials
-    check_specials(mt._bf16_rne)
+    check_specials(_bf16_rne)
 
 
 CHECKS = {   # each runs in its own process (``interpret_isolation``)

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from dsflash.kernels.triton_common import _bf16_rne, _bf16_round  # noqa: F401 (_bf16_rne: the interpreter script's it._bf16_rne)
+from dsflash.kernels.triton_common import _bf16_round
 
 
 @triton.jit

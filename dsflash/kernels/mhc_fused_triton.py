@@ -42,6 +42,8 @@ small T (fn's 2 MB is ~0.4 us of DRAM time; launches, serial chunk loops and the
   < 3 % of X at >= 1024 tokens; at small T <= 1.4 MB, L2-resident.
 * Kernel B's loop has ceil(DS / SB) steps (20 at T <= 16, V4.1); its per-token work is tiny.
 ``iters`` is a compile-time loop bound (one compile per value), as before.
+X1 / h are rounded to bf16 by ``triton_common._bf16_round``: the integer RNE, or with the plan's ``hw_round`` (above
+2048 tokens, ``mhc_fused_plan.NARROW_BT``) the hardware convert with the same bits; off when interpreted.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels.mhc_fused_plan import EPI_WARPS, check_plan, check_shapes, kernel_plan, num_warps
-from dsflash.kernels.triton_common import _bf16_rne, _bf16_round  # noqa: F401 (_bf16_rne: the interpreter script's mt._bf16_rne)
+from dsflash.kernels.triton_common import _bf16_round
 
 # DOT modes of kernel A's logit MMA
 DOT_IEEE, DOT_TF32X3, DOT_BF16_SPLIT, DOT_SPLIT_EMULATED = 0, 1, 2, 3
