@@ -35,12 +35,15 @@ EPI_TILE_CAP = 4096          # elements of kernel B's [SB, BTE, NCP] partials ti
 PARTIAL_X_FRAC = 1 / 16      # partial bytes at most this fraction of X's bytes ...
 PARTIAL_FLOOR = 8 << 20      # ... or of this many bytes (small T: everything stays in L2)
 BD_CHOICES = (128, 64, 32)
-# Above 2048 tokens kernel A runs [16, 64] tiles on 4 warps (more programs a SM than the rule's [64, 32] on 8, one of
-# which filled a SM: 160 registers) with X1 / h rounded by the hardware convert (``hw_round``, the same bits). One
-# H100, session 20 (`bench kernels --ops mhc`, d 5120, outputs summed): 4096 tokens 0.612 -> 0.475 ms, 16384 2.026 ->
-# 1.635; every output within 1.7e-6 of the old plan's (max over X1, h and the coefficients: the logit MMA's M and
-# so its fp32 summation order change; hw_round alone was bit-identical). sm_90 compile: 128 registers, 4 blocks a SM.
+# From NARROW_FROM tokens kernel A runs [16, 64] tiles on 4 warps (more programs a SM than the rule's [64, 32] or
+# [32, 64] on 8, one of which filled a SM: 160-194 registers) with X1 / h rounded by the hardware convert (``hw_round``,
+# the same bits). One H100, `bench kernels --ops mhc`, d 5120, outputs summed, ms a call, rule -> narrow tile:
+# session 20: 4096 tokens 0.612 -> 0.475, 16384 2.026 -> 1.635; session 21: 1024 0.228 -> 0.181, 2048 0.372 ->
+# 0.294-0.316 (the same tile without hw_round, bit-identical, 0.294). Every output within 1.7e-6 of the rule plan's (max
+# over X1, h and the coefficients: the logit MMA's M and so its fp32 summation order change; hw_round alone was
+# bit-identical). sm_90 compile: 128 registers, 4 blocks a SM. Below 1024 tokens not measured: the rule's plan.
 NARROW_BT, NARROW_BD = 16, 64
+NARROW_FROM = 1024
 # Kernel B's warps (plan key "warps_b"; kernel_plan leaves it out). 4 until measured otherwise: at decode sizes one
 # B program runs the 20 Sinkhorn rounds of a [BTE, n, n] tile, whose reductions cross warps at 4 (NOTES.md,
 # "Runs 49-50": mHC is latency-bound at 1 x 6); 1 keeps them inside a warp.
@@ -69,7 +72,7 @@ def kernel_plan(T, n, d):
     among BD in BD_CHOICES with BT*BD <= TILE_CAP and DS dividing d / BD, with partial bytes within
     max(PARTIAL_X_FRAC * X bytes, PARTIAL_FLOOR): the fewest splits reaching TARGET_PROGRAMS with BD >= 64 (or the
     widest BD allowed, if narrower; largest BD first), else the fewest reaching MIN_PROGRAMS (largest BD first), else
-    the most programs. Above 2048 tokens the splits stay as chosen for BT 64 and the tile becomes
+    the most programs. From NARROW_FROM tokens the splits stay as the rule chose them and the tile becomes
     NARROW_BT x NARROW_BD with ``hw_round`` 1 (measured; see NARROW_BT)."""
     if T < 1 or n < 1 or n & (n - 1) or d % BD_CHOICES[-1]:
         raise ValueError(f"the Triton mHC kernel needs T >= 1, a power-of-two stream count and d % "
@@ -92,7 +95,7 @@ def kernel_plan(T, n, d):
     BD, DS = pick
     BTE = 16 if T <= 2048 else 32
     hw = {}
-    if T > 2048 and d % (DS * NARROW_BD) == 0:      # the measured prefill tile (NARROW_BT's comment), same DS
+    if T >= NARROW_FROM and d % (DS * NARROW_BD) == 0:   # the measured prefill tile (NARROW_BT's comment), same DS
         BT, BD, hw = NARROW_BT, NARROW_BD, {"hw_round": 1}
         tb = _cdiv(T, BT)
     return dict(BT=BT, BD=BD, DS=DS, NCP=NCP, BTE=BTE, SB=min(_next_pow2(DS), max(1, EPI_TILE_CAP // (BTE * NCP))),

@@ -42,8 +42,8 @@ small T (fn's 2 MB is ~0.4 us of DRAM time; launches, serial chunk loops and the
   < 3 % of X at >= 1024 tokens; at small T <= 1.4 MB, L2-resident.
 * Kernel B's loop has ceil(DS / SB) steps (20 at T <= 16, V4.1); its per-token work is tiny.
 ``iters`` is a compile-time loop bound (one compile per value), as before.
-X1 / h are rounded to bf16 by ``triton_common._bf16_round``: the integer RNE, or with the plan's ``hw_round`` (above
-2048 tokens, ``mhc_fused_plan.NARROW_BT``) the hardware convert with the same bits; off when interpreted.
+X1 / h are rounded to bf16 by ``triton_common._bf16_round``: the integer RNE, or with the plan's ``hw_round`` (from
+1024 tokens, ``mhc_fused_plan.NARROW_FROM``) the hardware convert with the same bits; off when interpreted.
 """
 from __future__ import annotations
 
