@@ -10,7 +10,10 @@ v3 ("flash", ``flash.*`` / ``prod.flash*`` checks) goes through the real launche
 with a jax_triton stand-in (outputs NaN-poisoned, so an unwritten element shows), and is checked against the per
 element error band of ``sat.flash_bound`` (vs the bf16-P reference and vs the fp32 reference; it rounds P against
 a running max, so it is not bit-comparable). ``mutant.*`` checks feed the kernel a wrong scale / sink / empty slots read
-as row 0, and PASS only when that band is violated (the check is not vacuous).
+as row 0, and PASS only when that band is violated (the check is not vacuous). ``rope.*`` checks: the flash kernel
+with RoPE applied to q and inverted on o in the kernel (``rope`` argument; band carried through the rotation), and
+``_rope_tail``'s bits against ``rope.rotate_tail`` (bf16 rounding, forward and inverse); ``mutant.rope`` passes
+only when a wrong table breaks the band.
 Usage: python scripts/triton_interpret_sparse_attention.py [--list | --check NAME]   (needs `pip install triton`)"""
 import dataclasses
 import gc
@@ -27,7 +30,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from triton_interpret_moe import Fake  # noqa: E402
 import interpret_isolation  # noqa: E402
-from dsflash.kernels import sparse_attention as sa, sparse_attention_triton as sat  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from dsflash.kernels import rope as rp, sparse_attention as sa, sparse_attention_triton as sat  # noqa: E402
 
 
 def _np(a):
@@ -125,22 +130,43 @@ class _JtShim:
         return tuple(res) if multi else res[0]
 
 
+def _rope_inputs(B, S, D, seed, rd=None):
+    """A (cos, sin) table [B, S, rd/2] of random positions < 20000 with the model's frequencies (base 10000)."""
+    rd = rd or min(64, D // 2)
+    pos = jax.random.randint(jax.random.PRNGKey(seed + 100), (B, S), 0, 20000, jnp.int32)
+    omega = 10000.0 ** (-2.0 * np.arange(rd // 2) / rd)
+    return rp.rope_table(pos, omega.astype(np.float32))
+
+
+def _pair_band(tol, rd):
+    """A per-element band carried through a rotation of the last rd channels' pairs: |c e0 -/+ s e1| <= tol0 + tol1."""
+    t = np.array(tol, copy=True)
+    tail = t[..., -rd:].reshape(*t.shape[:-1], rd // 2, 2)
+    t[..., -rd:] = np.repeat(tail.sum(-1), 2, axis=-1)
+    return t
+
+
 def run_flash(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtype=jnp.bfloat16, seed=0,
-              sink_shift=0.0, label="", empty_prefix=0, mutate=None):
+              sink_shift=0.0, label="", empty_prefix=0, mutate=None, rope=False):
     """v3 through the real launcher (jax_triton stand-in). Inputs are bf16 values; the kernel gets them as fp32
     arrays (IEEE dots: the interpreter's bf16 dot is wrong; products of bf16 values are exact in fp32) and rounds P
     with the same integer RNE as on the GPU. Returns (ok, message): ok = inside the error band everywhere, no NaN,
     a row with no valid entry exactly 0. ``empty_prefix``: row 0's first entries set to -1 (whole empty splits).
     ``mutate``: "scale" (kernel scale x 1.01), "sink" (kernel sink + 0.25) or "leak" (the kernel gets row 0 where
-    the reference has an empty slot) -- must break the band."""
+    the reference has an empty slot), "rope" (the kernel's sin table negated) -- must break the band. ``rope``: a
+    (cos, sin) table given (q rotated / o inverted in the kernel; the reference gets q in fp32, as the kernel does,
+    and the band is carried through the inverse rotation, ``_pair_band``)."""
     sys.modules["jax_triton"] = _JtShim
     q, kv, idx, sink, scale = _inputs(B, S, H, D, N, K, dtype, seed, sink_shift, poison_row0=True,
                                       empty_prefix=empty_prefix)
-    ref = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
-                                                        precision=precision))
-    ref32 = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
-                                                          precision="fp32"))
-    A = np.asarray(sat.flash_weights_abs(q, kv, idx, sink, scale))
+    table = _rope_inputs(B, S, D, seed) if rope or mutate == "rope" else None
+    qr = q if table is None else q.astype(jnp.float32)
+    ref = np.asarray(sa.sparse_sink_attention_reference(qr, kv, idx, sink, scale, out_dtype=jnp.float32,
+                                                        precision=precision, rope=table))
+    ref32 = np.asarray(sa.sparse_sink_attention_reference(qr, kv, idx, sink, scale, out_dtype=jnp.float32,
+                                                          precision="fp32", rope=table))
+    A = np.asarray(sat.flash_weights_abs(rp.rope_q(qr, table), kv, idx, sink, scale))
+    k_table = table if mutate != "rope" else (table[0], -table[1])
     k_scale = scale * (1.01 if mutate == "scale" else 1.0)
     k_sink = sink + (0.25 if mutate == "sink" else 0.0)
     k_idx = jnp.where(idx < 0, 0, idx) if mutate == "leak" else idx   # empty slots turned into row-0 reads
@@ -152,21 +178,48 @@ def run_flash(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtyp
         with np.errstate(over="ignore"):
             out = np.asarray(sat.sparse_sink_attention_triton(
                 q.astype(jnp.float32), kv.astype(jnp.float32), k_idx, k_sink, k_scale, out_dtype=jnp.float32,
-                precision=precision, config=cfg))
+                precision=precision, config=cfg, rope=k_table))
     finally:
         gc.enable()
     rounds = 0 if precision == "fp32" else 2
-    viol_ref = np.abs(out - ref) / sat.flash_bound(A, ref, rounds)
-    viol_32 = np.abs(out - ref32) / sat.flash_bound(A, ref32, min(rounds, 1))
+    band = (lambda t: t) if table is None else (lambda t: _pair_band(t, 2 * table[0].shape[-1]))
+    viol_ref = np.abs(out - ref) / band(sat.flash_bound(A, ref, rounds))
+    viol_32 = np.abs(out - ref32) / band(sat.flash_bound(A, ref32, min(rounds, 1)))
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     rel32 = np.linalg.norm(out - ref32) / np.linalg.norm(ref32)
     empty = np.abs(out[B - 1, S - 1]).max() if B * S > 1 else 0.0
-    msg = (f"{label:>18} BK{cfg.BK} NS{ns} BPS{bps} HS{hs} | B{B} S{S} H{H} D{D} K{K} {precision} "
+    msg = (f"{label:>18} BK{cfg.BK} NS{ns} BPS{bps} HS{hs} | B{B} S{S} H{H} D{D} K{K} {precision}"
+           f"{' rope' if table is not None else ''} "
            f"{'mutant ' + mutate if mutate else ''}: rel err vs ref {rel:.2e}, vs fp32 ref {rel32:.2e}; "
            f"max |err| / band: vs ref {viol_ref.max():.3f}, vs fp32 {viol_32.max():.3f}; empty row max {empty:.1e}")
     ok = bool(np.all(np.isfinite(out)) and viol_ref.max() <= 1.0 and viol_32.max() <= 1.0 and empty == 0.0
               and rel < 5e-3)
     return ok, msg
+
+
+@triton.jit
+def _tail_probe(x_ptr, c_ptr, s_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
+                INVERSE: tl.constexpr, ROUND: tl.constexpr):
+    row = tl.program_id(0)
+    rows = x_ptr + row * (H * D) + tl.arange(0, H)[:, None] * D
+    r = sat._rope_tail(rows, c_ptr + row * (RD // 2), s_ptr + row * (RD // 2), D, RD, INVERSE, ROUND)
+    tl.store(o_ptr + row * (H * RD) + tl.arange(0, H)[:, None] * RD + tl.arange(0, RD)[None, :], r)
+
+
+def run_tail_bits(inverse, label="", B=2, S=3, H=16, D=128, seed=20):
+    """``_rope_tail`` on bf16 values (passed as fp32) with ROUND = 1 against ``rope.rotate_tail`` on the bf16 array:
+    the same bits in every element (fp32 products and sums in the same order, then RNE to bf16)."""
+    x = (jax.random.normal(jax.random.PRNGKey(seed), (B, S, H, D), jnp.float32) * 3).astype(jnp.bfloat16)
+    c, s = _rope_inputs(B, S, D, seed)
+    rd = 2 * c.shape[-1]
+    want = np.asarray(rp.rotate_tail(x, c[:, :, None], s[:, :, None], inverse=inverse).astype(jnp.float32))
+    out = np.full((B * S, H, rd), np.nan, np.float32)
+    _tail_probe[(B * S,)](Fake(_np(x.astype(jnp.float32))), Fake(_np(c)), Fake(_np(s)), Fake(out), H=H, D=D, RD=rd,
+                          INVERSE=int(inverse), ROUND=1)
+    got = out.reshape(B, S, H, rd)
+    diff = int((got.view(np.uint32) != want[..., -rd:].view(np.uint32)).sum())
+    ok = diff == 0 and np.array_equal(np.asarray(x.astype(jnp.float32))[..., :-rd], want[..., :-rd])
+    return ok, f"rope tail bits {'inverse' if inverse else 'forward'}: {diff} of {got.size} elements differ"
 
 
 def small(name, **kw):
@@ -254,6 +307,19 @@ def checks():
                                      dict(H=64, seed=11, mutate="scale"), expect_ok=False)
     out["mutant.scale.prod"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64"], "flash_bk64",
                                       dict(prod, B=1, S=1, seed=6, mutate="scale"), expect_ok=False)
+    # RoPE in the kernel (session 21): q's tail rotated into o's tail before the loop, o's tail rotated back after the
+    # store (NS = 1); NS > 1 rotates in XLA around the split kernel; the real head shape with V4.1's rd = 64
+    for inverse in (False, True):
+        out[f"rope.tail_bits.{'inv' if inverse else 'fwd'}"] = interpret_isolation.expect(
+            run_tail_bits, lambda inv=inverse: inv, "tail", {})
+    out["rope.flash_ns1"] = fcheck(lambda: small("flash_bk64_ns1", BK=16), "flash_ns1", dict(rope=True, D=128))
+    out["rope.flash_ns2"] = fcheck(lambda: small("flash_bk64", BK=16, NS=2), "flash_ns2", dict(rope=True, D=128))
+    out["rope.hs4_ns1"] = fcheck(lambda: small("flash_bk64_hs4", BK=16, NS=1), "hs4_ns1",
+                                 dict(H=64, rope=True, D=128, seed=3))
+    out["rope.prod.flash_bk64_ns1.B2"] = fcheck(lambda: sat.NAMED_CONFIGS["flash_bk64_ns1"], "flash_bk64_ns1",
+                                                dict(prod, B=2, S=1, seed=8, empty_prefix=200, rope=True))
+    out["mutant.rope"] = fcheck(lambda: small("flash_bk64_ns1", BK=16), "flash_ns1",
+                                dict(D=128, seed=21, mutate="rope"), expect_ok=False)
     # the real V4.1 head count / width at one row, K = 640 (window + compressed), with the production configs
     for name in ("fused_dv512", "split_ch128_dv128"):
         out[f"prod.{name}"] = check(lambda n=name: sat.NAMED_CONFIGS[n], name,

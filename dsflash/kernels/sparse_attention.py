@@ -7,6 +7,10 @@
   idx  [B, S, K]     int32 row ids into kv per query row; -1 = empty slot (contributes nothing)
   sink [H]           f32 per-head sink logit: a "null" key with zero value, in the denominator only
   scale              python float (V4.1: 512 ** -0.5)
+  rope               optional (cos, sin), each [B, S, rd/2] fp32 (``rope.rope_table`` of the rows' positions): q's
+                     last rd channels are rotated by it first (rounded to q.dtype), o's get the inverse last
+                     (rounded to out_dtype), exactly as ``rope.rotate_tail`` does; the flash kernel does both in
+                     registers, so neither q nor o is copied through HBM for it
   -> [B, S, H, D] in ``out_dtype`` (default q.dtype)
 
 Numerics (the contract every backend is checked against):
@@ -23,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dsflash.kernels import dispatch
+from dsflash.kernels.rope import check_rope, rope_o, rope_q
 
 NEG_CLAMP = -1e30
 
@@ -44,9 +49,16 @@ def _attend_chunk(q, kv, idx, sink, scale, p_dtype):
 
 
 def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference",
-                                    chunk=None):
+                                    chunk=None, rope=None):
     """Pure-JAX reference. ``chunk`` (rows of S per step, optional) bounds the gathered [B, s, K, D] buffer
-    for long prefills; it does not change the result."""
+    for long prefills; it does not change the result. ``rope``: the module docstring's."""
+    check_rope(rope, q)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    o = _attend(rope_q(q, rope), kv, idx, sink, scale, out_dtype, precision, chunk)
+    return rope_o(o, rope)
+
+
+def _attend(q, kv, idx, sink, scale, out_dtype, precision, chunk):
     B, S, H, D = q.shape
     if kv.ndim != 3 or kv.shape[0] != B or kv.shape[2] != D:
         raise ValueError(f"kv must be [B={B}, N, D={D}], got {kv.shape}")
@@ -54,7 +66,6 @@ def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, 
         raise ValueError(f"idx must be [B={B}, S={S}, K], got {idx.shape}")
     if sink.shape != (H,):
         raise ValueError(f"sink must be [H={H}], got {sink.shape}")
-    out_dtype = q.dtype if out_dtype is None else out_dtype
     p_dtype = jnp.float32 if precision == "fp32" else jnp.bfloat16
     idx = idx.astype(jnp.int32)
     if chunk is None or chunk >= S:
@@ -69,16 +80,17 @@ def sparse_sink_attention_reference(q, kv, idx, sink, scale, *, out_dtype=None, 
 
 
 def sparse_sink_attention(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", backend="auto",
-                          force=False):
+                          force=False, rope=None):
     """The reference or the Triton kernel, as ``dispatch.use_triton("sparse_attention", ...)`` decides at B*S query
     rows (the kernel on a GPU from 128 rows; ``force``: at any size, for tests and the bench). The kernel itself:
-    ``sparse_attention_triton.sparse_sink_attention_triton`` (always runs it)."""
+    ``sparse_attention_triton.sparse_sink_attention_triton`` (always runs it). ``rope``: the module docstring's."""
     if not dispatch.use_triton("sparse_attention", backend, q.shape[0] * q.shape[1], precision=precision,
                                force=force):
-        return sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision)
+        return sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision,
+                                               rope=rope)
     from dsflash.kernels import sparse_attention_triton  # lazy: needs a CUDA GPU and jax-triton
     return sparse_attention_triton.sparse_sink_attention_triton(q, kv, idx, sink, scale, out_dtype=out_dtype,
-                                                                precision=precision)
+                                                                precision=precision, rope=rope)
 
 
 def gather_decoded(pool, addr, decode, dtype):
@@ -87,14 +99,15 @@ def gather_decoded(pool, addr, decode, dtype):
 
 
 def sparse_sink_attention_paged_reference(q, win, win_idx, pool, addr, valid, sink, scale, *, decode,
-                                          out_dtype=None, precision="reference", backend="auto"):
+                                          out_dtype=None, precision="reference", backend="auto", rope=None):
     """Attention over window rows and pool entries, the model's way: ``sparse_sink_attention`` (which may run the
     plain kernel) over ``paged_buffer``'s materialised rows and ids.
 
     win [B, NW, D]; win_idx [B, S, KW] ids into win; pool: the pool's leaves ([P, ...] each, decoded by ``decode``
     (leaves, dtype)); addr / valid [B, S, K]: each pick's pool row (always a readable row) and whether it is real."""
     kv, idx = paged_buffer(win, win_idx, pool, addr, valid, decode)
-    return sparse_sink_attention(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision, backend=backend)
+    return sparse_sink_attention(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision, backend=backend,
+                                 rope=rope)
 
 
 def paged_buffer(win, win_idx, pool, addr, valid, decode):
@@ -113,13 +126,17 @@ def paged_kernel_fits(pool, precision) -> bool:
 
 
 def sparse_sink_attention_paged(q, win, win_idx, pool, addr, valid, sink, scale, *, decode, out_dtype=None,
-                                precision="reference", backend="auto", force=False):
+                                precision="reference", backend="auto", force=False, rope=None):
     """``sparse_sink_attention_paged_reference`` or the paged kernel (``sparse_attention_paged_triton``), as
-    ``dispatch.use_triton("sparse_attention_paged", ...)`` decides at B*S query rows, for NVFP4 pools only."""
+    ``dispatch.use_triton("sparse_attention_paged", ...)`` decides at B*S query rows, for NVFP4 pools only.
+    ``rope``: as ``sparse_sink_attention``'s; around the paged kernel it runs in XLA (decode-sized q and o)."""
     if paged_kernel_fits(pool, precision) and dispatch.use_triton(
             "sparse_attention_paged", backend, q.shape[0] * q.shape[1], precision=precision, force=force):
         from dsflash.kernels import sparse_attention_paged_triton as spt  # lazy: needs a CUDA GPU and jax-triton
-        return spt.sparse_sink_attention_paged_triton(q, win, win_idx, pool["q"], pool["s"], addr, valid, sink,
-                                                      scale, out_dtype=out_dtype, precision=precision)
+        check_rope(rope, q)
+        out_dtype = q.dtype if out_dtype is None else out_dtype
+        o = spt.sparse_sink_attention_paged_triton(rope_q(q, rope), win, win_idx, pool["q"], pool["s"], addr, valid,
+                                                   sink, scale, out_dtype=out_dtype, precision=precision)
+        return rope_o(o, rope)
     return sparse_sink_attention_paged_reference(q, win, win_idx, pool, addr, valid, sink, scale, decode=decode,
-                                                 out_dtype=out_dtype, precision=precision, backend=backend)
+                                                 out_dtype=out_dtype, precision=precision, backend=backend, rope=rope)

@@ -45,6 +45,9 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from dsflash.kernels.rope import check_rope, rope_o, rope_q
+from dsflash.kernels.triton_common import _bf16_rne
+
 
 # ----------------------------------------------------------------------------------------------- configs
 @dataclasses.dataclass(frozen=True)
@@ -324,15 +327,42 @@ def _chunk_pv_kernel(q_ptr, kv_ptr, idx_ptr, mpart_ptr, accp_ptr, denp_ptr,
 
 # ----------------------------------------------------------------------------------------------- v3: "flash"
 @triton.jit
-def _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, offs_h, S: tl.constexpr, N: tl.constexpr, H: tl.constexpr,
-                D: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr,
-                HG: tl.constexpr, P_BF16: tl.constexpr, IEEE: tl.constexpr):
+def _rope_tail(src_rows, c_row, s_row, D: tl.constexpr, RD: tl.constexpr, INVERSE: tl.constexpr,
+               ROUND: tl.constexpr):
+    """``rope.rotate_tail``'s rotated tail of the rows at ``src_rows`` (pointers [HG, 1] to rows of D channels):
+    [HG, RD] fp32, their last RD channels, pair (2i, 2i + 1) rotated by this query row's (cos_i, sin_i) (the
+    conjugate if INVERSE) in fp32, RNE to bf16 values if ROUND (the integer form: the interpreter's casts truncate).
+    Only the tails move through registers (HG x RD elements, each channel's pair partner loaded again): rotating the
+    [HG, D] q tile in registers made Triton keep q as a register MMA operand on sm_90 (spills, 20 % more
+    instructions a loop step), and splitting o's pairs in registers went through shared memory."""
+    j = tl.arange(0, RD)
+    c = tl.load(c_row + j // 2)[None, :]
+    s = tl.load(s_row + j // 2)[None, :]
+    if INVERSE:
+        s = -s
+    x = tl.load(src_rows + (D - RD) + j[None, :]).to(tl.float32)
+    p = tl.load(src_rows + (D - RD) + (j ^ 1)[None, :]).to(tl.float32)
+    r = tl.where(((j & 1) == 0)[None, :], x * c - p * s, p * s + x * c)
+    if ROUND:
+        r = _bf16_rne(r)
+    return r
+
+
+@triton.jit
+def _flash_body(q_ptr, kv_ptr, idx_ptr, qt_ptr, row, sp, offs_h, S: tl.constexpr, N: tl.constexpr,
+                H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr, BK: tl.constexpr,
+                BPS: tl.constexpr, HG: tl.constexpr, P_BF16: tl.constexpr, IEEE: tl.constexpr, RD: tl.constexpr):
     """Online softmax of query row ``row``, heads ``offs_h`` (HG of the H), over its split ``sp`` (blocks
     [sp * BPS, sp * BPS + BPS) of BK entries): (m [HG] running max, >= -1e30; l [HG] fp32 sum of exp(s - m);
-    acc [HG, D] fp32 sum of bf16(exp(s - m_j)) * kv rescaled to m). q [HG, D] is loaded once; each block gathers
+    acc [HG, D] fp32 sum of bf16(exp(s - m_j)) * kv rescaled to m). q [HG, D] is loaded once (RD > 0: its last RD
+    channels from ``qt_ptr``'s rows, where the caller put them rotated; one load either way); each block gathers
     kv[idx] [BK, D] once for both products."""
     offs_d = tl.arange(0, D)
-    q = tl.load(q_ptr + row * (H * D) + offs_h[:, None] * D + offs_d[None, :])
+    q_off = row * (H * D) + offs_h[:, None] * D + offs_d[None, :]
+    if RD > 0:
+        q = tl.load(tl.where(offs_d[None, :] >= D - RD, qt_ptr + q_off, q_ptr + q_off))
+    else:
+        q = tl.load(q_ptr + q_off)
     if IEEE:
         q = q.to(tl.float32)
     kv_base = kv_ptr + (row // S) * (N * D)
@@ -382,18 +412,34 @@ def _flash_heads(HG: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
-def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr,
+def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr,
                   S: tl.constexpr, N: tl.constexpr, H: tl.constexpr, D: tl.constexpr, K: tl.constexpr,
                   SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, HG: tl.constexpr, P_BF16: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, RD: tl.constexpr = 0, ROUND_O: tl.constexpr = 1):
     """NS = 1: grid (rows,) (or (rows, 1, H / HG)), the whole row (its HG heads) in one program,
-    o = acc / (l + exp(sink - m)) stored directly."""
+    o = acc / (l + exp(sink - m)) stored directly. RD > 0 (RoPE, ``rope.rotate_tail``; o has q's dtype): q's tails
+    rotated into o's tails first (scratch the final store overwrites), and o's tails rotated back in place after
+    the store, each through ``_rope_tail`` with barriers (a CTA's global writes are visible to its threads after
+    one)."""
     row = tl.program_id(0).to(tl.int64)
     offs_h = _flash_heads(HG, H)
-    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, 0, offs_h, S, N, H, D, K, SCALE, BK, BPS, HG, P_BF16, IEEE)
+    rows = row * (H * D) + offs_h[:, None] * D
+    if RD > 0:
+        tail = (D - RD) + tl.arange(0, RD)[None, :]
+        qt = _rope_tail(q_ptr + rows, cos_ptr + row * (RD // 2), sin_ptr + row * (RD // 2), D, RD, False, 1 - IEEE)
+        tl.store(o_ptr + rows + tail, qt.to(o_ptr.dtype.element_ty))
+        tl.debug_barrier()
+    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, o_ptr, row, 0, offs_h, S, N, H, D, K, SCALE, BK, BPS, HG, P_BF16,
+                            IEEE, RD)
     den = l + tl.exp(tl.load(sink_ptr + offs_h) - m)      # inf for a row with no valid entry: 0 / inf = 0
     o = acc / den[:, None]
-    tl.store(o_ptr + row * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], o.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + rows + tl.arange(0, D)[None, :], o.to(o_ptr.dtype.element_ty))
+    if RD > 0:
+        tl.debug_barrier()
+        tail = (D - RD) + tl.arange(0, RD)[None, :]
+        ot = _rope_tail(o_ptr + rows, cos_ptr + row * (RD // 2), sin_ptr + row * (RD // 2), D, RD, True, ROUND_O)
+        tl.debug_barrier()                                 # every pair partner read before any tail is rewritten
+        tl.store(o_ptr + rows + tail, ot.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -402,12 +448,13 @@ def _flash_split_kernel(q_ptr, kv_ptr, idx_ptr, op_ptr, mp_ptr, lp_ptr,
                         SCALE: tl.constexpr, BK: tl.constexpr, BPS: tl.constexpr, NS: tl.constexpr,
                         HG: tl.constexpr, P_BF16: tl.constexpr, IEEE: tl.constexpr):
     """NS > 1 (flash-decoding): grid (rows, NS) (or (rows, NS, H / HG)); partials (m, l, acc) fp32 in the same
-    [rows, NS, H(, D)] layout for any head split, merged by ``flash_combine``."""
+    [rows, NS, H(, D)] layout for any head split, merged by ``flash_combine`` (RoPE, if any, is the caller's, in
+    XLA)."""
     row = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     offs_h = _flash_heads(HG, H)
-    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, row, sp, offs_h, S, N, H, D, K, SCALE, BK, BPS, HG, P_BF16,
-                            IEEE)
+    m, l, acc = _flash_body(q_ptr, kv_ptr, idx_ptr, q_ptr, row, sp, offs_h, S, N, H, D, K, SCALE, BK, BPS, HG, P_BF16,
+                            IEEE, 0)
     base = row * NS + sp
     tl.store(op_ptr + base * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], acc)
     tl.store(mp_ptr + base * H + offs_h, m)
@@ -459,20 +506,23 @@ def split_combine(mpart, accp, denp, sink, out_shape, out_dtype):
 
 
 def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference",
-                                 config=None, block_k=None, block_dv=None):
+                                 config=None, block_k=None, block_dv=None, rope=None):
     """Always runs the kernel (no XLA fallback): tests, the bench and ``sparse_attention.sparse_sink_attention``
     (which decides through ``dispatch.use_triton``) call this. ``config``: an AttnConfig, a NAMED_CONFIGS key, or None
-    (``pick_config(B*S)``); ``block_k`` / ``block_dv`` override BK / DV."""
+    (``pick_config(B*S)``); ``block_k`` / ``block_dv`` override BK / DV. ``rope`` (cos, sin [B, S, rd/2]): as
+    ``sparse_attention.sparse_sink_attention``'s; the one-split "flash" kernel applies it to q's and o's tails itself
+    (``_flash_kernel``) when o has q's dtype, everything else in XLA around the kernels."""
     from dsflash.kernels.triton_call import jax_triton
     jt = jax_triton()  # lazy: GPU only
 
+    check_rope(rope, q)
     H = q.shape[2]
     Hp = max(16, 1 << (H - 1).bit_length())
     if Hp != H:     # small models (tiny / demo: 4 heads): zero query heads up to the MMA's smallest M, sliced off after
         pad = ((0, 0), (0, 0), (0, Hp - H), (0, 0))
         out = sparse_sink_attention_triton(jnp.pad(q, pad), kv, idx, jnp.pad(sink, (0, Hp - H)), scale,
                                            out_dtype=out_dtype, precision=precision, config=config,
-                                           block_k=block_k, block_dv=block_dv)
+                                           block_k=block_k, block_dv=block_dv, rope=rope)
         return out[:, :, :H]
     B, S, H, D = q.shape
     N = kv.shape[1]
@@ -490,23 +540,32 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     p_bf16 = int(precision != "fp32")
     idx = idx.astype(jnp.int32)
     sink = sink.astype(jnp.float32)
-    if cfg.kind == "fused":
-        return jt.triton_call(
-            q, kv, idx, sink, kernel=_fused_kernel,
-            out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
-            grid=(R, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, P_BF16=p_bf16, **ka)
     if cfg.kind == "flash":
         ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16)
-        if ns == 1:
+        if ns == 1 and (rope is None or jnp.dtype(out_dtype) == q.dtype):
+            if rope is None:
+                cs = (jnp.zeros((1,), jnp.float32),) * 2      # unread (RD = 0)
+            else:                                          # in the kernel (its docstring): o is q's scratch
+                cs = tuple(t.astype(jnp.float32).reshape(R, -1) for t in rope)
+                kw.update(RD=2 * cs[0].shape[1], ROUND_O=int(jnp.dtype(out_dtype) != jnp.float32))
             return jt.triton_call(
-                q, kv, idx, sink, kernel=_flash_kernel, out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
+                q, kv, idx, sink, *cs, kernel=_flash_kernel, out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
                 grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
+        if ns == 1:                                        # o's dtype is not q's: RoPE in XLA
+            return rope_o(sparse_sink_attention_triton(rope_q(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
+                                                       precision=precision, config=cfg), rope)
         op, mp, lp = jt.triton_call(
-            q, kv, idx, kernel=_flash_split_kernel,
+            rope_q(q, rope), kv, idx, kernel=_flash_split_kernel,
             out_shape=(jax.ShapeDtypeStruct((R, ns, H, D), jnp.float32), jax.ShapeDtypeStruct((R, ns, H), jnp.float32),
                        jax.ShapeDtypeStruct((R, ns, H), jnp.float32)),
             grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
-        return flash_combine(op, mp, lp, sink, (B, S, H, D), out_dtype)
+        return rope_o(flash_combine(op, mp, lp, sink, (B, S, H, D), out_dtype), rope)
+    q = rope_q(q, rope)                                       # the older kinds: RoPE in XLA around the kernel
+    if cfg.kind == "fused":
+        return rope_o(jt.triton_call(
+            q, kv, idx, sink, kernel=_fused_kernel,
+            out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
+            grid=(R, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, P_BF16=p_bf16, **ka), rope)
     if cfg.kind != "split":
         raise ValueError(f"unknown kind {cfg.kind!r}")
     ch = split_chunk(cfg, R, D, K)
@@ -520,4 +579,4 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
         out_shape=(jax.ShapeDtypeStruct((R, ns, H, D), jnp.float32), jax.ShapeDtypeStruct((R, ns, H), jnp.float32)),
         grid=(R, ns, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, CH=ch, NS=ns, P_BF16=p_bf16,
         **ka)
-    return split_combine(mpart, accp, denp, sink, (B, S, H, D), out_dtype)
+    return rope_o(split_combine(mpart, accp, denp, sink, (B, S, H, D), out_dtype), rope)

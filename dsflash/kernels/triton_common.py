@@ -68,7 +68,7 @@ def _bf16_round(x, HW_ROUND: tl.constexpr):
     instead: ~670). 2: the convert alone (NaN canonical), a compile study only, never launched. The interpreter's casts
     truncate, so the callers keep HW_ROUND 0 there (``indexer_topk_triton.hw_round_supported``, the mHC
     ``launch_config``). Used by the indexer scorer (the default on a GPU since session 18) and the fused mHC kernel
-    (its plan's ``hw_round``, above 2048 tokens since session 20)."""
+    (its plan's ``hw_round``, from 1024 tokens since session 21)."""
     if HW_ROUND == 0:
         r = _bf16_rne(x)
     elif HW_ROUND == 1:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from dsflash.config import ModelConfig
 from dsflash.kernels import indexer_topk as ik
+from dsflash.kernels.rope import rope_table
 # gather_pool: a name of its own in this module, so the step profile's kv_gather scope wraps the model's calls
 from dsflash.kernels.sparse_attention import gather_decoded as gather_pool
 from dsflash.kernels.sparse_attention import sparse_sink_attention, sparse_sink_attention_paged
@@ -92,12 +93,13 @@ def window_rows(ctx: Ctx, W, R):
 
 
 def project_q(params, p, x, cfg, ctx, omega):
+    """(qr, q [B, S, H, Dh] without RoPE, rope): the attention applies ``rope`` (cos, sin of the rows' positions) to q
+    and its inverse to o itself (``sparse_sink_attention``'s ``rope``), in registers where its kernel runs."""
     qr = rms_norm(linear_fp8(x, params, f"{p}.wq_a", ctx.precision, backend=ctx.backend), params[f"{p}.q_norm.weight"],
                   cfg.rms_norm_eps, ctx.precision)
     q = linear_fp8(qr, params, f"{p}.wq_b", ctx.precision, backend=ctx.backend)
     q = q.reshape(*q.shape[:-1], cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(q, ctx.pos[..., None], omega)
-    return qr, q
+    return qr, q, rope_table(ctx.pos, omega)
 
 
 def project_window_kv(params, p, x, cfg, ctx, omega):
@@ -107,9 +109,9 @@ def project_window_kv(params, p, x, cfg, ctx, omega):
     return st.decode_window(st.encode_window(kv, ctx.precision), act_dtype(ctx.precision))
 
 
-def output_projection(params, p, o, cfg, ctx, omega):
-    """o [B, S, H, Dh] -> inverse RoPE -> grouped wo_a (bf16, no act quant) -> wo_b (FP8) -> [B, S, d]."""
-    o = apply_rope(o, ctx.pos[..., None], omega, inverse=True)
+def output_projection(params, p, o, cfg, ctx):
+    """o [B, S, H, Dh] (inverse RoPE already applied by the attention) -> grouped wo_a (bf16, no act quant) -> wo_b
+    (FP8) -> [B, S, d]."""
     o = o.reshape(*o.shape[:2], cfg.o_groups, -1)
     h = linear_fp8_grouped(o, params, f"{p}.wo_a", ctx.precision, backend=ctx.backend)
     return linear_fp8(h.reshape(*h.shape[:2], -1), params, f"{p}.wo_b", ctx.precision, backend=ctx.backend)
@@ -189,7 +191,7 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
     ring = state["swa"][name]
     R = next(iter(ring.values())).shape[1]
 
-    qr, q = project_q(params, p, x, cfg, ctx, omega)
+    qr, q, rope = project_q(params, p, x, cfg, ctx, omega)
     kv = project_window_kv(params, p, x, cfg, ctx, omega)
     ring_vals = st.decode_window(jax.tree.map(lambda a: a[ctx.slots], ring), dt)
     kv_buf = [jnp.concatenate([ring_vals, kv], axis=1)]
@@ -243,8 +245,8 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
             o = sparse_sink_attention_paged(
                 q, kv_buf[0], idx_parts[0], state["main_kv"][str(src)], picked.reshape(Bq, Sq, K), sel >= 0,
                 params[f"{p}.attn_sink"], cfg.head_dim ** -0.5, decode=st.decode_main_kv, out_dtype=dt,
-                precision=ctx.precision, backend=ctx.backend)
-            return output_projection(params, p, o, cfg, ctx, omega), state, shared
+                precision=ctx.precision, backend=ctx.backend, rope=rope)
+            return output_projection(params, p, o, cfg, ctx), state, shared
         else:
             kv_buf.append(gather_pool(state["main_kv"][str(src)], addr_all, st.decode_main_kv, dt))
             idx_parts.append(jnp.where(sel >= 0, sel + base, -1))
@@ -252,5 +254,5 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
     kvs = jnp.concatenate(kv_buf, axis=1)
     idx = jnp.concatenate(idx_parts, axis=-1)
     o = sparse_sink_attention(q, kvs, idx, params[f"{p}.attn_sink"], cfg.head_dim ** -0.5, out_dtype=dt,
-                              precision=ctx.precision, backend=ctx.backend)
-    return output_projection(params, p, o, cfg, ctx, omega), state, shared
+                              precision=ctx.precision, backend=ctx.backend, rope=rope)
+    return output_projection(params, p, o, cfg, ctx), state, shared

@@ -63,7 +63,7 @@ def _stage_attention(params, cfg, name, x, ctx: Ctx, state, ring_floor):
     omega = rope_freqs(cfg, compressed=False)
     dt = act_dtype(ctx.precision)
     W = cfg.sliding_window
-    qr, q = project_q(params, p, x, cfg, ctx, omega)
+    qr, q, rope = project_q(params, p, x, cfg, ctx, omega)
     kv = project_window_kv(params, p, x, cfg, ctx, omega)
     ring = state["swa"][name]
     R = next(iter(ring.values())).shape[1]
@@ -78,8 +78,8 @@ def _stage_attention(params, cfg, name, x, ctx: Ctx, state, ring_floor):
     idx = jnp.broadcast_to(idx[:, None], (B, K, W + K))
     kvs = jnp.concatenate([ring_vals, kv], axis=1)
     o = sparse_sink_attention(q, kvs, idx, params[f"{p}.attn_sink"], cfg.head_dim ** -0.5, out_dtype=dt,
-                              precision=ctx.precision, backend=ctx.backend)
-    return output_projection(params, p, o, cfg, ctx, omega)
+                              precision=ctx.precision, backend=ctx.backend, rope=rope)
+    return output_projection(params, p, o, cfg, ctx)
 
 
 def draft_hidden(params, cfg: ModelConfig, state, y, pos, slots, opts: RunOptions, ring_floor=None, routed_fn=None):

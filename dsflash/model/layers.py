@@ -16,6 +16,7 @@ import numpy as np
 
 from dsflash.config import ModelConfig
 from dsflash import quant
+from dsflash.kernels.rope import rope_table, rotate_tail
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -134,15 +135,6 @@ def rope_freqs(cfg: ModelConfig, compressed: bool) -> np.ndarray:
 def apply_rope(x, pos, omega, inverse=False):
     """Rotate the last ``2*len(omega)`` channels of x (pairs (2i, 2i+1)) by pos*omega (conjugate if inverse).
 
-    x [..., S, (H,) D]; pos broadcastable to x.shape[:-1] without the head axis handled by caller."""
-    rd = 2 * omega.shape[0]
-    ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(omega)
-    c, s = jnp.cos(ang), jnp.sin(ang)
-    if inverse:
-        s = -s
-    head, tail = x[..., :-rd], x[..., -rd:].astype(jnp.float32)
-    t = tail.reshape(*tail.shape[:-1], rd // 2, 2)
-    x0, x1 = t[..., 0], t[..., 1]
-    r0, r1 = x0 * c - x1 * s, x0 * s + x1 * c
-    rot = jnp.stack([r0, r1], axis=-1).reshape(tail.shape).astype(x.dtype)
-    return jnp.concatenate([head, rot], axis=-1)
+    x [..., S, (H,) D]; pos broadcastable to x.shape[:-1] without the head axis handled by caller. The arithmetic
+    is ``kernels.rope``'s, which the attention front-ends share."""
+    return rotate_tail(x, *rope_table(pos, omega), inverse=inverse)
