@@ -94,3 +94,45 @@ def test_dispatch_and_shape_errors():
         sa.sparse_sink_attention(q, kv, idx, sink, 0.125, backend="cuda")
     with pytest.raises(ValueError):
         sa.sparse_sink_attention_reference(q, kv, idx, sink[:2], 0.125)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rope_argument_is_rotation_around_the_attention(dtype):
+    """``rope`` = (cos, sin) of the rows: the same bits as rotating q first and o back after (what the model did
+    before the argument existed, ``layers.apply_rope`` twice), through the front end, the chunked reference and the
+    paged reference; a wrong table shape is a ValueError naming ``rope``."""
+    from dsflash.kernels.rope import rope_table, rotate_tail
+    from dsflash.model import state as st
+    from dsflash.model.layers import apply_rope
+    q, kv, idx, sink = _inputs(jax.random.PRNGKey(7), B=2, S=4, dtype=dtype)
+    scale = 64 ** -0.5
+    pos = jnp.array([[3, 4, 5, 6], [100, 101, 102, 103]], jnp.int32)
+    omega = (10000.0 ** (-np.arange(8) / 8.0)).astype(np.float32)            # rd = 16 of D = 64
+    table = rope_table(pos, omega)
+    qr = apply_rope(q, pos[..., None], omega)
+    want = apply_rope(sa.sparse_sink_attention_reference(qr, kv, idx, sink, scale), pos[..., None], omega, inverse=True)
+    got = sa.sparse_sink_attention(q, kv, idx, sink, scale, rope=table, backend="xla")
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    chunked = sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, rope=table, chunk=2)
+    np.testing.assert_array_equal(np.asarray(chunked, np.float32), np.asarray(want, np.float32))
+    assert not np.array_equal(np.asarray(got, np.float32),
+                              np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale), np.float32))
+    # the rotation touches only the last rd channels, and they differ from the unrotated result
+    np.testing.assert_array_equal(np.asarray(rotate_tail(q, *(t[:, :, None] for t in table)))[..., :-16],
+                                  np.asarray(q)[..., :-16])
+    # the paged front end (XLA path here) carries the same argument
+    win, win_idx = kv[:, :20], jnp.where(idx < 20, idx, -1)
+    pool = st.encode_main_kv(kv[:, 20:].reshape(-1, kv.shape[-1]), "reference")
+    addr = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32)[None, None], (2, 4, 4))
+    valid = jnp.ones((2, 4, 4), bool)
+    dec = lambda leaves, dt: st.decode_main_kv(leaves, dt)                     # noqa: E731
+    p_rope = sa.sparse_sink_attention_paged(q, win, win_idx, pool, addr, valid, sink, scale, decode=dec, rope=table,
+                                            backend="xla")
+    p_want = apply_rope(sa.sparse_sink_attention_paged(qr, win, win_idx, pool, addr, valid, sink, scale, decode=dec,
+                                                       backend="xla"), pos[..., None], omega, inverse=True)
+    np.testing.assert_array_equal(np.asarray(p_rope, np.float32), np.asarray(p_want, np.float32))
+    for bad in ((table[0][:, :3], table[1][:, :3]), (table[0], table[1][..., :4]),
+                tuple(jnp.zeros((2, 4, 40)) for _ in range(2))):
+        with pytest.raises(ValueError, match="rope"):
+            sa.sparse_sink_attention(q, kv, idx, sink, scale, rope=bad, backend="xla")
