@@ -44,11 +44,14 @@
 #   Files: step_glue.log, step_profile.json, hlo_*.txt.
 # spec_long: `bench engine --model demo` at batch 32 with 256-token outputs, 5 passes, chat then documentation
 #   prompts. Files: eng32long_{chat,text}.json / .log.
+# prefill_step: gpu_step_profile per op at STEP_POINTS (default decode 32 x 6 @ 4K, prefill 4K and 16K) for
+#   STEP_VARIANTS (default moeil; e.g. moeil_ropex,moeil_ropek: RoPE around / in the flash kernel, an A/B in one call).
+#   Files: prefill_step.log, step_profile.json.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -216,7 +219,7 @@ PY
     ;;
   prefill_step) # session 19's queue item 1: the whole step per op with the session's MoE default and in-GEMM rounding
     timeout 560 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton \
-      ${STEP_POINTS:---decode 32@4096 --prefill 4096@0 16384@0} --variants moeil --profile-no-cb --out "$OUT" \
+      ${STEP_POINTS:---decode 32@4096 --prefill 4096@0 16384@0} --variants ${STEP_VARIANTS:-moeil} --profile-no-cb --out "$OUT" \
       > "$OUT/prefill_step.log" 2>&1
     echo "== step profile (rc $?)"; grep -E "^(point|decode|prefill) " "$OUT/prefill_step.log" | tail -8
     ;;

@@ -19,7 +19,9 @@ the FP8 linears' decode band on the "decode" config (BN 64, the default before r
 ``moeil_ffi`` / ``moeil_legacy`` = ``moeil`` with the Triton launches in jaxlib's FFI custom-call form (which XLA
 can record into its command buffers) / in jax-triton's legacy form (which it cannot): ``kernels.triton_call.USE_FFI``
 on / off, the A/B; ``moeil_paged`` = ``moeil`` with the paged sparse attention (``sparse_attention_paged_triton``:
-the picked compressed entries read from the NVFP4 pool, no bf16 gather or concatenation) at every row count.
+the picked compressed entries read from the NVFP4 pool, no bf16 gather or concatenation) at every row count;
+``moeil_ropek`` / ``moeil_ropex`` = ``moeil`` with RoPE in the one-split flash kernel / in XLA around it
+(``sparse_attention_triton.ROPE_IN_KERNEL`` on / off).
 """
 from __future__ import annotations
 
@@ -107,6 +109,8 @@ def main():
     real_fp8cfg = fp8_linear_triton.DECODE_CONFIG
     from dsflash.kernels import triton_call
     real_ffi = triton_call.USE_FFI
+    from dsflash.kernels import sparse_attention_triton
+    real_rope = sparse_attention_triton.ROPE_IN_KERNEL
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0)}
@@ -124,6 +128,7 @@ def main():
             triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)
             dispatch.GATES["sparse_attention_paged"] = real_attn_paged.replace(triton=((1, None),)) \
                 if var == "moeil_paged" else real_attn_paged
+            sparse_attention_triton.ROPE_IN_KERNEL = {"moeil_ropek": True, "moeil_ropex": False}.get(var, real_rope)
             uses_il = var.startswith("moeil")           # moeil and its A/B variants run the il layout
             if uses_il and il_params is None:
                 from dsflash.model.params import moe_il_weights
@@ -228,6 +233,7 @@ def main():
     dispatch.GATES["topk"] = real_topk
     fp8_linear_triton.DECODE_CONFIG = real_fp8cfg
     triton_call.USE_FFI = real_ffi
+    sparse_attention_triton.ROPE_IN_KERNEL = real_rope
     dispatch.GATES["sparse_attention_paged"] = real_attn_paged
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
     for p, v, ms, busy, k, fl in summary:

@@ -178,7 +178,7 @@ def run_flash(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtyp
         with np.errstate(over="ignore"):
             out = np.asarray(sat.sparse_sink_attention_triton(
                 q.astype(jnp.float32), kv.astype(jnp.float32), k_idx, k_sink, k_scale, out_dtype=jnp.float32,
-                precision=precision, config=cfg, rope=k_table))
+                precision=precision, config=cfg, rope=k_table, rope_in_kernel=True))
     finally:
         gc.enable()
     rounds = 0 if precision == "fp32" else 2

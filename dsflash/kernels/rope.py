@@ -1,7 +1,7 @@
 """The rotary embedding's arithmetic, shared by the model (``layers.apply_rope``) and the attention front-ends,
 which apply it to q on the way in and its inverse to o on the way out (``sparse_attention.sparse_sink_attention``'s
-``rope``; the one-split flash kernel does both itself, on the 64-channel tails, so q and o are not re-written by a
-concatenation in HBM).
+``rope``; the one-split flash kernel can do both itself, on the 64-channel tails, so that q and o are not re-written
+by a concatenation in HBM: ``sparse_attention_triton.ROPE_IN_KERNEL``).
 
 ``rope_table(pos, omega)``: (cos, sin) of pos * omega, fp32, shape pos.shape + [rd / 2].
 ``rotate_tail(x, cos, sin, inverse)``: the last rd = 2 * cos.shape[-1] channels of x, pairs (2i, 2i + 1), rotated

@@ -9,8 +9,9 @@
   scale              python float (V4.1: 512 ** -0.5)
   rope               optional (cos, sin), each [B, S, rd/2] fp32 (``rope.rope_table`` of the rows' positions): q's
                      last rd channels are rotated by it first (rounded to q.dtype), o's get the inverse last
-                     (rounded to out_dtype), exactly as ``rope.rotate_tail`` does; the one-split flash kernel does
-                     both itself on the tails, so neither q nor o is re-written by a concatenation for it
+                     (rounded to out_dtype), exactly as ``rope.rotate_tail`` does; the one-split flash kernel can do
+                     both itself on the tails (``sparse_attention_triton.ROPE_IN_KERNEL``), so that neither q nor
+                     o is re-written by a concatenation for it
   -> [B, S, H, D] in ``out_dtype`` (default q.dtype)
 
 Numerics (the contract every backend is checked against):

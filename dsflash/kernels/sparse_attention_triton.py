@@ -99,6 +99,10 @@ PICK_TABLE = (
     (None, "flash_bk64"),
 )
 SMS = 132                 # H200 SMs; "split" auto aims at >= 2 waves of programs
+# RoPE in the one-split flash kernel (``_flash_kernel``'s RD; session 21): checked in the interpreter and compiled for
+# sm_90 (the main loop unchanged), not yet run on a GPU, so off by default: q / o rotate in XLA around the kernel.
+# ``sparse_sink_attention_triton(rope_in_kernel=True)`` and gpu_step_profile's variant "moeil_ropek" run it.
+ROPE_IN_KERNEL = False
 
 
 def pick_config(rows: int) -> AttnConfig:
@@ -506,12 +510,13 @@ def split_combine(mpart, accp, denp, sink, out_shape, out_dtype):
 
 
 def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference",
-                                 config=None, block_k=None, block_dv=None, rope=None):
+                                 config=None, block_k=None, block_dv=None, rope=None, rope_in_kernel=None):
     """Always runs the kernel (no XLA fallback): tests, the bench and ``sparse_attention.sparse_sink_attention``
     (which decides through ``dispatch.use_triton``) call this. ``config``: an AttnConfig, a NAMED_CONFIGS key, or None
     (``pick_config(B*S)``); ``block_k`` / ``block_dv`` override BK / DV. ``rope`` (cos, sin [B, S, rd/2]): as
-    ``sparse_attention.sparse_sink_attention``'s; the one-split "flash" kernel applies it to q's and o's tails itself
-    (``_flash_kernel``) when o has q's dtype, everything else in XLA around the kernels."""
+    ``sparse_attention.sparse_sink_attention``'s; with ``rope_in_kernel`` (default ``ROPE_IN_KERNEL``) the one-split
+    "flash" kernel applies it to q's and o's tails itself (``_flash_kernel``) when o has q's dtype; everything else
+    rotates in XLA around the kernels."""
     from dsflash.kernels.triton_call import jax_triton
     jt = jax_triton()  # lazy: GPU only
 
@@ -522,7 +527,7 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
         pad = ((0, 0), (0, 0), (0, Hp - H), (0, 0))
         out = sparse_sink_attention_triton(jnp.pad(q, pad), kv, idx, jnp.pad(sink, (0, Hp - H)), scale,
                                            out_dtype=out_dtype, precision=precision, config=config,
-                                           block_k=block_k, block_dv=block_dv, rope=rope)
+                                           block_k=block_k, block_dv=block_dv, rope=rope, rope_in_kernel=rope_in_kernel)
         return out[:, :, :H]
     B, S, H, D = q.shape
     N = kv.shape[1]
@@ -542,7 +547,8 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     sink = sink.astype(jnp.float32)
     if cfg.kind == "flash":
         ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16)
-        if ns == 1 and (rope is None or jnp.dtype(out_dtype) == q.dtype):
+        in_kernel = ROPE_IN_KERNEL if rope_in_kernel is None else rope_in_kernel
+        if ns == 1 and (rope is None or (in_kernel and jnp.dtype(out_dtype) == q.dtype)):
             if rope is None:
                 cs = (jnp.zeros((1,), jnp.float32),) * 2      # unread (RD = 0)
             else:                                          # in the kernel (its docstring): o is q's scratch
@@ -551,7 +557,7 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
             return jt.triton_call(
                 q, kv, idx, sink, *cs, kernel=_flash_kernel, out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
                 grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
-        if ns == 1:                                        # o's dtype is not q's: RoPE in XLA
+        if ns == 1:                                        # RoPE in XLA
             return rope_o(sparse_sink_attention_triton(rope_q(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
                                                        precision=precision, config=cfg), rope)
         op, mp, lp = jt.triton_call(

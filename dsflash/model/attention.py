@@ -94,7 +94,7 @@ def window_rows(ctx: Ctx, W, R):
 
 def project_q(params, p, x, cfg, ctx, omega):
     """(qr, q [B, S, H, Dh] without RoPE, rope): the attention applies ``rope`` (cos, sin of the rows' positions) to q
-    and its inverse to o itself (``sparse_sink_attention``'s ``rope``), in registers where its kernel runs."""
+    and its inverse to o itself (``sparse_sink_attention``'s ``rope``; its kernel can do it on the tails)."""
     qr = rms_norm(linear_fp8(x, params, f"{p}.wq_a", ctx.precision, backend=ctx.backend), params[f"{p}.q_norm.weight"],
                   cfg.rms_norm_eps, ctx.precision)
     q = linear_fp8(qr, params, f"{p}.wq_b", ctx.precision, backend=ctx.backend)

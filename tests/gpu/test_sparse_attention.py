@@ -163,8 +163,8 @@ def test_flash_bf16_output_matches_reference():
 
 @pytest.mark.parametrize("B,S", [(1, 256), (3, 1)], ids=["ns1_in_kernel", "split_xla"])
 def test_flash_rope_matches_rope_around_the_kernel(B, S):
-    """``rope`` (session 21): the one-split flash kernel rotates q's tail into o's tail before its loop and o's tail
-    back after its store (``_flash_kernel``); the split path rotates in XLA. Against the same kernel run on
+    """``rope`` with ``rope_in_kernel`` (session 21): the one-split flash kernel rotates q's tail into o's tail before
+    its loop and o's tail back after its store (``_flash_kernel``); the split path rotates in XLA. Against the same kernel run on
     ``rope_q(q)`` with ``rope_o`` after it (what the model did before): the bits differ only where the kernel's fp32
     rotation rounds differently from XLA's (FMA contraction), printed; and the result is the reference's, in band."""
     from dsflash.kernels import rope as rp, sparse_attention_triton as sat
@@ -172,7 +172,8 @@ def test_flash_rope_matches_rope_around_the_kernel(B, S):
     q, kv, idx, sink, scale = _flash_inputs(case, 21 + B)
     pos = jax.random.randint(jax.random.PRNGKey(5), (B, S), 0, 60000, jnp.int32)
     table = rp.rope_table(pos, (10000.0 ** (-np.arange(32) / 32.0)).astype(np.float32))
-    inside = jax.jit(lambda q, c, s: sat.sparse_sink_attention_triton(q, kv, idx, sink, scale, rope=(c, s)))
+    inside = jax.jit(lambda q, c, s: sat.sparse_sink_attention_triton(q, kv, idx, sink, scale, rope=(c, s),
+                                                                    rope_in_kernel=True))
     around = jax.jit(lambda q, c, s: rp.rope_o(sat.sparse_sink_attention_triton(rp.rope_q(q, (c, s)), kv, idx, sink,
                                                                                 scale), (c, s)))
     a = np.asarray(inside(q, *table).astype(jnp.float32))
