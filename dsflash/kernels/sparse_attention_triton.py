@@ -427,8 +427,8 @@ def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr,
     one)."""
     row = tl.program_id(0).to(tl.int64)
     offs_h = _flash_heads(HG, H)
-    rows = row * (H * D) + offs_h[:, None] * D
     if RD > 0:
+        rows = row * (H * D) + offs_h[:, None] * D
         tail = (D - RD) + tl.arange(0, RD)[None, :]
         qt = _rope_tail(q_ptr + rows, cos_ptr + row * (RD // 2), sin_ptr + row * (RD // 2), D, RD, False, 1 - IEEE)
         tl.store(o_ptr + rows + tail, qt.to(o_ptr.dtype.element_ty))
@@ -437,9 +437,11 @@ def _flash_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, cos_ptr, sin_ptr, o_ptr,
                             IEEE, RD)
     den = l + tl.exp(tl.load(sink_ptr + offs_h) - m)      # inf for a row with no valid entry: 0 / inf = 0
     o = acc / den[:, None]
-    tl.store(o_ptr + rows + tl.arange(0, D)[None, :], o.to(o_ptr.dtype.element_ty))
+    # the row's offsets computed here, not before the loop: kept live across it they cost a register (spills, sm_90)
+    tl.store(o_ptr + row * (H * D) + offs_h[:, None] * D + tl.arange(0, D)[None, :], o.to(o_ptr.dtype.element_ty))
     if RD > 0:
         tl.debug_barrier()
+        rows = row * (H * D) + offs_h[:, None] * D
         tail = (D - RD) + tl.arange(0, RD)[None, :]
         ot = _rope_tail(o_ptr + rows, cos_ptr + row * (RD // 2), sin_ptr + row * (RD // 2), D, RD, True, ROUND_O)
         tl.debug_barrier()                                 # every pair partner read before any tail is rewritten
