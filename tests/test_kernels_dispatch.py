@@ -46,9 +46,10 @@ def fakes(monkeypatch):
         calls["moe"].append(idx.shape[0] * idx.shape[1])
         return moe_gemm.routed_moe_reference(x, idx, weight, *w, limit=limit, precision=precision)
 
-    def attn(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference"):
+    def attn(q, kv, idx, sink, scale, *, out_dtype=None, precision="reference", rope=None):
         calls["sparse_attention"].append(q.shape[0] * q.shape[1])
-        return sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision)
+        return sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=out_dtype, precision=precision,
+                                                  rope=rope)
 
     def scores(q, w, k, visible, valid, cand=None):
         calls["indexer"].append(q.shape[0] * q.shape[1] * k.shape[1])
