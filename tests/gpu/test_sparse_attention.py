@@ -164,9 +164,10 @@ def test_flash_bf16_output_matches_reference():
 @pytest.mark.parametrize("B,S", [(1, 256), (3, 1)], ids=["ns1_in_kernel", "split_xla"])
 def test_flash_rope_matches_rope_around_the_kernel(B, S):
     """``rope`` with ``rope_in_kernel`` (session 21): the one-split flash kernel rotates q's tail into o's tail before
-    its loop and o's tail back after its store (``_flash_kernel``); the split path rotates in XLA. Against the same kernel run on
-    ``rope_q(q)`` with ``rope_o`` after it (what the model did before): the bits differ only where the kernel's fp32
-    rotation rounds differently from XLA's (FMA contraction), printed; and the result is the reference's, in band."""
+    its loop and o's tail back after its store (``_flash_kernel``); the split path rotates in XLA. Against the same
+    kernel run on ``rope_q(q)`` with ``rope_o`` after it (what the model did before): the bits differ only where the
+    kernel's fp32 rotation rounds differently from XLA's (FMA contraction), printed; and the result is the
+    reference's, in band."""
     from dsflash.kernels import rope as rp, sparse_attention_triton as sat
     case = (B, S, 64, 512, 2000, 640)
     q, kv, idx, sink, scale = _flash_inputs(case, 21 + B)
@@ -183,8 +184,8 @@ def test_flash_rope_matches_rope_around_the_kernel(B, S):
     rel_ab = float(np.linalg.norm(a - b) / np.linalg.norm(b))
     rel_ref = float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
     ns = sat.flash_plan(sat.pick_config(B * S), B * S, 640)[0]
-    print(f"rope B{B} S{S} NS{ns}: {differ} of {a.size} elements differ from rope around the kernel (rel {rel_ab:.2e}); "
-          f"rel err vs the reference {rel_ref:.2e}")
+    print(f"rope B{B} S{S} NS{ns}: {differ} of {a.size} elements differ from rope around the kernel "
+          f"(rel {rel_ab:.2e}); rel err vs the reference {rel_ref:.2e}")
     assert (ns == 1) == (S == 256)
     assert np.all(np.isfinite(a)) and rel_ab < 1e-3 and rel_ref < 6e-3, (rel_ab, rel_ref)
     if B * S > 1:
