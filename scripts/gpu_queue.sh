@@ -19,6 +19,7 @@
 #   run(command="bash scripts/gpu_queue.sh spec_long", carry=[".whl"])     # issue 23: batch 32, 256-token outputs, ~8 min
 #   run(command="bash scripts/gpu_queue.sh prefill_step", carry=[".whl"])  # the step per op: decode 32x6, prefill 4K / 16K, ~3 min
 #   run(command="bash scripts/gpu_queue.sh mhc_prefill", carry=[".whl"])   # fused mHC plans at 4K / 16K tokens, ~3 min
+#   run(command="bash scripts/gpu_queue.sh rope_ab", carry=[".whl"])       # RoPE in the flash kernel: test + step A/B, ~5 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -47,11 +48,13 @@
 # prefill_step: gpu_step_profile per op at STEP_POINTS (default decode 32 x 6 @ 4K, prefill 4K and 16K) for
 #   STEP_VARIANTS (default moeil; e.g. moeil_ropex,moeil_ropek: RoPE around / in the flash kernel, an A/B in one call).
 #   Files: prefill_step.log, step_profile.json.
+# rope_ab: the GPU test of RoPE in the flash kernel, then the step with it off / on (moeil_ropex / moeil_ropek) at
+#   ROPE_POINTS (default prefill 4K and 16K, no ceilings). Files: pytest_rope.log, step_rope.log, step_profile.json.
 # CPU check of the plumbing: MODEL=tiny STEPS_ARGS="--prompt-len 96 --budget 64 --decoding 4 --max-model-len 256"
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -142,6 +145,16 @@ case $PART in
     timeout 240 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 1@4096 32@4096 \
       --variants moeil,moeil_paged --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_paged.log" 2>&1
     echo "== step profile (rc $?)"; grep -v '^{' "$OUT/step_paged.log" | grep -E "^==|^sparse_att|^kv_gather|^attention_other|^decode" | head -40
+    ;;
+  rope_ab)      # session 21: RoPE in the one-split flash kernel -- its GPU test (bits against RoPE around the kernel),
+                # then the step A/B in one call (ROPE_IN_KERNEL off / on) at ROPE_POINTS (default 4K and 16K prefill)
+    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_sparse_attention.py -k rope \
+      > "$OUT/pytest_rope.log" 2>&1
+    echo "== rope test (rc $?)"; grep -E "rope B|passed|failed|Error" "$OUT/pytest_rope.log" | head -8
+    timeout 400 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode \
+      ${ROPE_POINTS:---prefill 4096@0 16384@0} --variants moeil_ropex,moeil_ropek --profile-no-cb --no-ceilings \
+      --out "$OUT" > "$OUT/step_rope.log" 2>&1
+    echo "== step profile (rc $?)"; grep -E "^(point|prefill|decode) |^== " "$OUT/step_rope.log" | tail -8
     ;;
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
