@@ -24,8 +24,7 @@ import triton.language as tl
 
 from dsflash.kernels.indexer_topk_shapes import paged_supports as supports
 from dsflash.kernels.indexer_topk_triton import _relu_nan
-from dsflash.kernels.triton_common import _bf16_rne
-from dsflash.kernels.triton_common import _dot_bf16
+from dsflash.kernels.triton_common import _bf16_rne, _dot_bf16
 
 
 @triton.jit

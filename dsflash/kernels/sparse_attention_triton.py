@@ -545,12 +545,17 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     check_shapes(q, idx, D, dv)
     ka = launch_args(cfg, B, S, H, D, N, K, scale, precision, q.dtype)
     p_bf16 = int(precision != "fp32")
+    in_kernel = ROPE_IN_KERNEL if rope_in_kernel is None else rope_in_kernel
+    if rope is not None and not (in_kernel and cfg.kind == "flash" and jnp.dtype(out_dtype) == q.dtype
+                                 and flash_launch(cfg, R, H, D, K, ka, p_bf16)[0] == 1):
+        # RoPE in XLA around the kernel: every launch but the one-split flash kernel asked to do it itself
+        return rope_o(sparse_sink_attention_triton(rope_q(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
+                                                   precision=precision, config=cfg), rope)
     idx = idx.astype(jnp.int32)
     sink = sink.astype(jnp.float32)
     if cfg.kind == "flash":
         ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16)
-        in_kernel = ROPE_IN_KERNEL if rope_in_kernel is None else rope_in_kernel
-        if ns == 1 and (rope is None or (in_kernel and jnp.dtype(out_dtype) == q.dtype)):
+        if ns == 1:
             if rope is None:
                 cs = (jnp.zeros((1,), jnp.float32),) * 2      # unread (RD = 0)
             else:                                          # in the kernel (its docstring): o is q's scratch
@@ -559,21 +564,17 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
             return jt.triton_call(
                 q, kv, idx, sink, *cs, kernel=_flash_kernel, out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
                 grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
-        if ns == 1:                                        # RoPE in XLA
-            return rope_o(sparse_sink_attention_triton(rope_q(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
-                                                       precision=precision, config=cfg), rope)
         op, mp, lp = jt.triton_call(
-            rope_q(q, rope), kv, idx, kernel=_flash_split_kernel,
+            q, kv, idx, kernel=_flash_split_kernel,
             out_shape=(jax.ShapeDtypeStruct((R, ns, H, D), jnp.float32), jax.ShapeDtypeStruct((R, ns, H), jnp.float32),
                        jax.ShapeDtypeStruct((R, ns, H), jnp.float32)),
             grid=grid, num_warps=cfg.warps, num_stages=cfg.stages, **kw)
-        return rope_o(flash_combine(op, mp, lp, sink, (B, S, H, D), out_dtype), rope)
-    q = rope_q(q, rope)                                       # the older kinds: RoPE in XLA around the kernel
+        return flash_combine(op, mp, lp, sink, (B, S, H, D), out_dtype)
     if cfg.kind == "fused":
-        return rope_o(jt.triton_call(
+        return jt.triton_call(
             q, kv, idx, sink, kernel=_fused_kernel,
             out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
-            grid=(R, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, P_BF16=p_bf16, **ka), rope)
+            grid=(R, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, P_BF16=p_bf16, **ka)
     if cfg.kind != "split":
         raise ValueError(f"unknown kind {cfg.kind!r}")
     ch = split_chunk(cfg, R, D, K)
@@ -587,4 +588,4 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
         out_shape=(jax.ShapeDtypeStruct((R, ns, H, D), jnp.float32), jax.ShapeDtypeStruct((R, ns, H), jnp.float32)),
         grid=(R, ns, D // dv), num_warps=cfg.warps, num_stages=cfg.stages, DV=dv, CH=ch, NS=ns, P_BF16=p_bf16,
         **ka)
-    return rope_o(split_combine(mpart, accp, denp, sink, (B, S, H, D), out_dtype), rope)
+    return split_combine(mpart, accp, denp, sink, (B, S, H, D), out_dtype)
