@@ -217,12 +217,13 @@ def main():
                     print("largest gaps:", json.dumps(prof["gaps"]["largest_us"][:6]), flush=True)
                     print("graphs (trace):", json.dumps(prof["graphs"]), flush=True)
                     summary.append((f"{phase} {n}x{S}@{C}", var, stats["median"], prof["busy_ms"],
-                                    prof["kernels_per_step"], floor["total"].get("floor_ms")))
+                                    prof["kernels_per_step"], floor["total"].get("floor_ms"),
+                                    floor["total"].get("exact_floor_ms")))
                     del state, box, compiled
             except Exception as e:  # noqa: BLE001
                 import traceback
                 traceback.print_exc()
-                summary.append((f"{phase} {n}x{S}@{C}", var, float("nan"), float("nan"), 0, None))
+                summary.append((f"{phase} {n}x{S}@{C}", var, float("nan"), float("nan"), 0, None, None))
             with open(os.path.join(a.out, "step_profile.json"), "w") as f:
                 json.dump(res, f, indent=1, default=str)
     layers.tensor_cores = real_tc
@@ -235,10 +236,12 @@ def main():
     triton_call.USE_FFI = real_ffi
     sparse_attention_triton.ROPE_IN_KERNEL = real_rope
     dispatch.GATES["sparse_attention_paged"] = real_attn_paged
-    print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor")
-    for p, v, ms, busy, k, fl in summary:
+    # %exact: against the floor with every GEMM at the bf16 rate (step_floor.EXACT_FLOOR)
+    print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor  %exact")
+    for p, v, ms, busy, k, fl, ex in summary:
         pct = f"{100 * fl / ms:>8.1f}" if fl and ms == ms else f"{'-':>8}"
-        print(f"{p:<22}{v:<8}{ms:>9.3f}{busy:>10.3f}{k:>10.0f}{(fl if fl else float('nan')):>10.4f}{pct}")
+        pex = f"{100 * ex / ms:>8.1f}" if ex and ms == ms else f"{'-':>8}"
+        print(f"{p:<22}{v:<8}{ms:>9.3f}{busy:>10.3f}{k:>10.0f}{(fl if fl else float('nan')):>10.4f}{pct}{pex}")
 
 
 if __name__ == "__main__":

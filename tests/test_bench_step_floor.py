@@ -158,6 +158,12 @@ def test_floor_arithmetic():
     assert t["floor_ms"] == max(t["bytes_ms"], t["flops_ms"])
     assert t["sum_op_floors_ms"] == pytest.approx(sum(o["floor_ms"] for o in f["ops"].values()))
     assert t["floor_ms"] <= t["sum_op_floors_ms"]
+    # the exact floor: every flop at the bf16 rate, so never below the FP8 floor, and above it in prefill
+    assert t["exact_floor_ms"] == pytest.approx(max(t["bytes_ms"], t["flops"] / 8e14 * 1e3))
+    assert t["exact_floor_ms"] >= t["floor_ms"]
+    pre = F.step_floor(cfg, rows=1, S=4096, context=0, ceilings=ce)["total"]
+    assert pre["flops_fp8"] > 0 and pre["exact_floor_ms"] > pre["floor_ms"]
+    assert "bf16 rate" in F.format_table([], None, {"total": pre}, 100.0)
     # without ceilings: bytes and flops only
     assert "floor_ms" not in F.step_floor(cfg, 1, 1, 64)["total"]
     # no FP8 figure: the bf16 rate stands in

@@ -520,7 +520,8 @@ class ForwardBench:
                "flops_bf16": t["flops_bf16"], "rates": f["rates"], "notes": f["notes"], "ops": f["ops"], "total": t}
         if t.get("floor_ms") is not None:
             out.update(bytes_ms=t["bytes_ms"], flops_ms=t["flops_ms"], roofline_ms=t["floor_ms"],
-                       sum_op_floors_ms=t["sum_op_floors_ms"], frac_of_roofline=t["floor_ms"] / step_ms)
+                       sum_op_floors_ms=t["sum_op_floors_ms"], frac_of_roofline=t["floor_ms"] / step_ms,
+                       exact_floor_ms=t["exact_floor_ms"], frac_of_exact_floor=t["exact_floor_ms"] / step_ms)
         out["old_definition"] = self._old_roofline_bytes(loads, mem)
         return out
 
