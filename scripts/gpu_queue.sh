@@ -12,7 +12,7 @@
 #   run(command="bash scripts/gpu_queue.sh loop_ab", carry=[".whl"])       # engine decode loop: legacy, FFI, FFI + WHILE, ~5 min
 #   run(command="bash scripts/gpu_queue.sh paged", carry=[".whl"])         # paged sparse attention: test + step, ~6 min
 #   run(command="bash scripts/gpu_queue.sh moe_prefill", carry=[".whl"])   # launch-order bits, il prefill tiles, ncu bytes, ~8 min
-#   run(command="bash scripts/gpu_queue.sh indexer_hw", carry=[".whl"])    # indexer hw_round: GPU bits + A/B, ~4 min
+#   run(command="bash scripts/gpu_queue.sh indexer_hw", carry=[".whl"])    # indexer hw_round 1 / 2: GPU bits + A/B, ~4 min
 #   run(command="bash scripts/gpu_queue.sh adaptive_switch", carry=[".whl"])  # adaptive program-switch cost + batch 32, ~8 min
 #   run(command="bash scripts/gpu_queue.sh moe_stalls", carry=[".whl"])    # ncu stall / pipe sections of the il prefill kernels, ~3 min
 #   run(command="bash scripts/gpu_queue.sh decode_glue", carry=[".whl"])   # decode step + its HLO's concatenation fusions, ~3 min
@@ -181,7 +181,8 @@ case $PART in
       grep -E "_moe_|gpu__time|dram__bytes|lts__t_sector|sm__throughput" "$OUT/ncu_moe_prefill_$c.log" | head -24
     done
     ;;
-  indexer_hw)   # session 17: the indexer scorer's opt-in hardware bf16 rounding, bits then time (NOTES "hw_round")
+  indexer_hw)   # sessions 17 / 22: the indexer scorer's hardware bf16 rounding (hw_round 1) and the convert alone
+                # (hw_round 2), bits against the integer rounding, then time (NOTES "hw_round", "Session 22")
     SKIP_TESTS=0 PYTEST_K="hw_round" TEST_TIMEOUT=240 BENCH_TIMEOUT=300 OUT="$OUT" bash scripts/gpu_kernels_run.sh \
       --ops indexer --indexer-shapes 1x4096x4096,1x16384x16384 --indexer-hw-round --reps 3 > "$OUT/indexer_hw.log" 2>&1
     echo "== indexer hw_round (rc $?)"; grep -E "passed|failed|hw-round|scores-only|same bits" "$OUT/indexer_hw.log" | tail -20

@@ -66,14 +66,21 @@ def test_hw_round_is_the_default_off_the_interpreter_and_reaches_both_forms(monk
         on = _launch(monkeypatch, 1, S, 4096, hw_round=True)
         default = _launch(monkeypatch, 1, S, 4096)
         assert off["kernel"] is on["kernel"] is default["kernel"] is kernel and off["grid"] == on["grid"]
-        assert off["HW_ROUND"] == 0 and on["HW_ROUND"] == 1 and on["ROUND"] == 1 and default["HW_ROUND"] == 1
-    f32 = _launch(monkeypatch, 1, 64, 256, dtype=jnp.float32, hw_round=True)
+        assert off["HW_ROUND"] == 0 and on["HW_ROUND"] == 1 and on["ROUND"] == 1
+        assert default["HW_ROUND"] == it.HW_ROUND_DEFAULT
+        assert _launch(monkeypatch, 1, S, 4096, hw_round=2)["HW_ROUND"] == 2        # the convert alone, opt-in
+    monkeypatch.setattr(it, "HW_ROUND_DEFAULT", 2)
+    assert _launch(monkeypatch, 1, 64, 256)["HW_ROUND"] == 2
+    with pytest.raises(ValueError, match="hw_round"):
+        _launch(monkeypatch, 1, 64, 256, hw_round=3)
+    f32 = _launch(monkeypatch, 1, 64, 256, dtype=jnp.float32, hw_round=2)
     assert f32["HW_ROUND"] == 0 and f32["ROUND"] == 0
     assert it.hw_round_supported()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not it.hw_round_supported()
-    with pytest.raises(ValueError, match="interpreter"):
-        _launch(monkeypatch, 1, 64, 256, hw_round=True)
+    for hw in (True, 2):
+        with pytest.raises(ValueError, match="interpreter"):
+            _launch(monkeypatch, 1, 64, 256, hw_round=hw)
     assert _launch(monkeypatch, 1, 64, 256)["HW_ROUND"] == 0          # the default runs there, integer rounding
 
 
@@ -166,7 +173,7 @@ def test_hw_round_compiles_for_sm90():
     kept, overflow to inf, as ``_bf16_rne``), no .ftz anywhere in the kernel, every bf16 -> fp32 widening a bit move
     (no F2F.F32.BF16 in the SASS: the NaN bits selected in bf16 reach fp32 unchanged), and the MMA and head-sum
     layouts are the integer path's (same sums). Cost: no spills, <= 128 registers, loop < HW_LOOP_MAX, and the
-    convert alone (HW_ROUND 2, never launched) is shorter still (what the NaN exactness costs)."""
+    convert alone (HW_ROUND 2, opt-in ``hw_round=2``) is shorter still (what the NaN exactness costs)."""
     import re
 
     import sm90_compile as sc

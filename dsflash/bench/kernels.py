@@ -473,6 +473,8 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
         if getattr(args, "indexer_hw_round", False):   # the integer bf16 rounding beside the default (hardware)
             ops["triton_scores_int"] = lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_,
                                                                                            hw_round=False)
+            ops["triton_scores_cvt"] = lambda q_, w_, k_, v_, m_: it.indexer_scores_triton(q_, w_, k_, v_, m_,
+                                                                                           hw_round=2)
         if B * S <= args.indexer_xla_max_rows:
             ops["xla_ref"] = lambda q_, w_, k_, v_, m_: ik.indexer_topk(q_, w_, k_, v_, m_, topk=K, backend="xla")[0]
         _time_pair(row, ops, (q, w), (k, visible, valid), args, log)
@@ -490,6 +492,8 @@ def bench_indexer(args, ceilings, log, rows, save=lambda: None):
             if "triton_scores_int" in ops:
                 i = np.asarray(jax.jit(lambda *x: it.indexer_scores_triton(*x, hw_round=False))(*a))
                 row["hw_vs_int_bits_equal"] = bool(np.array_equal(got.view(np.uint32), i.view(np.uint32)))
+                c = np.asarray(jax.jit(lambda *x: it.indexer_scores_triton(*x, hw_round=2))(*a))
+                row["cvt_vs_int_bits_equal"] = bool(np.array_equal(c.view(np.uint32), i.view(np.uint32)))
             row["nan"] = bool(np.isnan(got).any())
         except Exception as e:  # noqa: BLE001
             row["check_error"] = repr(e)[:400]
@@ -731,7 +735,8 @@ def main(argv=None):
                     help="skip the XLA indexer reference above B*S rows (it materialises [B,S,32,T] bf16)")
     ap.add_argument("--indexer-hw-round", action="store_true",
                     help="also time the indexer scores with hw_round=False (the integer bf16 rounding the "
-                    "default hardware rounding replaced; column triton_scores_int, bits in hw_vs_int_bits_equal)")
+                    "default hardware rounding replaced; column triton_scores_int, bits in hw_vs_int_bits_equal) and "
+                    "hw_round=2 (the convert alone: triton_scores_cvt, cvt_vs_int_bits_equal)")
     ap.add_argument("--mhc-tokens", default="1,16,64,256,4096,16384", help="fused mHC token counts")
     ap.add_argument("--mhc-plans", default="", help="plan overrides timed beside the default, as "
                     "name=KEY:VALUE/KEY:VALUE,... (e.g. b1=warps_b:1,ds40=BD:128/DS:40; keys of kernel_plan)")
@@ -838,6 +843,7 @@ def main(argv=None):
                     f" (tile form {_fmt(g('triton_scores_tiles_s'))}, same bits {g('rows_vs_tiles_bits_equal')})"
                     if g("triton_scores_tiles_s") else "") + (
                     f" int-round {_fmt(g('triton_scores_int_s'))} (same bits {g('hw_vs_int_bits_equal')})"
+                    f" convert-alone {_fmt(g('triton_scores_cvt_s'))} (same bits {g('cvt_vs_int_bits_equal')})"
                     if g("triton_scores_int_s") else "") if sec == "indexer" else \
                     f" relerr X1 {g('rel_err_X1', float('nan')):.1e} comb {g('rel_err_comb', float('nan')):.1e}"
                 print(f"  {'x'.join(str(r[k]) for k in keys):>16} {_fmt(g('triton_s')):>9} {_fmt(g('xla_ref_s')):>9} "

@@ -28,6 +28,11 @@ Hardware bf16 rounding (``hw_round``, ``_bf16_round`` HW_ROUND 1): the three rou
 SASS a tile (sm_90 compile). The default on a GPU since session 18: tests/gpu/test_indexer.py's
 test_hw_round_bit_identical passed (25 cases, one H100, 2026-12-06) and the scorer went 0.673 -> 0.455 ms at 4K and
 9.41 -> 5.87 ms at 16K causal prefill. Off (and refused when asked) in the interpreter, whose casts truncate.
+``hw_round=2`` (HW_ROUND 2, opt-in until a GPU checks it: ``HW_ROUND_DEFAULT``): the convert alone, 1,025 instead of
+1,472 SASS a tile. It differs from ``_bf16_rne`` only in a NaN's bits (canonical 0x7FFF instead of the payload with
+the quiet bit), and every rounding here is followed by an fp32 multiply or add (relu * w, the head sum) or is the
+last one, whose input is such a result: the scores are the same bits wherever the GPU's fp32 arithmetic returns the
+canonical NaN (observed on the H200, 2026-11-30); tests/gpu/test_indexer.py's NaN cases check it.
 """
 from __future__ import annotations
 
@@ -180,6 +185,9 @@ def rows_form_splits(B, S, T, BS, BT, min_programs=ROWS_FORM_MIN_PROGRAMS):
     return triton.cdiv(nt, tps), tps
 
 
+HW_ROUND_DEFAULT = 1   # hw_round=None on a GPU: 1 = the convert with _bf16_rne's NaN bits, 2 = the convert alone
+
+
 def hw_round_supported():
     """Whether the hardware bf16 rounding (``hw_round=True``) can run as meant: not in Triton's interpreter, whose
     fp32 -> bf16 casts truncate (0x3F818000 -> 0x3F810000 where RNE gives 0x3F820000; 0x7F7FFFFF stays finite).
@@ -195,8 +203,10 @@ def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, f
     ``rows_min_s`` query rows). Both forms give the same bits (same tile math, same launch shape per tile).
     ``hw_round``: the three bf16 roundings by the hardware convert with ``_bf16_rne``'s NaN bits (``_bf16_round``
     HW_ROUND 1; the same bits by construction and on the GPU test, ~1,470 instead of 2,245 SASS a tile in the row
-    form's loop). None (default): on wherever it can run (``hw_round_supported``: not in Triton's interpreter);
-    True there is refused; False keeps the integer rounding. Only bf16 inputs round (fp32 inputs ignore it)."""
+    form's loop); 2: the convert alone (NaN canonical; the same scores wherever fp32 arithmetic canonicalises NaN, see
+    the module doc). None (default): ``HW_ROUND_DEFAULT`` wherever it can run (``hw_round_supported``: not in Triton's
+    interpreter); True / 2 there are refused; False keeps the integer rounding. Only bf16 inputs round (fp32 inputs
+    ignore it)."""
     from dsflash.kernels.triton_call import jax_triton
     jt = jax_triton()  # lazy: GPU only
     from dsflash.kernels.indexer_topk_shapes import check_inputs as _check
@@ -206,7 +216,9 @@ def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, f
     if form not in ("auto", "tiles", "rows"):
         raise ValueError(f"form must be 'auto', 'tiles' or 'rows', got {form!r}")
     if hw_round is None:
-        hw_round = hw_round_supported()
+        hw_round = HW_ROUND_DEFAULT if hw_round_supported() else 0
+    elif hw_round not in (False, True, 0, 1, 2):
+        raise ValueError(f"hw_round must be None, False, True (1) or 2 (the convert alone), got {hw_round!r}")
     elif hw_round and not hw_round_supported():
         raise ValueError("hw_round=True needs the GPU's cvt.rn.bf16.f32: Triton's interpreter truncates fp32 -> bf16 "
                          "casts, so it cannot run (or check) the hardware-rounding path; use hw_round=False there")
@@ -231,4 +243,4 @@ def indexer_scores_triton(q, w, k, visible, valid, cand=None, *, block_t=None, f
         out_shape=jax.ShapeDtypeStruct((B, S, T), jnp.float32),
         grid=grid, num_warps=nw, num_stages=2,
         S=S, T=T, Hi=Hi, Di=Di, HAS_CAND=int(has_cand), ROUND=int(q.dtype == jnp.bfloat16),
-        IEEE=int(q.dtype == jnp.float32), HW_ROUND=int(bool(hw_round) and q.dtype == jnp.bfloat16), **prm, **extra)
+        IEEE=int(q.dtype == jnp.float32), HW_ROUND=int(hw_round) if q.dtype == jnp.bfloat16 else 0, **prm, **extra)

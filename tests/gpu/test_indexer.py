@@ -180,18 +180,18 @@ def test_hw_round_bit_identical(case, kind):
     if kind == "subnormal":
         _, sub = _halfway_share(q, k, 0)
         assert sub > 0.01, sub                         # and inexact fp32 subnormals there
-    for form in ("tiles", "rows"):
-        f = {hw: _HW_JIT.setdefault((form, hw), jax.jit(functools.partial(it.indexer_scores_triton, form=form,
-                                                                          hw_round=hw))) for hw in (False, True)}
-        a = np.asarray(f[False](q, w, k, visible, valid))
-        b = np.asarray(f[True](q, w, k, visible, valid))
+    for form, hw in (("tiles", 1), ("rows", 1), ("tiles", 2), ("rows", 2)):    # 2: the convert alone (session 22)
+        f = {h: _HW_JIT.setdefault((form, h), jax.jit(functools.partial(it.indexer_scores_triton, form=form,
+                                                                         hw_round=h))) for h in (0, hw)}
+        a = np.asarray(f[0](q, w, k, visible, valid))
+        b = np.asarray(f[hw](q, w, k, visible, valid))
         ua, ub = a.view(np.uint32), b.view(np.uint32)
         bad = np.flatnonzero(ua != ub)
         fin = np.isfinite(a)
-        print(f"{case} {kind} {form}: NaN {int(np.isnan(a).sum())}, +-inf {int(np.isinf(a).sum())}, subnormal "
-              f"{int(np.sum(fin & (a != 0) & (np.abs(a) < np.finfo(np.float32).tiny)))}, differing {bad.size}")
-        assert bad.size == 0, (form, bad.size, [(hex(x), hex(y)) for x, y in zip(ua.reshape(-1)[bad[:8]],
-                                                                                   ub.reshape(-1)[bad[:8]])])
+        print(f"{case} {kind} {form} hw_round {hw}: NaN {int(np.isnan(a).sum())}, +-inf {int(np.isinf(a).sum())}, "
+              f"subnormal {int(np.sum(fin & (a != 0) & (np.abs(a) < np.finfo(np.float32).tiny)))}, differing {bad.size}")
+        assert bad.size == 0, (form, hw, bad.size, [(hex(x), hex(y)) for x, y in zip(ua.reshape(-1)[bad[:8]],
+                                                                                       ub.reshape(-1)[bad[:8]])])
         if kind == "nonfinite":
             assert np.isnan(a).any()
         if kind == "subnormal":    # after the bits check: a flush to zero here leaves subnormal rounding untested
