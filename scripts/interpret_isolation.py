@@ -18,6 +18,24 @@ import time
 TIMEOUT_S = 900     # one check; a hung interpreter counts as a failed attempt
 
 
+def allow_runtime_loop_bounds():
+    """Let interpreted kernels loop to a runtime scalar (``range(0, n, B)`` with ``n`` loaded in the kernel): the
+    interpreter holds a scalar as a 1-element array and ``range`` calls ``int()`` on it, which numpy >= 2 refuses for
+    a 1-d array ("only 0-dimensional arrays ..."). Same conversion, via ``.item()``. Compiled kernels are not
+    affected. Imports triton, so a script calls it itself (this module stays light for the parent)."""
+    import triton.runtime.interpreter as interp
+    patch = interp._patch_lang_tensor
+    if getattr(patch, "_runtime_bounds", False):
+        return
+
+    def with_index(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    with_index._runtime_bounds = True
+    interp._patch_lang_tensor = with_index
+
+
 def _attempt(script, name, env):
     """(ok, stdout, why) of one fresh-process run of check ``name``."""
     try:

@@ -25,20 +25,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from dsflash.kernels import indexer_topk as ik, indexer_topk_triton as it  # noqa: E402
 from dsflash.kernels.triton_common import _bf16_rne  # noqa: E402
-import triton.runtime.interpreter as _interp  # noqa: E402
 
-_patch_lang_tensor = _interp._patch_lang_tensor
-
-
-def _patch_lang_tensor_index(tensor, scope):
-    """The interpreter holds a scalar as a 1-element array and makes ``range(scalar)`` call ``int(array)``, which
-    numpy >= 2.x refuses for a 1-d array ("only 0-dimensional arrays ..."): the row form's loops run from / to
-    runtime scalars. Same conversion, via ``.item()``. (Compiled kernels are not affected.)"""
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-_interp._patch_lang_tensor = _patch_lang_tensor_index
+interpret_isolation.allow_runtime_loop_bounds()   # the row form's loops run from / to runtime scalars
 
 
 def inputs(B, S, Hi, Di, T, seed, grid=True, dtype=jnp.bfloat16, cand=False):

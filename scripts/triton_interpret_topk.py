@@ -13,6 +13,7 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -23,9 +24,11 @@ from triton_interpret_moe import Fake  # noqa: E402
 from test_topk_select import _batch  # noqa: E402
 from dsflash.kernels import indexer_topk as ik, topk_select as ts, topk_split_triton as tst, topk_triton as tt  # noqa: E402
 
+interpret_isolation.allow_runtime_loop_bounds()   # masked=True loops to max(visible, k), a runtime scalar
 
-def run(score, visible, k, key_bits, mode):
-    rows, const, grid, _ = tt.kernel_args(score, k, key_bits=key_bits, mode=mode)
+
+def run(score, visible, k, key_bits, mode, masked=False):
+    rows, const, grid, _ = tt.kernel_args(score, k, key_bits=key_bits, mode=mode, masked=masked)
     R, T = rows.shape
     vis = np.broadcast_to(np.asarray(visible), score.shape[:-1]).reshape(-1).astype(np.int32)
     out = np.zeros((R, k) if mode == 0 else (R, T), np.int32 if mode == 0 else np.int8)
@@ -85,10 +88,42 @@ def check(i: int, split: bool):
     assert ok_sel and ok_mask
 
 
+def masked_rows(seed, T, topk, kinds, B):
+    """Fuzz rows as the indexer's scorers leave them: -inf at t >= visible; visible spread over [0, T] with rows
+    below and above topk, one causal-prefill-like sequence (visible s + 1) and one all -inf row."""
+    score, visible = _batch(seed, T, B=max(B, 3), S=2, kinds=kinds)
+    score, visible = np.array(score), np.array(visible)
+    visible[1, 0], visible[1, 1] = min(T, topk - 1), min(T, topk + 3)      # just below / above k
+    visible[2] = [T // 3 + 1, T // 2 + 1]
+    score[np.arange(T)[None, None] >= visible[..., None]] = -np.inf
+    score[0, 1] = -np.inf                                                 # a row with nothing to select
+    return score, visible
+
+
+def check_masked(i: int, mutant: bool = False):
+    """``masked=True`` (rows read up to max(visible, k)) on scorer-like rows: bit-identical to the reference.
+    mutant: the same bound on rows that are NOT -inf past visible must differ somewhere (else the bound would be
+    untested: it would read the whole row)."""
+    T, topk, kb, kinds, B = CASES[i]
+    score, visible = masked_rows(2000 + i, T, topk, kinds, B)
+    if mutant:
+        score, _ = _batch(2000 + i, T, B=max(B, 3), S=2, kinds=kinds)   # finite values past visible
+        score = np.array(score)
+    k = min(topk, T)
+    want = np.asarray(ik.select_topk_sorted(jnp.asarray(score), jnp.asarray(visible), topk))
+    got = run(score, visible, k, kb, 0, masked=True)
+    same = np.array_equal(got, want)
+    print(f"{'ok  ' if same != mutant else 'FAIL'} case {i} T{T} k{k} key_bits {kb} masked{' (mutant)' if mutant else ''}: "
+          f"{'equal' if same else f'{int((got != want).sum())} slots differ'}", flush=True)
+    assert same != mutant
+
+
 # each in its own process (interpret_isolation: repeated interpreter launches in one process return garbage now and
 # then, NOTES.md "Known flake"; seen here too); the split launcher only where a row has several chunks
 CHECKS = {**{f"one-{i}": functools.partial(check, i, False) for i in range(len(CASES))},
-          **{f"split-{i}": functools.partial(check, i, True) for i in range(len(CASES)) if CASES[i][0] > 64}}
+          **{f"split-{i}": functools.partial(check, i, True) for i in range(len(CASES)) if CASES[i][0] > 64},
+          **{f"one-masked-{i}": functools.partial(check_masked, i) for i in (2, 4, 6, 8)},
+          "one-masked-mutant": functools.partial(check_masked, 6, True)}
 
 
 if __name__ == "__main__":

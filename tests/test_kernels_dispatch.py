@@ -74,7 +74,7 @@ def fakes(monkeypatch):
         xg = x.reshape(*x.shape[:-1], groups, -1)
         return layers.linear_fp8_grouped(xg, p, "w", precision).reshape(*x.shape[:-1], -1)
 
-    def topk(score, visible, topk, *, key_bits=32):
+    def topk(score, visible, topk, *, key_bits=32, masked=False):
         calls["topk"].append(score.shape[-1])
         return ik.select_topk_sorted(score, visible, topk)
 

@@ -43,8 +43,8 @@ def fake_topk(monkeypatch):
     seen = []
     mod = types.ModuleType("dsflash.kernels.topk_triton")
 
-    def select(score, visible, topk, *, key_bits=32):
-        seen.append(("select", key_bits))
+    def select(score, visible, topk, *, key_bits=32, masked=False):
+        seen.append(("select", key_bits, masked))
         return ik.select_topk_sorted(score, visible, topk)
 
     def cand(score, visible, block_size, topk_blocks, *, key_bits=32):
@@ -70,4 +70,4 @@ def test_key_width_follows_the_query_dtype(fake_topk, dtype, bits):
     ik.indexer_topk(q, w, k, vis, valid, topk=8, cand_filter=(4, 2), backend="xla")
     assert fake_topk == []                                      # "xla": never the kernel
     ik.indexer_topk(q, w, k, vis, valid, topk=8, cand_filter=(4, 2), backend="auto")
-    assert sorted(fake_topk) == [("cand", bits), ("select", bits)]
+    assert sorted(fake_topk) == [("cand", bits), ("select", bits, True)]     # the scorers' -inf past visible

@@ -66,16 +66,18 @@ def candidate_mask(score, visible, block_size, topk_blocks, *, backend="xla", bf
     return candidate_mask_sorted(score, visible, block_size, topk_blocks)
 
 
-def select_topk(score, visible, topk, *, backend="xla", bf16_scores=False):
+def select_topk(score, visible, topk, *, backend="xla", bf16_scores=False, masked=False):
     """Top-min(topk, T) by score (ties to the lowest index), ascending positions, -1 for empty. The Triton radix
-    top-k, the sort-free threshold path or lax.top_k, as ``candidate_mask`` chooses (same bits every way)."""
+    top-k, the sort-free threshold path or lax.top_k, as ``candidate_mask`` chooses (same bits every way).
+    ``masked``: the scores are -inf at t >= visible (as every scorer here writes them), so the Triton kernel reads a
+    row only up to max(visible, topk); same bits."""
     if dispatch.use_triton("topk", backend, score.shape[-1]):
         bits = 16 if bf16_scores else 32
         if score.shape[-1] >= dispatch.TOPK_SPLIT_MIN_ENTRIES:       # a row over several programs
             from dsflash.kernels import topk_split_triton  # lazy: needs a CUDA GPU and jax-triton
             return topk_split_triton.select_topk_split(score, visible, topk, key_bits=bits)
         from dsflash.kernels import topk_triton  # lazy: needs a CUDA GPU and jax-triton
-        return topk_triton.select_topk_triton(score, visible, topk, key_bits=bits)
+        return topk_triton.select_topk_triton(score, visible, topk, key_bits=bits, masked=masked)
     if dispatch.use_threshold_topk(score.shape[-1]):
         return topk_select.select_topk_threshold(score, visible, topk)
     return select_topk_sorted(score, visible, topk)
@@ -104,16 +106,17 @@ def select_topk_sorted(score, visible, topk):
     return jnp.where(idx < T, idx, -1).astype(jnp.int32)
 
 
-def select(score, visible, *, topk, cand_filter=None, backend="xla", bf16_scores=False):
-    """The shared selection stage: (top-k list, candidate mask or None) from written scores."""
+def select(score, visible, *, topk, cand_filter=None, backend="xla", bf16_scores=False, masked=False):
+    """The shared selection stage: (top-k list, candidate mask or None) from written scores (``masked``: -inf at
+    t >= visible, see ``select_topk``)."""
     kw = dict(backend=backend, bf16_scores=bf16_scores)
     mask = None if cand_filter is None else candidate_mask(score, visible, *cand_filter, **kw)
-    return select_topk(score, visible, topk, **kw), mask
+    return select_topk(score, visible, topk, masked=masked, **kw), mask
 
 
 def indexer_topk_reference(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None):
     return select(indexer_scores_reference(q, w, k, visible, valid, cand), visible, topk=topk,
-                  cand_filter=cand_filter)
+                  cand_filter=cand_filter, masked=True)
 
 
 def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, backend="auto", force=False):
@@ -121,7 +124,8 @@ def indexer_topk(q, w, k, visible, valid, *, topk, cand=None, cand_filter=None, 
     row-entries (the kernel on a GPU above 8K: one decode row over <= 8K entries stays on XLA; ``force``: at any
     size, for tests and the bench); the selection stage is shared."""
     B, S = q.shape[:2]
-    kw = dict(topk=topk, cand_filter=cand_filter, backend=backend, bf16_scores=q.dtype == jnp.bfloat16)
+    kw = dict(topk=topk, cand_filter=cand_filter, backend=backend, bf16_scores=q.dtype == jnp.bfloat16,
+              masked=True)   # both scorers write -inf at t >= visible
     if not dispatch.use_triton("indexer", backend, B * S * k.shape[1], force=force):
         return select(indexer_scores_reference(q, w, k, visible, valid, cand), visible, **kw)
     from dsflash.kernels import indexer_topk_triton  # lazy: needs a CUDA GPU and jax-triton
@@ -160,6 +164,7 @@ def indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, *, topk
         from dsflash.kernels import indexer_paged_triton  # lazy: needs a CUDA GPU and jax-triton
         score = indexer_paged_triton.indexer_scores_paged_triton(q, w, pool, page_table, per_page, visible, valid,
                                                                  cand)
-        return select(score, visible, topk=topk, cand_filter=cand_filter, backend=backend, bf16_scores=True)
+        return select(score, visible, topk=topk, cand_filter=cand_filter, backend=backend, bf16_scores=True,
+                      masked=True)
     return indexer_topk(q, w, gather().astype(q.dtype), visible, valid, topk=topk, cand=cand,
                         cand_filter=cand_filter, backend=backend, force=force)

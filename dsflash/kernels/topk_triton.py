@@ -13,6 +13,11 @@ Same contract as ``topk_select.select_topk_threshold`` / ``topk_mask`` (the refe
      MODE 0 (``select_topk``): the selected entries with score > -inf and t < visible, written ascending to
      out[row, :k] by a running count + an in-block cumsum, -1 after. MODE 1 (``topk_mask``): the mask as int8.
 A row is read PASSES + 1 times (4 KB tiles; one 512 KB row per program at 131,072 entries).
+``masked=True`` (``VIS_BOUND``; MODE 0): the caller promises every entry at t >= visible is -inf (or -NaN), as the
+indexer's scorers write it. Then a row is read only up to n = min(T, max(visible, k)): every entry past n ranks below
+each finite visible one and after it by index, so the k-th largest key among the first n (n >= k of them) selects the
+same finite visible entries as the whole row does. A causal prefill's row s sees ~s / ratio entries: about half the
+reads.
 STATUS: interpreter on CPU (tests/test_kernels_topk_triton.py); H200 run 26 (2026-12-02): tests/gpu/test_topk_triton.py 10
 passed; 32 x 6 rows x 131,072 entries 1.01 ms (16-bit keys) / 1.29 (32-bit) against lax.top_k + sort 2.64 (host wall
 time per call; kernel busy time 0.44 ms, run 32). The front end sends rows of >= ``dispatch.TOPK_SPLIT_MIN_ENTRIES``
@@ -68,17 +73,21 @@ def _tile_selection(x, inb, thr, ties, krem, low: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(score_ptr, vis_ptr, out_ptr, T: tl.constexpr, stride: tl.constexpr, K: tl.constexpr, PASSES: tl.constexpr,
-                 BLOCK: tl.constexpr, MODE: tl.constexpr):
+                 BLOCK: tl.constexpr, MODE: tl.constexpr, VIS_BOUND: tl.constexpr = 0):
     r = tl.program_id(0)
     row = score_ptr + r.to(tl.int64) * stride
     lanes = tl.arange(0, BLOCK)
+    if VIS_BOUND:      # entries past visible are -inf: the first max(visible, K) decide (module doc)
+        n = tl.minimum(tl.maximum(tl.load(vis_ptr + r), K), T)
+    else:
+        n = T
     pre = tl.zeros([], tl.int32)       # the threshold's bits found so far (signed-key representation)
     krem = tl.full([], K, tl.int32)    # how many of the k are still to find among the keys matching ``pre``
     for p in tl.static_range(PASSES):
         hist = tl.zeros([256], tl.int32)
-        for start in range(0, T, BLOCK):
+        for start in range(0, n, BLOCK):
             offs = start + lanes
-            inb = offs < T
+            inb = offs < n
             key = _ordered_key(tl.load(row + offs, mask=inb, other=0.0))
             match = inb if p == 0 else inb & ((key >> (32 - 8 * p)) == (pre >> (32 - 8 * p)))
             hist += tl.histogram(_byte(key, p), 256, mask=match)
@@ -92,9 +101,9 @@ def _topk_kernel(score_ptr, vis_ptr, out_ptr, T: tl.constexpr, stride: tl.conste
         out_row = out_ptr + r.to(tl.int64) * stride
     ties = tl.zeros([], tl.int32)
     count = tl.zeros([], tl.int32)
-    for start in range(0, T, BLOCK):
+    for start in range(0, n, BLOCK):
         offs = start + lanes
-        inb = offs < T
+        inb = offs < n
         x = tl.load(row + offs, mask=inb, other=0.0)
         sel, nt = _tile_selection(x, inb, thr, ties, krem, low)
         ties += nt
@@ -114,26 +123,30 @@ def _block(T: int) -> int:
     return max(16, min(4096, triton.next_power_of_2(T)))
 
 
-def kernel_args(score, k: int, *, key_bits: int = 32, mode: int = 0):
-    """(rows [R, T] fp32, constexprs, grid, warps) for ``_topk_kernel`` on ``score`` [..., T]."""
+def kernel_args(score, k: int, *, key_bits: int = 32, mode: int = 0, masked: bool = False):
+    """(rows [R, T] fp32, constexprs, grid, warps) for ``_topk_kernel`` on ``score`` [..., T]. ``masked``: entries at
+    t >= visible are -inf, so each row is read up to max(visible, k) only (MODE 0)."""
+    if masked and mode != 0:
+        raise ValueError("masked=True is for the selection (mode 0): the mask mode writes every entry of the row")
     if key_bits not in (16, 32):
         raise ValueError(f"key_bits must be 16 or 32, got {key_bits}")
     T = score.shape[-1]
     if not 1 <= k <= T:
         raise ValueError(f"k must be in [1, T={T}], got {k}")
     rows = score.reshape(-1, T).astype(jnp.float32)
-    const = dict(T=T, stride=T, K=k, PASSES=key_bits // 8, BLOCK=_block(T), MODE=mode)
+    const = dict(T=T, stride=T, K=k, PASSES=key_bits // 8, BLOCK=_block(T), MODE=mode, VIS_BOUND=int(masked))
     return rows, const, (rows.shape[0],), 8 if T >= 4096 else 4
 
 
-def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32):
+def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32, masked: bool = False):
     """== topk_select.select_topk_threshold (== indexer_topk.select_topk_sorted): [..., T] -> [..., min(topk, T)]
-    int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores."""
+    int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores. ``masked``: only for scores
+    that are -inf at t >= visible (the indexer's scorers'); each row is then read up to max(visible, topk)."""
     from dsflash.kernels.triton_call import jax_triton
     jt = jax_triton()  # lazy: GPU only
     T = score.shape[-1]
     k = min(topk, T)
-    rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=0)
+    rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=0, masked=masked)
     vis = jnp.broadcast_to(visible, score.shape[:-1]).reshape(-1).astype(jnp.int32)
     out = jt.triton_call(rows, vis, kernel=_topk_kernel, out_shape=jax.ShapeDtypeStruct((rows.shape[0], k),
                          jnp.int32), grid=grid, num_warps=nw, num_stages=2, **const)

@@ -67,3 +67,16 @@ def test_front_end_with_the_gate_open(monkeypatch):
     score, visible = _batch(7, 4096, B=4, S=6, kinds=("bf16",))
     _eq(jax.jit(lambda s, v: ik.select_topk(s, v, 512, backend="triton", bf16_scores=True))(score, visible),
         jax.jit(lambda s, v: ik.select_topk_sorted(s, v, 512))(score, visible))
+
+
+@pytest.mark.parametrize("T,topk,bits", [(300, 40, 32), (5000, 512, 32), (16384, 512, 16)])
+def test_masked_rows_read_to_visible(T, topk, bits):
+    """``masked=True`` (each row read up to max(visible, k); session 22) on scorer-like rows -- -inf at t >= visible,
+    visible across [0, T], a causal-prefill sequence, rows just below / above k -- the same bits as the reference."""
+    from dsflash.kernels import topk_triton as tt
+    score, visible = _batch(T + bits + 2, T, B=6, S=4, kinds=("bf16", "ties"))
+    visible = visible.at[1].set(jnp.array([topk - 1, topk, topk + 1, T]).clip(0, T).astype(jnp.int32))
+    visible = visible.at[2].set(jnp.arange(4, dtype=jnp.int32) * (T // 4) + 1)
+    score = jnp.where(jnp.arange(T)[None, None] < visible[..., None], score, -jnp.inf)
+    _eq(jax.jit(lambda s, v: tt.select_topk_triton(s, v, topk, key_bits=bits, masked=True))(score, visible),
+        jax.jit(lambda s, v: ik.select_topk_sorted(s, v, topk))(score, visible))
