@@ -20,6 +20,8 @@
 #   run(command="bash scripts/gpu_queue.sh prefill_step", carry=[".whl"])  # the step per op: decode 32x6, prefill 4K / 16K, ~3 min
 #   run(command="bash scripts/gpu_queue.sh mhc_prefill", carry=[".whl"])   # fused mHC plans at 4K / 16K tokens, ~3 min
 #   run(command="bash scripts/gpu_queue.sh rope_ab", carry=[".whl"])       # RoPE in the flash kernel: test + step A/B, ~5 min
+#   run(command="bash scripts/gpu_queue.sh s22_tests", carry=[".whl"])     # session 22's GPU bit checks (RoPE, top-k, indexer), ~4 min
+#   run(command="bash scripts/gpu_queue.sh s22_step", carry=[".whl"])      # session 22's step A/B at 16K (4 variants) + 4K, ~8 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -54,7 +56,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -156,6 +158,28 @@ case $PART in
       --out "$OUT" > "$OUT/step_rope.log" 2>&1
     echo "== step profile (rc $?)"; grep -E "^(point|prefill|decode) |^== " "$OUT/step_rope.log" | tail -8
     ;;
+  s22_tests)    # session 22: the GPU checks of the session's kernel changes -- RoPE in the flash kernel (bits against
+                # RoPE around it), the top-k read to visible (bits), the indexer's convert-alone rounding (bits, 25 cases)
+    timeout 100 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_sparse_attention.py -k rope \
+      > "$OUT/pytest_rope.log" 2>&1
+    echo "== rope test (rc $?)"; grep -E "rope B|passed|failed|Error" "$OUT/pytest_rope.log" | head -8
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_topk_triton.py -k masked > "$OUT/pytest_topk.log" 2>&1
+    echo "== topk masked test (rc $?)"; tail -3 "$OUT/pytest_topk.log"
+    timeout ${HW_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_indexer.py -k hw_round \
+      > "$OUT/pytest_hw.log" 2>&1
+    echo "== indexer hw_round 1 / 2 test (rc $?)"; grep -E "differing [1-9]|passed|failed|Error" "$OUT/pytest_hw.log" | tail -6
+    ;;
+  s22_step)     # session 22: the step A/B of the session's changes in one call: 16K with RoPE around / in the kernel,
+                # the top-k reading whole rows, the convert-alone rounding; then 4K around / in
+    timeout 300 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode --prefill 16384@0 \
+      --variants moeil_ropex,moeil_ropek,moeil_fullrows,moeil_cvt --profile-no-cb --no-ceilings --out "$OUT" \
+      > "$OUT/step_s22_16k.log" 2>&1
+    echo "== step 16K (rc $?)"; grep -E "^(point|prefill) |^== " "$OUT/step_s22_16k.log" | tail -6
+    cp "$OUT/step_profile.json" "$OUT/step_profile_16k.json" 2>/dev/null
+    timeout 150 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode --prefill 4096@0 \
+      --variants moeil_ropex,moeil_ropek --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_s22_4k.log" 2>&1
+    echo "== step 4K (rc $?)"; grep -E "^(point|prefill) |^== " "$OUT/step_s22_4k.log" | tail -4
+    ;;
   moe_gu)       # session 13's queue item 3: split gate/up, bit identity then timing and ncu
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_layout.py -k split_gate_up > "$OUT/pytest_gu.log" 2>&1
     echo "== split_gate_up bit identity (rc $?)"; tail -3 "$OUT/pytest_gu.log"
@@ -249,6 +273,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

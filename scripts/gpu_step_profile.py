@@ -21,7 +21,9 @@ can record into its command buffers) / in jax-triton's legacy form (which it can
 on / off, the A/B; ``moeil_paged`` = ``moeil`` with the paged sparse attention (``sparse_attention_paged_triton``:
 the picked compressed entries read from the NVFP4 pool, no bf16 gather or concatenation) at every row count;
 ``moeil_ropek`` / ``moeil_ropex`` = ``moeil`` with RoPE in the one-split flash kernel / in XLA around it
-(``sparse_attention_triton.ROPE_IN_KERNEL`` on / off).
+(``sparse_attention_triton.ROPE_IN_KERNEL`` on / off); ``moeil_fullrows`` = ``moeil_ropex`` with the radix top-k
+reading whole rows (``topk_triton.READ_TO_VISIBLE`` off, as before session 22); ``moeil_cvt`` = ``moeil_ropex`` with
+the indexer scorer's rounding as the convert alone (``indexer_topk_triton.HW_ROUND_DEFAULT`` 2).
 """
 from __future__ import annotations
 
@@ -111,6 +113,8 @@ def main():
     real_ffi = triton_call.USE_FFI
     from dsflash.kernels import sparse_attention_triton
     real_rope = sparse_attention_triton.ROPE_IN_KERNEL
+    from dsflash.kernels import indexer_topk_triton, topk_triton
+    real_vis, real_hw = topk_triton.READ_TO_VISIBLE, indexer_topk_triton.HW_ROUND_DEFAULT
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0)}
@@ -128,7 +132,10 @@ def main():
             triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)
             dispatch.GATES["sparse_attention_paged"] = real_attn_paged.replace(triton=((1, None),)) \
                 if var == "moeil_paged" else real_attn_paged
-            sparse_attention_triton.ROPE_IN_KERNEL = {"moeil_ropek": True, "moeil_ropex": False}.get(var, real_rope)
+            sparse_attention_triton.ROPE_IN_KERNEL = {"moeil_ropek": True, "moeil_ropex": False, "moeil_fullrows": False,
+                                                      "moeil_cvt": False}.get(var, real_rope)
+            topk_triton.READ_TO_VISIBLE = False if var == "moeil_fullrows" else real_vis
+            indexer_topk_triton.HW_ROUND_DEFAULT = 2 if var == "moeil_cvt" else real_hw
             uses_il = var.startswith("moeil")           # moeil and its A/B variants run the il layout
             if uses_il and il_params is None:
                 from dsflash.model.params import moe_il_weights
@@ -235,6 +242,7 @@ def main():
     fp8_linear_triton.DECODE_CONFIG = real_fp8cfg
     triton_call.USE_FFI = real_ffi
     sparse_attention_triton.ROPE_IN_KERNEL = real_rope
+    topk_triton.READ_TO_VISIBLE, indexer_topk_triton.HW_ROUND_DEFAULT = real_vis, real_hw
     dispatch.GATES["sparse_attention_paged"] = real_attn_paged
     # %exact: against the floor with every GEMM at the bf16 rate (step_floor.EXACT_FLOOR)
     print("\npoint                 variant   step ms   busy ms   kernels  floor ms  %floor  %exact")

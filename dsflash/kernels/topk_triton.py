@@ -138,6 +138,9 @@ def kernel_args(score, k: int, *, key_bits: int = 32, mode: int = 0, masked: boo
     return rows, const, (rows.shape[0],), 8 if T >= 4096 else 4
 
 
+READ_TO_VISIBLE = True   # honour ``masked`` (off: whole rows always; the step profile's A/B variant "moeil_fullrows")
+
+
 def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32, masked: bool = False):
     """== topk_select.select_topk_threshold (== indexer_topk.select_topk_sorted): [..., T] -> [..., min(topk, T)]
     int32 ascending positions, -1 after. ``key_bits=16``: only for bf16-valued scores. ``masked``: only for scores
@@ -146,7 +149,7 @@ def select_topk_triton(score, visible, topk: int, *, key_bits: int = 32, masked:
     jt = jax_triton()  # lazy: GPU only
     T = score.shape[-1]
     k = min(topk, T)
-    rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=0, masked=masked)
+    rows, const, grid, nw = kernel_args(score, k, key_bits=key_bits, mode=0, masked=masked and READ_TO_VISIBLE)
     vis = jnp.broadcast_to(visible, score.shape[:-1]).reshape(-1).astype(jnp.int32)
     out = jt.triton_call(rows, vis, kernel=_topk_kernel, out_shape=jax.ShapeDtypeStruct((rows.shape[0], k),
                          jnp.int32), grid=grid, num_warps=nw, num_stages=2, **const)
