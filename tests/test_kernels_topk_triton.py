@@ -32,6 +32,9 @@ def test_kernel_args_reject_bad_settings():
         tt.kernel_args(s, 101)
     rows, const, grid, _ = tt.kernel_args(s, 8, key_bits=16)
     assert rows.shape == (6, 100) and grid == (6,) and const["PASSES"] == 2 and const["BLOCK"] == 128
+    assert const["VIS_BOUND"] == 0 and tt.kernel_args(s, 8, masked=True)[1]["VIS_BOUND"] == 1
+    with pytest.raises(ValueError, match="mask mode"):
+        tt.kernel_args(s, 8, mode=1, masked=True)
 
 
 @pytest.fixture
