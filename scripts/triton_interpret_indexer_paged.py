@@ -5,7 +5,9 @@ scores with the reference on the gathered keys (``indexer_topk.paged_keys`` + ``
 bit-identical on dyadic-grid inputs (every fp32 sum exact, so summation order cannot matter), within one bf16 ulp on
 continuous ones; MXFP4 and plain pools, shuffled page tables with unused (-1 / out-of-range) pages past the
 visible entries, padding rows, rows that do not fill a row block, T not a multiple of the entry tile, candidates.
-Usage: python scripts/triton_interpret_indexer_paged.py   (needs `pip install triton`; exits 1 on a mismatch)"""
+Usage: python scripts/triton_interpret_indexer_paged.py [--list | --check NAME]   (needs `pip install triton`; exits 1
+on a mismatch; every case in a fresh process, a failed one re-run once: interpret_isolation)"""
+import functools
 import os
 import sys
 
@@ -18,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from triton_interpret_moe import Fake  # noqa: E402
+import interpret_isolation  # noqa: E402
 from dsflash import quant  # noqa: E402
 from dsflash.kernels import indexer_paged_triton as ipt, indexer_topk as ik  # noqa: E402
 
@@ -72,27 +75,32 @@ CASES = [  # B, S, Hi, Di, P, per_page, grid, mx, cand
 ]
 
 
-def main():
-    bad = 0
-    for i, (B, S, Hi, Di, P, pp, grid, mx, cand) in enumerate(CASES):
-        args = problem(B, S, Hi, Di, P, pp, i, grid, mx, cand)
-        q, w, pool, pt, per_page, visible, valid, c = args
-        keys = ik.paged_keys(pool, pt, per_page, jnp.bfloat16)
-        want = np.asarray(ik.indexer_scores_reference(q, w, keys, visible, valid, c))
-        got = kernel_scores(*args)
-        fin = np.isfinite(want)
-        same_mask = np.array_equal(fin, np.isfinite(got)) and np.array_equal(want[~fin], got[~fin])
-        if grid:
-            ok = same_mask and np.array_equal(got, want)
-        else:
-            ok = same_mask and bool(np.all(np.abs(got[fin] - want[fin]) <= np.abs(want[fin]) * 2.0 ** -7 + 1e-30))
-        diff = float(np.max(np.abs(np.where(fin, got - want, 0)))) if fin.any() else 0.0
-        print(f"{'ok  ' if ok else 'FAIL'} case {i} B{B} S{S} Hi{Hi} Di{Di} T{P * pp} grid={grid} mxfp4={mx} "
-              f"cand={cand}: max |diff| {diff:.3g}, finite {int(fin.sum())}/{fin.size}", flush=True)
-        bad += not ok
-    print("FAILED" if bad else "all ok")
-    sys.exit(1 if bad else 0)
+def check(i: int):
+    """Case ``i``: the kernel's scores against the reference on the gathered keys (bits on grid inputs)."""
+    B, S, Hi, Di, P, pp, grid, mx, cand = CASES[i]
+    args = problem(B, S, Hi, Di, P, pp, i, grid, mx, cand)
+    q, w, pool, pt, per_page, visible, valid, c = args
+    keys = ik.paged_keys(pool, pt, per_page, jnp.bfloat16)
+    want = np.asarray(ik.indexer_scores_reference(q, w, keys, visible, valid, c))
+    got = kernel_scores(*args)
+    fin = np.isfinite(want)
+    same_mask = np.array_equal(fin, np.isfinite(got)) and np.array_equal(want[~fin], got[~fin])
+    if grid:
+        ok = same_mask and np.array_equal(got, want)
+    else:
+        ok = same_mask and bool(np.all(np.abs(got[fin] - want[fin]) <= np.abs(want[fin]) * 2.0 ** -7 + 1e-30))
+    diff = float(np.max(np.abs(np.where(fin, got - want, 0)))) if fin.any() else 0.0
+    print(f"{'ok  ' if ok else 'FAIL'} case {i} B{B} S{S} Hi{Hi} Di{Di} T{P * pp} grid={grid} mxfp4={mx} "
+          f"cand={cand}: max |diff| {diff:.3g}, finite {int(fin.sum())}/{fin.size}", flush=True)
+    assert ok
+
+
+# each case in its own process, a failed one re-run once (interpret_isolation: the interpreter flake of NOTES.md,
+# seen here in session 22's suite -- case 6 wholly wrong once, bit-equal on the re-run)
+CHECKS = {f"case-{i}": functools.partial(check, i) for i in range(len(CASES))}
 
 
 if __name__ == "__main__":
-    main()
+    interpret_isolation.main(__file__, CHECKS)
+    if not sys.argv[1:]:
+        print("all ok")
