@@ -67,10 +67,10 @@ def test_hw_round_is_the_default_off_the_interpreter_and_reaches_both_forms(monk
         default = _launch(monkeypatch, 1, S, 4096)
         assert off["kernel"] is on["kernel"] is default["kernel"] is kernel and off["grid"] == on["grid"]
         assert off["HW_ROUND"] == 0 and on["HW_ROUND"] == 1 and on["ROUND"] == 1
-        assert default["HW_ROUND"] == it.HW_ROUND_DEFAULT
-        assert _launch(monkeypatch, 1, S, 4096, hw_round=2)["HW_ROUND"] == 2        # the convert alone, opt-in
-    monkeypatch.setattr(it, "HW_ROUND_DEFAULT", 2)
-    assert _launch(monkeypatch, 1, 64, 256)["HW_ROUND"] == 2
+        assert default["HW_ROUND"] == it.HW_ROUND_DEFAULT == 2      # the convert alone (GPU test passed, session 22)
+        assert _launch(monkeypatch, 1, S, 4096, hw_round=2)["HW_ROUND"] == 2
+    monkeypatch.setattr(it, "HW_ROUND_DEFAULT", 1)
+    assert _launch(monkeypatch, 1, 64, 256)["HW_ROUND"] == 1
     with pytest.raises(ValueError, match="hw_round"):
         _launch(monkeypatch, 1, 64, 256, hw_round=3)
     f32 = _launch(monkeypatch, 1, 64, 256, dtype=jnp.float32, hw_round=2)

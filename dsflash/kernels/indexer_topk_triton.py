@@ -28,11 +28,12 @@ Hardware bf16 rounding (``hw_round``, ``_bf16_round`` HW_ROUND 1): the three rou
 SASS a tile (sm_90 compile). The default on a GPU since session 18: tests/gpu/test_indexer.py's
 test_hw_round_bit_identical passed (25 cases, one H100, 2026-12-06) and the scorer went 0.673 -> 0.455 ms at 4K and
 9.41 -> 5.87 ms at 16K causal prefill. Off (and refused when asked) in the interpreter, whose casts truncate.
-``hw_round=2`` (HW_ROUND 2, opt-in until a GPU checks it: ``HW_ROUND_DEFAULT``): the convert alone, 1,025 instead of
-1,472 SASS a tile. It differs from ``_bf16_rne`` only in a NaN's bits (canonical 0x7FFF instead of the payload with
-the quiet bit), and every rounding here is followed by an fp32 multiply or add (relu * w, the head sum) or is the
-last one, whose input is such a result: the scores are the same bits wherever the GPU's fp32 arithmetic returns the
-canonical NaN (observed on the H200, 2026-11-30); tests/gpu/test_indexer.py's NaN cases check it.
+``hw_round=2`` (HW_ROUND 2, the default on a GPU since session 22: ``HW_ROUND_DEFAULT``): the convert alone, 1,025
+instead of 1,472 SASS a tile. It differs from ``_bf16_rne`` only in a NaN's bits (canonical 0x7FFF instead of the
+payload with the quiet bit), and every rounding here is followed by an fp32 multiply or add (relu * w, the head sum)
+or is the last one, whose input is such a result: the scores are the same bits wherever the GPU's fp32 arithmetic
+returns the canonical NaN. tests/gpu/test_indexer.py's test_hw_round_bit_identical passed for it (25 cases incl. NaN
+keys / weights / queries with varied payloads, one H200, 2026-12-06); the 16K prefill's indexer op 12.60 -> 10.71 ms.
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ def rows_form_splits(B, S, T, BS, BT, min_programs=ROWS_FORM_MIN_PROGRAMS):
     return triton.cdiv(nt, tps), tps
 
 
-HW_ROUND_DEFAULT = 1   # hw_round=None on a GPU: 1 = the convert with _bf16_rne's NaN bits, 2 = the convert alone
+HW_ROUND_DEFAULT = 2   # hw_round=None on a GPU: 1 = the convert with _bf16_rne's NaN bits, 2 = the convert alone
 
 
 def hw_round_supported():

@@ -65,8 +65,8 @@ def _bf16_round(x, HW_ROUND: tl.constexpr):
     give the canonical 0x7FFF), selected in the bf16 domain: so the bits are ``_bf16_rne``'s for every input by
     construction, given that the bf16 -> fp32 widening is a bit move (it is: the sm_90 SASS has no F2F.F32.BF16;
     tests/test_kernels_indexer_rows.py asserts it). The select costs ~450 SASS an indexer tile (selected in fp32
-    instead: ~670). 2: the convert alone (NaN canonical), opt-in for the indexer scorer, where only NaN bits could differ
-    and fp32 arithmetic follows every rounding (``indexer_topk_triton.HW_ROUND_DEFAULT``). The interpreter's casts
+    instead: ~670). 2: the convert alone (NaN canonical), the indexer scorer's default on a GPU since session 22, where only
+    NaN bits could differ and fp32 arithmetic follows every rounding (``indexer_topk_triton.HW_ROUND_DEFAULT``). The interpreter's casts
     truncate, so the callers keep HW_ROUND 0 there (``indexer_topk_triton.hw_round_supported``, the mHC
     ``launch_config``). Used by the indexer scorer (the default on a GPU since session 18) and the fused mHC kernel
     (its plan's ``hw_round``, from 1024 tokens since session 21)."""
