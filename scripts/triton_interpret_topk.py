@@ -89,8 +89,8 @@ def check(i: int, split: bool):
 
 
 def masked_rows(seed, T, topk, kinds, B):
-    """Fuzz rows as the indexer's scorers leave them: -inf at t >= visible; visible spread over [0, T] with rows
-    below and above topk, one causal-prefill-like sequence (visible s + 1) and one all -inf row."""
+    """Fuzz rows as the indexer's scorers leave them: -inf at t >= visible; visible spread over [0, T], rows just
+    below and above topk, rows seeing a third / a half of T (as a causal prefill's do) and one all -inf row."""
     score, visible = _batch(seed, T, B=max(B, 3), S=2, kinds=kinds)
     score, visible = np.array(score), np.array(visible)
     visible[1, 0], visible[1, 1] = min(T, topk - 1), min(T, topk + 3)      # just below / above k
