@@ -557,9 +557,9 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     if cfg.kind == "flash":
         ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16)
         if ns == 1:
-            if rope is None:      # RD / ROUND_O passed even at their defaults: jax-triton sends an absent constexpr as None
+            if rope is None:
                 cs = (jnp.zeros((1,), jnp.float32),) * 2      # unread (RD = 0)
-                kw.update(RD=0, ROUND_O=1)
+                kw.update(RD=0, ROUND_O=1)    # even at their defaults: jax-triton sends an absent constexpr as None
             else:                                          # in the kernel (its docstring): o is q's scratch
                 cs = tuple(t.astype(jnp.float32).reshape(R, -1) for t in rope)
                 kw.update(RD=2 * cs[0].shape[1], ROUND_O=int(jnp.dtype(out_dtype) != jnp.float32))
