@@ -1,4 +1,6 @@
-"""Every Triton launch names all of its kernel's constexpr parameters, defaults included (CPU, no GPU).
+"""Every Triton launch names all of its kernel's constexpr parameters, defaults included (CPU, no GPU): sparse
+attention (split, one-split with RoPE around / in it), paged attention, indexer scorer, radix top-k, fused mHC and the
+routed-expert GEMM at decode and prefill sizes (the FP8 linear has its own check in test_kernels_fp8_linear.py).
 
 jax-triton 0.3.1 sends a constexpr the launch leaves out as None, not as the kernel's default: ``if RD > 0`` then
 fails to compile. Session 21's RoPE refactor left ``RD`` / ``ROUND_O`` out of the one-split flash launch when RoPE
@@ -18,7 +20,7 @@ class _CheckingJt:
     def __init__(self):
         self.kernels = []
 
-    def triton_call(self, *args, kernel, out_shape, grid, num_warps, num_stages, **kw):
+    def triton_call(self, *args, kernel, out_shape, grid, num_warps=None, num_stages=None, **kw):
         name = kernel.fn.__name__
         missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in kw]
         assert not missing, f"{name} launched without constexpr(s) {missing} (jax-triton would send None)"
@@ -73,3 +75,44 @@ def test_topk_launches(jt, masked):
                    _sds((2, 3, 8192), jnp.float32), _sds((2, 3), jnp.int32))
     jax.eval_shape(lambda s: tt.topk_mask_triton(s, 512), _sds((2, 3, 8192), jnp.float32))
     assert jt.kernels == ["_topk_kernel", "_topk_kernel"]
+
+
+@pytest.mark.parametrize("tokens", [6, 4096])      # the decode plan / the narrow prefill tile (hw_round)
+@pytest.mark.parametrize("expand", [False, True])
+def test_mhc_launches(jt, tokens, expand):
+    from dsflash.config import preset
+    from dsflash.kernels import mhc_fused_triton as mft
+    cfg = preset("bench-4l-96e")
+    n, d = cfg.hc_mult, cfg.hidden_size
+    nc = 2 * n + n * n
+    args = [_sds((tokens, n, d), jnp.bfloat16), _sds((tokens, n), jnp.float32), _sds((nc, n * d), jnp.float32),
+            _sds((nc,), jnp.float32), _sds((3,), jnp.float32)]
+    ex = [_sds((tokens, d), jnp.bfloat16), _sds((tokens, n), jnp.float32), _sds((tokens, n, n), jnp.float32)]
+
+    def f(X, a, fn, base, scale, *e):
+        return mft.mhc_fused_triton(X, a, fn, base, scale, tuple(e) or None, eps=cfg.hc_eps, rms_eps=cfg.rms_norm_eps,
+                                    iters=cfg.hc_sinkhorn_iters, out_dtype=jnp.bfloat16)
+    jax.eval_shape(f, *args, *(ex if expand else []))
+    assert jt.kernels
+
+
+def test_paged_attention_launch(jt):
+    from dsflash.kernels import sparse_attention_paged_triton as spt
+    B, S, H, D, NW, KW, KP, P = 2, 6, 64, 512, 150, 128, 512, 4096
+    jax.eval_shape(lambda *a: spt.sparse_sink_attention_paged_triton(*a, D ** -0.5),
+                   _sds((B, S, H, D), jnp.bfloat16), _sds((B, NW, D), jnp.bfloat16), _sds((B, S, KW), jnp.int32),
+                   _sds((P, D // 2), jnp.uint8), _sds((P, D // 16), jnp.uint8), _sds((B, S, KP), jnp.int32),
+                   _sds((B, S, KP), bool), _sds((H,), jnp.float32))
+    assert jt.kernels
+
+
+@pytest.mark.parametrize("T", [32, 4096])          # the il decode band / the wide prefill tile
+def test_routed_moe_launches(jt, T):
+    from dsflash.kernels import moe_gemm_triton as mgt
+    E, d, I, k = 96, 4096, 2048, 6
+    jax.eval_shape(lambda *a: mgt.routed_moe_triton(*a, limit=10.0),
+                   _sds((T, d), jnp.bfloat16), _sds((T, k), jnp.int32), _sds((T, k), jnp.float32),
+                   _sds((E, I, d // 4), jnp.uint16), _sds((E, I, d // 128), jnp.uint32),
+                   _sds((E, I, d // 4), jnp.uint16), _sds((E, I, d // 128), jnp.uint32),
+                   _sds((E, d, I // 4), jnp.uint16), _sds((E, d, I // 128), jnp.uint32))
+    assert jt.kernels
