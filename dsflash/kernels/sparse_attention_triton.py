@@ -546,16 +546,15 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     check_shapes(q, idx, D, dv)
     ka = launch_args(cfg, B, S, H, D, N, K, scale, precision, q.dtype)
     p_bf16 = int(precision != "fp32")
+    ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16) if cfg.kind == "flash" else (0, None, None)
     in_kernel = ROPE_IN_KERNEL if rope_in_kernel is None else rope_in_kernel
-    if rope is not None and not (in_kernel and cfg.kind == "flash" and jnp.dtype(out_dtype) == q.dtype
-                                 and flash_launch(cfg, R, H, D, K, ka, p_bf16)[0] == 1):
+    if rope is not None and not (in_kernel and ns == 1 and jnp.dtype(out_dtype) == q.dtype):
         # RoPE in XLA around the kernel: every launch but the one-split flash kernel asked to do it itself
         return rope_o(sparse_sink_attention_triton(rope_q(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
                                                    precision=precision, config=cfg), rope)
     idx = idx.astype(jnp.int32)
     sink = sink.astype(jnp.float32)
     if cfg.kind == "flash":
-        ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16)
         if ns == 1:
             if rope is None:
                 cs = (jnp.zeros((1,), jnp.float32),) * 2      # unread (RD = 0)
