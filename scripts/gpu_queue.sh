@@ -47,6 +47,9 @@
 #   Files: step_glue.log, step_profile.json, hlo_*.txt.
 # spec_long: `bench engine --model demo` at batch 32 with 256-token outputs, 5 passes, chat then documentation
 #   prompts. Files: eng32long_{chat,text}.json / .log.
+# guided: `bench guided --model demo` (issue 22 item 4): mask cost, then free / json / mixed tokens/s with speculation
+#   off and always, 2 passes (needs the llguidance wheel in .whl). Files: guided.json, guided.log.
+# s23_all: prefill_step (with ceilings), then guided.
 # prefill_step: gpu_step_profile per op at STEP_POINTS (default decode 32 x 6 @ 4K, prefill 4K and 16K) for
 #   STEP_VARIANTS (default moeil; e.g. moeil_ropex,moeil_ropek: RoPE around / in the flash kernel, an A/B in one call).
 #   Files: prefill_step.log, step_profile.json.
@@ -56,10 +59,13 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
+  for w in .whl/*.whl; do
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w" \
+      || echo "wheel not installed: $w"
+  done
 fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
 if [ "$JAX_PLATFORMS" = cuda ] && ! python3 -c "import jax_triton" 2>/dev/null; then
@@ -267,6 +273,15 @@ PY
       > "$OUT/prefill_step.log" 2>&1
     echo "== step profile (rc $?)"; grep -E "^(point|decode|prefill) " "$OUT/prefill_step.log" | tail -8
     ;;
+  guided)       # issue 22 item 4 on the GPU: structured output's cost (free / json / mixed, speculation off / on)
+    timeout ${GUIDED_TIMEOUT:-240} python3 -m dsflash.bench guided --model demo --speculative-modes off,always \
+      --passes 2 --json "$OUT/guided.json" > "$OUT/guided.log" 2>&1
+    echo "== guided (rc $?)"; grep -E "^(mask cost|\[)" "$OUT/guided.log" | tail -14
+    ;;
+  s23_all)      # session 23, one call: the per-op step with ceilings (decode 32 x 6, 4K, 16K), then the guided bench
+    bash "$0" prefill_step
+    GUIDED_TIMEOUT=200 bash "$0" guided
+    ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
     eng32 eng32long 256 5 260 384   # prompts up to 128 tokens (chat) / 48 (documentation) + 256 out
     ;;
@@ -279,6 +294,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
