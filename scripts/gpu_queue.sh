@@ -50,6 +50,8 @@
 # guided: `bench guided --model demo` (issue 22 item 4): mask cost, then free / json / mixed tokens/s with speculation
 #   off and always, 2 passes (needs the llguidance wheel in .whl). Files: guided.json, guided.log.
 # s23_all: prefill_step (with ceilings), then guided.
+# targets: issue 19's grid in one call -- decode 1 / 8 / 32 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K, prefill 4K and 16K,
+#   per op, with ceilings. Files: targets.log, step_profile.json.
 # prefill_step: gpu_step_profile per op at STEP_POINTS (default decode 32 x 6 @ 4K, prefill 4K and 16K) for
 #   STEP_VARIANTS (default moeil; e.g. moeil_ropex,moeil_ropek: RoPE around / in the flash kernel, an A/B in one call).
 #   Files: prefill_step.log, step_profile.json.
@@ -59,7 +61,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -278,6 +280,12 @@ PY
       --passes 2 --json "$OUT/guided.json" > "$OUT/guided.log" 2>&1
     echo "== guided (rc $?)"; grep -E "^(mask cost|\[)" "$OUT/guided.log" | tail -14
     ;;
+  targets)      # issue 19's whole target grid on the current code, ceilings measured in the same call (~8 min)
+    timeout ${TARGETS_TIMEOUT:-570} python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton \
+      --decode 1@4096 8@4096 32@4096 64@4096 32@32768 32@131072 --prefill 4096@0 16384@0 --variants moeil \
+      --profile-no-cb --out "$OUT" > "$OUT/targets.log" 2>&1
+    echo "== targets (rc $?)"; grep -E "^(point|decode|prefill) |^ceilings \(" "$OUT/targets.log" | tail -12
+    ;;
   s23_all)      # session 23, one call: the per-op step with ceilings (decode 32 x 6, 4K, 16K), then the guided bench
     bash "$0" prefill_step
     GUIDED_TIMEOUT=200 bash "$0" guided
@@ -294,6 +302,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
