@@ -50,6 +50,8 @@
 # guided: `bench guided --model demo` (issue 22 item 4): mask cost, then free / json / mixed tokens/s with speculation
 #   off and always, 2 passes (needs the llguidance wheel in .whl). Files: guided.json, guided.log.
 # s23_all: prefill_step (with ceilings), then guided.
+# attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
+#   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: issue 19's grid in one call -- decode 1 / 8 / 32 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K, prefill 4K and 16K,
 #   per op, with ceilings. Files: targets.log, step_profile.json.
 # prefill_step: gpu_step_profile per op at STEP_POINTS (default decode 32 x 6 @ 4K, prefill 4K and 16K) for
@@ -61,7 +63,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|attn_prefill|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -286,6 +288,27 @@ PY
       --profile-no-cb --out "$OUT" > "$OUT/targets.log" 2>&1
     echo "== targets (rc $?)"; grep -E "^(point|decode|prefill) |^ceilings \(" "$OUT/targets.log" | tail -12
     ;;
+  attn_prefill) # session 23: the flash kernel at prefill shapes vs the paged (NVFP4-reading) kernel and flash configs,
+                # then Nsight Compute's L2 / DRAM traffic, tensor and issue activity and stall reasons at 4096 tokens
+    timeout 240 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --json "$OUT/attn_prefill.json" \
+      > "$OUT/attn_prefill.log" 2>&1
+    echo "== attn prefill (rc $?)"; sed -n '/^tokens /,$p' "$OUT/attn_prefill.log" | head -20
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    M=gpu__time_duration.sum,lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
+    M=$M,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed
+    M=$M,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+    for r in barrier long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle selected; do
+      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+    done
+    for m in "$M" sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active; do
+      [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
+        --kernel-name regex:"_flash_kernel|_paged_kernel" --launch-count 4 --metrics "$m" \
+        python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 --configs flash_bk64 --once >> "$OUT/ncu_attn_prefill.log" 2>&1
+      echo "== ncu (rc $?)"
+    done
+    grep -E "_flash_kernel|_paged_kernel|gpu__|smsp__|sm__|launch__|lts__|dram__|l1tex__" "$OUT/ncu_attn_prefill.log" \
+      | sed 's/smsp__average_warps_issue_stalled_//' | head -60
+    ;;
   s23_all)      # session 23, one call: the per-op step with ceilings (decode 32 x 6, 4K, 16K), then the guided bench
     bash "$0" prefill_step
     GUIDED_TIMEOUT=200 bash "$0" guided
@@ -302,6 +325,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|attn_prefill|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
