@@ -52,8 +52,8 @@
 # s23_all: prefill_step (with ceilings), then guided.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
-# targets: issue 19's grid in one call -- decode 1 / 8 / 32 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K, prefill 4K and 16K,
-#   per op, with ceilings. Files: targets.log, step_profile.json.
+# targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
+#   -- per op, with ceilings. Files: targets.log, step_profile.json.
 # prefill_step: gpu_step_profile per op at STEP_POINTS (default decode 32 x 6 @ 4K, prefill 4K and 16K) for
 #   STEP_VARIANTS (default moeil; e.g. moeil_ropex,moeil_ropek: RoPE around / in the flash kernel, an A/B in one call).
 #   Files: prefill_step.log, step_profile.json.
@@ -282,9 +282,10 @@ PY
       --passes 2 --json "$OUT/guided.json" > "$OUT/guided.log" 2>&1
     echo "== guided (rc $?)"; grep -E "^(mask cost|\[)" "$OUT/guided.log" | tail -14
     ;;
-  targets)      # issue 19's whole target grid on the current code, ceilings measured in the same call (~8 min)
+  targets)      # issue 19's target grid beside prefill_step's points (decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K / 128K), ceilings
+                # measured in the same call (~5 min); TARGET_POINTS="--decode ... --prefill ..." overrides
     timeout ${TARGETS_TIMEOUT:-570} python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton \
-      --decode 1@4096 8@4096 32@4096 64@4096 32@32768 32@131072 --prefill 4096@0 16384@0 --variants moeil \
+      ${TARGET_POINTS:---decode 1@4096 8@4096 64@4096 32@32768 32@131072 --prefill} --variants moeil \
       --profile-no-cb --out "$OUT" > "$OUT/targets.log" 2>&1
     echo "== targets (rc $?)"; grep -E "^(point|decode|prefill) |^ceilings \(" "$OUT/targets.log" | tail -12
     ;;
