@@ -49,7 +49,7 @@
 #   prompts. Files: eng32long_{chat,text}.json / .log.
 # guided: `bench guided --model demo` (issue 22 item 4): mask cost, then free / json / mixed tokens/s with speculation
 #   off and always, 2 passes (needs the llguidance wheel in .whl). Files: guided.json, guided.log.
-# s23_all: prefill_step (with ceilings), then guided.
+# s23_all: prefill_step (with ceilings), then guided. s23_a: prefill_step, then attn_prefill. s23_b: guided, then targets.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -63,7 +63,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|attn_prefill|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -314,6 +314,14 @@ PY
     bash "$0" prefill_step
     GUIDED_TIMEOUT=200 bash "$0" guided
     ;;
+  s23_a)        # session 23, issue 19 in one call (~9 min): the per-op step with ceilings, then attention at prefill alone
+    bash "$0" prefill_step
+    bash "$0" attn_prefill
+    ;;
+  s23_b)        # session 23 (~8 min): the guided bench (issue 22), then the rest of issue 19's grid
+    GUIDED_TIMEOUT=180 bash "$0" guided
+    TARGETS_TIMEOUT=380 bash "$0" targets
+    ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
     eng32 eng32long 256 5 260 384   # prompts up to 128 tokens (chat) / 48 (documentation) + 256 out
     ;;
@@ -326,6 +334,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|targets|attn_prefill|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -42,7 +42,7 @@ def test_a_stand_in_for_jax_triton_is_returned_and_nothing_installed(monkeypatch
     monkeypatch.setitem(sys.modules, "jax_triton", stub)
     monkeypatch.setattr(triton_call, "_installed", False)
     monkeypatch.setattr(triton_call, "USE_FFI", True)
-    assert triton_call.jax_triton() is stub
+    assert triton_call.jax_triton()._jt is stub
     assert triton_call._installed is False
 
 
@@ -51,3 +51,32 @@ def test_the_ffi_target_is_assumed_only_after_jax_0_10_2(monkeypatch):
     for version, expect in (("0.10.2", False), ("0.10.3", True), ("0.11.2", True), ("0.9.0", False)):
         monkeypatch.setattr(jax, "__version__", version)
         assert triton_call.ffi_target_available() is expect, version
+
+
+def test_launches_get_the_kernels_constexpr_defaults(monkeypatch):
+    """jax-triton 0.3.1 sends a constexpr the launch leaves out as None: the launcher fills in the kernel's default
+    (the one-split flash launch once left out RD / ROUND_O and did not compile on the GPU), keeps what the launch
+    gives, and names a constexpr without a default that is missing."""
+    import sys
+    import types
+
+    import pytest
+    pytest.importorskip("triton")
+    from dsflash.kernels import sparse_attention_triton as sat
+    seen = []
+    stub = types.ModuleType("jax_triton")
+    stub.triton_call = lambda *a, kernel, **kw: seen.append(kw) or "out"
+    monkeypatch.setitem(sys.modules, "jax_triton", stub)
+    monkeypatch.setattr(triton_call, "USE_FFI", False)
+    jt = triton_call.jax_triton()
+    kernel = sat._flash_kernel
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    assert {"RD", "ROUND_O"} <= set(defaults)
+    required = {p.name: 1 for p in kernel.params if p.is_constexpr and not p.has_default}
+    assert jt.triton_call("x", kernel=kernel, grid=(1,), **required) == "out"
+    assert seen[-1] == {"grid": (1,), **required, **defaults}
+    jt.triton_call("x", kernel=kernel, grid=(1,), **required, RD=64)
+    assert seen[-1]["RD"] == 64
+    gone = next(iter(required))
+    with pytest.raises(TypeError, match=gone):
+        jt.triton_call("x", kernel=kernel, grid=(1,), **{k: v for k, v in required.items() if k != gone})

@@ -1,5 +1,8 @@
 """The kernels' one way to jax-triton: ``jt = triton_call.jax_triton()`` instead of ``import jax_triton as jt``.
 
+Every launch through it gets the kernel's defaults for the constexprs it leaves out (``with_constexpr_defaults``:
+jax-triton 0.3.1 would send None).
+
 While ``USE_FFI`` is on, it makes every jax-triton launch lower to jaxlib's FFI target ``triton_kernel_call_ffi``
 instead of the legacy ``triton_kernel_call``. It is the same compiled kernel and the same launch; only the custom
 call's form differs.
@@ -82,9 +85,48 @@ def _install(jt) -> None:
     mlir.register_lowering(triton_lib.triton_kernel_call_p, lowering, platform="cuda")
 
 
+def with_constexpr_defaults(kernel, kw: dict) -> dict:
+    """A launch's keyword arguments with every constexpr it leaves out set to the kernel's default.
+
+    jax-triton 0.3.1 compiles with the launch's keywords as the only constants, so a constexpr left out reaches the
+    kernel as None, not as its default (session 21's one-split flash launch: ``if RD > 0`` failed to compile on the
+    GPU only -- Triton's interpreter applies defaults). A constexpr with no default that the launch leaves out is a
+    ``TypeError`` here, naming it, instead of a compile error deep inside the lowering."""
+    params = getattr(kernel, "params", None)
+    if params is None:                  # not a triton JITFunction (a test stand-in): nothing to complete
+        return kw
+    out = dict(kw)
+    missing = []
+    for p in params:
+        if p.is_constexpr and p.name not in out:
+            if p.has_default:
+                out[p.name] = p.default
+            else:
+                missing.append(p.name)
+    if missing:
+        name = getattr(getattr(kernel, "fn", None), "__name__", repr(kernel))
+        raise TypeError(f"Triton kernel {name} launched without its constexpr argument(s) {missing}")
+    return out
+
+
+class _Launcher:
+    """jax-triton as the kernels use it: ``triton_call`` with the constexpr defaults completed
+    (``with_constexpr_defaults``); every other name is jax-triton's own."""
+
+    def __init__(self, jt):
+        self._jt = jt
+
+    def __getattr__(self, name):
+        return getattr(self._jt, name)
+
+    def triton_call(self, *args, kernel, **kw):
+        return self._jt.triton_call(*args, kernel=kernel, **with_constexpr_defaults(kernel, kw))
+
+
 def jax_triton():
-    """``jax_triton``; while ``USE_FFI`` is on, its launches lowered to the FFI target from then on (the lowering is
-    installed once per process and reads ``USE_FFI`` at each lowering)."""
+    """``jax_triton`` whose ``triton_call`` fills in the constexpr defaults a launch leaves out; while ``USE_FFI``
+    is on, its launches lowered to the FFI target from then on (the lowering is installed once per process and reads
+    ``USE_FFI`` at each lowering)."""
     import jax_triton as jt
     _install(jt)
-    return jt
+    return _Launcher(jt)
