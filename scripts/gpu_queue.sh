@@ -292,6 +292,7 @@ PY
   attn_prefill) # session 23: the flash kernel at prefill shapes vs the paged (NVFP4-reading) kernel and flash configs,
                 # then Nsight Compute's L2 / DRAM traffic, tensor and issue activity and stall reasons at 4096 tokens
     timeout 240 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --json "$OUT/attn_prefill.json" \
+      --configs ${ATTN_CONFIGS:-flash_bk64,flash_bk32,flash_bk64_s2} \
       > "$OUT/attn_prefill.log" 2>&1
     echo "== attn prefill (rc $?)"; sed -n '/^tokens /,$p' "$OUT/attn_prefill.log" | head -20
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -301,9 +302,9 @@ PY
     for r in barrier long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle selected; do
       M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
     done
-    for m in "$M" sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active; do
+    for m in "$M" ${NCU_TENSOR:+sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active}; do
       [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
-        --kernel-name regex:"_flash_kernel|_paged_kernel" --launch-count 4 --metrics "$m" \
+        --kernel-name regex:"_flash_kernel|_paged_kernel" --launch-count 2 --metrics "$m" \
         python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 --configs flash_bk64 --once >> "$OUT/ncu_attn_prefill.log" 2>&1
       echo "== ncu (rc $?)"
     done
