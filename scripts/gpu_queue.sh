@@ -292,7 +292,7 @@ PY
   attn_prefill) # session 23: the flash kernel at prefill shapes vs the paged (NVFP4-reading) kernel and flash configs,
                 # then Nsight Compute's L2 / DRAM traffic, tensor and issue activity and stall reasons at 4096 tokens
     timeout 240 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --json "$OUT/attn_prefill.json" \
-      --configs ${ATTN_CONFIGS:-flash_bk64,flash_bk32,flash_bk64_s2} \
+      --configs ${ATTN_CONFIGS:-flash_bk64,flash_bk32,flash_bk64_s2,flash_bk32_w16} \
       > "$OUT/attn_prefill.log" 2>&1
     echo "== attn prefill (rc $?)"; sed -n '/^tokens /,$p' "$OUT/attn_prefill.log" | head -20
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
