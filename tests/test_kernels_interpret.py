@@ -28,7 +28,7 @@ pytestmark = [
 @pytest.mark.parametrize("script", ["triton_interpret_moe.py", "triton_interpret_sparse_attention.py",
                                     "triton_interpret_sparse_attention_paged.py",
                                     "triton_interpret_indexer.py", "triton_interpret_mhc.py",
-                                    "triton_interpret_topk.py --only split"])
+                                    "triton_interpret_topk.py --only split", "triton_interpret_rope.py"])
 def test_interpreter_script(script):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TRITON_INTERPRET="1")
     name, *args = script.split()

@@ -1,6 +1,6 @@
 """Every Triton launch names all of its kernel's constexpr parameters, defaults included (CPU, no GPU): sparse
-attention (split, one-split with RoPE around / in it), paged attention, indexer scorer, radix top-k, fused mHC and the
-routed-expert GEMM at decode and prefill sizes (the FP8 linear has its own check in test_kernels_fp8_linear.py).
+attention (split, one-split with RoPE around / in it / in place around it), paged attention, indexer scorer, radix
+top-k, fused mHC and the routed-expert GEMM at decode and prefill sizes (the FP8 linear has its own check in test_kernels_fp8_linear.py).
 
 jax-triton 0.3.1 sends a constexpr the launch leaves out as None, not as the kernel's default: ``if RD > 0`` then
 fails to compile. Session 21's RoPE refactor left ``RD`` / ``ROUND_O`` out of the one-split flash launch when RoPE
@@ -56,6 +56,17 @@ def test_sparse_attention_launches(jt, rope, in_kernel, rows):
                                                 rope_in_kernel=in_kernel)
     jax.eval_shape(f, *args)
     assert jt.kernels
+
+
+def test_inplace_rope_launches(jt, monkeypatch):
+    from dsflash.kernels import sparse_attention_triton as sat
+    monkeypatch.setattr(sat, "ROPE_INPLACE", True)
+    H, D, N, K, rows = 64, 512, 700, 640, 256
+    args = [_sds((1, rows, H, D), jnp.bfloat16), _sds((1, N, D), jnp.bfloat16), _sds((1, rows, K), jnp.int32),
+            _sds((H,), jnp.float32), _sds((1, rows, 32), jnp.float32), _sds((1, rows, 32), jnp.float32)]
+    jax.eval_shape(lambda q, kv, i, s, c, n: sat.sparse_sink_attention_triton(q, kv, i, s, D ** -0.5, rope=(c, n),
+                                                                              rope_in_kernel=False), *args)
+    assert jt.kernels == ["_rope_tail_inplace_kernel", "_flash_kernel", "_rope_tail_inplace_kernel"]
 
 
 @pytest.mark.parametrize("S", [6, 4096])

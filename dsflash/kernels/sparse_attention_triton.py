@@ -107,6 +107,11 @@ SMS = 132                 # H200 SMs; "split" auto aims at >= 2 waves of program
 # win there (4096-token step 35.02 -> 35.45 ms, 16384 125.35 -> 124.17), so off: q / o rotate in XLA around it.
 # ``sparse_sink_attention_triton(rope_in_kernel=True)`` and gpu_step_profile's variant "moeil_ropek" run it.
 ROPE_IN_KERNEL = False
+# RoPE around the kernels by ``rope_triton.rope_tail_inplace`` (session 23): q's and o's 64-channel tails rotated in
+# their own buffers instead of XLA's concatenation that re-writes all of q and o (eight 0.61-ms fusions of the 16K
+# prefill step on an H200). Interpreter-checked (bits = ``rope.rotate_tail``); off until a GPU has run it
+# (tests/gpu/test_rope_triton.py, then ``gpu_step_profile --variants moeil_ropex,moeil_ropei``).
+ROPE_INPLACE = False
 
 
 def pick_config(rows: int) -> AttnConfig:
@@ -552,7 +557,12 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     ns, grid, kw = flash_launch(cfg, R, H, D, K, ka, p_bf16) if cfg.kind == "flash" else (0, None, None)
     in_kernel = ROPE_IN_KERNEL if rope_in_kernel is None else rope_in_kernel
     if rope is not None and not (in_kernel and ns == 1 and jnp.dtype(out_dtype) == q.dtype):
-        # RoPE in XLA around the kernel: every launch but the one-split flash kernel asked to do it itself
+        # RoPE around the kernel: every launch but the one-split flash kernel asked to do it itself
+        if ROPE_INPLACE:
+            from dsflash.kernels.rope_triton import rope_tail_inplace
+            o = sparse_sink_attention_triton(rope_tail_inplace(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
+                                             precision=precision, config=cfg)
+            return rope_tail_inplace(o, rope, inverse=True)
         return rope_o(sparse_sink_attention_triton(rope_q(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
                                                    precision=precision, config=cfg), rope)
     idx = idx.astype(jnp.int32)
