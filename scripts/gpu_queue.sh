@@ -49,7 +49,8 @@
 #   prompts. Files: eng32long_{chat,text}.json / .log.
 # guided: `bench guided --model demo` (issue 22 item 4): mask cost, then free / json / mixed tokens/s with speculation
 #   off and always, 2 passes (needs the llguidance wheel in .whl). Files: guided.json, guided.log.
-# s23_all: prefill_step (with ceilings), then guided. s23_a: prefill_step, then attn_prefill. s23_b: guided, then targets.
+# s23_all: prefill_step (with ceilings), then guided. s23_a: the in-place RoPE's GPU test, then
+#   prefill_step with moeil_ropex / moeil_ropei. s23_b: attn_prefill, then guided. Then targets.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -315,13 +316,15 @@ PY
     bash "$0" prefill_step
     GUIDED_TIMEOUT=200 bash "$0" guided
     ;;
-  s23_a)        # session 23, issue 19 in one call (~9 min): the per-op step with ceilings, then attention at prefill alone
-    bash "$0" prefill_step
-    bash "$0" attn_prefill
+  s23_a)        # session 23, issue 19 in one call (~9 min): the in-place RoPE's GPU test, then the per-op step with
+                # ceilings (decode 32 x 6, prefill 4K / 16K), RoPE by concatenation / in place
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_rope_triton.py > "$OUT/pytest_rope_inplace.log" 2>&1
+    echo "== in-place RoPE GPU test (rc $?)"; tail -3 "$OUT/pytest_rope_inplace.log"
+    STEP_VARIANTS=moeil_ropex,moeil_ropei bash "$0" prefill_step
     ;;
-  s23_b)        # session 23 (~8 min): the guided bench (issue 22), then the rest of issue 19's grid
+  s23_b)        # session 23 (~8 min): attention alone at prefill shapes (+ ncu), then the guided bench (issue 22)
+    bash "$0" attn_prefill
     GUIDED_TIMEOUT=180 bash "$0" guided
-    TARGETS_TIMEOUT=380 bash "$0" targets
     ;;
   spec_long)    # session 18 (issue 23): batch 32 with outputs long enough for decode to dominate (256 tokens), 5 passes
     eng32 eng32long 256 5 260 384   # prompts up to 128 tokens (chat) / 48 (documentation) + 256 out
