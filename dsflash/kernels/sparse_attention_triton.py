@@ -96,10 +96,14 @@ NAMED_CONFIGS = {
 # Shape -> variant used by ``sparse_sink_attention_triton(config=None)``: the first entry whose max_rows >= B*S.
 # From the v3 H200 run (2026-12-01, NOTES.md "v3"): flash BK64 with 2 stages was fastest at 1 and 32 rows (0.054 /
 # 0.074 ms, still slower than XLA there, so dispatch.GATES["sparse_attention"] starts at 128); at 128 and 192 rows the
-# BK64 flash variants were within 3 % of each other (0.105-0.108 / 0.153-0.156 ms), flash_bk64 taken.
+# BK64 flash variants were within 3 % of each other (0.105-0.108 / 0.153-0.156 ms), flash_bk64 taken. Prefill rows
+# (session 23, one H100, scripts/gpu_attn_prefill_probe.py, results/attn_prefill_20261207_h100_s23.json): flash_bk64_s2
+# 1.480 -> 1.358 ms at 4096 rows and 5.674 -> 5.147 at 16384 against flash_bk64, the same output bits (same BK); Nsight
+# Compute has flash_bk64 stalled on barriers first (1.83 a issue) at 17 % of the L2's throughput.
 PICK_TABLE = (
     (32, "flash_bk64_s2"),
-    (None, "flash_bk64"),
+    (256, "flash_bk64"),
+    (None, "flash_bk64_s2"),
 )
 SMS = 132                 # H200 SMs; "split" auto aims at >= 2 waves of programs
 # RoPE in the one-split flash kernel (``_flash_kernel``'s RD; session 21): interpreter- and sm_90-checked, and on an
@@ -109,9 +113,10 @@ SMS = 132                 # H200 SMs; "split" auto aims at >= 2 waves of program
 ROPE_IN_KERNEL = False
 # RoPE around the kernels by ``rope_triton.rope_tail_inplace`` (session 23): q's and o's 64-channel tails rotated in
 # their own buffers instead of XLA's concatenation that re-writes all of q and o (eight 0.61-ms fusions of the 16K
-# prefill step on an H200). Interpreter-checked (bits = ``rope.rotate_tail``); off until a GPU has run it
-# (tests/gpu/test_rope_triton.py, then ``gpu_step_profile --variants moeil_ropex,moeil_ropei``).
-ROPE_INPLACE = False
+# prefill step on an H200). On since session 23 (one H100): tests/gpu/test_rope_triton.py 6 passed (0 bits differ from
+# unfused fp32 arithmetic); ``gpu_step_profile --variants moeil_ropex,moeil_ropei``: 4096 tokens 37.62 -> 36.71 ms,
+# 16384 127.09 -> 123.93, decode 32 x 6 8.55 -> 8.41 (results/step_profile_20261207_h100_s23_ropei.json).
+ROPE_INPLACE = True
 
 
 def pick_config(rows: int) -> AttnConfig:
