@@ -118,8 +118,8 @@ def main(argv=None):
         print(f"{'tokens':>6} {'op':<24} {'ms':>8} {'GB':>7} {'TB/s':>6} {'rel diff':>9}")
         for r in rows:
             if "ms" in r:
-                print(f"{r['tokens']:>6} {r['op']:<24} {r['ms']:8.3f} {r['gathered_GB']:7.2f} {r['gathered_TBps']:6.2f} "
-                      f"{r['rel_diff_vs_first']:9.2e}")
+                print(f"{r['tokens']:>6} {r['op']:<24} {r['ms']:8.3f} {r['gathered_GB']:7.2f} "
+                      f"{r['gathered_TBps']:6.2f} {r['rel_diff_vs_first']:9.2e}")
             else:
                 print(f"{r['tokens']:>6} {r['op']:<24} error {r['error'][:80]}")
     if args.json:

@@ -140,8 +140,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **git_commit(), "date": time.strftime("%Y%m%d"),
                        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-                       "kernels": eng.kernels_line, "jax": jax.__version__, "load_average_1m": load, "mask_cost": costs, "results": results},
-                      f, indent=2)
+                       "kernels": eng.kernels_line, "jax": jax.__version__, "load_average_1m": load,
+                       "mask_cost": costs, "results": results}, f, indent=2)
     return 0
 
 

@@ -84,8 +84,9 @@ NAMED_CONFIGS = {
     "flash_bk32_ns1": AttnConfig(kind="flash", BK=32, NS=1, warps=8, stages=5),
     "flash_bk64_ns1": AttnConfig(kind="flash", BK=64, NS=1, warps=8, stages=3),
     "flash_bk32_ns2": AttnConfig(kind="flash", BK=32, NS=2, warps=8, stages=5),
-    # prefill candidate (session 23, not yet timed): 16 warps = 4 warpgroups over the same [64, 512] accumulator, twice
-    # the warps in flight for the gathers' latency; sm_90 compile: 128 registers, 12 B of spills, 164 KB smem
+    # prefill candidate (session 23): 16 warps = 4 warpgroups over the same [64, 512] accumulator, for the gathers'
+    # latency; sm_90 compile 128 registers, 12 B of spills. Timed on an H100: 3.0x SLOWER than flash_bk64 at 4096 /
+    # 16384 prefill rows (results/attn_prefill_20261207_h100_s23.json), kept as that measurement's name
     "flash_bk32_w16": AttnConfig(kind="flash", BK=32, NS=0, warps=16, stages=5),
     # v3 head split (2026-12-01, for 1-32 rows; not yet timed): grid (rows, NS, 4), 16 heads per program (M = 16:
     # mma.sync, not wgmma), so 4x the programs of flash_bk* at the same NS; each program gathers the same kv blocks
