@@ -54,7 +54,7 @@ def inputs(T: int, seed: int = 0):
 
 
 def ops(T: int, configs):
-    """name -> (fn(q), fixed args description); every op maps q to the attention output [1, T, H, D] bf16."""
+    """(q, {name: jitted fn(q) -> the attention output [1, T, H, D] bf16}, the rows gathered and their bytes)."""
     from dsflash.kernels import sparse_attention_paged_triton as spt, sparse_attention_triton as sat
     from dsflash.model import state as st
     q, win, win_idx, pool, sel, sink = inputs(T)

@@ -114,15 +114,21 @@ def run(cfg, B=2, S=3, H=16, D=64, N=50, K=40, precision="reference", dtype=jnp.
 
 class _JtShim:
     """Stand-in for jax_triton.triton_call: the kernel run by the interpreter on owned numpy copies; every output is
-    NaN-poisoned first (integer outputs: -7), so an element the kernel does not write fails the finiteness check."""
+    NaN-poisoned first (integer outputs: -7), so an element the kernel does not write fails the finiteness check --
+    except an output aliased to an input (``input_output_aliases``), which is that input's buffer, as on the GPU."""
 
     @staticmethod
-    def triton_call(*args, kernel, out_shape, grid, num_warps=4, num_stages=1, **kw):
+    def triton_call(*args, kernel, out_shape, grid, num_warps=4, num_stages=1, input_output_aliases=None,
+                    enable_fp_fusion=True, **kw):
         multi = isinstance(out_shape, (tuple, list))
         shapes = out_shape if multi else (out_shape,)
         outs = [np.full(o.shape, np.nan if jnp.issubdtype(o.dtype, jnp.floating) else -7, o.dtype) for o in shapes]
-        fakes = [Fake(o) for o in outs]
         ins = [Fake(_np(a)) for a in args]
+        for i, o in (input_output_aliases or {}).items():
+            outs[o] = ins[i].a
+        fakes = [Fake(o) for o in outs]
+        for i, o in (input_output_aliases or {}).items():
+            ins[i] = fakes[o]
         kernel[tuple(grid)](*ins, *fakes, **kw)
         res = [f.a for f in fakes]
         for r in res:

@@ -1,11 +1,14 @@
 """Every Triton launch names all of its kernel's constexpr parameters, defaults included (CPU, no GPU): sparse
 attention (split, one-split with RoPE around / in it / in place around it), paged attention, indexer scorer, radix
-top-k, fused mHC and the routed-expert GEMM at decode and prefill sizes (the FP8 linear has its own check in test_kernels_fp8_linear.py).
+top-k, fused mHC and the routed-expert GEMM at decode and prefill sizes (the FP8 linear has its own check in
+test_kernels_fp8_linear.py).
 
 jax-triton 0.3.1 sends a constexpr the launch leaves out as None, not as the kernel's default: ``if RD > 0`` then
 fails to compile. Session 21's RoPE refactor left ``RD`` / ``ROUND_O`` out of the one-split flash launch when RoPE
 runs around the kernel, and the GPU prefill path did not compile until session 22's H200 call found it. Triton's
-interpreter (the CPU checks) applies the defaults, so only a check of the launch arguments catches this on CPU."""
+interpreter (the CPU checks) applies the defaults, so only a check of the launch arguments catches this on CPU.
+Since session 23 ``triton_call.jax_triton()`` fills in the defaults itself (tests/test_triton_call_shim.py); this
+test keeps every launch site explicit all the same (its stand-in replaces that launcher)."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -74,7 +77,8 @@ def test_inplace_rope_launches(jt, monkeypatch):
 def test_indexer_scorer_launches(jt, S, hw_round):
     from dsflash.kernels import indexer_topk_triton as it
     jax.eval_shape(lambda q, w, k, v, m: it.indexer_scores_triton(q, w, k, v, m, hw_round=hw_round),
-                   _sds((1, S, 32, 128), jnp.bfloat16), _sds((1, S, 32), jnp.bfloat16), _sds((1, 4096, 128), jnp.bfloat16),
+                   _sds((1, S, 32, 128), jnp.bfloat16), _sds((1, S, 32), jnp.bfloat16),
+                   _sds((1, 4096, 128), jnp.bfloat16),
                    _sds((1, S), jnp.int32), _sds((1, S), bool))
     assert jt.kernels
 

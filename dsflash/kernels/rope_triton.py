@@ -27,25 +27,37 @@ from dsflash.kernels.triton_common import _bf16_rne
 
 
 @triton.jit
+def _rope_tail(src_rows, c_row, s_row, D: tl.constexpr, RD: tl.constexpr, INVERSE: tl.constexpr,
+               ROUND: tl.constexpr):
+    """``rope.rotate_tail``'s rotated tail of the rows at ``src_rows`` (pointers [HG, 1] to rows of D channels):
+    [HG, RD] fp32, their last RD channels, pair (2i, 2i + 1) rotated by this query row's (cos_i, sin_i) (the
+    conjugate if INVERSE) in fp32, RNE to bf16 values if ROUND (the integer form: the interpreter's casts truncate).
+    Only the tails move through registers (HG x RD elements, each channel's pair partner loaded again): rotating the
+    [HG, D] q tile in registers made Triton keep q as a register MMA operand on sm_90 (spills, 20 % more
+    instructions a loop step), and splitting o's pairs in registers went through shared memory."""
+    j = tl.arange(0, RD)
+    c = tl.load(c_row + j // 2)[None, :]
+    s = tl.load(s_row + j // 2)[None, :]
+    if INVERSE:
+        s = -s
+    x = tl.load(src_rows + (D - RD) + j[None, :]).to(tl.float32)
+    p = tl.load(src_rows + (D - RD) + (j ^ 1)[None, :]).to(tl.float32)
+    r = tl.where(((j & 1) == 0)[None, :], x * c - p * s, p * s + x * c)
+    if ROUND:
+        r = _bf16_rne(r)
+    return r
+
+
+@triton.jit
 def _rope_tail_inplace_kernel(x_ptr, c_ptr, s_ptr, o_ptr, H: tl.constexpr, D: tl.constexpr, RD: tl.constexpr,
                               INVERSE: tl.constexpr, ROUND: tl.constexpr):
     """One query row: its H heads' last RD channels of x rotated by the row's (cos, sin) [RD / 2] and stored into o
     (the same buffer as x under the launch's aliasing; the other channels are never touched)."""
     row = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, H)
-    j = tl.arange(0, RD)
-    c = tl.load(c_ptr + row * (RD // 2) + j // 2)[None, :]
-    s = tl.load(s_ptr + row * (RD // 2) + j // 2)[None, :]
-    if INVERSE:
-        s = -s
-    base = row * (H * D) + h[:, None] * D + (D - RD)
-    x = tl.load(x_ptr + base + j[None, :]).to(tl.float32)
-    p = tl.load(x_ptr + base + (j ^ 1)[None, :]).to(tl.float32)         # each channel's pair partner
-    r = tl.where(((j & 1) == 0)[None, :], x * c - p * s, p * s + x * c)
-    if ROUND:
-        r = _bf16_rne(r)
+    heads = row * (H * D) + tl.arange(0, H)[:, None] * D                   # [H, 1]: each head's row of D channels
+    r = _rope_tail(x_ptr + heads, c_ptr + row * (RD // 2), s_ptr + row * (RD // 2), D, RD, INVERSE, ROUND)
     tl.debug_barrier()      # every load before any store: a partner may sit in another thread's part of the buffer
-    tl.store(o_ptr + base + j[None, :], r.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + heads + (D - RD) + tl.arange(0, RD)[None, :], r.to(o_ptr.dtype.element_ty))
 
 
 def launch_args(x, rope, *, inverse: bool, round_int: int = 0) -> dict:

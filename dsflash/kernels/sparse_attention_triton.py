@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from dsflash.kernels.rope import check_rope, rope_o, rope_q
-from dsflash.kernels.triton_common import _bf16_rne
+from dsflash.kernels.rope_triton import _rope_tail, rope_tail_inplace
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -346,28 +346,6 @@ def _chunk_pv_kernel(q_ptr, kv_ptr, idx_ptr, mpart_ptr, accp_ptr, denp_ptr,
 
 # ----------------------------------------------------------------------------------------------- v3: "flash"
 @triton.jit
-def _rope_tail(src_rows, c_row, s_row, D: tl.constexpr, RD: tl.constexpr, INVERSE: tl.constexpr,
-               ROUND: tl.constexpr):
-    """``rope.rotate_tail``'s rotated tail of the rows at ``src_rows`` (pointers [HG, 1] to rows of D channels):
-    [HG, RD] fp32, their last RD channels, pair (2i, 2i + 1) rotated by this query row's (cos_i, sin_i) (the
-    conjugate if INVERSE) in fp32, RNE to bf16 values if ROUND (the integer form: the interpreter's casts truncate).
-    Only the tails move through registers (HG x RD elements, each channel's pair partner loaded again): rotating the
-    [HG, D] q tile in registers made Triton keep q as a register MMA operand on sm_90 (spills, 20 % more
-    instructions a loop step), and splitting o's pairs in registers went through shared memory."""
-    j = tl.arange(0, RD)
-    c = tl.load(c_row + j // 2)[None, :]
-    s = tl.load(s_row + j // 2)[None, :]
-    if INVERSE:
-        s = -s
-    x = tl.load(src_rows + (D - RD) + j[None, :]).to(tl.float32)
-    p = tl.load(src_rows + (D - RD) + (j ^ 1)[None, :]).to(tl.float32)
-    r = tl.where(((j & 1) == 0)[None, :], x * c - p * s, p * s + x * c)
-    if ROUND:
-        r = _bf16_rne(r)
-    return r
-
-
-@triton.jit
 def _flash_body(q_ptr, kv_ptr, idx_ptr, qt_ptr, row, sp, offs_h, S: tl.constexpr, N: tl.constexpr,
                 H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, SCALE: tl.constexpr, BK: tl.constexpr,
                 BPS: tl.constexpr, HG: tl.constexpr, P_BF16: tl.constexpr, IEEE: tl.constexpr, RD: tl.constexpr):
@@ -565,7 +543,6 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     if rope is not None and not (in_kernel and ns == 1 and jnp.dtype(out_dtype) == q.dtype):
         # RoPE around the kernel: every launch but the one-split flash kernel asked to do it itself
         if ROPE_INPLACE:
-            from dsflash.kernels.rope_triton import rope_tail_inplace
             o = sparse_sink_attention_triton(rope_tail_inplace(q, rope), kv, idx, sink, scale, out_dtype=out_dtype,
                                              precision=precision, config=cfg)
             return rope_tail_inplace(o, rope, inverse=True)
@@ -577,7 +554,7 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
         if ns == 1:
             if rope is None:
                 cs = (jnp.zeros((1,), jnp.float32),) * 2      # unread (RD = 0)
-                kw.update(RD=0, ROUND_O=1)    # even at their defaults: jax-triton sends an absent constexpr as None
+                kw.update(RD=0, ROUND_O=1)    # named, though the launcher fills in defaults too
             else:                                          # in the kernel (its docstring): o is q's scratch
                 cs = tuple(t.astype(jnp.float32).reshape(R, -1) for t in rope)
                 kw.update(RD=2 * cs[0].shape[1], ROUND_O=int(jnp.dtype(out_dtype) != jnp.float32))
