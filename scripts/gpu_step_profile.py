@@ -118,7 +118,11 @@ def main():
     real_vis, real_hw = topk_triton.READ_TO_VISIBLE, indexer_topk_triton.HW_ROUND_DEFAULT
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
-                 "fp8off": (real_fp8[0].replace(triton=()), 0)}
+                 "fp8off": (real_fp8[0].replace(triton=()), 0),
+                 # the il layout's A/B of the dense FP8 kernel's upper row bound (its band stops at 384 rows, measured
+                 # in the step at 192 only): XLA's dequantised copy above 256 rows, or everywhere
+                 "moeil_fp8_256": (real_fp8[0].replace(triton=((1, 256),)), real_fp8[1]),
+                 "moeil_fp8off": (real_fp8[0].replace(triton=()), real_fp8[1])}
     for phase, n, C in pts:
         S, rows = (a.draft_rows, n) if phase == "decode" else (n, 1)
         for var in a.variants.split(","):
