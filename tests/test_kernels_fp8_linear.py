@@ -74,7 +74,7 @@ def test_gate_when_pretending_to_be_on_a_gpu(monkeypatch):
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
     monkeypatch.setattr(dispatch, "resolve_backend", lambda b, what="backend": "xla" if b == "xla" else "triton")
     ut = fp8_linear.use_triton
-    assert ut("triton", 6, "reference") and ut("auto", 384, "bf16") and not ut("auto", 385, "reference")
+    assert ut("triton", 6, "reference") and ut("auto", 256, "bf16") and not ut("auto", 257, "reference")
     assert ut("triton", 6, "reference", force=True) and ut("triton", 6, "bf16", force=True)
     assert not ut("xla", 6, "reference", force=True)
     assert not ut("triton", 6, "reference", force=True, scale=None)     # float master weights

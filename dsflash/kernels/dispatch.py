@@ -118,11 +118,14 @@ GATES = {
     # against 3.9e-2 for 4e-6 coefficient noise)
     # dense FP8-stored linears (fp8_linear.py), in the whole step (bench-4l-96e, per-op trace, run 21): 1 x 6 rows
     # q / o / shared 1.26 -> 0.71 ms, step 4.54 -> 3.97 ms; 32 x 6 (192 rows) 1.79 -> 1.51 ms, step 10.40 -> 10.15.
-    # The kernel-only loop timings (run 20) lost at 4096 rows (0.6-0.8x cuBLAS behind XLA's dequantised copy): the
-    # band stops at 384 (192-384 rows measured in the step at 192 only)
+    # The kernel-only loop timings (run 20) lost at 4096 rows (0.6-0.8x cuBLAS behind XLA's dequantised copy). Session
+    # 24 (H200, il layout, variants moeil / moeil_fp8_256 / moeil_fp8off): 64 x 6 (384) rows 11.34 -> 10.90 ms with the
+    # band stopped at 256 (10.74 with no band); 32 x 6 (192) rows 8.47 / 8.45 / 9.04. So the band stops at 256 (the
+    # rows between 192 and 384 other than those two are unmeasured)
     "fp8_linear": Crossover(
-        "rows (M)", ((1, 384),), ("reference", "bf16"),
-        "step_profile_20261202_h200_run21.json (variants new / fp8lin); kernels_20261202_h200_run20_fp8linear.json"),
+        "rows (M)", ((1, 256),), ("reference", "bf16"),
+        "step_profile_20261202_h200_run21.json (variants new / fp8lin); kernels_20261202_h200_run20_fp8linear.json; "
+        "step_profile_20261207_h200_s24_fp8band.json"),
     "mhc": Crossover(
         "tokens (T)", ((1, None),), None,
         "kernels_20261130_h200_run10_mhc_split_moe16k.json (commit 4ae4c64); gpu_tests_20261201_h200_run11.log"),
