@@ -141,20 +141,21 @@ def test_plan_partials_stay_small_at_large_T():
     assert p["DS"] <= 4, p
 
 
-def test_plan_from_1024_tokens_is_the_measured_narrow_tile():
-    """From 1024 tokens: [16, 64] tiles on 4 warps with hardware rounding and the rule's splits, the plan the H100
-    sweeps timed (session 20: 0.612 -> 0.475 ms at 4096 tokens, 2.026 -> 1.635 at 16384; session 21: 0.228 -> 0.181
-    at 1024, 0.372 -> 0.294-0.316 at 2048); below, the rule's plan, never the hardware rounding (not measured)."""
-    assert mf.NARROW_FROM == 1024
-    for T in (1024, 2048, 2049, 4096, 16384, 65536):
+def test_plan_from_512_tokens_is_the_measured_narrow_tile():
+    """From 512 tokens: [16, 64] tiles on 4 warps with hardware rounding and the rule's splits, the plan the sweeps
+    timed (H100, session 20: 0.612 -> 0.475 ms at 4096 tokens, 2.026 -> 1.635 at 16384; session 21: 0.228 -> 0.181
+    at 1024, 0.372 -> 0.294-0.316 at 2048; H200, session 24: 0.146 -> 0.115 at 512); below, the rule's plan, never the
+    hardware rounding (4-6 % at 192 / 256 tokens, not taken)."""
+    assert mf.NARROW_FROM == 512
+    for T in (512, 1023, 1024, 2048, 2049, 4096, 16384, 65536):
         p = mf.kernel_plan(T, **V41)
         assert (p["BT"], p["BD"], p["num_warps"], p.get("hw_round")) == (mf.NARROW_BT, mf.NARROW_BD, 4, 1), (T, p)
         assert p["programs"] == -(-T // 16) * p["DS"], (T, p)
-    got = [mf.kernel_plan(T, **V41)["DS"] for T in (1024, 2048, 4096, 16384)]
-    assert got == [10, 5, 5, 2], got                                    # the splits as measured
-    for T in (1, 128, 512, 1023):
+    got = [mf.kernel_plan(T, **V41)["DS"] for T in (512, 1024, 2048, 4096, 16384)]
+    assert got == [20, 10, 5, 5, 2], got                                # the splits as measured
+    for T in (1, 128, 192, 256, 511):
         assert "hw_round" not in mf.kernel_plan(T, **V41), T
-    assert [mf.kernel_plan(T, **V41)["BT"] for T in (512, 1023)] == [32, 32]
+    assert [mf.kernel_plan(T, **V41)["BT"] for T in (192, 256, 511)] == [32, 32, 32]
 
 
 def test_plan_rejects_unsupported_shapes():
@@ -179,14 +180,14 @@ def test_crossover_table():
 
 
 def test_hardware_rounding_runs_on_the_gpu_only():
-    """kernel_plan's hw_round (from 1024 tokens) launches HW_ROUND 1 on a GPU; interpreted, where fp32 -> bf16 casts
+    """kernel_plan's hw_round (from 512 tokens) launches HW_ROUND 1 on a GPU; interpreted, where fp32 -> bf16 casts
     truncate, the same plan runs the integer rounding (the same bits), and asking for hw_round there is refused."""
     mt = pytest.importorskip("dsflash.kernels.mhc_fused_triton")
     kw = dict(expand=True, x_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, eps=1e-6, rms_eps=1e-20, iters=20)
     for interpret, want in ((False, 1), (True, 0)):
         p, (_, a_kw), _ = mt.launch_config(4096, 4, 5120, interpret=interpret, **kw)
         assert (p["BT"], p["BD"], a_kw["HW_ROUND"]) == (16, 64, want), (interpret, p, a_kw)
-    assert mt.launch_config(1023, 4, 5120, **kw)[1][1]["HW_ROUND"] == 0
+    assert mt.launch_config(511, 4, 5120, **kw)[1][1]["HW_ROUND"] == 0
     with pytest.raises(ValueError, match="interpreter"):
         mt.launch_config(64, 4, 5120, interpret=True, plan={"hw_round": 1}, **kw)
 

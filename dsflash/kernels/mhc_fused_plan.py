@@ -41,9 +41,12 @@ BD_CHOICES = (128, 64, 32)
 # session 20: 4096 tokens 0.612 -> 0.475, 16384 2.026 -> 1.635; session 21: 1024 0.228 -> 0.181, 2048 0.372 ->
 # 0.294-0.316 (the same tile without hw_round, bit-identical, 0.294). Every output within 1.7e-6 of the rule plan's (max
 # over X1, h and the coefficients: the logit MMA's M and so its fp32 summation order change; hw_round alone was
-# bit-identical). sm_90 compile: 128 registers, 4 blocks a SM. Below 1024 tokens not measured: the rule's plan.
+# bit-identical). sm_90 compile: 128 registers, 4 blocks a SM. Session 24 (one H200, `gpu_queue.sh mhc_prefill`,
+# kernels_20261207_h200_s24_mhc_nar.json): 512 tokens 0.146 -> 0.115 ms, 256 0.107 -> 0.103, 192 0.104 -> 0.098; the
+# outputs' largest difference from the rule plan's 0 at 512 and 256, 2^-9 at 192 (error against the reference 1e-5
+# for both plans). So from 512; below it the 4-6 % was not taken.
 NARROW_BT, NARROW_BD = 16, 64
-NARROW_FROM = 1024
+NARROW_FROM = 512
 # Kernel B's warps (plan key "warps_b"; kernel_plan leaves it out). 4 until measured otherwise: at decode sizes one
 # B program runs the 20 Sinkhorn rounds of a [BTE, n, n] tile, whose reductions cross warps at 4 (NOTES.md,
 # "Runs 49-50": mHC is latency-bound at 1 x 6); 1 keeps them inside a warp.

@@ -43,7 +43,7 @@ small T (fn's 2 MB is ~0.4 us of DRAM time; launches, serial chunk loops and the
 * Kernel B's loop has ceil(DS / SB) steps (20 at T <= 16, V4.1); its per-token work is tiny.
 ``iters`` is a compile-time loop bound (one compile per value), as before.
 X1 / h are rounded to bf16 by ``triton_common._bf16_round``: the integer RNE, or with the plan's ``hw_round`` (from
-1024 tokens, ``mhc_fused_plan.NARROW_FROM``) the hardware convert with the same bits; off when interpreted.
+512 tokens, ``mhc_fused_plan.NARROW_FROM``) the hardware convert with the same bits; off when interpreted.
 """
 from __future__ import annotations
 
