@@ -166,6 +166,23 @@ def test_drafting_that_would_displace_prefill_runs_plain():
     assert SpeculationPolicy(5, "off").choose([a], prefilling=True, displaces_prefill=80) == 0
 
 
+def test_a_step_that_prefills_runs_plain_even_where_the_budget_has_room():
+    """A mixed step (the plain call would prefill prompt tokens) is plain by default, though drafting would take none
+    of them: it would lengthen the step every waiting prompt waits on (H200, session 24: adaptive 0.91x plain at 32
+    prompts, its drafting mixed steps 13.3 ms against 11.8). ``draft_in_mixed_steps`` keeps the budget-only rule."""
+    pol = _drafting_pays()
+    a = _measured(_Seq("a"), 2.0)
+    assert pol.choose([a], prefilling=True, prefill_tokens=0) == 5          # prompts wait, none prefilled this step
+    assert pol.choose([a], prefilling=True, prefill_tokens=40) == 0
+    assert pol.calls_plain_for_prefill == 1
+    pol.observe(0, 1.0, 1, [])
+    assert pol.choose([a]) == 5                                             # the prefill done: drafting again
+    old = _drafting_pays(draft_in_mixed_steps=True)
+    assert old.choose([a], prefilling=True, prefill_tokens=40) == 5
+    assert old.choose([a], prefilling=True, prefill_tokens=40, displaces_prefill=8) == 0
+    assert SpeculationPolicy(5, "always").choose([a], prefilling=True, prefill_tokens=40) == 5
+
+
 def test_prefill_first_switches_log_at_debug_and_cost_switches_at_info(caplog):
     """Under load the prefill-first rule can flip the draft length step by step: those switches (and the switch back
     right after one) log at debug, a switch the costs decide still at info."""
@@ -428,6 +445,33 @@ def test_switching_programs_keeps_greedy_output_and_compiles_nothing(adaptive_en
     m = eng.metrics_snapshot()
     assert 0.3 < m["spec_drafted_call_fraction"] < 0.7
     assert m["compiles_after_warmup"] == 0
+
+
+def test_the_engine_runs_every_mixed_step_plain(adaptive_engine):
+    """With a policy that would always draft, the engine's steps that prefill a prompt run their decode rows plain
+    (K1 = 1) and the decode-only steps draft: six prompts over four slots, so later prompts prefill while earlier
+    ones decode."""
+    eng = adaptive_engine
+    eng.speculation = pol = SpeculationPolicy(eng.k, "adaptive")
+    pol._decide = lambda accepted: eng.k
+    seen, schedule = [], eng.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        if plan and plan.decode:
+            seen.append((bool(plan.prefill), plan.K1))
+        return plan
+    eng.scheduler.schedule = recording
+    try:
+        prompts = [[int(x) for x in np.random.default_rng(50 + i).integers(2, 63, size=9 + 5 * i)] for i in range(6)]
+        _run(eng, prompts, tag="mix", max_tokens=12)
+    finally:
+        del eng.scheduler.schedule
+    mixed = [k1 for pre, k1 in seen if pre]
+    alone = [k1 for pre, k1 in seen if not pre]
+    assert mixed and alone, seen
+    assert set(mixed) == {1}, seen
+    assert eng.k + 1 in alone, seen
 
 
 def test_new_requests_start_from_the_engine_wide_acceptance():

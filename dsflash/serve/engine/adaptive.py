@@ -35,11 +35,15 @@ a workload whose drafts never verify stops paying for probes (a changed one is n
 wait for prefill (up to twice its interval): a drafting call's rows take ``block + 1`` tokens each of the step's
 token budget.
 
-* **Prefill first**: a call where drafting would shrink the prefill the step can schedule (the engine asks the
-  scheduler's ``prefill_room``: the token budget binds) runs plain, whatever the costs say: there each draft
-  token displaces a prompt token for less than one expected emitted token (H100, demo, batch 32: always-drafting
-  0.87x plain, lost in those mixed steps). It is no exploration decision: the back-off stays, a due probe waits
-  for a step without that conflict, and the call's cost is a plain sample as any other.
+* **Prefill first**: a call in a step that prefills prompts (a mixed step: the engine asks the scheduler's
+  ``prefill_room``) runs plain, whatever the costs say. Where the token budget binds, each draft token would
+  displace a prompt token for less than one expected emitted token (H100, demo, batch 32: always-drafting 0.87x
+  plain, lost in those mixed steps). Where it does not, drafting still lengthens the step, and so every waiting
+  prompt's time to its first token and the batch's end, for tokens of requests that are not the last to finish
+  (H200, demo, 32 documentation prompts, session 24: 17 mixed steps 13.3 ms each drafting against 11.8 plain,
+  +26 ms of a 357-ms pass that lost 0.91x to plain; the decode-only steps were even). ``draft_in_mixed_steps=True``
+  keeps the older rule (plain only where the budget binds). It is no exploration decision: the back-off stays, a
+  due probe waits for a step without prefill, and the call's cost is a plain sample as any other.
 
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
 lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
@@ -167,7 +171,7 @@ class SpeculationPolicy:
                  stop_below: float = 0.25, min_verifies: int = 4, reprobe_every: int = 64, probe_calls: int = 2,
                  remeasure_every: int = 50, remeasure_plain_every: int = 8, margin: float = 0.02,
                  cold_calls: int = 1, max_backoff: int = 16, sequential_verify: bool = False,
-                 row_prior: float = 0.5):
+                 row_prior: float = 0.5, draft_in_mixed_steps: bool = False):
         if mode not in SPECULATIVE_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}")
         self.block = block if mode != "off" else 0
@@ -175,6 +179,7 @@ class SpeculationPolicy:
         self.prior, self.ema, self.stop_below, self.min_verifies = prior, ema, stop_below, min_verifies
         self.prior_weight = float(prior_weight)
         self.reprobe_every, self.probe_calls, self.margin = reprobe_every, probe_calls, margin
+        self.draft_in_mixed_steps = bool(draft_in_mixed_steps)     # "Prefill first" above
         # re-measure a program not run for this many calls: plain often (cheap, and a stale plain cost is what
         # could keep a losing draft length), the drafting one rarely (each re-measure costs a verify)
         self.remeasure = {0: remeasure_plain_every, block: remeasure_every}
@@ -234,20 +239,22 @@ class SpeculationPolicy:
                 self.requests_reprobed += 1
 
     # ------------------------------------------------------------------ per decode call
-    def choose(self, seqs: Sequence, prefilling: bool = False, displaces_prefill: int = 0) -> int:
+    def choose(self, seqs: Sequence, prefilling: bool = False, displaces_prefill: int = 0,
+               prefill_tokens: int = 0) -> int:
         """Draft length of the next decode call over ``seqs`` (its sequences). ``prefilling``: prompts wait for
         prefill this step; an exploration probe then waits (up to twice its interval), since a drafting call's
         decode rows take ``block + 1`` tokens each of the step's token budget and so slow the prefill down too
         (batch 32 of the tiny model: a probe left 16 of 128 tokens to prefill). ``displaces_prefill``: the prompt
-        tokens drafting would take from this step's prefill (0: none, the budget has room for both): if any, plain
-        (``_plain_for_prefill``)."""
+        tokens drafting would take from this step's prefill (0: none, the budget has room for both);
+        ``prefill_tokens``: the prompt tokens the step prefills with a plain call. Plain (``_plain_for_prefill``)
+        if the step prefills anything, or, with ``draft_in_mixed_steps``, if drafting would displace some of it."""
         if self.mode != "adaptive":
             return self.block
         if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log)
             return self.draft_len
         self._reprobe(seqs)
-        if displaces_prefill:
-            return self._plain_for_prefill(int(displaces_prefill))
+        if displaces_prefill or (prefill_tokens and not self.draft_in_mixed_steps):
+            return self._plain_for_prefill(int(displaces_prefill), int(prefill_tokens))
         self._wait = 2 if prefilling else 1
         if self.calls_since_draft >= self.reprobe_every * self.backoff * self._wait:   # nothing drafted: probe
             self.calls_since_draft = 0     # one drafting call (its verifications update the estimates), not an
@@ -264,18 +271,19 @@ class SpeculationPolicy:
             self._plain_for_prefill_last = False
         return d
 
-    def _plain_for_prefill(self, displaced: int) -> int:
-        """Draft length 0 for a call whose drafting would take ``displaced`` tokens from the step's prefill: a
-        draft row takes ``block`` tokens more of the budget and is expected to emit fewer than ``block`` more
-        (accepted drafts <= ``block``; ~1.15 per verification on the demo model at 5), so where the budget binds
-        drafting trades prompt tokens (and waiting requests' time to first token) for fewer output tokens (H100,
-        demo, batch 32: mixed steps 18.7 ms drafting vs 13.5 plain, their prefill budget 16 vs 96 tokens). Outside
+    def _plain_for_prefill(self, displaced: int, prefill: int = 0) -> int:
+        """Draft length 0 for a call in a step that prefills ``prefill`` prompt tokens, of which drafting would take
+        ``displaced``: a draft row takes ``block`` tokens more of the budget and is expected to emit fewer than
+        ``block`` more (accepted drafts <= ``block``; ~1.15 per verification on the demo model at 5), so where the
+        budget binds drafting trades prompt tokens (and waiting requests' time to first token) for fewer output
+        tokens (H100, demo, batch 32: mixed steps 18.7 ms drafting vs 13.5 plain, their prefill budget 16 vs 96
+        tokens); where it does not, it lengthens the step the prompts wait on (the module docstring). Outside
         ``_decide`` on purpose: the back-off and a pending probe are left as they are (a probe waits for a step
-        without prefill to displace), and the call is observed as any plain one."""
+        without prefill), and the call is observed as any plain one."""
         self.calls_plain_for_prefill += 1
         if self.draft_len:      # debug, as the switch back: under load this can alternate step by step (the metric
-            log.debug("speculation: draft length %d -> 0 (prefill waiting: drafting would take %d tokens from this "
-                      "step's prefill)", self.draft_len, displaced)      # spec_calls_plain_for_prefill counts it)
+            log.debug("speculation: draft length %d -> 0 (a step that prefills %d prompt tokens; drafting would "
+                      "take %d of them)", self.draft_len, prefill, displaced)  # spec_calls_plain_for_prefill counts it)
             self.draft_len = 0
             self._plain_for_prefill_last = True
         return 0

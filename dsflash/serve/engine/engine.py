@@ -354,9 +354,10 @@ class LLMEngine:
         # tokens per decode iteration (a plain call leaves more of the budget to prefill)
         decoding = [s for s in self.running if s.status == DECODE]
         prefilling = bool(self.waiting) or len(decoding) < len(self.running)
-        # ... and plain where drafting would take tokens from this step's prefill (the budget binds)
-        displaced = self._displaced_prefill(decoding, prefilling)
-        self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced) + 1
+        # ... and plain in a step that prefills (adaptive.py "Prefill first")
+        prefill, displaced = self._prefill_conflict(decoding, prefilling)
+        self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced,
+                                                    prefill_tokens=prefill) + 1
         plan = self.scheduler.schedule()
         rec = None
         early: list = []          # prefill results already processed (handed out before the decode call)
@@ -407,14 +408,16 @@ class LLMEngine:
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
 
-    def _displaced_prefill(self, decoding, prefilling) -> int:
-        """Prompt tokens a drafting decode call would take from this step's prefill (0 where the budget has room
-        for both, or the mixed-step cap binds either way): the adaptive policy then runs plain (adaptive.py)."""
+    def _prefill_conflict(self, decoding, prefilling) -> tuple[int, int]:
+        """(prompt tokens this step prefills with a plain decode call, those a drafting call would take from it: 0
+        where the budget has room for both, or the mixed-step cap binds either way), for the adaptive policy's
+        prefill-first rule (adaptive.py)."""
         pol = self.speculation
         if pol.mode != "adaptive" or not decoding or not prefilling:
-            return 0
+            return 0, 0
         room = self.scheduler.prefill_room
-        return max(0, room(1) - room(pol.block + 1))
+        plain = room(1)
+        return plain, max(0, plain - room(pol.block + 1)) if plain else 0
 
     def _observe_speculation(self, plan, dc):
         """The decode call's cost and each sequence's verifications / accepted drafts, for the next choice."""
