@@ -41,9 +41,10 @@ token budget.
   plain, lost in those mixed steps). Where it does not, drafting still lengthens the step, and so every waiting
   prompt's time to its first token and the batch's end, for tokens of requests that are not the last to finish
   (H200, demo, 32 documentation prompts, session 24: 17 mixed steps 13.3 ms each drafting against 11.8 plain,
-  +26 ms of a 357-ms pass that lost 0.91x to plain; the decode-only steps were even). ``draft_in_mixed_steps=True``
-  keeps the older rule (plain only where the budget binds). It is no exploration decision: the back-off stays, a
-  due probe waits for a step without prefill, and the call's cost is a plain sample as any other.
+  +26 ms of a 357-ms pass that lost 0.91x to plain; decode-only 130.8 ms against 126.5).
+  ``draft_in_mixed_steps=True`` keeps the older rule (plain only where the budget binds). It is no exploration
+  decision: the back-off stays, a due probe waits for a step without prefill, and the call's cost is a plain sample
+  as any other.
 
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
 lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
