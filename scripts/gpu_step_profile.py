@@ -120,8 +120,9 @@ def main():
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0),
                  # the il layout's A/B of the dense FP8 kernel's upper row bound (its band stops at 384 rows, measured
-                 # in the step at 192 only): XLA's dequantised copy above 256 rows, or everywhere
+                 # in the step at 192 only; 256 since session 24): the band to 256 / 384 rows, or XLA's dequantised copy
                  "moeil_fp8_256": (real_fp8[0].replace(triton=((1, 256),)), real_fp8[1]),
+                 "moeil_fp8_384": (real_fp8[0].replace(triton=((1, 384),)), real_fp8[1]),
                  "moeil_fp8off": (real_fp8[0].replace(triton=()), real_fp8[1])}
     for phase, n, C in pts:
         S, rows = (a.draft_rows, n) if phase == "decode" else (n, 1)
