@@ -119,8 +119,8 @@ def main():
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
                  "fp8big": (real_fp8[0].replace(triton=((1, 384),)), 16 << 20),
                  "fp8off": (real_fp8[0].replace(triton=()), 0),
-                 # the il layout's A/B of the dense FP8 kernel's upper row bound (its band stops at 384 rows, measured
-                 # in the step at 192 only; 256 since session 24): the band to 256 / 384 rows, or XLA's dequantised copy
+                 # the il layout's A/B of the dense FP8 kernel's upper row bound (384 until session 24, 256 since):
+                 # the band to 256 / 384 rows, or XLA's dequantised copy at every row count
                  "moeil_fp8_256": (real_fp8[0].replace(triton=((1, 256),)), real_fp8[1]),
                  "moeil_fp8_384": (real_fp8[0].replace(triton=((1, 384),)), real_fp8[1]),
                  "moeil_fp8off": (real_fp8[0].replace(triton=()), real_fp8[1])}
