@@ -120,8 +120,8 @@ GATES = {
     # q / o / shared 1.26 -> 0.71 ms, step 4.54 -> 3.97 ms; 32 x 6 (192 rows) 1.79 -> 1.51 ms, step 10.40 -> 10.15.
     # The kernel-only loop timings (run 20) lost at 4096 rows (0.6-0.8x cuBLAS behind XLA's dequantised copy). Session
     # 24 (H200, il layout, variants moeil / moeil_fp8_256 / moeil_fp8off): 64 x 6 (384) rows 11.34 -> 10.90 ms with the
-    # band stopped at 256 (10.74 with no band); 32 x 6 (192) rows 8.47 / 8.45 / 9.04. So the band stops at 256 (the
-    # rows between 192 and 384 other than those two are unmeasured)
+    # band stopped at 256 (10.74 with no band); 32 x 6 (192) rows 8.47 / 8.45 / 9.04. So the band stops at 256 (no
+    # row count between 192 and 384 measured)
     "fp8_linear": Crossover(
         "rows (M)", ((1, 256),), ("reference", "bf16"),
         "step_profile_20261202_h200_run21.json (variants new / fp8lin); kernels_20261202_h200_run20_fp8linear.json; "

@@ -283,8 +283,9 @@ class SpeculationPolicy:
         without prefill), and the call is observed as any plain one."""
         self.calls_plain_for_prefill += 1
         if self.draft_len:      # debug, as the switch back: under load this can alternate step by step (the metric
-            log.debug("speculation: draft length %d -> 0 (a step that prefills %d prompt tokens; drafting would "
-                      "take %d of them)", self.draft_len, prefill, displaced)  # spec_calls_plain_for_prefill counts it)
+            # spec_calls_plain_for_prefill counts it)
+            log.debug("speculation: draft length %d -> 0 (a step that prefills %d prompt tokens%s)", self.draft_len,
+                      prefill, f"; drafting would take {displaced}" if displaced else "")
             self.draft_len = 0
             self._plain_for_prefill_last = True
         return 0

@@ -411,13 +411,16 @@ class LLMEngine:
     def _prefill_conflict(self, decoding, prefilling) -> tuple[int, int]:
         """(prompt tokens this step prefills with a plain decode call, those a drafting call would take from it: 0
         where the budget has room for both, or the mixed-step cap binds either way), for the adaptive policy's
-        prefill-first rule (adaptive.py)."""
+        prefill-first rule (adaptive.py). The second is only asked where the policy drafts in mixed steps: otherwise
+        any prefill runs the call plain."""
         pol = self.speculation
         if pol.mode != "adaptive" or not decoding or not prefilling:
             return 0, 0
         room = self.scheduler.prefill_room
         plain = room(1)
-        return plain, max(0, plain - room(pol.block + 1)) if plain else 0
+        if not plain or not pol.draft_in_mixed_steps:
+            return plain, 0
+        return plain, max(0, plain - room(pol.block + 1))
 
     def _observe_speculation(self, plan, dc):
         """The decode call's cost and each sequence's verifications / accepted drafts, for the next choice."""
