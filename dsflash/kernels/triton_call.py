@@ -124,9 +124,13 @@ class _Launcher:
 
 
 def jax_triton():
-    """``jax_triton`` whose ``triton_call`` fills in the constexpr defaults a launch leaves out; while ``USE_FFI``
+    """``jax_triton`` whose ``triton_call`` fills in the constexpr defaults a launch leaves out and launches Gluon
+    kernels too (``gluon_launch``); while ``USE_FFI``
     is on, its launches lowered to the FFI target from then on (the lowering is installed once per process and reads
     ``USE_FFI`` at each lowering)."""
     import jax_triton as jt
+
+    from dsflash.kernels import gluon_launch
     _install(jt)
+    gluon_launch.install(jt)        # Gluon kernels compiled as TTGIR; every other kernel as before
     return _Launcher(jt)
