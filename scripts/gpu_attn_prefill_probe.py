@@ -11,6 +11,8 @@ rows t-127..t and to min(512, (t+1) // 4) distinct visible compressed entries (r
 
   python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --configs flash_bk64,flash_bk32,flash_bk64_s2
   python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 --once       # one call of each kernel (for ncu)
+  python3 scripts/gpu_attn_prefill_probe.py --configs flash_bk64_s2,gluon_ov0,gluon_ov1   # + the Gluon kernel
+TFLOP/s counts QK + PV over the valid entries (4 H D flops each), for the bf16 GEMM rate as ceiling.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def inputs(T: int, seed: int = 0):
     return q, win, win_idx, pool, sel[None], sink
 
 
-def ops(T: int, configs):
+def ops(T: int, configs, paged=True):
     """(q, {name: jitted fn(q) -> the attention output [1, T, H, D] bf16}, the rows gathered and their bytes)."""
     from dsflash.kernels import sparse_attention_paged_triton as spt, sparse_attention_triton as sat
     from dsflash.model import state as st
@@ -63,9 +65,14 @@ def ops(T: int, configs):
     idx = jnp.concatenate([win_idx, jnp.where(sel >= 0, sel + T, -1)], axis=-1)
     out = {}
     for c in configs:
+        if c.startswith("gluon_ov"):       # the Gluon kernel (kernels/experimental/sparse_attention_gluon.py)
+            from dsflash.kernels.experimental import sparse_attention_gluon as sag
+            out[c] = jax.jit(lambda q_, ov=int(c[-1]): sag.flash_prefill_gluon(q_, kv, idx, sink, scale, overlap=ov))
+            continue
         out[c] = jax.jit(lambda q_, c=c: sat.sparse_sink_attention_triton(q_, kv, idx, sink, scale, config=c))
-        out[f"paged_{c}"] = jax.jit(lambda q_, c=c: spt.sparse_sink_attention_paged_triton(
-            q_, win, win_idx, pool["q"], pool["s"], jnp.maximum(sel, 0), sel >= 0, sink, scale, config=c))
+        if paged:
+            out[f"paged_{c}"] = jax.jit(lambda q_, c=c: spt.sparse_sink_attention_paged_triton(
+                q_, win, win_idx, pool["q"], pool["s"], jnp.maximum(sel, 0), sel >= 0, sink, scale, config=c))
     picks = int(jnp.sum(sel >= 0))
     wins = int(jnp.sum(win_idx >= 0))
     return q, out, dict(window_rows=wins, picked_rows=picks, bytes_flash=(wins + picks) * D * 2,
@@ -91,12 +98,13 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--configs", default="flash_bk64,flash_bk32,flash_bk64_s2,flash_bk32_s3")
     ap.add_argument("--once", action="store_true", help="one call of each op, untimed (for Nsight Compute)")
+    ap.add_argument("--no-paged", action="store_true", help="only the flash configs, not their paged twins")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     rows = []
     for T in args.tokens:
-        q, fns, info = ops(T, configs)
+        q, fns, info = ops(T, configs, paged=not args.no_paged)
         ref = None
         for name, fn in fns.items():
             try:
@@ -108,18 +116,19 @@ def main(argv=None):
                 ref = y if ref is None else ref
                 err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
                 b = info["bytes_paged" if name.startswith("paged_") else "bytes_flash"]
+                rows_valid = info["window_rows"] + info["picked_rows"]
                 row = dict(tokens=T, op=name, ms=1e3 * s, gathered_GB=b / 1e9, gathered_TBps=b / s / 1e12,
-                           rel_diff_vs_first=err, **info)
+                           tflops=4 * H * D * rows_valid / s / 1e12, rel_diff_vs_first=err, **info)
             except Exception as e:  # noqa: BLE001 -- a config that does not compile is a result, not the end
                 row = dict(tokens=T, op=name, error=repr(e)[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
     if rows:
-        print(f"{'tokens':>6} {'op':<24} {'ms':>8} {'GB':>7} {'TB/s':>6} {'rel diff':>9}")
+        print(f"{'tokens':>6} {'op':<24} {'ms':>8} {'GB':>7} {'TB/s':>6} {'TFLOP/s':>8} {'rel diff':>9}")
         for r in rows:
             if "ms" in r:
                 print(f"{r['tokens']:>6} {r['op']:<24} {r['ms']:8.3f} {r['gathered_GB']:7.2f} "
-                      f"{r['gathered_TBps']:6.2f} {r['rel_diff_vs_first']:9.2e}")
+                      f"{r['gathered_TBps']:6.2f} {r['tflops']:8.1f} {r['rel_diff_vs_first']:9.2e}")
             else:
                 print(f"{r['tokens']:>6} {r['op']:<24} error {r['error'][:80]}")
     if args.json:

@@ -51,6 +51,9 @@
 #   off and always, 2 passes (needs the llguidance wheel in .whl). Files: guided.json, guided.log.
 # s23_all: prefill_step (with ceilings), then guided. s23_a: the in-place RoPE's GPU test, then
 #   prefill_step with moeil_ropex / moeil_ropei. s23_b: attn_prefill, then guided. Then targets.
+# gluon: tests/gpu/test_gluon_launch.py and test_sparse_attention_gluon.py, then gpu_attn_prefill_probe.py with the
+#   Gluon flash kernel (gluon_ov0 / gluon_ov1) beside flash_bk64_s2 (ATTN_CONFIGS). Files: pytest_gluon.log,
+#   attn_gluon.json / .log.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -64,7 +67,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -289,6 +292,16 @@ PY
       ${TARGET_POINTS:---decode 1@4096 8@4096 64@4096 32@32768 32@131072 --prefill} --variants moeil \
       --profile-no-cb --out "$OUT" > "$OUT/targets.log" 2>&1
     echo "== targets (rc $?)"; grep -E "^(point|decode|prefill) |^ceilings \(" "$OUT/targets.log" | tail -12
+    ;;
+  gluon)        # session 25: Gluon kernels through jax-triton (the launch path, then the prefill flash kernel's GPU
+                # test), then the Gluon flash kernel against flash_bk64_s2 at 4096 / 16384 prefill rows
+    timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gluon_launch.py \
+      tests/gpu/test_sparse_attention_gluon.py > "$OUT/pytest_gluon.log" 2>&1
+    echo "== gluon tests (rc $?)"; grep -E "gluon overlap|passed|failed|Error|error" "$OUT/pytest_gluon.log" | head -30
+    timeout 200 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --no-paged --json "$OUT/attn_gluon.json" \
+      --configs ${ATTN_CONFIGS:-flash_bk64_s2,gluon_ov0,gluon_ov1} > "$OUT/attn_gluon.log" 2>&1
+    echo "== attn prefill, gluon (rc $?)"; sed -n '/^tokens /,$p' "$OUT/attn_gluon.log" | head -20
+    grep -E "error" "$OUT/attn_gluon.log" | head -5
     ;;
   attn_prefill) # session 23: the flash kernel at prefill shapes vs the paged (NVFP4-reading) kernel and flash configs,
                 # then Nsight Compute's L2 / DRAM traffic, tensor and issue activity and stall reasons at 4096 tokens

@@ -1,0 +1,157 @@
+"""The prefill flash sparse-attention kernel in Gluon (experimental until it beats ``flash_bk64_s2`` on a GPU).
+
+Same contract and numerics as ``sparse_attention_triton._flash_kernel`` with one split and RoPE around it (q's and o's
+tails rotated by the caller): per query row all H = 64 heads (the MMA's M) over its K selected entries of the shared
+latent kv [N, D = 512], an online softmax with P rounded to bf16 against the running max (error band
+``sparse_attention_triton.flash_bound``), o = acc / (l + exp(sink - m)).
+
+Why Gluon (kernels/NOTES.md, session 24, "The flash kernel's TTGIR"): Triton 3.6 lays S = q kv^T [64, 64] over both
+warpgroups stacked along M, so both compute the whole S (the SM's tensor work is 1.5x the attention's flops), and two
+layout conversions a block serialise softmax and MMA. Here the layouts are chosen, not inferred:
+
+* S [64 heads, BK entries] is ``NVMMADistributedLayout`` with ``warps_per_cta [4, 2]``: warpgroup w computes the
+  entries [w * BK / 2, (w + 1) * BK / 2) of the block -- each product once (QK MACs a block 64 x 64 x 512, not twice).
+* The row max crosses the two warpgroups (a shared-memory reduction Triton inserts for ``gl.max``); the row sum does
+  not: l is kept as per-column partials [64, BK] and summed once at the end.
+* O [64, 512] is ``[4, 2]`` too: warpgroup w owns output channels [256 w, 256 w + 256); P [64, BK] goes through shared
+  memory (each warpgroup writes its half of the columns) as PV's A operand; kv's [BK, 512] tile in shared memory is
+  QK's B (transposed view) and PV's B.
+* kv blocks are gathered with ``cp.async`` into a two-buffer ring, block j + 1 in flight while block j computes;
+  invalid entries (idx < 0) gather row 0 (always readable, finite) and get logit -inf, so they add nothing.
+
+``OVERLAP`` (1): the QK of block j + 1 is issued (asynchronously) before the softmax of block j, so the tensor cores
+work while the warps compute exponentials (the intra-warpgroup overlap of FlashAttention-3); 0: QK, softmax, PV in
+series. Both are launched by ``flash_prefill_gluon`` and checked by ``tests/gpu/test_sparse_attention_gluon.py``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _gather_kv(kv_s, kv_base, i_base, blk, K, N, BK: gl.constexpr, D: gl.constexpr, ld: gl.constexpr):
+    """cp.async of kv[idx[blk * BK : blk * BK + BK]] [BK, D] into ``kv_s`` (idx < 0 or past K: row 0), committed as
+    one group."""
+    offs = blk * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
+    ids = gl.load(i_base + offs, mask=offs < K, other=-1)
+    safe = gl.minimum(gl.where(ids >= 0, ids, 0), N - 1).to(gl.int64)
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    async_copy.async_copy_global_to_shared(kv_s, kv_base + safe[:, None] * D + cols[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _block_mask(i_base, blk, K, BK: gl.constexpr, s_l: gl.constexpr):
+    offs = blk * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_l))
+    ids = gl.load(i_base + offs, mask=offs < K, other=-1)
+    return ids >= 0
+
+
+@gluon.jit
+def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, N, K,
+                       H: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, BK: gl.constexpr,
+                       NB: gl.constexpr, OVERLAP: gl.constexpr):
+    """grid (rows,), 8 warps; q [rows, H, D], kv [B, N, D] bf16, idx [rows, K] int32, sink [H] fp32, o [rows, H, D]
+    bf16; NB = ceil(K / BK) blocks."""
+    gl.static_assert(H == 64, "one warpgroup row tile: H = 64 heads")
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups")
+    row = gl.program_id(0).to(gl.int64)
+    kv_base = kv_ptr + (row // S) * N * D
+    i_base = idx_ptr + row * K
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BK // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, D], gl.bfloat16)
+    kv_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, D], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([H, BK], gl.bfloat16)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [H, D], q_sl)
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [2, BK, D], kv_sl)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [H, BK], p_sl)
+
+    hs = gl.arange(0, H, layout=gl.SliceLayout(1, ld))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+    async_copy.async_copy_global_to_shared(q_s, q_ptr + row * H * D + hs[:, None] * D + cols[None, :])
+    async_copy.commit_group()
+    _gather_kv(kv_s.index(0), kv_base, i_base, 0, K, N, BK, D, ld)
+
+    m = gl.full([H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
+    l2 = gl.zeros([H, BK], gl.float32, layout=s_l)          # per-column partial sums of p (summed once, at the end)
+    acc = gl.zeros([H, D], gl.float32, layout=o_l)
+    s0 = gl.zeros([H, BK], gl.float32, layout=s_l)
+    if OVERLAP:
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        fence_async_shared()
+        s_tok = warpgroup_mma(q_s, kv_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+    for j in range(NB):
+        buf = j % 2
+        if j + 1 < NB:                      # block j + 1 in flight while j computes; its buffer's readers are done
+            _gather_kv(kv_s.index(1 - buf), kv_base, i_base, j + 1, K, N, BK, D, ld)
+        if OVERLAP:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        else:
+            if j + 1 < NB:
+                async_copy.wait_group(1)
+            else:
+                async_copy.wait_group(0)
+            gl.thread_barrier()
+            fence_async_shared()
+            s = warpgroup_mma(q_s, kv_s.index(buf).permute((1, 0)), s0, use_acc=False)
+        valid = _block_mask(i_base, j, K, BK, s_l)
+        s = gl.where(valid[None, :], s * SCALE, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        alpha = gl.exp(m - m_new)
+        p = gl.exp(s - m_new[:, None])
+        l2 = l2 * alpha[:, None] + p
+        m = m_new
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()                 # both warpgroups' halves of P written
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        pv_tok = warpgroup_mma(p_s, kv_s.index(buf), acc, is_async=True)
+        if OVERLAP:
+            if j + 1 < NB:                  # S of block j + 1 queued behind PV of block j
+                async_copy.wait_group(0)
+                gl.thread_barrier()
+                fence_async_shared()
+                s_tok = warpgroup_mma(q_s, kv_s.index(1 - buf).permute((1, 0)), s0, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv_tok,))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(pv_tok,))
+        gl.thread_barrier()                 # P and kv[buf] read by both warpgroups before they are overwritten
+
+    l = gl.sum(l2, axis=1)
+    hs_s = gl.arange(0, H, layout=gl.SliceLayout(1, s_l))
+    den = l + gl.exp(gl.load(sink_ptr + hs_s) - m)          # inf for a row with no valid entry: 0 / inf = 0
+    den_o = gl.convert_layout(den, gl.SliceLayout(1, o_l))
+    o = acc / den_o[:, None]
+    ho = gl.arange(0, H, layout=gl.SliceLayout(1, o_l))
+    co = gl.arange(0, D, layout=gl.SliceLayout(0, o_l))
+    gl.store(o_ptr + row * H * D + ho[:, None] * D + co[None, :], o.to(gl.bfloat16))
+
+
+BK = 64
+
+
+def flash_prefill_gluon(q, kv, idx, sink, scale, *, overlap: int = 1):
+    """o [B, S, H, D] (q's dtype, bf16) of ``sparse_sink_attention`` without RoPE, by ``flash_gluon_kernel`` (H 64,
+    D 512, bf16 q / kv). A shape or dtype it does not take is a ``ValueError`` naming it."""
+    from dsflash.kernels.triton_call import jax_triton
+    B, S, H, D = q.shape
+    if H != 64 or D % 64 or q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
+        raise ValueError(f"flash_prefill_gluon takes bf16 q [.., 64, D] with D a multiple of 64; got q {q.shape} "
+                         f"{q.dtype}, kv {kv.dtype}")
+    N, K = kv.shape[1], idx.shape[2]
+    jt = jax_triton()
+    return jt.triton_call(
+        q, kv, idx.astype(jnp.int32), sink.astype(jnp.float32), S, N, K, kernel=flash_gluon_kernel,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(B * S,), num_warps=8,
+        H=H, D=D, SCALE=float(scale), BK=BK, NB=-(-K // BK), OVERLAP=int(overlap))
