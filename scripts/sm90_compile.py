@@ -233,7 +233,7 @@ def _sass(cubin: bytes):
 
 def compile_kernel(fn, signature: dict, constexprs: dict, *, num_warps=4, num_stages=3, label="", loop_elems=0,
                    **options) -> Report:
-    """Compile ``fn`` (a @triton.jit function) for sm_90. ``signature``: every non-constexpr parameter name ->
+    """Compile ``fn`` (a @triton.jit or @gluon.jit function) for sm_90. ``signature``: every non-constexpr parameter name ->
     Triton type string ("*u8", "*fp32", "i32", ...); ``constexprs``: name -> value (parameters with defaults may be
     left out). Pointers get tt.divisibility 16 (jax-triton's assumption). ``options``: other compile options
     (e.g. maxnreg=168)."""
@@ -257,7 +257,12 @@ def compile_kernel(fn, signature: dict, constexprs: dict, *, num_warps=4, num_st
     unknown = extra - {p.name for p in fn.params}
     if unknown:
         raise ValueError(f"{fn.__name__}: unknown parameters {sorted(unknown)}")
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    from dsflash.kernels.gluon_launch import is_gluon
+    if is_gluon(fn):        # a Gluon kernel is TTGIR already (kernels/gluon_launch.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(fn, sig, consts, attrs)
+    else:
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     ptx = k.asm["ptx"]
     regs, ss, sl, log = _ptxas_stats(ptx, k.metadata.name)
