@@ -24,7 +24,8 @@ the picked compressed entries read from the NVFP4 pool, no bf16 gather or concat
 (``sparse_attention_triton.ROPE_IN_KERNEL`` on / off); ``moeil_fullrows`` = ``moeil_ropex`` with the radix top-k
 reading whole rows (``topk_triton.READ_TO_VISIBLE`` off, as before session 22); ``moeil_cvt`` = ``moeil_ropex`` with
 the indexer scorer's rounding as the convert alone (``indexer_topk_triton.HW_ROUND_DEFAULT`` 2); ``moeil_ropei`` =
-``moeil_ropex`` with the tails rotated in place by a small kernel (``sparse_attention_triton.ROPE_INPLACE``).
+``moeil_ropex`` with the tails rotated in place by a small kernel (``sparse_attention_triton.ROPE_INPLACE``);
+``moeil_gluon`` = ``moeil`` with the Gluon flash kernel from 257 rows (``sparse_attention_triton.GLUON_FROM_ROWS``).
 """
 from __future__ import annotations
 
@@ -114,6 +115,7 @@ def main():
     real_ffi = triton_call.USE_FFI
     from dsflash.kernels import sparse_attention_triton
     real_rope, real_inplace = sparse_attention_triton.ROPE_IN_KERNEL, sparse_attention_triton.ROPE_INPLACE
+    real_gluon = sparse_attention_triton.GLUON_FROM_ROWS
     from dsflash.kernels import indexer_topk_triton, topk_triton
     real_vis, real_hw = topk_triton.READ_TO_VISIBLE, indexer_topk_triton.HW_ROUND_DEFAULT
     fp8_gates = {"fp8lin": (real_fp8[0].replace(triton=((1, None),)), 0),
@@ -141,6 +143,7 @@ def main():
             sparse_attention_triton.ROPE_IN_KERNEL = {"moeil_ropek": True, "moeil_ropex": False, "moeil_fullrows": False,
                                                       "moeil_cvt": False, "moeil_ropei": False}.get(var, real_rope)
             sparse_attention_triton.ROPE_INPLACE = {"moeil_ropei": True, "moeil_ropex": False}.get(var, real_inplace)
+            sparse_attention_triton.GLUON_FROM_ROWS = 257 if var == "moeil_gluon" else real_gluon
             topk_triton.READ_TO_VISIBLE = False if var == "moeil_fullrows" else real_vis
             indexer_topk_triton.HW_ROUND_DEFAULT = 2 if var == "moeil_cvt" else real_hw
             uses_il = var.startswith("moeil")           # moeil and its A/B variants run the il layout
@@ -249,6 +252,7 @@ def main():
     fp8_linear_triton.DECODE_CONFIG = real_fp8cfg
     triton_call.USE_FFI = real_ffi
     sparse_attention_triton.ROPE_IN_KERNEL, sparse_attention_triton.ROPE_INPLACE = real_rope, real_inplace
+    sparse_attention_triton.GLUON_FROM_ROWS = real_gluon
     topk_triton.READ_TO_VISIBLE, indexer_topk_triton.HW_ROUND_DEFAULT = real_vis, real_hw
     dispatch.GATES["sparse_attention_paged"] = real_attn_paged
     # %exact: against the floor with every GEMM at the bf16 rate (step_floor.EXACT_FLOOR)

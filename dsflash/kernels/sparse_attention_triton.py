@@ -118,6 +118,10 @@ ROPE_IN_KERNEL = False
 # unfused fp32 arithmetic); ``gpu_step_profile --variants moeil_ropex,moeil_ropei``: 4096 tokens 37.62 -> 36.71 ms,
 # 16384 127.09 -> 123.93, decode 32 x 6 8.55 -> 8.41 (results/step_profile_20261207_h100_s23_ropei.json).
 ROPE_INPLACE = True
+# The Gluon flash kernel (kernels/experimental/sparse_attention_gluon.py, session 25: S split over the warpgroups so QK
+# is computed once) for one-split launches from this many query rows (bf16, 64 heads, reference P rounding, the
+# picked config); None = off until it is measured in the step (gpu_step_profile's variant "moeil_gluon" sets 257).
+GLUON_FROM_ROWS = None
 
 
 def pick_config(rows: int) -> AttnConfig:
@@ -550,6 +554,10 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
                                                    precision=precision, config=cfg), rope)
     idx = idx.astype(jnp.int32)
     sink = sink.astype(jnp.float32)
+    if (GLUON_FROM_ROWS is not None and R >= GLUON_FROM_ROWS and cfg == pick_config(R) and cfg.kind == "flash"
+            and ns == 1 and rope is None and H == 64 and p_bf16 and q.dtype == kv.dtype == jnp.dtype(out_dtype) == jnp.bfloat16):
+        from dsflash.kernels.experimental.sparse_attention_gluon import flash_prefill_gluon
+        return flash_prefill_gluon(q, kv, idx, sink, scale)
     if cfg.kind == "flash":
         if ns == 1:
             if rope is None:
