@@ -17,7 +17,8 @@ layout conversions a block serialise softmax and MMA. Here the layouts are chose
   memory (each warpgroup writes its half of the columns) as PV's A operand; kv's [BK, 512] tile in shared memory is
   QK's B (transposed view) and PV's B.
 * kv blocks are gathered with ``cp.async`` into a two-buffer ring, block j + 1 in flight while block j computes;
-  invalid entries (idx < 0) gather row 0 (always readable, finite) and get logit -inf, so they add nothing.
+  invalid entries (idx < 0) gather row 0 (always readable, finite) and get logit -inf, so they add nothing. Every
+  thread fences its own shared-memory writes (cp.async, P) to the async proxy before the barrier the MMA waits at.
 
 ``OVERLAP`` (1): the QK of block j + 1 is issued (asynchronously) before the softmax of block j, so the tensor cores
 work while the warps compute exponentials (the intra-warpgroup overlap of FlashAttention-3); 0: QK, softmax, PV in
@@ -86,8 +87,8 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, N, K,
     s0 = gl.zeros([H, BK], gl.float32, layout=s_l)
     if OVERLAP:
         async_copy.wait_group(0)
-        gl.thread_barrier()
         fence_async_shared()
+        gl.thread_barrier()
         s_tok = warpgroup_mma(q_s, kv_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
     for j in range(NB):
         buf = j % 2
@@ -100,8 +101,8 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, N, K,
                 async_copy.wait_group(1)
             else:
                 async_copy.wait_group(0)
-            gl.thread_barrier()
             fence_async_shared()
+            gl.thread_barrier()
             s = warpgroup_mma(q_s, kv_s.index(buf).permute((1, 0)), s0, use_acc=False)
         valid = _block_mask(i_base, j, K, BK, s_l)
         s = gl.where(valid[None, :], s * SCALE, float("-inf"))
@@ -118,8 +119,8 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, N, K,
         if OVERLAP:
             if j + 1 < NB:                  # S of block j + 1 queued behind PV of block j
                 async_copy.wait_group(0)
-                gl.thread_barrier()
                 fence_async_shared()
+                gl.thread_barrier()
                 s_tok = warpgroup_mma(q_s, kv_s.index(1 - buf).permute((1, 0)), s0, use_acc=False, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(pv_tok,))
             else:
