@@ -52,8 +52,9 @@
 # s23_all: prefill_step (with ceilings), then guided. s23_a: the in-place RoPE's GPU test, then
 #   prefill_step with moeil_ropex / moeil_ropei. s23_b: attn_prefill, then guided. Then targets.
 # gluon: tests/gpu/test_gluon_launch.py and test_sparse_attention_gluon.py, then gpu_attn_prefill_probe.py with the
-#   Gluon flash kernel (gluon_ov0 / gluon_ov1) beside flash_bk64_s2 (ATTN_CONFIGS). Files: pytest_gluon.log,
-#   attn_gluon.json / .log.
+#   Gluon flash kernel (gluon_ov0 / gluon_ov1) beside flash_bk64_s2 (ATTN_CONFIGS), then (tests passed, GLUON_STEP not
+#   0) the 16K prefill step with / without it. Files: pytest_gluon.log, attn_gluon.json / .log, step_gluon.log,
+#   step_profile.json.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -295,13 +296,18 @@ PY
     ;;
   gluon)        # session 25: Gluon kernels through jax-triton (the launch path, then the prefill flash kernel's GPU
                 # test), then the Gluon flash kernel against flash_bk64_s2 at 4096 / 16384 prefill rows
-    timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gluon_launch.py \
+    timeout 180 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gluon_launch.py \
       tests/gpu/test_sparse_attention_gluon.py > "$OUT/pytest_gluon.log" 2>&1
-    echo "== gluon tests (rc $?)"; grep -E "gluon overlap|passed|failed|Error|error" "$OUT/pytest_gluon.log" | head -30
-    timeout 200 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --no-paged --json "$OUT/attn_gluon.json" \
+    RC=$?; echo "== gluon tests (rc $RC)"; grep -E "gluon overlap|passed|failed|Error|error" "$OUT/pytest_gluon.log" | head -30
+    timeout 150 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --no-paged --json "$OUT/attn_gluon.json" \
       --configs ${ATTN_CONFIGS:-flash_bk64_s2,gluon_ov0,gluon_ov1} > "$OUT/attn_gluon.log" 2>&1
     echo "== attn prefill, gluon (rc $?)"; sed -n '/^tokens /,$p' "$OUT/attn_gluon.log" | head -20
     grep -E "error" "$OUT/attn_gluon.log" | head -5
+    if [ "$RC" = 0 ] && [ "${GLUON_STEP:-1}" = 1 ]; then    # the step A/B only with a kernel that passed its tests
+      timeout 220 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --prefill 16384@0 \
+        --variants moeil,moeil_gluon --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_gluon.log" 2>&1
+      echo "== step profile, gluon (rc $?)"; grep -E "^(point|decode|prefill) |^sparse_attention " "$OUT/step_gluon.log" | tail -8
+    fi
     ;;
   attn_prefill) # session 23: the flash kernel at prefill shapes vs the paged (NVFP4-reading) kernel and flash configs,
                 # then Nsight Compute's L2 / DRAM traffic, tensor and issue activity and stall reasons at 4096 tokens
