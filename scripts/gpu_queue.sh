@@ -77,6 +77,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does no
   done
 fi
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-} JAX_PLATFORMS=${JAX_PLATFORMS:-cuda} PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache}   # triton.compile (Gluon kernels) needs a writable one
 if [ "$JAX_PLATFORMS" = cuda ] && ! python3 -c "import jax_triton" 2>/dev/null; then
   echo "jax_triton is not importable: carry .whl holding jax_triton-0.3.1 (../shared/wheels)"; exit 3
 fi

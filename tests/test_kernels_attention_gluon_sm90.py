@@ -18,7 +18,7 @@ import sm90_compile  # noqa: E402
 from dsflash.kernels import sparse_attention_triton as sat  # noqa: E402
 from dsflash.kernels.experimental import sparse_attention_gluon as sag  # noqa: E402
 
-SIG = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", sink_ptr="*fp32", o_ptr="*bf16", S="i32", N="i32", K="i32")
+SIG = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", sink_ptr="*fp32", S="i32", N="i32", K="i32", o_ptr="*bf16")
 
 
 def _hgmma_widths(sass):

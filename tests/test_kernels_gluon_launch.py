@@ -49,8 +49,8 @@ KW = dict(num_warps=4, num_stages=3, num_ctas=1, compute_capability=90, enable_f
 
 def test_a_gluon_kernel_compiles_as_ttgir_and_becomes_a_launch_record():
     get, lib, calls = _wrapped()
-    dtypes = ["*bf16", "*bf16", "*fp32", "i32", "i32", "i32"]
-    scalars = [(3, "i32", 256), (4, "i32", 192), (5, "i32", 512)]
+    dtypes = ["*bf16", "*bf16", "i32", "i32", "i32", "*fp32"]      # jax-triton's order: inputs, then the output
+    scalars = [(2, "i32", 256), (3, "i32", 192), (4, "i32", 512)]
     kernel, attrs = get(_backend, "cuda", gp.wgmma_gemm_kernel, dtypes, scalars,
                         metaparams=dict(BM=64, BN=64, BK=64), **KW)
     assert calls == [] and kernel == ("kernel", 1)
@@ -60,8 +60,8 @@ def test_a_gluon_kernel_compiles_as_ttgir_and_becomes_a_launch_record():
     assert "wgmma.mma_async" in ptx and ".target sm_90a" in ptx
     assert "ttg.num-warps" in ttgir
     # the arrays are specialised as 16-byte divisible (jax-triton's launch reads this back), the scalars are not
-    assert all(["tt.divisibility", 16] in attrs[(i,)] for i in range(3))
-    assert all(["tt.divisibility", 16] not in attrs[(i,)] for i in range(3, 6))
+    assert all(["tt.divisibility", 16] in attrs[(i,)] for i in (0, 1, 5))
+    assert all(["tt.divisibility", 16] not in attrs[(i,)] for i in (2, 3, 4))
     # a second launch with the same signature reuses the compile
     again, _ = get(_backend, "cuda", gp.wgmma_gemm_kernel, dtypes, scalars, metaparams=dict(BM=64, BN=64, BK=64),
                    **KW)
@@ -111,3 +111,15 @@ def test_install_wraps_once_and_leaves_stand_ins_alone(monkeypatch):
     assert wrapped is not original and wrapped.gluon_wrapped
     gluon_launch.install(types.SimpleNamespace(triton_lib=lib))
     assert lib.get_or_create_triton_kernel is wrapped
+
+
+def test_compile_finds_a_cache_dir_where_triton_has_none(monkeypatch, tmp_path):
+    """The GPU machines' triton has no cache dir (``knobs.cache.dir`` None): ``triton.compile`` raised "Could not
+    create or locate cache dir" there (session 25's first Gluon GPU run)."""
+    import triton
+    monkeypatch.setattr(triton.knobs.cache, "dir", None)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    k = gluon_launch.compile_gluon(gp.axpb_kernel, {"x_ptr": "*fp32", "o_ptr": "*fp32", "a": "fp32",
+                                                    "BLOCK": "constexpr"}, {"BLOCK": 1024})
+    assert k.metadata.name == "axpb_kernel"
+    assert triton.knobs.cache.dir == str(tmp_path / "dsflash_triton_cache")

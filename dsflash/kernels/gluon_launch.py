@@ -51,6 +51,27 @@ def _signature_and_attrs(fn, backend, arg_dtypes, scalar_args, metaparams):
     return signature, attrs, constants
 
 
+def _ensure_cache_dir() -> None:
+    """``triton.compile`` keeps its output in ``triton.knobs.cache.dir`` (``TRITON_CACHE_DIR``, default
+    ``~/.triton/cache``) and raises "Could not create or locate cache dir" where that is unset -- as on the GPU
+    machines here, where the knob is None even with the variable exported (session 25). jax-triton's own compile does
+    not use the cache, so only this path needs it: a writable temporary directory when the knob gives none."""
+    import os
+    import tempfile
+
+    import triton
+    cache = triton.knobs.cache
+    d = cache.dir
+    if d:
+        try:
+            os.makedirs(d, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return
+        except OSError:
+            pass
+    cache.dir = os.path.join(tempfile.gettempdir(), "dsflash_triton_cache")
+
+
 def compile_gluon(fn, signature, constants, attrs=None, *, num_warps: int = 4, num_ctas: int = 1,
                   compute_capability: int = 90):
     """``triton.compile`` of a Gluon kernel for ``sm_<compute_capability>``; returns Triton's compiled kernel
@@ -58,6 +79,7 @@ def compile_gluon(fn, signature, constants, attrs=None, *, num_warps: int = 4, n
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
+    _ensure_cache_dir()
     src = GluonASTSource(fn, signature, constants, attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", compute_capability, 32),
                               options={"num_warps": num_warps, "num_ctas": num_ctas})

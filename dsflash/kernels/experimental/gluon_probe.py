@@ -2,7 +2,8 @@
 built on it: an elementwise kernel (the launch ABI: arrays, a scalar, a constexpr) and a bf16 GEMM tile on Hopper's
 ``warpgroup_mma`` with operands staged in NVMMA-swizzled shared memory (what an attention kernel with warpgroup roles
 is made of). No TMA: jax-triton passes no host tensor descriptors and a null global-scratch pointer, so operands are
-loaded with plain pointer loads. References are the jnp one-liners in ``tests/gpu/test_gluon_launch.py``."""
+loaded with plain pointer loads. jax-triton passes the inputs (arrays and scalars, in call order) and then the
+outputs, so an output pointer is the last runtime parameter. References are the jnp one-liners in ``tests/gpu/test_gluon_launch.py``."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -19,7 +20,7 @@ def axpb_kernel(x_ptr, o_ptr, a, BLOCK: gl.constexpr):
 
 
 @gluon.jit
-def wgmma_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+def wgmma_gemm_kernel(a_ptr, b_ptr, M, N, K, c_ptr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
     """c[M, N] (fp32) = a[M, K] @ b[K, N] (bf16, row-major; M, N, K multiples of the tile), one [BM, BN] tile a program,
     4 warps: each K step loads both operand tiles into NVMMA shared memory and issues one ``warpgroup_mma``."""
     pm = gl.program_id(0)

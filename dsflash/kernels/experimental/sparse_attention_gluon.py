@@ -54,11 +54,11 @@ def _block_mask(i_base, blk, K, BK: gl.constexpr, s_l: gl.constexpr):
 
 
 @gluon.jit
-def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, o_ptr, S, N, K,
+def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
                        H: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, BK: gl.constexpr,
                        NB: gl.constexpr, OVERLAP: gl.constexpr):
     """grid (rows,), 8 warps; q [rows, H, D], kv [B, N, D] bf16, idx [rows, K] int32, sink [H] fp32, o [rows, H, D]
-    bf16; NB = ceil(K / BK) blocks."""
+    bf16 (last: jax-triton passes the outputs after every input, scalars included); NB = ceil(K / BK) blocks."""
     gl.static_assert(H == 64, "one warpgroup row tile: H = 64 heads")
     gl.static_assert(gl.num_warps() == 8, "two warpgroups")
     row = gl.program_id(0).to(gl.int64)
