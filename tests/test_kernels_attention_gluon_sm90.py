@@ -45,3 +45,18 @@ def test_gluon_flash_computes_each_block_of_s_once(overlap):
         num_warps=cfg.warps, num_stages=cfg.stages)
     assert tri.main_loop.ops["HGMMA"] == 64 + 4                  # Triton's QK: the whole block in each warpgroup
     assert loop.n < tri.main_loop.n, (loop.n, tri.main_loop.n)
+
+
+def test_one_block_launches_are_padded_to_two():
+    """A one-block launch (K <= 64) stops Triton 3.6's lowering with an assertion (sm_90 compile, session 25; the GPU
+    test's K = 40 case failed so): ``pad_entries`` gives such an idx a second block of empty (-1) entries, which add
+    nothing, and leaves longer ones alone."""
+    import jax.numpy as jnp
+    import numpy as np
+    idx = jnp.arange(2 * 3 * 40, dtype=jnp.int32).reshape(2, 3, 40)
+    out = np.asarray(sag.pad_entries(idx))
+    assert out.shape == (2, 3, 2 * sag.BK)
+    np.testing.assert_array_equal(out[..., :40], np.asarray(idx))
+    assert (out[..., 40:] == -1).all()
+    long = jnp.zeros((1, 2, sag.BK + 1), jnp.int32)
+    assert sag.pad_entries(long) is long

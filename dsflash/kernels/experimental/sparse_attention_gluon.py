@@ -35,22 +35,19 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 
 @gluon.jit
-def _gather_kv(kv_s, kv_base, i_base, blk, K, N, BK: gl.constexpr, D: gl.constexpr, ld: gl.constexpr):
-    """cp.async of kv[idx[blk * BK : blk * BK + BK]] [BK, D] into ``kv_s`` (idx < 0 or past K: row 0), committed as
-    one group."""
-    offs = blk * BK + gl.arange(0, BK, layout=gl.SliceLayout(1, ld))
-    ids = gl.load(i_base + offs, mask=offs < K, other=-1)
+def _block_ids(i_base, blk, K, BK: gl.constexpr, layout: gl.constexpr):
+    """idx[blk * BK : blk * BK + BK] in ``layout`` (-1 past K: nothing is read there)."""
+    offs = blk * BK + gl.arange(0, BK, layout=layout)
+    return gl.load(i_base + offs, mask=offs < K, other=-1)
+
+
+@gluon.jit
+def _gather_kv(kv_s, kv_base, ids, N, D: gl.constexpr, ld: gl.constexpr):
+    """cp.async of kv[ids] [BK, D] into ``kv_s`` (ids < 0: row 0), committed as one group."""
     safe = gl.minimum(gl.where(ids >= 0, ids, 0), N - 1).to(gl.int64)
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
     async_copy.async_copy_global_to_shared(kv_s, kv_base + safe[:, None] * D + cols[None, :])
     async_copy.commit_group()
-
-
-@gluon.jit
-def _block_mask(i_base, blk, K, BK: gl.constexpr, s_l: gl.constexpr):
-    offs = blk * BK + gl.arange(0, BK, layout=gl.SliceLayout(0, s_l))
-    ids = gl.load(i_base + offs, mask=offs < K, other=-1)
-    return ids >= 0
 
 
 @gluon.jit
@@ -79,7 +76,11 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
     async_copy.async_copy_global_to_shared(q_s, q_ptr + row * H * D + hs[:, None] * D + cols[None, :])
     async_copy.commit_group()
-    _gather_kv(kv_s.index(0), kv_base, i_base, 0, K, N, BK, D, ld)
+    _gather_kv(kv_s.index(0), kv_base, _block_ids(i_base, 0, K, BK, gl.SliceLayout(1, ld)), N, D, ld)
+    # the ids are loaded one block ahead of their use (their latency hides behind a block's MMA): ids_g for the
+    # gather of block j + 1, ids_m for the mask of block j
+    ids_g = _block_ids(i_base, 1, K, BK, gl.SliceLayout(1, ld))
+    ids_m = _block_ids(i_base, 0, K, BK, gl.SliceLayout(0, s_l))
 
     m = gl.full([H], -1e30, gl.float32, layout=gl.SliceLayout(1, s_l))
     l2 = gl.zeros([H, BK], gl.float32, layout=s_l)          # per-column partial sums of p (summed once, at the end)
@@ -93,7 +94,8 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
     for j in range(NB):
         buf = j % 2
         if j + 1 < NB:                      # block j + 1 in flight while j computes; its buffer's readers are done
-            _gather_kv(kv_s.index(1 - buf), kv_base, i_base, j + 1, K, N, BK, D, ld)
+            _gather_kv(kv_s.index(1 - buf), kv_base, ids_g, N, D, ld)
+        ids_g = _block_ids(i_base, j + 2, K, BK, gl.SliceLayout(1, ld))
         if OVERLAP:
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
         else:
@@ -104,7 +106,8 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
             fence_async_shared()
             gl.thread_barrier()
             s = warpgroup_mma(q_s, kv_s.index(buf).permute((1, 0)), s0, use_acc=False)
-        valid = _block_mask(i_base, j, K, BK, s_l)
+        valid = ids_m >= 0
+        ids_m = _block_ids(i_base, j + 1, K, BK, gl.SliceLayout(0, s_l))
         s = gl.where(valid[None, :], s * SCALE, float("-inf"))
         m_new = gl.maximum(m, gl.max(s, axis=1))
         alpha = gl.exp(m - m_new)
@@ -142,6 +145,15 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
 BK = 64
 
 
+def pad_entries(idx):
+    """idx [B, S, K] with at least two blocks of BK entries (-1 = empty, adds nothing): a one-block launch stops
+    Triton 3.6's TTGIR -> LLVM lowering with an assertion (sm_90 compile, session 25)."""
+    K = idx.shape[-1]
+    if K > BK:
+        return idx
+    return jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, 2 * BK - K)], constant_values=-1)
+
+
 def flash_prefill_gluon(q, kv, idx, sink, scale, *, overlap: int = 1):
     """o [B, S, H, D] (q's dtype, bf16) of ``sparse_sink_attention`` without RoPE, by ``flash_gluon_kernel`` (H 64,
     D 512, bf16 q / kv). A shape or dtype it does not take is a ``ValueError`` naming it."""
@@ -150,7 +162,9 @@ def flash_prefill_gluon(q, kv, idx, sink, scale, *, overlap: int = 1):
     if H != 64 or D % 64 or q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
         raise ValueError(f"flash_prefill_gluon takes bf16 q [.., 64, D] with D a multiple of 64; got q {q.shape} "
                          f"{q.dtype}, kv {kv.dtype}")
-    N, K = kv.shape[1], idx.shape[2]
+    N = kv.shape[1]
+    idx = pad_entries(idx.astype(jnp.int32))
+    K = idx.shape[2]
     jt = jax_triton()
     return jt.triton_call(
         q, kv, idx.astype(jnp.int32), sink.astype(jnp.float32), S, N, K, kernel=flash_gluon_kernel,
