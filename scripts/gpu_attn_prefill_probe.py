@@ -11,7 +11,7 @@ rows t-127..t and to min(512, (t+1) // 4) distinct visible compressed entries (r
 
   python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --configs flash_bk64,flash_bk32,flash_bk64_s2
   python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 --once       # one call of each kernel (for ncu)
-  python3 scripts/gpu_attn_prefill_probe.py --configs flash_bk64_s2,gluon_ov0,gluon_ov1   # + the Gluon kernel
+  python3 scripts/gpu_attn_prefill_probe.py --configs flash_bk64_s2,gluon_ov0,gluon_ov1,gluon_ws   # + the Gluon kernels
 TFLOP/s counts QK + PV over the valid entries (4 H D flops each), for the bf16 GEMM rate as ceiling.
 """
 from __future__ import annotations
@@ -68,6 +68,10 @@ def ops(T: int, configs, paged=True):
         if c.startswith("gluon_ov"):       # the Gluon kernel (kernels/experimental/sparse_attention_gluon.py)
             from dsflash.kernels.experimental import sparse_attention_gluon as sag
             out[c] = jax.jit(lambda q_, ov=int(c[-1]): sag.flash_prefill_gluon(q_, kv, idx, sink, scale, overlap=ov))
+            continue
+        if c == "gluon_ws":                # the channel-split one (kernels/experimental/sparse_attention_gluon_ws.py)
+            from dsflash.kernels.experimental import sparse_attention_gluon_ws as ws
+            out[c] = jax.jit(lambda q_: ws.flash_prefill_gluon_ws(q_, kv, idx, sink, scale))
             continue
         out[c] = jax.jit(lambda q_, c=c: sat.sparse_sink_attention_triton(q_, kv, idx, sink, scale, config=c))
         if paged:

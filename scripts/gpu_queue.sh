@@ -52,7 +52,7 @@
 # s23_all: prefill_step (with ceilings), then guided. s23_a: the in-place RoPE's GPU test, then
 #   prefill_step with moeil_ropex / moeil_ropei. s23_b: attn_prefill, then guided. Then targets.
 # gluon: tests/gpu/test_gluon_launch.py and test_sparse_attention_gluon.py, then gpu_attn_prefill_probe.py with the
-#   Gluon flash kernel (gluon_ov0 / gluon_ov1) beside flash_bk64_s2 (ATTN_CONFIGS), then (tests passed, GLUON_STEP not
+#   Gluon flash kernels (gluon_ov0, the channel-split gluon_ws) beside flash_bk64_s2 (ATTN_CONFIGS), then (tests passed, GLUON_STEP not
 #   0) the 16K prefill step with / without it. Files: pytest_gluon.log, attn_gluon.json / .log, step_gluon.log,
 #   step_profile.json.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
@@ -299,9 +299,9 @@ PY
                 # test), then the Gluon flash kernel against flash_bk64_s2 at 4096 / 16384 prefill rows
     timeout 180 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gluon_launch.py \
       tests/gpu/test_sparse_attention_gluon.py > "$OUT/pytest_gluon.log" 2>&1
-    RC=$?; echo "== gluon tests (rc $RC)"; grep -E "gluon overlap|passed|failed|Error|error" "$OUT/pytest_gluon.log" | head -30
+    RC=$?; echo "== gluon tests (rc $RC)"; grep -E "^.?gluon (ov|ws)|passed|failed|Error|error" "$OUT/pytest_gluon.log" | head -30
     timeout 150 python3 scripts/gpu_attn_prefill_probe.py --tokens 4096 16384 --no-paged --json "$OUT/attn_gluon.json" \
-      --configs ${ATTN_CONFIGS:-flash_bk64_s2,gluon_ov0,gluon_ov1} > "$OUT/attn_gluon.log" 2>&1
+      --configs ${ATTN_CONFIGS:-flash_bk64_s2,gluon_ov0,gluon_ws} > "$OUT/attn_gluon.log" 2>&1
     echo "== attn prefill, gluon (rc $?)"; sed -n '/^tokens /,$p' "$OUT/attn_gluon.log" | head -20
     grep -E "error" "$OUT/attn_gluon.log" | head -5
     if [ "$RC" = 0 ] && [ "${GLUON_STEP:-1}" = 1 ]; then    # the step A/B only with a kernel that passed its tests

@@ -60,3 +60,18 @@ def test_one_block_launches_are_padded_to_two():
     assert (out[..., 40:] == -1).all()
     long = jnp.zeros((1, 2, sag.BK + 1), jnp.int32)
     assert sag.pad_entries(long) is long
+
+
+def test_channel_split_kernel_fits_one_cta_and_runs_qk_at_n64():
+    """The warp-specialised channel-split kernel (``sparse_attention_gluon_ws``): both partitions' main loops issue
+    16 QK HGMMA at n64 (each warpgroup its 256 channels of the whole block) and 4 PV HGMMA at n256, P from registers
+    (no shared-memory P), no spills, inside the 227 KB of one CTA."""
+    from dsflash.kernels.experimental import sparse_attention_gluon_ws as ws
+    rep = sm90_compile.compile_kernel(ws.flash_ws_kernel, SIG, dict(H=64, D=512, SCALE=512 ** -0.5, BK=64, NB=10,
+                                                                     WORKER_REGS=232), num_warps=4)
+    assert rep.spill_stores == 0 and rep.spill_loads == 0
+    assert rep.smem <= 227 * 1024
+    assert rep.main_loop is not None and rep.main_loop.ops["HGMMA"] == 16 + 4
+    assert set(_hgmma_widths(rep.sass)) == {64, 256}
+    pv = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, (\S+),", rep.sass)
+    assert pv and all(a.startswith("R") for a in pv), pv[:4]         # PV's A operand (P) in registers

@@ -1,5 +1,6 @@
 """The Gluon prefill flash kernel (``kernels/experimental/sparse_attention_gluon.py``) against the sparse-attention
-reference on the GPU, both of its schedules (OVERLAP 0 / 1): within ``flash_bound``'s band (P rounded to bf16 against
+reference on the GPU, both of its schedules (OVERLAP 0 / 1), and the channel-split warp-specialised one
+(``sparse_attention_gluon_ws``): within ``flash_bound``'s band (P rounded to bf16 against
 the running max, as the Triton flash kernel) plus the bf16 output's own rounding, rows with no entry exactly 0, and an
 empty slot never read as a value (kv row 0, where empty slots gather from, is a large constant no valid id points to)."""
 import zlib
@@ -37,17 +38,27 @@ def _inputs(case, seed):
     return q, kv, idx, sink, D ** -0.5
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
+def _kernel(variant):
+    """The launcher of each Gluon flash kernel: the two schedules of ``sparse_attention_gluon`` and the channel-split
+    ``sparse_attention_gluon_ws``."""
+    if variant == "ws":
+        from dsflash.kernels.experimental import sparse_attention_gluon_ws as ws
+        return ws.flash_prefill_gluon_ws
+    from dsflash.kernels.experimental import sparse_attention_gluon as sag
+    return lambda *a: sag.flash_prefill_gluon(*a, overlap=int(variant[-1]))
+
+
+@pytest.mark.parametrize("overlap", ["ov0", "ov1", "ws"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}S{}H{}D{}N{}K{}".format(*c))
 def test_gluon_flash_within_error_band(case, overlap):
     from dsflash.kernels import sparse_attention_triton as sat
-    from dsflash.kernels.experimental import sparse_attention_gluon as sag
     q, kv, idx, sink, scale = _inputs(case, zlib.crc32(repr(("gluon", case)).encode()))
     with jax.default_matmul_precision("highest"):
         ref = np.asarray(sa.sparse_sink_attention_reference(q, kv, idx, sink, scale, out_dtype=jnp.float32,
                                                             precision="reference"))
     A = np.asarray(sat.flash_weights_abs(q, kv, idx, sink, scale))
-    f = jax.jit(lambda *a: sag.flash_prefill_gluon(*a, scale, overlap=overlap))
+    launch = _kernel(overlap)
+    f = jax.jit(lambda *a: launch(*a, scale))
     poison = np.asarray(f(jnp.full_like(q, jnp.nan), kv, idx, sink).astype(jnp.float32))
     has_entry = np.asarray((idx >= 0).any(-1))
     assert np.isnan(poison[has_entry]).all()          # every written element depends on q (no stale buffer)
@@ -56,7 +67,7 @@ def test_gluon_flash_within_error_band(case, overlap):
     tol = sat.flash_bound(A, ref, 2) + 2.0 ** -8 * np.abs(ref)      # + the bf16 output's rounding
     v = float((np.abs(out - ref) / tol).max())
     err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-    print(f"gluon overlap {overlap} {case}: rel err {err:.2e}, max |err|/band {v:.3f}")
+    print(f"gluon {overlap} {case}: rel err {err:.2e}, max |err|/band {v:.3f}")
     assert v <= 1.0, v
     assert err < 5e-3, err
     B, S = case[:2]
