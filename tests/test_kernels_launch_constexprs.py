@@ -72,6 +72,24 @@ def test_inplace_rope_launches(jt, monkeypatch):
     assert jt.kernels == ["_rope_tail_inplace_kernel", "_flash_kernel", "_rope_tail_inplace_kernel"]
 
 
+@pytest.mark.parametrize("gluon_from,rows,flash", [(None, 512, "_flash_kernel"), (257, 256, "_flash_kernel"),
+                                                   (257, 512, "flash_gluon_kernel")])
+def test_gluon_flash_kernel_takes_the_rows_it_is_gated_to(jt, monkeypatch, gluon_from, rows, flash):
+    """``GLUON_FROM_ROWS`` (session 25, off by default) sends one-split bf16 launches of the picked config from that
+    many rows to the Gluon kernel, between the in-place RoPE launches as the Triton kernel is; below it, or off, the
+    Triton kernel. (Its first form tested ``config is None``, which the RoPE-around recursion never passes.)"""
+    pytest.importorskip("triton.experimental.gluon")
+    from dsflash.kernels import sparse_attention_triton as sat
+    monkeypatch.setattr(sat, "ROPE_INPLACE", True)
+    monkeypatch.setattr(sat, "GLUON_FROM_ROWS", gluon_from)
+    H, D, N, K = 64, 512, 700, 640
+    args = [_sds((1, rows, H, D), jnp.bfloat16), _sds((1, N, D), jnp.bfloat16), _sds((1, rows, K), jnp.int32),
+            _sds((H,), jnp.float32), _sds((1, rows, 32), jnp.float32), _sds((1, rows, 32), jnp.float32)]
+    jax.eval_shape(lambda q, kv, i, s, c, n: sat.sparse_sink_attention_triton(q, kv, i, s, D ** -0.5, rope=(c, n),
+                                                                              rope_in_kernel=False), *args)
+    assert jt.kernels == ["_rope_tail_inplace_kernel", flash, "_rope_tail_inplace_kernel"]
+
+
 @pytest.mark.parametrize("S", [6, 4096])
 @pytest.mark.parametrize("hw_round", [None, False, 2])
 def test_indexer_scorer_launches(jt, S, hw_round):
