@@ -18,6 +18,7 @@ from dsflash.kernels import indexer_topk as ik
 from dsflash.kernels.rope import rope_table
 # gather_pool: a name of its own in this module, so the step profile's kv_gather scope wraps the model's calls
 from dsflash.kernels.sparse_attention import gather_decoded as gather_pool
+from dsflash.model.index_distill import index_distill_loss
 from dsflash.kernels.sparse_attention import sparse_sink_attention, sparse_sink_attention_paged
 from dsflash import quant
 from dsflash.model import state as st
@@ -39,6 +40,7 @@ class Ctx:
     precision: str
     page_size: int
     backend: str
+    index_distill: bool = False     # training: the indexer's distillation loss into shared["index_kl"]
 
 
 # ------------------------------------------------------------------ cache addressing
@@ -234,6 +236,14 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
                 cand_filter=(cfg.candidate_block_size, cfg.candidate_topk_blocks) if is_cand else None,
                 backend=ctx.backend)
             shared = dict(shared, topk=topk, **({"cand": cand} if is_cand else {}))
+            if ctx.index_distill:       # training only (model/index_distill.py); the outputs are unchanged
+                sg = jax.lax.stop_gradient      # only the indexer's query side learns from it
+                dq, dw = indexer_query(params, p, sg(x), sg(qr), cfg, ctx, omega)
+                loss = index_distill_loss(
+                    dq, dw, sg(gather_pool(pool, addr_all, st.decode_index_k, jnp.float32)), sg(q),
+                    sg(gather_pool(state["main_kv"][isrc], addr_all, st.decode_main_kv, jnp.float32)),
+                    (ctx.pos + 1) // ratio, ctx.valid, cfg.head_dim ** -0.5, rope)
+                shared["index_kl"] = shared.get("index_kl", 0.0) + loss
         base = kv_buf[0].shape[1]
         sel = shared["topk"]
         Bq, Sq, K = sel.shape

@@ -21,7 +21,8 @@ from dsflash.model.state import Batch, RunOptions
 def make_ctx(batch: Batch, opts: RunOptions, floor) -> Ctx:
     return Ctx(pos=batch.positions, valid=batch.valid, start=batch.start, lengths=batch.lengths,
                slots=batch.slots, page_table=batch.page_table, floor=floor, kv_write_from=batch.kv_write_from,
-               precision=opts.precision, page_size=opts.page_size, backend=opts.backend)
+               precision=opts.precision, page_size=opts.page_size, backend=opts.backend,
+               index_distill=opts.index_distill)
 
 
 def tail_view(batch: Batch, ctx: Ctx, T: int):
@@ -211,6 +212,8 @@ def forward(params, cfg: ModelConfig, batch: Batch, state: dict, opts: RunOption
         out["logits"] = linear_f32(h, params["head.weight"])
     elif opts.logits == "last":
         out["logits"] = head_logits(h[:, 0], params["head.weight"])
+    if opts.index_distill:
+        out["index_kl"] = jnp.asarray(shared.get("index_kl", 0.0), jnp.float32)
     if opts.expert_load:
         out["expert_load"] = jnp.stack(loads)      # [L, E] tokens per expert (padding / idle rows excluded)
     if opts.taps:

@@ -221,6 +221,8 @@ class RunOptions:
                     ``dsflash.kernels.dispatch`` at trace time (``resolved_backend``: what "auto" means here)
     page_size       tokens per global-KV page (the CacheGeometry the state was built with)
     expert_load     return ``out["expert_load"]`` [L, E]: tokens routed to each expert per layer (EPLB input)
+    index_distill   return ``out["index_kl"]``: the indexer's distillation loss summed over the index-source
+                    layers (training; ``model/index_distill.py``); the other outputs are the same
     """
     precision: str = "reference"
     bounded_replay: str | None = None
@@ -230,6 +232,7 @@ class RunOptions:
     backend: str = "auto"
     page_size: int = 64
     expert_load: bool = False
+    index_distill: bool = False
 
     def __post_init__(self):
         if self.page_size < 2 or self.page_size % 2:
@@ -242,6 +245,8 @@ class RunOptions:
             raise ValueError("RunOptions.replay_tail must be >= 1 with bounded replay")
         if self.logits not in ("last", "all", "none"):
             raise ValueError("RunOptions.logits must be 'last', 'all' or 'none'")
+        if self.bounded_replay and self.index_distill:
+            raise ValueError("RunOptions.index_distill is for training forwards, not with bounded replay")
         if self.bounded_replay and self.logits == "all":
             raise ValueError("RunOptions.logits='all' is not available with bounded replay (SPEC §6.2.4)")
         dispatch.check_backend(self.backend, "RunOptions.backend")     # no JAX backend start-up here
