@@ -85,3 +85,29 @@ def test_bounded_replay_refuses_it():
     from dsflash.model.state import RunOptions
     with pytest.raises(ValueError, match="index_distill"):
         RunOptions(bounded_replay="report", replay_tail=8, index_distill=True)
+
+
+def test_target_steps_with_distillation_lower_the_kl_and_move_the_indexer(mini):
+    """``loop.target_step(..., index_weight)``: a few steps at a high learning rate lower the distillation KL and move
+    the indexer's query weights; with weight 0 they move by AdamW's weight decay alone (top-k passes no gradient),
+    orders of magnitude less."""
+    from dsflash.train import loop
+    cfg, params = mini
+    tokens = jnp.asarray(np.random.default_rng(2).integers(1, 500, size=(2, 32)), jnp.int32)
+    key = next(k for k in params if ".indexer.wq_b" in k and params[k].dtype == jnp.float32)
+    moved = {}
+    for weight in (0.0, 1.0):
+        tgt, drf, const = loop.split_params(jax.tree.map(jnp.copy, params))
+        w0 = np.asarray(tgt[key])
+        opt = loop.make_optimizer(1e-2, 6, warmup=1)
+        st = opt.init(tgt)
+        kls = []
+        for _ in range(4):
+            tgt, st, loss, kl = loop.target_step(tgt, st, const, cfg, tokens, "fp32", opt, weight)
+            kls.append(float(kl))
+        moved[weight] = float(np.abs(np.asarray(tgt[key]) - w0).max())
+        if weight:
+            assert kls[-1] < kls[0], kls
+        else:
+            assert kls == [0.0] * 4
+    assert moved[1.0] > 30 * moved[0.0], moved

@@ -44,25 +44,34 @@ def split_params(params: dict) -> tuple[dict, dict, dict]:
     return tgt, drf, const
 
 
-def _target_forward(params, cfg, tokens, precision, taps=False):
+def _target_forward(params, cfg, tokens, precision, taps=False, index_distill=False):
     B, S = tokens.shape
     pages = -(-S // PAGE)
     st = init_state(cfg, CacheGeometry(B, B * pages, PAGE, cfg.dspark_block_size + 1), precision)
     batch = make_batch(tokens, pages_per_seq=pages)
     out, _ = forward(params, cfg, batch, st, RunOptions(precision=precision, logits="all", taps=taps,
-                                                        page_size=PAGE))
+                                                        page_size=PAGE, index_distill=index_distill))
     return out
+
+
+def _nll_kl(params, cfg, tokens, precision, index_weight=0.0):
+    """(per-position next-token NLL ``[B, S-1]`` fp32, the indexer's distillation KL -- 0 unless ``index_weight``
+    > 0: ``model/index_distill.py``)."""
+    out = _target_forward(params, cfg, tokens, precision, index_distill=index_weight > 0)
+    lp = jax.nn.log_softmax(out["logits"][:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return nll, out.get("index_kl", jnp.float32(0.0))
 
 
 def token_nll(params, cfg, tokens, precision):
     """Per-position next-token NLL ``[B, S-1]`` (fp32)."""
-    lg = _target_forward(params, cfg, tokens, precision)["logits"][:, :-1]
-    lp = jax.nn.log_softmax(lg.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return _nll_kl(params, cfg, tokens, precision)[0]
 
 
-def target_loss(trainable, const, cfg, tokens, precision):
-    return jnp.mean(token_nll({**trainable, **const}, cfg, tokens, precision))
+def target_loss(trainable, const, cfg, tokens, precision, index_weight=0.0):
+    """(mean NLL + ``index_weight`` x the indexer's distillation KL, that KL)."""
+    nll, kl = _nll_kl({**trainable, **const}, cfg, tokens, precision, index_weight)
+    return jnp.mean(nll) + index_weight * kl, kl
 
 
 def make_optimizer(lr: float, steps: int, warmup: int = 50, weight_decay: float = 0.01, clip: float = 1.0):
@@ -71,11 +80,13 @@ def make_optimizer(lr: float, steps: int, warmup: int = 50, weight_decay: float 
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(sched, b2=0.95, weight_decay=weight_decay))
 
 
-@compile_options.jit(static_argnums=(3, 5, 6), donate_argnums=(0, 1))
-def target_step(trainable, opt_state, const, cfg, tokens, precision, opt):
-    loss, g = jax.value_and_grad(target_loss)(trainable, const, cfg, tokens, precision)
+@compile_options.jit(static_argnums=(3, 5, 6, 7), donate_argnums=(0, 1))
+def target_step(trainable, opt_state, const, cfg, tokens, precision, opt, index_weight=0.0):
+    """One optimizer step: (trainable, opt_state, loss, the indexer's distillation KL)."""
+    (loss, kl), g = jax.value_and_grad(target_loss, has_aux=True)(trainable, const, cfg, tokens, precision,
+                                                                  index_weight)
     upd, opt_state = opt.update(g, opt_state, trainable)
-    return optax.apply_updates(trainable, upd), opt_state, loss
+    return optax.apply_updates(trainable, upd), opt_state, loss, kl
 
 
 @compile_options.jit(static_argnums=(1, 3))
@@ -95,20 +106,23 @@ def quantised_view(trainable: dict, cfg) -> dict:
     return {k: w + jax.lax.stop_gradient(rt[k] - w) for k, w in trainable.items()}
 
 
-def sft_loss(trainable, const, cfg, tokens, weights, precision, qat=False):
-    """``sum(weights * NLL)``: ``weights`` ``[B, S-1]`` weigh the prediction of ``tokens[:, 1:]`` (zero off the
-    assistant tokens of chat rows; the caller normalises them, see ``run._sft_weights``). ``qat``: the forward
-    runs the weights as exported (:func:`quantised_view`)."""
+def sft_loss(trainable, const, cfg, tokens, weights, precision, qat=False, index_weight=0.0):
+    """(``sum(weights * NLL)`` + ``index_weight`` x the indexer's distillation KL, that KL): ``weights`` ``[B, S-1]``
+    weigh the prediction of ``tokens[:, 1:]`` (zero off the assistant tokens of chat rows; the caller normalises
+    them, see ``run._sft_weights``). ``qat``: the forward runs the weights as exported (:func:`quantised_view`)."""
     if qat:
         trainable = quantised_view(trainable, cfg)
-    return jnp.sum(weights * token_nll({**trainable, **const}, cfg, tokens, precision))
+    nll, kl = _nll_kl({**trainable, **const}, cfg, tokens, precision, index_weight)
+    return jnp.sum(weights * nll) + index_weight * kl, kl
 
 
-@compile_options.jit(static_argnums=(3, 6, 7, 8), donate_argnums=(0, 1))
-def sft_step(trainable, opt_state, const, cfg, tokens, weights, precision, opt, qat=False):
-    loss, g = jax.value_and_grad(sft_loss)(trainable, const, cfg, tokens, weights, precision, qat)
+@compile_options.jit(static_argnums=(3, 6, 7, 8, 9), donate_argnums=(0, 1))
+def sft_step(trainable, opt_state, const, cfg, tokens, weights, precision, opt, qat=False, index_weight=0.0):
+    """One optimizer step: (trainable, opt_state, loss, the indexer's distillation KL)."""
+    (loss, kl), g = jax.value_and_grad(sft_loss, has_aux=True)(trainable, const, cfg, tokens, weights, precision,
+                                                               qat, index_weight)
     upd, opt_state = opt.update(g, opt_state, trainable)
-    return optax.apply_updates(trainable, upd), opt_state, loss
+    return optax.apply_updates(trainable, upd), opt_state, loss, kl
 
 
 @compile_options.jit(static_argnums=(1, 4))

@@ -245,8 +245,8 @@ def _sft_record(source_meta: dict, sft_meta: dict) -> dict:
 
 def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps: int, lr: float, seq_len: int,
          batch_size: int, lm_fraction: float, chat: dict, precision: str, seed: int, eval_every: int,
-         doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool, qat: bool = True
-         ) -> tuple[dict, dict, tuple]:
+         doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool, qat: bool = True,
+         index_weight: float = 0.0) -> tuple[dict, dict, tuple]:
     """Supervised fine-tuning of the target's float weights on chat conversations (``chat_data``) mixed with
     documentation rows. Every ``eval_every`` steps: the held-out chat loss (assistant tokens of the held-out
     conversations), the held-out documentation loss (the perplexity rows) and the chat loss on the first training
@@ -291,9 +291,11 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
             tok = np.concatenate([tok, lm_rows[li]])
             msk = np.concatenate([msk, np.ones((n_lm, seq_len), bool)])
         w = _sft_weights(msk, n_chat, lm_fraction)
-        tgt, opt_state, loss = loop.sft_step(tgt, opt_state, const, cfg, jnp.asarray(tok), jnp.asarray(w),
-                                             precision, opt, qat)
+        tgt, opt_state, loss, kl = loop.sft_step(tgt, opt_state, const, cfg, jnp.asarray(tok), jnp.asarray(w),
+                                                 precision, opt, qat, index_weight)
         r = {"stage": "sft", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
+        if index_weight:
+            r["index_kl"] = float(kl)
         if step == 1:
             t_stage = time.time()       # the budget counts training, not the first step's compile
         out_of_time = _over_budget(t_stage, max_seconds)
@@ -318,6 +320,7 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
               "higher: overfitting)", flush=True)
         tgt, kept = {k: jnp.asarray(v) for k, v in best[2].items()}, best[1]
     meta = {"steps": steps, "steps_run": done, "step_kept": kept, "lr": lr, "seq_len": seq_len,
+            "index_distill": index_weight,
             "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat, "qat": qat,
             "conversations": info, "chat_options": dict(chat),
             "corpus": corpus.info,          # this machine's documents: the conversations' source and the LM rows'
@@ -337,7 +340,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           greedy_batch: int | None = None, doc_start_fraction: float = 0.0, target_cache: bool = True,
           allow_other_corpus: bool = False, sft_steps: int = 0, sft_lr: float = 3e-4, sft_seq_len: int = 1024,
           sft_batch_size: int | None = None, sft_lm_fraction: float = 0.25, max_sft_seconds: float = 0.0,
-          sft_qat: bool = True, chat: dict | None = None, chat_prompt_fraction: float = 0.0) -> dict:
+          sft_qat: bool = True, chat: dict | None = None, chat_prompt_fraction: float = 0.0,
+          index_distill: float = 0.0) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -359,7 +363,11 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     ``sft_seq_len`` tokens, ``sft_batch_size`` rows a step of which ``sft_lm_fraction`` are documentation rows,
     ``chat``: :func:`chat_data.conversations` options; ``sft_qat``: quantisation-aware, see :func:`_sft`); the
     fine-tuned target is exported, loaded back and then
-    served to the draft stage (if ``draft_steps``) and re-measured like any target."""
+    served to the draft stage (if ``draft_steps``) and re-measured like any target. ``index_distill``: weight of
+    the indexer's distillation loss (``model/index_distill.py``) added in the target and SFT stages (0: none; the
+    indexer then keeps its initial weights, as top-k passes no gradient)."""
+    if index_distill < 0:
+        raise ValueError(f"index_distill must be >= 0, got {index_distill!r}")
     t0 = time.time()
     if sft_steps and target_from is None:
         raise ValueError("sft_steps needs target_from (the SFT stage fine-tunes a trained checkpoint's target)")
@@ -460,8 +468,10 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     done_steps = 0
     for step in range(1, steps + 1):
         tok = jnp.asarray(next(it))
-        tgt, opt_state, loss = loop.target_step(tgt, opt_state, const, cfg, tok, precision, opt)
+        tgt, opt_state, loss, kl = loop.target_step(tgt, opt_state, const, cfg, tok, precision, opt, index_distill)
         r = {"stage": "target", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
+        if index_distill:
+            r["index_kl"] = float(kl)
         out_of_time = _over_budget(t_stage, max_target_seconds)
         if step % eval_every == 0 or step == steps or out_of_time:
             r["heldout_loss"] = heldout({**tgt, **const})
@@ -500,7 +510,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             seq_len=sft_seq_len,
             batch_size=sft_batch_size or batch_size, lm_fraction=sft_lm_fraction, chat=dict(chat or {}),
             precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
-            max_seconds=max_sft_seconds, quiet=quiet, qat=sft_qat)
+            max_seconds=max_sft_seconds, quiet=quiet, qat=sft_qat, index_weight=index_distill)
         save_orbax(os.path.join(out, "orbax", "target"), tgt)
         if draft_steps:
             # the draft trains on the fine-tuned target as served: exported (FP8/MXFP4) and loaded back; its stored
@@ -632,7 +642,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     ck = os.path.join(out, "checkpoint")
     from dsflash.train.export import export_checkpoint
     meta = {"corpus": corpus.info, "config": config, "steps": steps, "steps_run": done_steps,
-            "target_step_kept": best_step, "draft_steps": draft_steps, "draft_steps_run": done_draft,
+            "target_step_kept": best_step, "index_distill": index_distill, "draft_steps": draft_steps, "draft_steps_run": done_draft,
             "draft_data": draft_data,
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "draft_lr": draft_lr, "precision": precision,
             "seed": seed}
@@ -737,6 +747,10 @@ def main(argv=None):
     ap.add_argument("--markov-rank", type=int, default=None, help="override dspark_markov_rank")
     ap.add_argument("--greedy-batch", type=int, default=None,
                     help="batch of the greedy-chain generation (with --target-from: the engine's max_num_seqs)")
+    ap.add_argument("--index-distill", type=float, default=0.0,
+                    help="weight of the indexer's distillation loss in the target and SFT stages: KL from the main "
+                         "attention's distribution over the compressed entries to the indexer's (0: off; the indexer "
+                         "gets no gradient through top-k otherwise)")
     g = ap.add_argument_group("supervised fine-tuning on chat conversations (with --target-from)")
     g.add_argument("--sft-steps", type=int, default=0,
                    help="fine-tune the --target-from target on conversations built from CPython's docs (chat_data)")
@@ -776,4 +790,4 @@ def main(argv=None):
           target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus, sft_steps=a.sft_steps,
           sft_lr=a.sft_lr, sft_seq_len=a.sft_seq_len, sft_batch_size=a.sft_batch_size,
           sft_lm_fraction=a.sft_lm_fraction, max_sft_seconds=a.max_sft_seconds,
-          sft_qat=not a.no_sft_qat, chat=chat, chat_prompt_fraction=a.greedy_chat)
+          sft_qat=not a.no_sft_qat, chat=chat, chat_prompt_fraction=a.greedy_chat, index_distill=a.index_distill)
