@@ -554,8 +554,9 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
                                                    precision=precision, config=cfg), rope)
     idx = idx.astype(jnp.int32)
     sink = sink.astype(jnp.float32)
+    bf16 = q.dtype == kv.dtype == jnp.dtype(out_dtype) == jnp.bfloat16
     if (GLUON_FROM_ROWS is not None and R >= GLUON_FROM_ROWS and cfg == pick_config(R) and cfg.kind == "flash"
-            and ns == 1 and rope is None and H == 64 and p_bf16 and q.dtype == kv.dtype == jnp.dtype(out_dtype) == jnp.bfloat16):
+            and ns == 1 and rope is None and H == 64 and p_bf16 and bf16):
         from dsflash.kernels.experimental.sparse_attention_gluon import flash_prefill_gluon
         return flash_prefill_gluon(q, kv, idx, sink, scale)
     if cfg.kind == "flash":

@@ -18,10 +18,10 @@ from dsflash.kernels import indexer_topk as ik
 from dsflash.kernels.rope import rope_table
 # gather_pool: a name of its own in this module, so the step profile's kv_gather scope wraps the model's calls
 from dsflash.kernels.sparse_attention import gather_decoded as gather_pool
-from dsflash.model.index_distill import index_distill_loss
 from dsflash.kernels.sparse_attention import sparse_sink_attention, sparse_sink_attention_paged
 from dsflash import quant
 from dsflash.model import state as st
+from dsflash.model.index_distill import index_distill_loss
 from dsflash.model.layers import (act_dtype, apply_rope, linear_bf16, linear_f32, linear_fp8, linear_fp8_grouped, rms_norm,
                                   rope_freqs)
 

@@ -642,7 +642,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     ck = os.path.join(out, "checkpoint")
     from dsflash.train.export import export_checkpoint
     meta = {"corpus": corpus.info, "config": config, "steps": steps, "steps_run": done_steps,
-            "target_step_kept": best_step, "index_distill": index_distill, "draft_steps": draft_steps, "draft_steps_run": done_draft,
+            "target_step_kept": best_step, "index_distill": index_distill,
+            "draft_steps": draft_steps, "draft_steps_run": done_draft,
             "draft_data": draft_data,
             "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "draft_lr": draft_lr, "precision": precision,
             "seed": seed}

@@ -3,7 +3,8 @@ built on it: an elementwise kernel (the launch ABI: arrays, a scalar, a constexp
 ``warpgroup_mma`` with operands staged in NVMMA-swizzled shared memory (what an attention kernel with warpgroup roles
 is made of). No TMA: jax-triton passes no host tensor descriptors and a null global-scratch pointer, so operands are
 loaded with plain pointer loads. jax-triton passes the inputs (arrays and scalars, in call order) and then the
-outputs, so an output pointer is the last runtime parameter. References are the jnp one-liners in ``tests/gpu/test_gluon_launch.py``."""
+outputs, so an output pointer is the last runtime parameter. References are the jnp one-liners in
+``tests/gpu/test_gluon_launch.py``."""
 from __future__ import annotations
 
 from triton.experimental import gluon
