@@ -52,6 +52,16 @@ def _gather_kv(kv_s, kv_base, ids, N, D: gl.constexpr, ld: gl.constexpr, DW: gl.
 
 
 @gluon.jit
+def _online_softmax(s, ids, m, SCALE: gl.constexpr):
+    """One block's step of the online softmax: logits ``s * SCALE`` (-inf where ``ids`` < 0), the new running max
+    ``m_new`` (>= the old ``m``; -1e30 while nothing is valid), p = exp(s - m_new) and alpha = exp(m - m_new), the
+    factor the sums so far are rescaled by: (p, alpha, m_new)."""
+    s = gl.where((ids >= 0)[None, :], s * SCALE, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, axis=1))
+    return gl.exp(s - m_new[:, None]), gl.exp(m - m_new), m_new
+
+
+@gluon.jit
 def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
                        H: gl.constexpr, D: gl.constexpr, SCALE: gl.constexpr, BK: gl.constexpr,
                        NB: gl.constexpr, OVERLAP: gl.constexpr):
@@ -107,14 +117,9 @@ def flash_gluon_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, S, N, K, o_ptr,
             fence_async_shared()
             gl.thread_barrier()
             s = warpgroup_mma(q_s, kv_s.index(buf).permute((1, 0)), s0, use_acc=False)
-        valid = ids_m >= 0
+        p, alpha, m = _online_softmax(s, ids_m, m, SCALE)
         ids_m = _block_ids(i_base, j + 1, K, BK, gl.SliceLayout(0, s_l))
-        s = gl.where(valid[None, :], s * SCALE, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        alpha = gl.exp(m - m_new)
-        p = gl.exp(s - m_new[:, None])
         l2 = l2 * alpha[:, None] + p
-        m = m_new
         p_s.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()                 # both warpgroups' halves of P written

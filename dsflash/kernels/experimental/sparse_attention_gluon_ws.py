@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from dsflash.kernels.experimental.sparse_attention_gluon import BK, _block_ids, _gather_kv, pad_entries
+from dsflash.kernels.experimental.sparse_attention_gluon import BK, _block_ids, _gather_kv, _online_softmax, pad_entries
 
 
 @gluon.jit
@@ -79,14 +79,9 @@ def _half(q_s, kv_s, x_s, bars, q_ptr, kv_base, i_base, sink_ptr, o_ptr, row, N,
         s = s_w + x_other.load(s_l)
         gl.thread_barrier()
         mbarrier.arrive(empty_other, count=1)
-        valid = ids_m >= 0
+        p, alpha, m = _online_softmax(s, ids_m, m, SCALE)
         ids_m = _block_ids(i_base, j + 1, K, BK, gl.SliceLayout(0, s_l))
-        s = gl.where(valid[None, :], s * SCALE, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))
-        alpha = gl.exp(m - m_new)
-        p = gl.exp(s - m_new[:, None])
         l = l * alpha + gl.sum(p, axis=1)
-        m = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), p_op), kv_j, acc)
         gl.thread_barrier()                 # kv_j read by every warp before block j + 2 overwrites it
