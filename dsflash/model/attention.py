@@ -148,6 +148,18 @@ def compress(params, p, x, cfg, ctx, ratio, comp_ring):
     return latent, emits, ctx.pos // 2, comp_ring
 
 
+def dense_entries(values, entry, write, n_entries):
+    """([B, n_entries, ...] fp32 with ``values`` [B, S, ...] at their ``entry`` ids where ``write``, else 0; the
+    [B, n_entries] mask of those entries): a call's new compressed entries laid out by entry id, as ``addr_all``
+    gathers the pool."""
+    B = entry.shape[0]
+    ids = jnp.where(write, entry, n_entries)                     # not written -> out of range -> dropped
+    b = jnp.arange(B)[:, None]
+    dense = jnp.zeros((B, n_entries) + values.shape[2:], jnp.float32).at[b, ids].set(
+        values.astype(jnp.float32), mode="drop")
+    return dense, jnp.zeros((B, n_entries), bool).at[b, ids].set(True, mode="drop")
+
+
 def index_keys(params, p, latent, entry, cfg, ctx, ratio, omega):
     k = rms_norm(linear_bf16(latent, params[f"{p}.indexer.wk.weight"], ctx.precision),
                  params[f"{p}.indexer.k_norm.weight"], cfg.rms_norm_eps, ctx.precision)
@@ -214,6 +226,10 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
             write = emits & (cctx.pos >= cctx.kv_write_from[:, None])
             addr = pool_addresses(cctx.page_table, entry, per_page)
             k_idx = index_keys(params, p, latent, entry, cfg, cctx, ratio, omega)
+            if ctx.index_distill:       # the keys again from the latent held constant: the loss trains wk / k_norm
+                shared = dict(shared, index_k_train=dict(shared.get("index_k_train", {}), **{name: dense_entries(
+                    index_keys(params, p, jax.lax.stop_gradient(latent), entry, cfg, cctx, ratio, omega),
+                    entry, write, n_entries)}))
             main = apply_rope(latent, entry * ratio, omega)
             new_state = dict(state)
             new_state["index_k"] = dict(state["index_k"], **{name: scatter_pool(
@@ -237,11 +253,15 @@ def csa_attention(params, cfg: ModelConfig, layer: int, x, ctx: Ctx, state, shar
                 backend=ctx.backend)
             shared = dict(shared, topk=topk, **({"cand": cand} if is_cand else {}))
             if ctx.index_distill:       # training only (model/index_distill.py); the outputs are unchanged
-                sg = jax.lax.stop_gradient      # only the indexer's query side learns from it
+                sg = jax.lax.stop_gradient      # only the indexer's own weights learn from it
                 dq, dw = indexer_query(params, p, sg(x), sg(qr), cfg, ctx, omega)
+                keys = sg(gather_pool(pool, addr_all, st.decode_index_k, jnp.float32))
+                fresh = shared.get("index_k_train", {}).get(isrc)     # entries this call wrote: with gradient
+                if fresh is not None:
+                    keys = jnp.where(fresh[1][..., None], fresh[0], keys)
                 loss = index_distill_loss(
-                    dq, dw, sg(gather_pool(pool, addr_all, st.decode_index_k, jnp.float32)), sg(q),
-                    sg(gather_pool(state["main_kv"][isrc], addr_all, st.decode_main_kv, jnp.float32)),
+                    dq, dw, keys, sg(q), sg(gather_pool(state["main_kv"][isrc], addr_all, st.decode_main_kv,
+                                                        jnp.float32)),
                     (ctx.pos + 1) // ratio, ctx.valid, cfg.head_dim ** -0.5, rope)
                 shared["index_kl"] = shared.get("index_kl", 0.0) + loss
         base = kv_buf[0].shape[1]

@@ -9,11 +9,11 @@ The loss, per index-source layer and valid query row with at least one visible c
 indexer warm-up, restricted to the entries the indexer chooses among): the target is the main attention's
 distribution over the visible compressed entries -- softmax over entries of ``q . kv * scale`` per head, averaged
 over heads, with no gradient -- and the loss is ``KL(target || softmax(index scores))`` over the same entries. The
-attention layer (``csa_attention``, ``RunOptions(index_distill=True)``) recomputes the index queries from inputs with
-no gradient and holds the index keys and the target constant, so the loss moves the indexer's query side only
-(``indexer.wq_b``, ``indexer.weights_proj``): not the backbone, and not yet the index keys' own weights
-(``indexer.wk``, ``indexer.k_norm``), which would need the compressor's latent detached at the source layer. The
-forward's outputs are unchanged by computing it.
+attention layer (``csa_attention``, ``RunOptions(index_distill=True)``) recomputes the index queries from its inputs
+held constant, and the index keys of the entries the call writes from the compressor's latent held constant
+(``dense_entries``; entries of earlier calls come from the pool, constant), so the loss moves the indexer's own
+weights only (``indexer.wq_b``, ``indexer.weights_proj``, ``indexer.wk``, ``indexer.k_norm``), not the backbone or
+the compressor. The forward's outputs are unchanged by computing it.
 """
 from __future__ import annotations
 
