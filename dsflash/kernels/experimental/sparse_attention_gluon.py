@@ -162,18 +162,17 @@ def pad_entries(idx):
 
 def flash_prefill_gluon(q, kv, idx, sink, scale, *, overlap: int = 0):
     """o [B, S, H, D] (q's dtype, bf16) of ``sparse_sink_attention`` without RoPE, by ``flash_gluon_kernel`` (H 64,
-    D 512, bf16 q / kv). A shape or dtype it does not take is a ``ValueError`` naming it. ``overlap`` 0 (QK, softmax,
+    D 512, bf16 q / kv: the only shape it is tested at; any other is a ``ValueError``). ``overlap`` 0 (QK, softmax,
     PV in series) is the default: 0.91x flash_bk64_s2's time at 16K rows against 0.92x for 1 (H100, session 25)."""
     from dsflash.kernels.triton_call import jax_triton
     B, S, H, D = q.shape
-    if H != 64 or D % 64 or q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
-        raise ValueError(f"flash_prefill_gluon takes bf16 q [.., 64, D] with D a multiple of 64; got q {q.shape} "
-                         f"{q.dtype}, kv {kv.dtype}")
+    if H != 64 or D != 512 or q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:
+        raise ValueError(f"flash_prefill_gluon takes bf16 q [.., 64, 512]; got q {q.shape} {q.dtype}, kv {kv.dtype}")
     N = kv.shape[1]
     idx = pad_entries(idx.astype(jnp.int32))
     K = idx.shape[2]
     jt = jax_triton()
     return jt.triton_call(
-        q, kv, idx.astype(jnp.int32), sink.astype(jnp.float32), S, N, K, kernel=flash_gluon_kernel,
+        q, kv, idx, sink.astype(jnp.float32), S, N, K, kernel=flash_gluon_kernel,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=(B * S,), num_warps=8,
         H=H, D=D, SCALE=float(scale), BK=BK, NB=-(-K // BK), OVERLAP=int(overlap))
