@@ -65,8 +65,8 @@ def ops(T: int, configs, paged=True):
     idx = jnp.concatenate([win_idx, jnp.where(sel >= 0, sel + T, -1)], axis=-1)
     out = {}
     for c in configs:
-        if c.startswith("gluon_ov"):       # the Gluon kernel (kernels/experimental/sparse_attention_gluon.py)
-            from dsflash.kernels.experimental import sparse_attention_gluon as sag
+        if c.startswith("gluon_ov"):       # the Gluon kernel (kernels/sparse_attention_gluon.py)
+            from dsflash.kernels import sparse_attention_gluon as sag
             out[c] = jax.jit(lambda q_, ov=int(c[-1]): sag.flash_prefill_gluon(q_, kv, idx, sink, scale, overlap=ov))
             continue
         if c == "gluon_ws":                # the channel-split one (kernels/experimental/sparse_attention_gluon_ws.py)

@@ -53,7 +53,7 @@
 #   prefill_step with moeil_ropex / moeil_ropei. s23_b: attn_prefill, then guided. Then targets.
 # gluon: tests/gpu/test_gluon_launch.py and test_sparse_attention_gluon.py, then gpu_attn_prefill_probe.py with the
 #   Gluon flash kernels (gluon_ov0, the channel-split gluon_ws) beside flash_bk64_s2 (ATTN_CONFIGS), then (ov0 passed, GLUON_STEP not
-#   0) the 16K prefill step with / without it. Files: pytest_gluon.log, attn_gluon.json / .log, step_gluon.log,
+#   0) the 16K prefill step without / with it (on by default from 4,096 rows since session 26). Files: pytest_gluon.log, attn_gluon.json / .log, step_gluon.log,
 #   step_profile.json.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
@@ -312,7 +312,7 @@ PY
     if [ "$RC" != 124 ] && grep -q "passed" "$OUT/pytest_gluon.log" && ! grep -q "FAILED.*\(-ov0\]\|test_gluon_launch\)" \
         "$OUT/pytest_gluon.log" && [ "${GLUON_STEP:-1}" = 1 ]; then
       timeout 220 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --prefill 16384@0 \
-        --variants moeil,moeil_gluon --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_gluon.log" 2>&1
+        --variants moeil_nogluon,moeil --profile-no-cb --no-ceilings --out "$OUT" > "$OUT/step_gluon.log" 2>&1
       echo "== step profile, gluon (rc $?)"; grep -E "^(point|decode|prefill) |^sparse_attention " "$OUT/step_gluon.log" | tail -8
     fi
     ;;

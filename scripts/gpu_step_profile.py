@@ -25,7 +25,8 @@ the picked compressed entries read from the NVFP4 pool, no bf16 gather or concat
 reading whole rows (``topk_triton.READ_TO_VISIBLE`` off, as before session 22); ``moeil_cvt`` = ``moeil_ropex`` with
 the indexer scorer's rounding as the convert alone (``indexer_topk_triton.HW_ROUND_DEFAULT`` 2); ``moeil_ropei`` =
 ``moeil_ropex`` with the tails rotated in place by a small kernel (``sparse_attention_triton.ROPE_INPLACE``);
-``moeil_gluon`` = ``moeil`` with the Gluon flash kernel from 257 rows (``sparse_attention_triton.GLUON_FROM_ROWS``).
+``moeil_gluon`` = ``moeil`` with the Gluon flash kernel from 257 rows (``sparse_attention_triton.GLUON_FROM_ROWS``,
+4,096 by default since session 26); ``moeil_nogluon`` = ``moeil`` with the Triton flash kernel at every row count.
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ def main():
             sparse_attention_triton.ROPE_IN_KERNEL = {"moeil_ropek": True, "moeil_ropex": False, "moeil_fullrows": False,
                                                       "moeil_cvt": False, "moeil_ropei": False}.get(var, real_rope)
             sparse_attention_triton.ROPE_INPLACE = {"moeil_ropei": True, "moeil_ropex": False}.get(var, real_inplace)
-            sparse_attention_triton.GLUON_FROM_ROWS = 257 if var == "moeil_gluon" else real_gluon
+            sparse_attention_triton.GLUON_FROM_ROWS = {"moeil_gluon": 257, "moeil_nogluon": None}.get(var, real_gluon)
             topk_triton.READ_TO_VISIBLE = False if var == "moeil_fullrows" else real_vis
             indexer_topk_triton.HW_ROUND_DEFAULT = 2 if var == "moeil_cvt" else real_hw
             uses_il = var.startswith("moeil")           # moeil and its A/B variants run the il layout

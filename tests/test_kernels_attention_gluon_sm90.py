@@ -1,4 +1,4 @@
-"""CPU-host sm_90 compile of the Gluon prefill flash kernel (``kernels/experimental/sparse_attention_gluon.py``;
+"""CPU-host sm_90 compile of the Gluon prefill flash kernel (``kernels/sparse_attention_gluon.py``;
 scripts/sm90_compile.py, triton's bundled ptxas / nvdisasm, no GPU), against the Triton ``_flash_kernel`` at the same
 prefill shape: the point of the Gluon kernel is that each warpgroup computes only its half of S, so its main loop
 issues half of Triton's QK instructions (32 HGMMA.64x32 a warp a block, each warpgroup its own 32 entries), without
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import sm90_compile  # noqa: E402
 
 from dsflash.kernels import sparse_attention_triton as sat  # noqa: E402
-from dsflash.kernels.experimental import sparse_attention_gluon as sag  # noqa: E402
+from dsflash.kernels import sparse_attention_gluon as sag  # noqa: E402
 
 SIG = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", sink_ptr="*fp32", S="i32", N="i32", K="i32", o_ptr="*bf16")
 

@@ -73,15 +73,22 @@ def test_inplace_rope_launches(jt, monkeypatch):
 
 
 @pytest.mark.parametrize("gluon_from,rows,flash", [(None, 512, "_flash_kernel"), (257, 256, "_flash_kernel"),
-                                                   (257, 512, "flash_gluon_kernel")])
+                                                   (257, 512, "flash_gluon_kernel"),
+                                                   ("default", 2048, "_flash_kernel"),
+                                                   ("default", 4096, "flash_gluon_kernel"),
+                                                   ("no gluon", 4096, "_flash_kernel")])
 def test_gluon_flash_kernel_takes_the_rows_it_is_gated_to(jt, monkeypatch, gluon_from, rows, flash):
-    """``GLUON_FROM_ROWS`` (session 25, off by default) sends one-split bf16 launches of the picked config from that
-    many rows to the Gluon kernel, between the in-place RoPE launches as the Triton kernel is; below it, or off, the
-    Triton kernel. (Its first form tested ``config is None``, which the RoPE-around recursion never passes.)"""
+    """``GLUON_FROM_ROWS`` sends one-split bf16 launches of the picked config from that many rows to the Gluon kernel,
+    between the in-place RoPE launches as the Triton kernel is; below it, or off, or without Gluon in the installed
+    Triton, the Triton kernel. The default (4,096 since session 26) is where the H100 probe measured it faster. (Its
+    first form tested ``config is None``, which the RoPE-around recursion never passes.)"""
     pytest.importorskip("triton.experimental.gluon")
     from dsflash.kernels import sparse_attention_triton as sat
     monkeypatch.setattr(sat, "ROPE_INPLACE", True)
-    monkeypatch.setattr(sat, "GLUON_FROM_ROWS", gluon_from)
+    if gluon_from == "no gluon":
+        monkeypatch.setattr(sat, "_gluon_available", lambda: False)
+    elif gluon_from != "default":
+        monkeypatch.setattr(sat, "GLUON_FROM_ROWS", gluon_from)
     H, D, N, K = 64, 512, 700, 640
     args = [_sds((1, rows, H, D), jnp.bfloat16), _sds((1, N, D), jnp.bfloat16), _sds((1, rows, K), jnp.int32),
             _sds((H,), jnp.float32), _sds((1, rows, 32), jnp.float32), _sds((1, rows, 32), jnp.float32)]

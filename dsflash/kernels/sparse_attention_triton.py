@@ -118,10 +118,22 @@ ROPE_IN_KERNEL = False
 # unfused fp32 arithmetic); ``gpu_step_profile --variants moeil_ropex,moeil_ropei``: 4096 tokens 37.62 -> 36.71 ms,
 # 16384 127.09 -> 123.93, decode 32 x 6 8.55 -> 8.41 (results/step_profile_20261207_h100_s23_ropei.json).
 ROPE_INPLACE = True
-# The Gluon flash kernel (kernels/experimental/sparse_attention_gluon.py, session 25: S split over the warpgroups so QK
-# is computed once) for one-split launches from this many query rows (bf16, 64 heads, reference P rounding, the
-# picked config); None = off until it is measured in the step (gpu_step_profile's variant "moeil_gluon" sets 257).
-GLUON_FROM_ROWS = None
+# The Gluon flash kernel (kernels/sparse_attention_gluon.py, session 25: S split over the warpgroups so QK is computed
+# once; ids loaded one block ahead) for one-split launches from this many query rows (bf16, 64 heads, reference P
+# rounding, the picked config); None = off. On since session 26 (one H100, gpu_attn_prefill_probe.py --no-paged,
+# flash_bk64_s2 -> gluon_ov0): 2,048 rows 0.764 -> 0.778 ms (slower), 4,096 1.395 -> 1.322, 16,384 5.218 -> 4.414;
+# the step (moeil -> moeil_gluon, Gluon from 257 rows) 4K prefill 37.24 -> 36.84 ms, 16K 123.61 -> 121.71
+# (results/*_20261207_h100_s26_*). Below 4,096 rows it was not measured faster, so the Triton kernel keeps them.
+GLUON_FROM_ROWS = 4096
+
+
+def _gluon_available() -> bool:
+    """Triton builds without Gluon (older than 3.5) keep the Triton kernel for every row count."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pick_config(rows: int) -> AttnConfig:
@@ -556,8 +568,8 @@ def sparse_sink_attention_triton(q, kv, idx, sink, scale, *, out_dtype=None, pre
     sink = sink.astype(jnp.float32)
     bf16 = q.dtype == kv.dtype == jnp.dtype(out_dtype) == jnp.bfloat16
     if (GLUON_FROM_ROWS is not None and R >= GLUON_FROM_ROWS and cfg == pick_config(R) and cfg.kind == "flash"
-            and ns == 1 and rope is None and H == 64 and p_bf16 and bf16):
-        from dsflash.kernels.experimental.sparse_attention_gluon import flash_prefill_gluon
+            and ns == 1 and rope is None and H == 64 and D == 512 and p_bf16 and bf16 and _gluon_available()):
+        from dsflash.kernels.sparse_attention_gluon import flash_prefill_gluon
         return flash_prefill_gluon(q, kv, idx, sink, scale)
     if cfg.kind == "flash":
         if ns == 1:

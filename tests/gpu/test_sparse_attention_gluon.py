@@ -1,4 +1,4 @@
-"""The Gluon prefill flash kernel (``kernels/experimental/sparse_attention_gluon.py``) against the sparse-attention
+"""The Gluon prefill flash kernel (``kernels/sparse_attention_gluon.py``) against the sparse-attention
 reference on the GPU, both of its schedules (OVERLAP 0 / 1), and the channel-split warp-specialised one
 (``sparse_attention_gluon_ws``): within ``flash_bound``'s band (P rounded to bf16 against
 the running max, as the Triton flash kernel) plus the bf16 output's own rounding, rows with no entry exactly 0, and an
@@ -44,7 +44,7 @@ def _kernel(variant):
     if variant == "ws":
         from dsflash.kernels.experimental import sparse_attention_gluon_ws as ws
         return ws.flash_prefill_gluon_ws
-    from dsflash.kernels.experimental import sparse_attention_gluon as sag
+    from dsflash.kernels import sparse_attention_gluon as sag
     return lambda *a: sag.flash_prefill_gluon(*a, overlap=int(variant[-1]))
 
 
@@ -75,7 +75,7 @@ def test_gluon_flash_within_error_band(case, variant):
 
 
 def test_bad_shapes_are_a_value_error():
-    from dsflash.kernels.experimental import sparse_attention_gluon as sag
+    from dsflash.kernels import sparse_attention_gluon as sag
     q, kv, idx, sink, scale = _inputs((1, 2, 64, 512, 100, 64), 0)
     with pytest.raises(ValueError, match="64, 512"):
         sag.flash_prefill_gluon(q[:, :, :32], kv, idx, sink[:32], scale)

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from dsflash.kernels.experimental.sparse_attention_gluon import BK, _block_ids, _gather_kv, _online_softmax, pad_entries
+from dsflash.kernels.sparse_attention_gluon import BK, _block_ids, _gather_kv, _online_softmax, pad_entries
 
 
 @gluon.jit
