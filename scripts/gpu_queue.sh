@@ -26,7 +26,8 @@
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
 # draft: `bench engine --model demo` with the retrained draft, documentation then chat prompts, spec / adaptive /
-#   plain at 1, 8, 32 sequences (DRAFT_SETS, DRAFT_BATCHES, DRAFT_TIMEOUT per set: default "text chat", 1,8,32, 280 s).
+#   plain at 1, 8, 32 sequences (DRAFT_SETS, DRAFT_BATCHES, DRAFT_TIMEOUT per set, DRAFT_MODES: default "text chat",
+#   1,8,32, 280 s, spec,adaptive,plain).
 #   Files: eng_text.json, eng_chat.json and their logs.
 # moe_decode: il decode configs (MOE_CONFIGS, comma-separated) at 1 / 32 / 64 x 6 rows, and Nsight Compute's stall
 #   reasons on the 32 x 6 config. Files: kernels_*.json, bench_moe_decode.log, ncu_*.log, ncu_summary.txt.
@@ -127,7 +128,7 @@ case $PART in
   draft)
     for set in ${DRAFT_SETS:-text chat}; do    # session 16: text's batches 8 and 32 did not fit 280 s after batch 1
       timeout "${DRAFT_TIMEOUT:-280}" python3 -m dsflash.bench engine --model demo --${set}-prompts --prompt-len 48 \
-        --max-tokens 64 --batches "${DRAFT_BATCHES:-1,8,32}" --passes 3 --modes spec,adaptive,plain --json "$OUT/eng_$set.json" \
+        --max-tokens 64 --batches "${DRAFT_BATCHES:-1,8,32}" --passes 3 --modes "${DRAFT_MODES:-spec,adaptive,plain}" --json "$OUT/eng_$set.json" \
         --compilation-cache-dir /tmp/cc > "$OUT/eng_$set.log" 2>&1
       echo "== bench engine $set (rc $?)"; tail -15 "$OUT/eng_$set.log"
     done

@@ -63,3 +63,20 @@ def test_chat_prompts_are_held_out_first_turns_as_served():
     with pytest.raises(SystemExit, match="chat-prompts"):
         bench_engine.chat_prompts(tok, 6, 5)
     assert bench_engine.parse(["--chat-prompts"]).chat_prompts
+
+
+def test_adaptive_mixed_mode_lets_the_cost_model_draft_in_steps_that_prefill(tmp_path):
+    """``adaptive_mixed`` (EngineConfig.speculative_in_mixed_steps): the calls of steps that also prefill are the
+    cost model's to decide where the budget has room, so none is forced plain; the default adaptive rule forces
+    them plain (one prompt a step: the second and third prefill while the first decodes)."""
+    out = tmp_path / "engine.json"
+    rc = bench_engine.main(["--model", "toy", "--num-prompts", "3", "--prompt-len", "8", "--max-tokens", "12",
+                            "--max-num-seqs", "3", "--max-model-len", "64", "--page-size", "8",
+                            "--prefill-buckets", "1x8", "--modes", "adaptive,adaptive_mixed,plain", "--json", str(out)])
+    assert rc == 0
+    adaptive, mixed, plain = json.loads(out.read_text())["results"]
+    assert adaptive["phases"]["mixed"]["iters"] > 0 and mixed["phases"]["mixed"]["iters"] > 0
+    assert adaptive["spec_calls_plain_for_prefill"] > 0
+    assert mixed["spec_calls_plain_for_prefill"] == 0
+    for r in (adaptive, mixed):
+        assert r["generated_tokens"] == plain["generated_tokens"] == 3 * 12

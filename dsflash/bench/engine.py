@@ -50,7 +50,8 @@ def parse(argv):
                    help="kernels: 'auto' = Triton on a CUDA GPU when jax-triton imports, else XLA")
     p.add_argument("--modes", default="spec,adaptive,plain",
                    help="comma list of spec (drafts every call), adaptive (the engine's default: drafts when its "
-                        "cost model says they pay) and plain (no drafts)")
+                        "cost model says they pay, every call of a step that prefills plain), adaptive_mixed "
+                        "(adaptive, its cost model deciding those calls too) and plain (no drafts)")
     p.add_argument("--passes", type=int, default=1,
                    help="timed passes per mode, the modes' passes interleaved; the median pass is reported")
     p.add_argument("--batches", default=None,
@@ -153,7 +154,9 @@ def iteration_breakdown(eng, repeats: int) -> dict:
     return out
 
 
-MODES = {"spec": "always", "adaptive": "adaptive", "plain": "off"}     # bench mode -> speculative_mode
+# bench mode -> speculative_mode; "adaptive_mixed": adaptive, its cost model also deciding the calls of steps that
+# prefill (EngineConfig.speculative_in_mixed_steps)
+MODES = {"spec": "always", "adaptive": "adaptive", "adaptive_mixed": "adaptive", "plain": "off"}
 
 
 def run_mode(model, args, mode: str) -> dict:
@@ -164,7 +167,8 @@ def run_mode(model, args, mode: str) -> dict:
     from dsflash.serve.types import SamplingParams
     t0 = time.perf_counter()
     speculative = mode != "plain"
-    eng = LLMEngine(model, speculative_mode=MODES[mode], max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+    eng = LLMEngine(model, speculative_mode=MODES[mode], speculative_in_mixed_steps=mode == "adaptive_mixed",
+                    max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     page_size=args.page_size, max_num_batched_tokens=args.max_num_batched_tokens,
                     precision=args.precision, backend=args.backend, decode_steps=args.decode_steps, async_scheduling=args.async_scheduling,
                     seed=args.seed, enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir,
@@ -234,6 +238,8 @@ def run_mode(model, args, mode: str) -> dict:
     breakdown = iteration_breakdown(eng, args.repeats) if mode == "spec" and args.breakdown else None
     spec_m = {k: m[k] for k in ("spec_mode", "spec_drafted_call_fraction", "spec_requests_stopped_drafting",
                                 "spec_iteration_ms_draft0", f"spec_iteration_ms_draft{eng.k}") if k in m}
+    if "spec_calls_plain_for_prefill" in m:      # this pass's, not the warm-up's too
+        spec_m["spec_calls_plain_for_prefill"] = m["spec_calls_plain_for_prefill"] - m0["spec_calls_plain_for_prefill"]
     yield {
         "mode": mode, "speculative": speculative, "batch": args.num_prompts, "max_num_seqs": args.max_num_seqs,
         **spec_m, "startup_s": startup, "warmup_s": eng.warmup_time,
@@ -301,9 +307,10 @@ def run_modes(m, args, modes) -> list:
             print(f"        drafts {r['drafts']}, draft tokens {r['draft_tokens']}, accepted {r['accepted_tokens']}, "
                   f"acceptance rate {r['acceptance_rate']:.3f}, mean acceptance length "
                   f"{r['mean_acceptance_length']:.3f}, per position [{pp}]")
-            if mode == "adaptive":
+            if mode.startswith("adaptive"):
                 print(f"        adaptive: drafted in {100 * r.get('spec_drafted_call_fraction', 0):.0f}% of decode "
-                      f"calls, {r.get('spec_requests_stopped_drafting', 0)} requests stopped drafting")
+                      f"calls, {r.get('spec_requests_stopped_drafting', 0)} requests stopped drafting, "
+                      f"{r.get('spec_calls_plain_for_prefill', 0)} calls plain for prefill")
             b = r.get("iteration_breakdown")
             if b:
                 print(f"        breakdown ({b['rows']} rows, median ms): forward 1 row {b['forward_1_ms']:.2f}, "

@@ -88,6 +88,10 @@ class EngineConfig:
     # "adaptive": per decode call, draft or not by a measured cost model and each request's acceptance
     # (adaptive.py); "always": draft every call; "off": never (as speculative=False)
     speculative_mode: str = "adaptive"
+    # adaptive: let the cost model draft in a step that also prefills, where the token budget has room for both
+    # (False: every such call plain, adaptive.py "Prefill first"; on one H100 that rule was at or above plain at
+    # batch 32 but below always-drafting at batch 8, BENCHMARKS session 26)
+    speculative_in_mixed_steps: bool = False
     # adaptive: the plain program skips the draft's context update; drafting catches it up from recorded taps
     lazy_draft_context: bool = True
     # verify as block + 1 one-row forwards, so a row rounds the same whatever the draft length (reproducible

@@ -50,7 +50,8 @@ class LLMEngine:
         self.max_logprobs, self.max_stop_ids = c.max_logprobs, c.max_stop_ids
         self.speculative = bool(c.speculative) and c.speculative_mode != "off" and be.block > 0
         self.speculation = SpeculationPolicy(be.block if self.speculative else 0,
-                                             c.speculative_mode if self.speculative else "off")
+                                             c.speculative_mode if self.speculative else "off",
+                                             draft_in_mixed_steps=c.speculative_in_mixed_steps)
         self.k = be.block if self.speculative else 0
         self.async_scheduling = bool(c.async_scheduling)
         # called (on the stepping thread) with the first tokens of prompts that complete in a step carrying a
