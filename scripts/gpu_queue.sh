@@ -56,6 +56,8 @@
 #   Gluon flash kernels (gluon_ov0, the channel-split gluon_ws) beside flash_bk64_s2 (ATTN_CONFIGS), then (ov0 passed, GLUON_STEP not
 #   0) the 16K prefill step without / with it (on by default from 4,096 rows since session 26). Files: pytest_gluon.log, attn_gluon.json / .log, step_gluon.log,
 #   step_profile.json.
+# fp8_stalls: Nsight Compute on the dense FP8 kernel at decode rows (scripts/fp8_profile_target.py; FP8_SHAPES, FP8_ROWS,
+#   FP8_CONFIG). Files: ncu_fp8_<shape>.log.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -69,7 +71,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -240,6 +242,25 @@ case $PART in
     echo "== switch cost (rc $?)"; tail -12 "$OUT/switch.log"
     eng32 eng32 64 9 170
     ;;
+  fp8_stalls)   # session 26: why the dense FP8 decode launches run at ~0.45-0.8 TB/s (a 192-row step: o_proj, q_proj, the
+                # shared expert 1.43 ms against ~0.27 of floor): Nsight Compute's stall reasons, issue activity and DRAM
+                # bytes of FP8_SHAPES at FP8_ROWS rows, the picked config (FP8_CONFIG overrides)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+    M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,launch__grid_size
+    for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
+             not_selected selected dispatch_stall no_instruction branch_resolving drain; do
+      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+    done
+    [ -n "$NCU" ] && for sh in ${FP8_SHAPES:-sh_w13 wo_b wq_b}; do
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 120 "$NCU" --clock-control none --target-processes all \
+        --kernel-name regex:_fp8_linear --launch-skip 2 --launch-count 2 --metrics "$M" \
+        python3 scripts/fp8_profile_target.py --shape "$sh" --rows "${FP8_ROWS:-192}" ${FP8_CONFIG:+--config $FP8_CONFIG} \
+        --reps 2 > "$OUT/ncu_fp8_$sh.log" 2>&1
+      echo "== ncu fp8 $sh rows ${FP8_ROWS:-192} (rc $?)"; grep -E "^$sh |_fp8_linear" "$OUT/ncu_fp8_$sh.log" | head -4
+      grep -E "gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_fp8_$sh.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -48
+    done
+    ;;
   moe_stalls)   # sessions 18-19: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2:
                 # stall reasons per issued instruction by metric (ncu's section set segfaulted, session 19), 4096 tokens
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -365,6 +386,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
