@@ -56,6 +56,7 @@
 #   Gluon flash kernels (gluon_ov0, the channel-split gluon_ws) beside flash_bk64_s2 (ATTN_CONFIGS), then (ov0 passed, GLUON_STEP not
 #   0) the 16K prefill step without / with it (on by default from 4,096 rows since session 26). Files: pytest_gluon.log, attn_gluon.json / .log, step_gluon.log,
 #   step_profile.json.
+# gluon_stalls: Nsight Compute on the Gluon flash kernel at GLUON_ROWS prefill rows (default 16384). Files: ncu_gluon.log.
 # fp8_stalls: Nsight Compute on the dense FP8 kernel at decode rows (scripts/fp8_profile_target.py; FP8_SHAPES, FP8_ROWS,
 #   FP8_CONFIG). Files: ncu_fp8_<shape>.log.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
@@ -71,7 +72,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|gluon_stalls|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -360,6 +361,24 @@ PY
     grep -E "_flash_kernel|_paged_kernel|gpu__|smsp__|sm__|launch__|lts__|dram__|l1tex__" "$OUT/ncu_attn_prefill.log" \
       | sed 's/smsp__average_warps_issue_stalled_//' | head -60
     ;;
+  gluon_stalls) # session 26: where the Gluon flash kernel's ~6,500 cycles a block go (~2,050 of tensor work): Nsight
+                # Compute's stall reasons, issue and tensor-pipe activity of flash_gluon_kernel at GLUON_ROWS (16384)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+    M=$M,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,lts__t_bytes.sum
+    M=$M,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active
+    for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
+             not_selected selected dispatch_stall no_instruction branch_resolving sleeping; do
+      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+    done
+    [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
+      --kernel-name regex:flash_gluon_kernel --launch-count 1 --metrics "$M" \
+      python3 scripts/gpu_attn_prefill_probe.py --tokens "${GLUON_ROWS:-16384}" --configs gluon_ov0 --no-paged --once \
+      > "$OUT/ncu_gluon.log" 2>&1
+    echo "== ncu gluon (rc $?)"
+    grep -E "flash_gluon|gpu__|smsp__|sm__|launch__|lts__|dram__|l1tex__" "$OUT/ncu_gluon.log" \
+      | sed 's/smsp__average_warps_issue_stalled_//' | head -40
+    ;;
   s23_all)      # session 23, one call: the per-op step with ceilings (decode 32 x 6, 4K, 16K), then the guided bench
     bash "$0" prefill_step
     GUIDED_TIMEOUT=200 bash "$0" guided
@@ -386,6 +405,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
