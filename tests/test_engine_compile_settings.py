@@ -77,3 +77,11 @@ def test_bench_engine_flags():
     assert (a.compile_threads, a.compilation_cache_dir) == (2, "/y")
     a = bench_engine.parse([])
     assert (a.compile_threads, a.compilation_cache_dir) == (None, None)
+
+
+def test_server_flag_reaches_the_adaptive_policy_s_mixed_step_rule():
+    """``--speculative-in-mixed-steps`` is the config field of the same name (off by default)."""
+    from dsflash.serve.__main__ import build_parser
+    assert EngineConfig.from_namespace(build_parser().parse_args([])).speculative_in_mixed_steps is False
+    c = EngineConfig.from_namespace(build_parser().parse_args(["--speculative-in-mixed-steps"]))
+    assert c.speculative_in_mixed_steps is True
