@@ -82,15 +82,7 @@ def trials(llm, sp, n, split="heldout"):
     """First turns of ``n`` held-out tool conversations and ``n`` others, batched, scored (module docstring).
     ``split="train"``: ``n`` of each spread evenly over the training conversations instead (entries the model
     was fine-tuned on: recall, where held-out entries need the name copied from the question)."""
-    train, held = chat_data.split(chat_data.conversations())     # (greetings are always training rows)
-    if split == "heldout":
-        picks = {"tool": [c for c in held if c["tools"]][:n], "answer": [c for c in held if not c["tools"]][:n]}
-    elif split == "train":
-        named = [c for c in train if c.get("name")]
-        picks = {k: g[:: max(1, len(g) // n)][:n] for k, g in
-                 (("tool", [c for c in named if c["tools"]]), ("answer", [c for c in named if not c["tools"]]))}
-    else:
-        raise ValueError(f"split must be 'heldout' or 'train', not {split!r}")
+    picks = chat_data.trial_conversations(chat_data.conversations(), n, split)
     res = {}
     for kind, convs in picks.items():
         rows, outs = [], {}

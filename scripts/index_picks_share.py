@@ -111,11 +111,7 @@ def tokens_overlapping(spans, start, end):
 def pick_conversations(n, split="train"):
     """The tool conversations ``scripts/chat_samples.py --trials n --trials-split split`` scores (its selection)."""
     from dsflash.train import chat_data
-    train, held = chat_data.split(chat_data.conversations())
-    if split == "heldout":
-        return [c for c in held if c["tools"]][:n]
-    tools = [c for c in train if c.get("name") and c["tools"]]
-    return tools[:: max(1, len(tools) // n)][:n]
+    return chat_data.trial_conversations(chat_data.conversations(), n, split)["tool"]
 
 
 def encode_case(tokenizer, conv):
@@ -209,21 +205,28 @@ def _hooks(rec, force=None, page_size=16):
         attention.index_distill_loss, fwd.csa_attention, attention.ik = orig_loss, orig_csa, orig_ik
 
 
-def capture(params, cfg, tokens, lengths, precision="fp32", page_size=16, force=None):
-    """{index-source layer: {"target" [B,S,T], "score" [B,S,T], "topk" [B,S,K], "visible" [B,S]}} (numpy) of one
-    forward over ``tokens`` [B, S] (rows ``lengths`` long); ``force``: as ``_hooks``'s."""
-    import jax
+def _forward(params, cfg, tokens, lengths, force, rec, precision, page_size, **options):
+    """The model's output over ``tokens`` [B, S] (rows ``lengths`` long) inside ``_hooks(rec, force)``; ``options``:
+    more ``RunOptions`` fields."""
     from dsflash.model.forward import forward
     from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
     B, S = tokens.shape
     pages = -(-S // page_size)
+    with _hooks(rec, force, page_size):
+        st = init_state(cfg, CacheGeometry(B, B * pages, page_size, cfg.dspark_block_size + 1), precision)
+        out, _ = forward(params, cfg, make_batch(tokens, lengths=lengths, pages_per_seq=pages), st,
+                         RunOptions(precision=precision, page_size=page_size, **options))
+    return out
+
+
+def capture(params, cfg, tokens, lengths, precision="fp32", page_size=16, force=None):
+    """{index-source layer: {"target" [B,S,T], "score" [B,S,T], "topk" [B,S,K], "visible" [B,S]}} (numpy) of one
+    forward over ``tokens`` [B, S] (rows ``lengths`` long); ``force``: as ``_hooks``'s."""
+    import jax
 
     def run(params, tokens, lengths, force):
         rec = {}
-        with _hooks(rec, force, page_size):
-            st = init_state(cfg, CacheGeometry(B, B * pages, page_size, cfg.dspark_block_size + 1), precision)
-            forward(params, cfg, make_batch(tokens, lengths=lengths, pages_per_seq=pages), st,
-                    RunOptions(precision=precision, logits="none", page_size=page_size, index_distill=True))
+        _forward(params, cfg, tokens, lengths, force, rec, precision, page_size, logits="none", index_distill=True)
         return rec
 
     out = jax.jit(run)(params, tokens, lengths, force)
@@ -234,16 +237,9 @@ def next_token(params, cfg, tokens, lengths, force=None, precision="fp32", page_
     """(NLL [B, S-1] of each next token, argmax [B, S]) of one forward, the picks forced (``_hooks``) if ``force``."""
     import jax
     import jax.numpy as jnp
-    from dsflash.model.forward import forward
-    from dsflash.model.state import CacheGeometry, RunOptions, init_state, make_batch
-    B, S = tokens.shape
-    pages = -(-S // page_size)
 
     def run(params, tokens, lengths, force):
-        with _hooks({}, force, page_size):
-            st = init_state(cfg, CacheGeometry(B, B * pages, page_size, cfg.dspark_block_size + 1), precision)
-            out, _ = forward(params, cfg, make_batch(tokens, lengths=lengths, pages_per_seq=pages), st,
-                             RunOptions(precision=precision, logits="all", page_size=page_size))
+        out = _forward(params, cfg, tokens, lengths, force, {}, precision, page_size, logits="all")
         lp = jax.nn.log_softmax(out["logits"].astype(jnp.float32), axis=-1)
         nll = -jnp.take_along_axis(lp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
         return nll, jnp.argmax(lp, axis=-1)

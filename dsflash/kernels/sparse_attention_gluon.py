@@ -165,7 +165,8 @@ def pad_entries(idx):
 def flash_prefill_gluon(q, kv, idx, sink, scale, *, overlap: int = 0):
     """o [B, S, H, D] (q's dtype, bf16) of ``sparse_sink_attention`` without RoPE, by ``flash_gluon_kernel`` (H 64,
     D 512, bf16 q / kv: the only shape it is tested at; any other is a ``ValueError``). ``overlap`` 0 (QK, softmax,
-    PV in series) is the default: 0.91x flash_bk64_s2's time at 16K rows against 0.92x for 1 (H100, session 25)."""
+    PV in series) is the default: 0.91x flash_bk64_s2's time at 16K rows against 0.92x for 1 (H100, session 25;
+    0.85x since the ids are loaded a block ahead, session 26)."""
     from dsflash.kernels.triton_call import jax_triton
     B, S, H, D = q.shape
     if H != 64 or D != 512 or q.dtype != jnp.bfloat16 or kv.dtype != jnp.bfloat16:

@@ -348,6 +348,20 @@ def split(convs: list[dict]) -> tuple[list[dict], list[dict]]:
     return [c for c in convs if not c["heldout"]], [c for c in convs if c["heldout"]]
 
 
+def trial_conversations(convs: list[dict], n: int, split_name: str = "heldout") -> dict:
+    """{"tool": [...], "answer": [...]}: the conversations the chat trials score (``scripts/chat_samples.py
+    --trials``, ``scripts/index_picks_share.py``): the first ``n`` held-out ones with tools and ``n`` without, or
+    with ``split_name="train"`` ``n`` of each spread evenly over the named training conversations."""
+    train, held = split(convs)                  # (greetings are always training rows)
+    if split_name == "heldout":
+        return {"tool": [c for c in held if c["tools"]][:n], "answer": [c for c in held if not c["tools"]][:n]}
+    if split_name == "train":
+        named = [c for c in train if c.get("name")]
+        return {k: g[:: max(1, len(g) // n)][:n] for k, g in
+                (("tool", [c for c in named if c["tools"]]), ("answer", [c for c in named if not c["tools"]]))}
+    raise ValueError(f"split must be 'heldout' or 'train', not {split_name!r}")
+
+
 def info(convs: list[dict]) -> dict:
     h = hashlib.sha256(json.dumps([(c["messages"], c["thinking"], bool(c["tools"])) for c in convs],
                                   sort_keys=True).encode("utf-8")).hexdigest()
