@@ -17,13 +17,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="wo_b", choices=sorted(FP8_LINEAR_SHAPES))
     ap.add_argument("--rows", type=int, default=192)
-    ap.add_argument("--config", default=None, choices=sorted(ft.NAMED_CONFIGS),
-                    help="default: the one the model picks at --rows (fp8_linear_triton.pick_config)")
+    ap.add_argument("--config", default=None,
+                    help="a default or experimental config name (fp8_linear_triton.named_config); default: the one "
+                         "the model picks at --rows (fp8_linear_triton.pick_config)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--plan-only", action="store_true")
     a = ap.parse_args(argv)
     N, K = FP8_LINEAR_SHAPES[a.shape]
-    cfg = ft.NAMED_CONFIGS[a.config] if a.config else ft.pick_config(a.rows)
+    cfg = ft.named_config(a.config) if a.config else ft.pick_config(a.rows)
     name = a.config or next(n for n, c in ft.NAMED_CONFIGS.items() if c is cfg)
     pl = ft.plan(cfg, a.rows, N, K)
     print(f"{a.shape} [N {N}, K {K}] x {a.rows} rows, config {name}: {pl}")

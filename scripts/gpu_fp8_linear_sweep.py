@@ -26,8 +26,12 @@ SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_b
 CALLS = 16
 
 
-def candidates():
-    from dsflash.kernels.fp8_linear_triton import NAMED_CONFIGS, Fp8LinearConfig
+def candidates(names=None):
+    """``names``: configs by name (``fp8_linear_triton.named_config``: defaults or kernels/experimental/fp8_configs.py's
+    candidates); None: the run-29 set below."""
+    from dsflash.kernels.fp8_linear_triton import NAMED_CONFIGS, Fp8LinearConfig, named_config
+    if names:
+        return {n: named_config(n) for n in names}
     c = {k: v for k, v in NAMED_CONFIGS.items() if k in ("decode", "decode_bn128", "prefill")}
     c["sw_bm128"] = Fp8LinearConfig(BM_MAX=128)                                     # 2 row tiles at 192
     c["sw_bm256_w8"] = Fp8LinearConfig(BM_MAX=256, warps=8)                          # 1 row tile: weights read once
@@ -44,6 +48,8 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--read-tbs", type=float, default=4.4, help="streaming read bandwidth for the floor, TB/s")
     ap.add_argument("--gemm-tflops", type=float, default=800.0, help="bf16 GEMM rate for the floor, TFLOP/s")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="config names to time beside XLA (default: run 29's set, see candidates())")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -56,7 +62,7 @@ def main():
     from dsflash.kernels import fp8_linear as fl, fp8_linear_triton as flt
 
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "args": vars(a), "points": []}
-    cfgs = candidates()
+    cfgs = candidates(a.configs)
     key = jax.random.PRNGKey(0)
     for name in a.shapes:
         N, K = SHAPES[name]
@@ -73,7 +79,7 @@ def main():
             for cn, cfg in cfgs.items():
                 fns[cn] = lambda x, w, s_, cfg=cfg: flt.fp8_linear_triton(x, w, s_, config=cfg)
             for fn_name, fn in fns.items():
-                if M <= 16 and fn_name not in ("xla", "decode", "decode_bn128"):
+                if M <= 16 and not a.configs and fn_name not in ("xla", "decode", "decode_bn128"):
                     continue          # the 64-384-row candidates only where they differ from "decode"
                 row = {"shape": name, "N": N, "K": K, "M": M, "impl": fn_name, "floor_ms": floor}
                 try:

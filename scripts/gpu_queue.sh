@@ -59,6 +59,8 @@
 # gluon_stalls: Nsight Compute on the Gluon flash kernel at GLUON_ROWS prefill rows (default 16384). Files: ncu_gluon.log.
 # fp8_stalls: Nsight Compute on the dense FP8 kernel at decode rows (scripts/fp8_profile_target.py; FP8_SHAPES, FP8_ROWS,
 #   FP8_CONFIG). Files: ncu_fp8_<shape>.log.
+# fp8_sweep: gpu_fp8_linear_sweep.py at FP8_ROWS (192) over FP8_SWEEP_SHAPES with FP8_SWEEP_CONFIGS (the decode band's
+#   config and kernels/experimental/fp8_configs.py's candidates). Files: fp8_sweep.json / .log.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -262,6 +264,14 @@ case $PART in
       grep -E "gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_fp8_$sh.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -48
     done
     ;;
+  fp8_sweep)    # session 27: the decode band's config against kernels/experimental/fp8_configs.py's candidates at
+                # FP8_ROWS (192) for FP8_SWEEP_SHAPES, kernel busy time per call (scripts/gpu_fp8_linear_sweep.py)
+    timeout "${FP8_SWEEP_TIMEOUT:-300}" python3 scripts/gpu_fp8_linear_sweep.py --rows ${FP8_ROWS:-192} \
+      --shapes ${FP8_SWEEP_SHAPES:-wo_b wq_b shared_w13} --reps 5 --out "$OUT" \
+      --configs ${FP8_SWEEP_CONFIGS:-decode_bn128 dec_bn128_w8 dec_bn128_bm128_w8 dec_bn128_bk64_s4 dec_bn128_bm256_w8} \
+      > "$OUT/fp8_sweep.log" 2>&1
+    echo "== fp8 sweep (rc $?)"; grep -v '^{' "$OUT/fp8_sweep.log" | tail -8
+    ;;
   moe_stalls)   # sessions 18-19: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2:
                 # stall reasons per issued instruction by metric (ncu's section set segfaulted, session 19), 4096 tokens
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -405,6 +415,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -38,7 +38,7 @@ def launches(config, M, N, K, precision="reference"):
             sys.modules.pop("jax_triton", None)
         else:
             sys.modules["jax_triton"] = old
-    return ft.plan(ft.NAMED_CONFIGS[config], M, N, K), rec.calls
+    return ft.plan(ft.named_config(config), M, N, K), rec.calls
 
 
 def reports(config, M, N, K, precision="reference"):

@@ -236,3 +236,17 @@ def test_launch_gives_every_constexpr(M, N, K, groups):
     for kernel, kw in jt.calls:
         wanted = {p.name for p in kernel.params if p.is_constexpr}
         assert wanted <= set(kw), f"{kernel.__name__} launched without {sorted(wanted - set(kw))}"
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_named_config_finds_experimental_candidates_and_names_unknown_ones():
+    from dsflash.kernels import fp8_linear_triton as ft
+    from dsflash.kernels.experimental.fp8_configs import CANDIDATES
+    for name, cfg in CANDIDATES.items():
+        assert ft.named_config(name) is cfg
+        assert name not in ft.NAMED_CONFIGS            # a candidate never shadows a default
+        p = ft.plan(cfg, 192, 5120, 8192)                # wo_b at 32 x 6 rows
+        assert p["programs"] == p["grid"][0] * p["grid"][1] * p["grid"][2]
+    assert ft.named_config("decode_bn128") is ft.NAMED_CONFIGS["decode_bn128"]
+    with pytest.raises(ValueError, match="unknown FP8 linear config 'nope'"):
+        ft.named_config("nope")

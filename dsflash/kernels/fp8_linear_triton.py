@@ -234,7 +234,13 @@ def act_rt_in_kernel(cfg: Fp8LinearConfig, BM: int) -> bool:
 
 
 def named_config(name: str) -> Fp8LinearConfig:
-    return NAMED_CONFIGS[name]
+    """A default config by name, or a candidate of ``kernels/experimental/fp8_configs.py`` (imported only then)."""
+    if name in NAMED_CONFIGS:
+        return NAMED_CONFIGS[name]
+    from dsflash.kernels.experimental.fp8_configs import CANDIDATES
+    if name not in CANDIDATES:
+        raise ValueError(f"unknown FP8 linear config {name!r}; known: {sorted(NAMED_CONFIGS) + sorted(CANDIDATES)}")
+    return CANDIDATES[name]
 
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -285,7 +291,7 @@ def fp8_linear_triton(x, w, scale, *, precision="reference", act_quant=True, con
         raise ValueError(f"w {w.shape} / scale {scale.shape} do not match x [..., {KT}] in {groups} group(s) (want "
                          f"[N, {K}] with N divisible by {groups}, [N/32, {K // 32}])")
     M = math.prod(lead)
-    cfg = NAMED_CONFIGS[config] if isinstance(config, str) else (config or pick_config(M))
+    cfg = named_config(config) if isinstance(config, str) else (config or pick_config(M))
     x2 = x.reshape(M, KT).astype(jnp.bfloat16)
     rt = precision == "reference" and act_quant
     in_kernel = rt and act_rt_in_kernel(cfg, plan(cfg, M, N, K, groups)["BM"])

@@ -1,0 +1,21 @@
+"""Dense FP8 linear configs that are not defaults: candidates for the 64-384-row decode band, timed against
+``fp8_linear_triton.DECODE_CONFIG`` by ``scripts/gpu_fp8_linear_sweep.py`` and compiled by
+``scripts/sm90_compile_fp8_linear.py``; look names up with ``fp8_linear_triton.named_config(name)``. Nothing on the
+default path imports this module.
+
+Why these (session 27): at 192 rows ``decode_bn128`` runs 3 row tiles of 64, each dequantising the whole weight
+(~16 thread instructions per weight element in all, ~1.8x the issue budget at the read floor) at 222 registers and
+4 warps, so 2 CTAs (8 warps) a SM: few warps to hide the loads' latency. The candidates separate the two causes:
+more warps a CTA (latency), fewer row tiles (instructions), smaller tiles (registers -> occupancy)."""
+from dsflash.kernels.fp8_linear_triton import Fp8LinearConfig
+
+CANDIDATES = {
+    # the same tile as decode_bn128 on 8 warps: each warp dequantises half as much, twice the warps in flight
+    "dec_bn128_w8": Fp8LinearConfig(BN=128, warps=8),
+    # two row tiles of 128 at 192 rows (one dequantisation less), 8 warps for the [128, 128] fp32 accumulator
+    "dec_bn128_bm128_w8": Fp8LinearConfig(BN=128, BM_MAX=128, warps=8),
+    # half the K step with a deeper pipeline: fewer registers a stage, more loads in flight
+    "dec_bn128_bk64_s4": Fp8LinearConfig(BN=128, BK=64, stages=4),
+    # the session-2 sweep's sw_bm256_w8 with BN 128: one row tile (the weight dequantised once)
+    "dec_bn128_bm256_w8": Fp8LinearConfig(BN=128, BM_MAX=256, warps=8),
+}
