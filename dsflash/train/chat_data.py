@@ -305,13 +305,18 @@ def _multi(e: Entry, other: Entry | None, rng: np.random.Generator, thinking: bo
 
 
 def conversations(seed: int = 0, per_entry: int = 3, thinking_share: float = 0.25, tool_share: float = 0.2,
-                  multi_share: float = 0.1, max_answer_chars: int = 400, limit: int | None = None) -> list[dict]:
+                  multi_share: float = 0.1, max_answer_chars: int = 400, limit: int | None = None,
+                  copy_share: float = 0.0) -> list[dict]:
     """Deterministic conversations: ``per_entry`` per entry (each a seeded choice of plain / tool / two-turn and of
-    thinking), then the greetings. Each is ``{"messages", "tools", "thinking", "name", "heldout"}``; ``limit``
-    keeps the first that many entries (tests)."""
+    thinking), then the greetings, then ``round(copy_share x training entries)`` copy conversations
+    (:func:`copy_conversations`; their own RNG, so the others do not depend on it). Each is ``{"messages",
+    "tools", "thinking", "name", "heldout"}`` (copy ones also ``"copy": True``); ``limit`` keeps the first that
+    many entries (tests)."""
     for k, v in (("thinking_share", thinking_share), ("tool_share", tool_share), ("multi_share", multi_share)):
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"{k} must be in [0, 1], got {v!r}")
+    if copy_share < 0:
+        raise ValueError(f"copy_share must be >= 0, got {copy_share!r}")
     if tool_share + multi_share > 1.0:
         raise ValueError(f"tool_share + multi_share must be <= 1, got {tool_share} + {multi_share}")
     es = entries(max_answer_chars)[:limit]
@@ -341,6 +346,39 @@ def conversations(seed: int = 0, per_entry: int = 3, thinking_share: float = 0.2
                 msg["reasoning_content"] = "The user greets me or asks what I am. I will introduce myself briefly."
             out.append({"messages": [{"role": "user", "content": q}, msg], "tools": None, "thinking": thinking,
                         "name": f"greeting:{i}", "heldout": False})
+    train_es = [e for e in es if not data.is_heldout(e.document)]
+    return out + copy_conversations(train_es, round(copy_share * len(train_es)), seed)
+
+
+# ---------------------------------------------------------------------------------------------------- copy tasks
+_COPY_SAY = ("Remember this name: {n}.", "Keep the name {n} in mind.", "The name is {n}.", "Note the name {n}.")
+_COPY_ASK = ("Which name did I ask you to remember?", "Repeat the name from the start of my message.",
+             "What was the name I gave you?", "Say the name again.")
+
+
+def copy_conversations(es: list[Entry], n: int, seed: int = 0, min_filler: int = 160,
+                       max_filler: int = 400) -> list[dict]:
+    """``n`` synthetic "copy beyond the window" conversations: the user gives an entry's name once, then a
+    documentation passage (another entry's answer, cut at a word to ``min_filler``-``max_filler`` characters:
+    ~40-100 demo tokens), then asks for the name back; the assistant's whole answer is the name, so its first
+    token must be copied from further back than the demo's 32-token window (a passage shorter than drawn gets the
+    next entry's answer appended before the cut). Entries drawn with replacement from
+    ``es`` (pass training entries only: these are training rows, ``heldout`` False), seeded by ``seed``."""
+    if n and len(es) < 2:
+        raise ValueError("copy_conversations needs at least two entries (a name and a passage)")
+    rng = np.random.default_rng([seed, 0xC0B1])
+    out = []
+    for _ in range(n):
+        i = int(rng.integers(len(es)))
+        e, k, filler = es[i], int(rng.integers(min_filler, max_filler + 1)), ""
+        while len(filler) < k:                               # other entries' answers, until long enough
+            j = int(rng.integers(len(es) - 1))
+            filler = (filler + " " + " ".join(es[j + (j >= i)].answer.split())).strip()
+        cut = filler.rfind(" ", 0, k + 1)
+        filler = filler[:cut if cut >= min_filler else k]
+        q = f"{str(rng.choice(_COPY_SAY)).format(n=e.name)}\n\n{filler}\n\n{str(rng.choice(_COPY_ASK))}"
+        out.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": e.name}],
+                    "tools": None, "thinking": False, "name": e.name, "heldout": False, "copy": True})
     return out
 
 
@@ -407,34 +445,77 @@ def encode(tokenizer, conv: dict) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ids, np.int32), np.asarray(mask, bool)
 
 
+def source_positions(tokenizer, conv: dict, ids) -> list[int]:
+    """Token positions (in ``ids``, the conversation's :func:`encode`) of the first mention of ``conv["name"]`` in
+    its first user message: what a tool call's argument or a copy conversation's answer must copy. [] when the
+    name is not there (greetings, topics asked about by title)."""
+    user = next(m["content"] for m in conv["messages"] if m["role"] == "user").encode("utf-8")
+    name = str(conv.get("name", "")).encode("utf-8")
+    text = "".join(t for t, _ in render(conv)).encode("utf-8")
+    u = text.find(user)
+    m = re.compile(rb"(?<![\w.])" + re.escape(name) + rb"(?!\w)").search(text, u, u + len(user)) \
+        if u >= 0 and name else None      # the whole name ("in" is not the one in "find")
+    if m is None:
+        return []
+    e = m.start()
+    out, pos = [], 0
+    for t, i in enumerate(ids):
+        n = len(tokenizer.token_bytes(int(i)))
+        if pos < e + len(name) and pos + n > e:
+            out.append(t)
+        pos += n
+    return out
+
+
+def pack_layout(lengths: list[int], seq_len: int) -> tuple[list[list[tuple[int, int]]], int]:
+    """Greedy in-order packing of conversations of ``lengths`` into rows of ``seq_len`` (one never spans two rows;
+    longer ones dropped). -> ([per row: (conversation index, offset in the row)], how many were dropped)."""
+    rows, cur, used, dropped = [], [], 0, 0
+    for i, n in enumerate(lengths):
+        if n > seq_len:
+            dropped += 1
+            continue
+        if used + n > seq_len:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append((i, used))
+        used += n
+    if cur:
+        rows.append(cur)
+    return rows, dropped
+
+
 def pack_conversations(examples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int
                        ) -> tuple[np.ndarray, np.ndarray, int]:
     """Whole conversations packed in order into ``[N, seq_len]`` rows (a conversation never spans two rows; the
     rest of a row is ``pad_id``, unmasked) -- as documents were packed for pre-training, BOS separating them.
     -> (ids, mask, how many were longer than ``seq_len`` and dropped)."""
-    rows, masks, cur, cm, dropped = [], [], [], [], 0
+    layout, dropped = pack_layout([len(ids) for ids, _ in examples], seq_len)
+    rows = np.full((len(layout), seq_len), pad_id, np.int32)
+    masks = np.zeros((len(layout), seq_len), bool)
+    for r, row in enumerate(layout):
+        for i, off in row:
+            ids, mask = examples[i]
+            rows[r, off:off + len(ids)], masks[r, off:off + len(ids)] = ids, mask
+    return rows, masks, dropped
 
-    def flush():
-        if cur:
-            r = np.full(seq_len, pad_id, np.int32)
-            mk = np.zeros(seq_len, bool)
-            r[:len(cur)], mk[:len(cm)] = cur, cm
-            rows.append(r)
-            masks.append(mk)
 
-    for ids, mask in examples:
-        if len(ids) > seq_len:
-            dropped += 1
-            continue
-        if len(cur) + len(ids) > seq_len:
-            flush()
-            cur, cm = [], []
-        cur += ids.tolist()
-        cm += mask.tolist()
-    flush()
-    if not rows:
-        return np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), bool), dropped
-    return np.stack(rows), np.stack(masks), dropped
+def row_sources(layout, lengths: list[int], sources: list[list[int]]) -> list[list[tuple[list[int], int]]]:
+    """Per packed row (``pack_layout``'s ``layout``): ``(the source tokens' row positions, the row position where
+    that conversation ends)`` of each conversation with source tokens (:func:`source_positions`)."""
+    return [[([off + p for p in sources[i]], off + lengths[i]) for i, off in row if sources[i]] for row in layout]
+
+
+def teacher_entries(rows_src, seq_len: int, ratio: int, n_max: int = 8) -> np.ndarray:
+    """``[len(rows_src), seq_len, n_max]`` int32: at each position after a conversation's source tokens and before
+    its end, the compressed entries (at ``ratio``) covering those tokens (their first ``n_max``), -1 elsewhere --
+    the entries the SFT stage's teacher picks force into the indexer's top-k there (``teacher_picks``)."""
+    out = np.full((len(rows_src), seq_len, n_max), -1, np.int32)
+    for r, srcs in enumerate(rows_src):
+        for pos, end in srcs:
+            ent = sorted({p // ratio for p in pos})[:n_max]
+            out[r, max(pos) + 1:end, :len(ent)] = ent
+    return out
 
 
 def first_turn_prompts(tokenizer, convs: list[dict]) -> list[list[int]]:
@@ -447,8 +528,17 @@ def first_turn_prompts(tokenizer, convs: list[dict]) -> list[list[int]]:
     return out
 
 
-def chat_rows(tokenizer, convs: list[dict], seq_len: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
-    """Encode and pack ``convs`` after a seeded shuffle (so rows mix kinds of conversation)."""
+def chat_rows(tokenizer, convs: list[dict], seq_len: int, seed: int = 0, sources: bool = False) -> tuple:
+    """Encode and pack ``convs`` after a seeded shuffle (so rows mix kinds of conversation). -> (ids, mask,
+    dropped); ``sources``: and per row :func:`row_sources` of the tool-call and copy conversations (what teacher
+    picks force)."""
     order = np.random.default_rng(seed).permutation(len(convs))
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    return pack_conversations([encode(tokenizer, convs[i]) for i in order], seq_len, pad)
+    examples = [encode(tokenizer, convs[i]) for i in order]
+    ids, mask, dropped = pack_conversations(examples, seq_len, pad)
+    if not sources:
+        return ids, mask, dropped
+    src = [source_positions(tokenizer, convs[i], x) if convs[i].get("tools") or convs[i].get("copy") else []
+           for i, (x, _) in zip(order, examples)]
+    lengths = [len(x) for x, _ in examples]
+    return ids, mask, dropped, row_sources(pack_layout(lengths, seq_len)[0], lengths, src)

@@ -106,21 +106,27 @@ def quantised_view(trainable: dict, cfg) -> dict:
     return {k: w + jax.lax.stop_gradient(rt[k] - w) for k, w in trainable.items()}
 
 
-def sft_loss(trainable, const, cfg, tokens, weights, precision, qat=False, index_weight=0.0):
+def sft_loss(trainable, const, cfg, tokens, weights, precision, qat=False, index_weight=0.0, force=None):
     """(``sum(weights * NLL)`` + ``index_weight`` x the indexer's distillation KL, that KL): ``weights`` ``[B, S-1]``
     weigh the prediction of ``tokens[:, 1:]`` (zero off the assistant tokens of chat rows; the caller normalises
-    them, see ``run._sft_weights``). ``qat``: the forward runs the weights as exported (:func:`quantised_view`)."""
+    them, see ``run._sft_weights``). ``qat``: the forward runs the weights as exported (:func:`quantised_view`).
+    ``force``: teacher picks, ``{str(ratio): [B, S, F] entries}`` put into the indexer's top-k
+    (``teacher_picks``)."""
+    from dsflash.train import teacher_picks
     if qat:
         trainable = quantised_view(trainable, cfg)
-    nll, kl = _nll_kl({**trainable, **const}, cfg, tokens, precision, index_weight)
+    with teacher_picks.forcing(force, PAGE):
+        nll, kl = _nll_kl({**trainable, **const}, cfg, tokens, precision, index_weight)
     return jnp.sum(weights * nll) + index_weight * kl, kl
 
 
 @compile_options.jit(static_argnums=(3, 6, 7, 8, 9), donate_argnums=(0, 1))
-def sft_step(trainable, opt_state, const, cfg, tokens, weights, precision, opt, qat=False, index_weight=0.0):
-    """One optimizer step: (trainable, opt_state, loss, the indexer's distillation KL)."""
+def sft_step(trainable, opt_state, const, cfg, tokens, weights, precision, opt, qat=False, index_weight=0.0,
+             force=None):
+    """One optimizer step: (trainable, opt_state, loss, the indexer's distillation KL); ``force``: teacher picks
+    (:func:`sft_loss`)."""
     (loss, kl), g = jax.value_and_grad(sft_loss, has_aux=True)(trainable, const, cfg, tokens, weights, precision,
-                                                               qat, index_weight)
+                                                               qat, index_weight, force)
     upd, opt_state = opt.update(g, opt_state, trainable)
     return optax.apply_updates(trainable, upd), opt_state, loss, kl
 

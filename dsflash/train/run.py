@@ -217,15 +217,17 @@ def _sft_weights(mask: np.ndarray, n_chat: int, lm_fraction: float) -> np.ndarra
     return w
 
 
-def sft_rows(tokenizer, chat: dict, seq_len: int, seed: int, batch_size: int, n_chat: int) -> tuple:
+def sft_rows(tokenizer, chat: dict, seq_len: int, seed: int, batch_size: int, n_chat: int,
+             sources: bool = False) -> tuple:
     """The SFT stage's chat rows: the training conversations packed into rows of ``seq_len`` tokens with their
     loss masks, and the held-out ones padded to ``batch_size`` rows (tiny runs, where no held-out conversation
     fits a row, hold out the last ``n_chat`` training rows instead). -> (rows, mask, held-out rows, held-out
-    mask, counts for the record)."""
+    mask, counts for the record), and with ``sources`` the training rows' ``chat_data.row_sources`` (teacher
+    picks) last."""
     from dsflash.train import chat_data
     convs = chat_data.conversations(seed=seed, **chat)
     train_c, held_c = chat_data.split(convs)
-    rows, mask, drop_tr = chat_data.chat_rows(tokenizer, train_c, seq_len, seed)
+    rows, mask, drop_tr, *rows_src = chat_data.chat_rows(tokenizer, train_c, seq_len, seed, sources=sources)
     hrows, hmask, drop_he = chat_data.chat_rows(tokenizer, held_c, seq_len, seed)
     info = dict(chat_data.info(convs), dropped_too_long=drop_tr + drop_he, train_rows=len(rows),
                 heldout_rows=len(hrows), chat_train_tokens=int(mask.sum()), chat_heldout_tokens=int(hmask.sum()))
@@ -233,7 +235,20 @@ def sft_rows(tokenizer, chat: dict, seq_len: int, seed: int, batch_size: int, n_
         hrows, hmask = rows[-n_chat:], mask[-n_chat:]
         info["heldout_from_train_rows"] = len(hrows)
     hrows, hmask = _pad_rows(hrows, hmask, batch_size)
+    if sources:
+        info["teacher_source_conversations"] = sum(len(r) for r in rows_src[0])
+        return rows, mask, hrows, hmask, info, rows_src[0]
     return rows, mask, hrows, hmask, info
+
+
+def _teacher_force(cfg, rows_src: list, n_lm: int, seq_len: int) -> dict:
+    """The teacher picks of a batch (``rows_src``: its chat rows' ``chat_data.row_sources``, then ``n_lm``
+    documentation rows, which force nothing): ``{str(ratio): [B, S, F]}`` for each index-source ratio, F = half
+    the top-k (a position keeps at least that many of its own picks)."""
+    from dsflash.train import chat_data
+    src = list(rows_src) + [[]] * n_lm
+    return {str(r): jnp.asarray(chat_data.teacher_entries(src, seq_len, r, max(1, cfg.index_topk // 2)))
+            for r in sorted({cfg.ratio(l) for l in cfg.index_source_layer_ids})}
 
 
 def _sft_record(source_meta: dict, sft_meta: dict) -> dict:
@@ -246,17 +261,20 @@ def _sft_record(source_meta: dict, sft_meta: dict) -> dict:
 def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps: int, lr: float, seq_len: int,
          batch_size: int, lm_fraction: float, chat: dict, precision: str, seed: int, eval_every: int,
          doc_batch_size: int, keep_best: bool, max_seconds: float, quiet: bool, qat: bool = True,
-         index_weight: float = 0.0) -> tuple[dict, dict, tuple]:
+         index_weight: float = 0.0, teacher: bool = False) -> tuple[dict, dict, tuple]:
     """Supervised fine-tuning of the target's float weights on chat conversations (``chat_data``) mixed with
     documentation rows. Every ``eval_every`` steps: the held-out chat loss (assistant tokens of the held-out
     conversations), the held-out documentation loss (the perplexity rows) and the chat loss on the first training
     rows. ``qat``: the forward sees the weights as exported (``loop.quantised_view``) and every evaluation runs
-    them so. -> (the weights of the step with the lowest held-out chat loss (``keep_best``) or the last one, the
-    stage's record, the held-out chat rows and mask)."""
+    them so. ``teacher``: teacher picks (``teacher_picks``): in the training steps only, the entries covering the
+    name a tool-call or copy conversation must copy are forced into the indexer's picks after it. -> (the weights
+    of the step with the lowest held-out chat loss (``keep_best``) or the last one, the stage's record, the
+    held-out chat rows and mask)."""
     from dsflash.train import export
     n_lm = round(lm_fraction * batch_size)
     n_chat = batch_size - n_lm
-    rows, mask, hrows, hmask, info = sft_rows(corpus.tokenizer, chat, seq_len, seed, batch_size, n_chat)
+    rows, mask, hrows, hmask, info, *rows_src = sft_rows(corpus.tokenizer, chat, seq_len, seed, batch_size, n_chat,
+                                                          sources=teacher)
     lm_rows = data.pack(corpus.train_stream, seq_len)
     if n_chat < 1 or len(rows) < n_chat or (n_lm and len(lm_rows) < n_lm):
         raise ValueError(f"sft: {len(rows)} chat rows and {len(lm_rows)} documentation rows of {seq_len} tokens "
@@ -291,8 +309,9 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
             tok = np.concatenate([tok, lm_rows[li]])
             msk = np.concatenate([msk, np.ones((n_lm, seq_len), bool)])
         w = _sft_weights(msk, n_chat, lm_fraction)
+        force = _teacher_force(cfg, [rows_src[0][i] for i in ci], n_lm, seq_len) if teacher else None
         tgt, opt_state, loss, kl = loop.sft_step(tgt, opt_state, const, cfg, jnp.asarray(tok), jnp.asarray(w),
-                                                 precision, opt, qat, index_weight)
+                                                 precision, opt, qat, index_weight, force)
         r = {"stage": "sft", "step": step, "loss": float(loss), "t": round(time.time() - t0, 1)}
         if index_weight:
             r["index_kl"] = float(kl)
@@ -320,7 +339,7 @@ def _sft(tgt: dict, const: dict, cfg, corpus, held: np.ndarray, record, *, steps
               "higher: overfitting)", flush=True)
         tgt, kept = {k: jnp.asarray(v) for k, v in best[2].items()}, best[1]
     meta = {"steps": steps, "steps_run": done, "step_kept": kept, "lr": lr, "seq_len": seq_len,
-            "index_distill": index_weight,
+            "index_distill": index_weight, "teacher_picks": teacher,
             "batch_size": batch_size, "lm_fraction": lm_fraction, "chat_rows_per_batch": n_chat, "qat": qat,
             "conversations": info, "chat_options": dict(chat),
             "corpus": corpus.info,          # this machine's documents: the conversations' source and the LM rows'
@@ -341,7 +360,7 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
           allow_other_corpus: bool = False, sft_steps: int = 0, sft_lr: float = 3e-4, sft_seq_len: int = 1024,
           sft_batch_size: int | None = None, sft_lm_fraction: float = 0.25, max_sft_seconds: float = 0.0,
           sft_qat: bool = True, chat: dict | None = None, chat_prompt_fraction: float = 0.0,
-          index_distill: float = 0.0) -> dict:
+          index_distill: float = 0.0, sft_teacher_picks: bool = False) -> dict:
     """The whole pipeline (module docstring). ``target_from``: a trained checkpoint folder whose target is kept
     as stored (FP8/MXFP4, bit-identical in the export) and only the DSpark stage trains -- on the taps and
     greedy chains of that served target at reference precision, i.e. exactly what the engine feeds the draft.
@@ -365,7 +384,9 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
     fine-tuned target is exported, loaded back and then
     served to the draft stage (if ``draft_steps``) and re-measured like any target. ``index_distill``: weight of
     the indexer's distillation loss (``model/index_distill.py``) added in the target and SFT stages (0: none; the
-    indexer then keeps its initial weights, as top-k passes no gradient)."""
+    indexer then keeps its initial weights, as top-k passes no gradient). ``sft_teacher_picks``: the SFT steps force
+    the entries of the name each tool-call / copy conversation must copy into the indexer's picks
+    (:func:`_sft`'s ``teacher``)."""
     if index_distill < 0:
         raise ValueError(f"index_distill must be >= 0, got {index_distill!r}")
     t0 = time.time()
@@ -510,7 +531,8 @@ def train(out: str, *, config: str = "demo", vocab_size: int = 4096, steps: int 
             seq_len=sft_seq_len,
             batch_size=sft_batch_size or batch_size, lm_fraction=sft_lm_fraction, chat=dict(chat or {}),
             precision=precision, seed=seed, eval_every=eval_every, doc_batch_size=batch_size, keep_best=keep_best,
-            max_seconds=max_sft_seconds, quiet=quiet, qat=sft_qat, index_weight=index_distill)
+            max_seconds=max_sft_seconds, quiet=quiet, qat=sft_qat, index_weight=index_distill,
+            teacher=sft_teacher_picks)
         save_orbax(os.path.join(out, "orbax", "target"), tgt)
         if draft_steps:
             # the draft trains on the fine-tuned target as served: exported (FP8/MXFP4) and loaded back; its stored
@@ -774,9 +796,17 @@ def main(argv=None):
     g.add_argument("--chat-multi", type=float, default=0.1, help="share of two-turn conversations")
     g.add_argument("--chat-answer-chars", type=int, default=400, help="answers: the doc's first paragraphs, this long")
     g.add_argument("--chat-limit", type=int, default=None, help="use only the first N entries (smoke runs)")
+    g.add_argument("--chat-copy", type=float, default=0.0, metavar="SHARE",
+                   help="add SHARE x (training entries) synthetic copy conversations (a name, ~40-100 tokens of "
+                        "documentation, a request to repeat it; chat_data.copy_conversations): copying past the "
+                        "32-token window")
+    g.add_argument("--sft-teacher-picks", action="store_true",
+                   help="in the SFT steps, force the entries of the name each tool-call / copy conversation must copy "
+                        "into the indexer's top-k after it (dsflash/train/teacher_picks.py; evaluation unforced)")
     a = ap.parse_args(argv)
     chat = dict(per_entry=a.chat_per_entry, thinking_share=a.chat_thinking, tool_share=a.chat_tools,
-                multi_share=a.chat_multi, max_answer_chars=a.chat_answer_chars, limit=a.chat_limit)
+                multi_share=a.chat_multi, max_answer_chars=a.chat_answer_chars, limit=a.chat_limit,
+                copy_share=a.chat_copy)
     overrides = {k: v for k, v in (("dspark_n_routed_experts", a.draft_experts),
                                    ("dspark_num_experts_per_tok", a.draft_topk),
                                    ("dspark_markov_rank", a.markov_rank)) if v is not None}
@@ -791,4 +821,5 @@ def main(argv=None):
           target_cache=not a.no_target_cache, allow_other_corpus=a.allow_other_corpus, sft_steps=a.sft_steps,
           sft_lr=a.sft_lr, sft_seq_len=a.sft_seq_len, sft_batch_size=a.sft_batch_size,
           sft_lm_fraction=a.sft_lm_fraction, max_sft_seconds=a.max_sft_seconds,
-          sft_qat=not a.no_sft_qat, chat=chat, chat_prompt_fraction=a.greedy_chat, index_distill=a.index_distill)
+          sft_qat=not a.no_sft_qat, chat=chat, chat_prompt_fraction=a.greedy_chat, index_distill=a.index_distill,
+          sft_teacher_picks=a.sft_teacher_picks)
