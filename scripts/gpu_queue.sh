@@ -268,7 +268,7 @@ case $PART in
                 # FP8_ROWS (192) for FP8_SWEEP_SHAPES, kernel busy time per call (scripts/gpu_fp8_linear_sweep.py)
     timeout "${FP8_SWEEP_TIMEOUT:-300}" python3 scripts/gpu_fp8_linear_sweep.py --rows ${FP8_ROWS:-192} \
       --shapes ${FP8_SWEEP_SHAPES:-wo_b wq_b shared_w13} --reps 5 --out "$OUT" \
-      --configs ${FP8_SWEEP_CONFIGS:-decode_bn128 dec_bn128_w8 dec_bn128_bm128_w8 dec_bn128_bk64_s4 dec_bn128_bm256_w8} \
+      --configs ${FP8_SWEEP_CONFIGS:-decode_bn128 dec_bn64_bm256_bk64 dec_bn64_bm256_bk64_s4 dec_bn128_w8} \
       > "$OUT/fp8_sweep.log" 2>&1
     echo "== fp8 sweep (rc $?)"; grep -v '^{' "$OUT/fp8_sweep.log" | tail -8
     ;;

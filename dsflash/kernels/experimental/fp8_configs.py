@@ -3,10 +3,11 @@
 ``scripts/sm90_compile_fp8_linear.py``; look names up with ``fp8_linear_triton.named_config(name)``. Nothing on the
 default path imports this module.
 
-Why these (session 27): at 192 rows ``decode_bn128`` runs 3 row tiles of 64, each dequantising the whole weight
-(~16 thread instructions per weight element in all, ~1.8x the issue budget at the read floor) at 222 registers and
-4 warps, so 2 CTAs (8 warps) a SM: few warps to hide the loads' latency. The candidates separate the two causes:
-more warps a CTA (latency), fewer row tiles (instructions), smaller tiles (registers -> occupancy)."""
+Why these (session 27; the first four judged on one H100 the same session, benchmarks/results/
+fp8_sweep_20261207_h100_s27.json: none beat decode_bn128): at 192 rows ``decode_bn128`` runs 3 row tiles of 64, each
+dequantising the whole weight (~16 thread instructions per weight element in all, ~1.8x the issue budget at the read
+floor) at 222 registers and 4 warps, so 2 CTAs (8 warps) a SM: few warps to hide the loads' latency. The candidates
+separate the causes: more warps a CTA (latency), fewer row tiles (instructions), smaller tiles (occupancy)."""
 from dsflash.kernels.fp8_linear_triton import Fp8LinearConfig
 
 CANDIDATES = {
@@ -16,6 +17,12 @@ CANDIDATES = {
     "dec_bn128_bm128_w8": Fp8LinearConfig(BN=128, BM_MAX=128, warps=8),
     # half the K step with a deeper pipeline: fewer registers a stage, more loads in flight
     "dec_bn128_bk64_s4": Fp8LinearConfig(BN=128, BK=64, stages=4),
-    # the session-2 sweep's sw_bm256_w8 with BN 128: one row tile (the weight dequantised once)
+    # run 29's sw_bm256_w8 (H200, 2026-12-02) with BN 128: one row tile (the weight dequantised once)
     "dec_bn128_bm256_w8": Fp8LinearConfig(BN=128, BM_MAX=256, warps=8),
+    # one row tile on one warpgroup with a narrow weight tile: each weight element dequantised once (as bm256_w8)
+    # at two CTAs a SM (sm_90 compile, wo_b at 192 rows: 227 registers, 104 KB shared memory, 7.9 thread
+    # instructions per weight element in all, against decode_bn128's 16.1); _s4: the same with a fourth stage
+    # (140 KB: one CTA a SM). BK 128 with 2 stages spills (255 registers). Written after session 27's sweep.
+    "dec_bn64_bm256_bk64": Fp8LinearConfig(BN=64, BM_MAX=256, BK=64, warps=4, stages=3),
+    "dec_bn64_bm256_bk64_s4": Fp8LinearConfig(BN=64, BM_MAX=256, BK=64, warps=4, stages=4),
 }
