@@ -61,6 +61,9 @@
 #   FP8_CONFIG). Files: ncu_fp8_<shape>.log.
 # fp8_sweep: gpu_fp8_linear_sweep.py at FP8_ROWS (192) over FP8_SWEEP_SHAPES with FP8_SWEEP_CONFIGS (the decode band's
 #   config and kernels/experimental/fp8_configs.py's candidates). Files: fp8_sweep.json / .log.
+# fp8_lastred: the last-program split-K reduce's GPU test, fp8_sweep at 6 / 192 rows with it and the one-row-tile
+#   candidate, then prefill_step's decode points with moeil / moeil_lastred / moeil_fp8bm256. Files: pytest_lastred.log,
+#   fp8_sweep.*, prefill_step.log, step_profile.json.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -272,6 +275,15 @@ case $PART in
       > "$OUT/fp8_sweep.log" 2>&1
     echo "== fp8 sweep (rc $?)"; grep -v '^{' "$OUT/fp8_sweep.log" | tail -8
     ;;
+  fp8_lastred)  # session 27 (~8 min): the last-program split-K reduce -- its GPU bit-identity test, the sweep at 6 and
+                # 192 rows against decode_bn128 and the one-row-tile candidate, then the decode step with each
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_linear.py -k "last_program or named_configs" \
+      > "$OUT/pytest_lastred.log" 2>&1
+    echo "== GPU tests (rc $?)"; tail -3 "$OUT/pytest_lastred.log"
+    FP8_ROWS="6 192" FP8_SWEEP_SHAPES="wq_a wo_b shared_w13 shared_w2" FP8_SWEEP_TIMEOUT=200 \
+      FP8_SWEEP_CONFIGS="decode_bn128 dec_bn128_lastred dec_bn64_bm256_bk64" bash "$0" fp8_sweep
+    STEP_POINTS="--decode 32@4096 1@4096" STEP_VARIANTS=moeil,moeil_lastred,moeil_fp8bm256 bash "$0" prefill_step
+    ;;
   moe_stalls)   # sessions 18-19: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2:
                 # stall reasons per issued instruction by metric (ncu's section set segfaulted, session 19), 4096 tokens
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -415,6 +427,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -27,6 +27,8 @@ the indexer scorer's rounding as the convert alone (``indexer_topk_triton.HW_ROU
 ``moeil_ropex`` with the tails rotated in place by a small kernel (``sparse_attention_triton.ROPE_INPLACE``);
 ``moeil_gluon`` = ``moeil`` with the Gluon flash kernel from 257 rows (``sparse_attention_triton.GLUON_FROM_ROWS``,
 4,096 by default since session 26); ``moeil_nogluon`` = ``moeil`` with the Triton flash kernel at every row count.
+``moeil_lastred`` / ``moeil_fp8bm256`` = ``moeil`` with the dense FP8 decode band on ``dec_bn128_lastred`` (split K
+summed by each tile's last program) / ``dec_bn64_bm256_bk64`` (kernels/experimental/fp8_configs.py, session 27).
 """
 from __future__ import annotations
 
@@ -135,7 +137,8 @@ def main():
             fp8_linear.GROUPED = var in ("fp8grp", "grp32") or real_grouped
             moe_plan.DECODE_CONFIG = moe_plan.named_config("sw_eo_np_bm32") if var in ("moe32", "grp32") else real_moe
             dispatch.GATES["indexer_paged"] = real_paged.replace(triton=()) if var == "gather" else real_paged
-            fp8_linear_triton.DECODE_CONFIG = "decode" if var == "fp8bn64" else real_fp8cfg
+            fp8_linear_triton.DECODE_CONFIG = {"fp8bn64": "decode", "moeil_lastred": "dec_bn128_lastred",
+                                               "moeil_fp8bm256": "dec_bn64_bm256_bk64"}.get(var, real_fp8cfg)
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
             triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)

@@ -289,6 +289,7 @@ class _Recorder:
         import jax
         multi = isinstance(out_shape, (tuple, list))
         shapes = tuple(out_shape) if multi else (out_shape,)
+        kw.pop("zeroed_outputs", None)          # a launch option, not a kernel argument
         self.calls.append(dict(kernel=kernel, args=[_dt(a) for a in args] + [_dt(o) for o in shapes],
                                grid=tuple(grid), num_warps=num_warps, num_stages=num_stages, constexprs=kw))
         outs = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in shapes)

@@ -48,7 +48,7 @@ def reports(config, M, N, K, precision="reference"):
         fn = c["kernel"]
         names = [p.name for p in fn.params if not p.is_constexpr]
         sig = {n: "*" + t for n, t in zip(names, c["args"])}
-        main = fn.__name__ == "_fp8_linear_kernel"
+        main = fn.__name__ in ("_fp8_linear_kernel", "_fp8_linear_lastred_kernel")
         kw = c["constexprs"]
         label = (f"{config} M={M} N={N} K={K} {fn.__name__} grid {c['grid']} "
                  + " ".join(f"{k}={v}" for k, v in kw.items() if k in ("BM", "BN", "BK", "KS", "SWAP", "ACT_RT")))

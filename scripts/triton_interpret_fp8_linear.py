@@ -57,7 +57,7 @@ def check(M, K=256, N=96, *, precision="reference", config="decode", seed=0, exa
         ks = jnp.roll(s, 1, axis=1)                    # each block gets its K-neighbour's scale
     elif mutate == "no_rt":
         kprec = "bf16"
-    cfg = ft.NAMED_CONFIGS[config]
+    cfg = ft.named_config(config)
     y32 = np.asarray(ft.fp8_linear_triton(x, w, ks, precision=kprec, act_quant=act_quant, config=cfg,
                                           out_f32=True, decode=0)).astype(np.float32)
     y16 = np.asarray(ft.fp8_linear_triton(x, w, ks, precision=kprec, act_quant=act_quant, config=cfg,
@@ -146,6 +146,29 @@ def check_grouped(M=6, K=256, G=2, Ng=64, *, config="decode", seed=14, exact=Fal
     return ok == expect_ok
 
 
+def check_lastred(M, K=512, N=128, *, seed=19, groups=1):
+    """Split K summed by each tile's last program (``reduce="last"``, ``_fp8_linear_lastred_kernel``) against the
+    two-launch path (``_fp8_linear_reduce``) of the same tiles: fp32 and bf16 outputs bit-identical (same partials,
+    same order), and KS > 1 really taken. The interpreter runs programs one after another, so the last to arrive
+    is always ks = KS - 1; the GPU test (tests/gpu/test_fp8_linear.py) checks the concurrent case."""
+    sys.modules["jax_triton"] = _JtShim
+    x, w, s = problem(M, groups * K, N, seed)
+    if groups > 1:
+        w, s = w[:, :K], s[:, :K // 32]
+    base = ft.Fp8LinearConfig(BN=64)
+    last = ft.Fp8LinearConfig(BN=64, reduce="last")
+    pl = ft.plan(last, M, N, K, groups)
+    outs = {}
+    for name, cfg in (("launch", base), ("last", last)):
+        for f32 in (True, False):
+            outs[name, f32] = np.asarray(ft.fp8_linear_triton(x, w, s, act_quant=groups == 1, config=cfg, decode=0,
+                                                              out_f32=f32, groups=groups)).astype(np.float32)
+    ok = pl["KS"] > 1 and all(np.array_equal(outs["launch", f], outs["last", f]) for f in (True, False))
+    print(f"last-program reduce M={M} K={K} N={N} G={groups} plan=BM{pl['BM']} BN{pl['BN']} KS{pl['KS']} grid "
+          f"{pl['grid']}: fp32 / bf16 bit-identical to the reduce launch -> {'ok' if ok else 'MISMATCH'}")
+    return ok
+
+
 CHECKS = {
     "ref.m1": lambda: check(1),
     "ref.m6": lambda: check(6),
@@ -169,6 +192,10 @@ CHECKS = {
     "grouped.m40.prefill": lambda: check_grouped(40, config="prefill", seed=16),
     "grouped.exact.m6": lambda: check_grouped(exact=True, seed=17),
     "mutant.grouped.swap": lambda: check_grouped(seed=18, mutate="swap", expect_ok=False),
+    "lastred.m6": lambda: check_lastred(6),
+    "lastred.m40": lambda: check_lastred(40, seed=20),
+    "lastred.grouped.m6": lambda: check_lastred(6, K=256, groups=2, seed=21),
+    "ref.m6.lastred": lambda: check(6, N=256, K=512, config="dec_bn128_lastred", seed=22),
 }
 
 

@@ -122,6 +122,7 @@ class _JtShim:
     def triton_call(*args, kernel, out_shape, grid, num_warps=4, num_stages=1, **kw):
         multi = isinstance(out_shape, (tuple, list))
         shapes = out_shape if multi else (out_shape,)
+        kw.pop("zeroed_outputs", None)          # every output starts zeroed here
         outs = [np.zeros(o.shape, o.dtype) for o in shapes]
         fakes = [Fake(o) for o in outs]
         # private host copies (np.array copies): zero-copy views of short-lived jax buffers can alias

@@ -250,3 +250,39 @@ def test_named_config_finds_experimental_candidates_and_names_unknown_ones():
     assert ft.named_config("decode_bn128") is ft.NAMED_CONFIGS["decode_bn128"]
     with pytest.raises(ValueError, match="unknown FP8 linear config 'nope'"):
         ft.named_config("nope")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_last_program_reduce_is_one_launch_with_zeroed_counters():
+    """``reduce="last"``: split K in one launch (partials + per-tile arrival counters, the counters zeroed by
+    jax-triton before it), against two launches for "launch"; KS 1 is the plain kernel either way."""
+    import types
+    from dsflash.kernels import fp8_linear_triton as ft
+    calls = []
+
+    def triton_call(*args, kernel, out_shape, grid, **kw):
+        calls.append(dict(kernel=kernel.fn.__name__, out_shape=out_shape, grid=grid, kw=kw))
+        shapes = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+        outs = tuple(jnp.zeros(o.shape, o.dtype) for o in shapes)
+        return outs if isinstance(out_shape, tuple) else outs[0]
+
+    jt = types.SimpleNamespace(triton_call=triton_call)
+    x = jnp.zeros((192, 5120), jnp.bfloat16)
+    w, s = jnp.zeros((2304, 5120), jnp.uint8), jnp.zeros((72, 160), jnp.uint8)
+    last = ft.Fp8LinearConfig(BN=128, reduce="last")
+    pl = ft.plan(last, 192, 2304, 5120)
+    assert pl["KS"] > 1
+    y = ft._launch(jt, x, w, s, cfg=last, act_rt_kernel=False, out_f32=False)
+    assert y.shape == (192, 2304) and y.dtype == jnp.bfloat16
+    (c,) = calls
+    assert c["kernel"] == "_fp8_linear_lastred_kernel" and c["kw"]["zeroed_outputs"] == (2,)
+    assert c["out_shape"][1].shape == (pl["KS"], 192, 2304) and c["out_shape"][1].dtype == jnp.float32
+    assert c["out_shape"][2].shape == (pl["grid"][0] * pl["grid"][1],) and c["out_shape"][2].dtype == jnp.int32
+    calls.clear()
+    ft._launch(jt, x, w, s, cfg=ft.Fp8LinearConfig(BN=128), act_rt_kernel=False, out_f32=False)
+    assert [c["kernel"] for c in calls] == ["_fp8_linear_kernel", "_fp8_linear_reduce"]
+    calls.clear()
+    ft._launch(jt, x, w, s, cfg=ft.Fp8LinearConfig(BN=128, KS=1, reduce="last"), act_rt_kernel=False, out_f32=False)
+    assert [c["kernel"] for c in calls] == ["_fp8_linear_kernel"]
+    with pytest.raises(ValueError, match="reduce"):
+        ft.Fp8LinearConfig(reduce="atomic")

@@ -24,6 +24,8 @@ How it works
   mma.sync). Not swapped (prefill, BM 128): acc [BM, BN] = x . W^T.
 * KS > 1: fp32 partials [KS, M, N], summed in the fixed order ks = 0, 1, ... by ``_fp8_linear_reduce``, then rounded
   to bf16 once. KS is chosen by ``plan`` so that row tiles x N / BN x KS >= ``target_programs`` (132 SMs).
+  ``reduce="last"`` (experimental, session 27): the same sum in the same order by each tile's last program to
+  arrive (``_fp8_linear_lastred_kernel``, arrival counters zeroed by jax-triton), one launch instead of two.
 * ``DECODE`` 0 is the interpreter mode (Triton's interpreter mis-converts fp8 -> bf16 and its bf16 dot is wrong):
   an fp32 "ieee" dot of the same exact values (the same math). 1 on a GPU.
 """
@@ -89,23 +91,18 @@ def _w_tile(w_ptr, s_ptr, offs_n, k0, K: tl.constexpr, BN: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
-                       M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-                       SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr,
-                       G: tl.constexpr):
-    """One (row tile, N block, K chunk). KS == 1: o [M, N] (bf16, or fp32 with OUT_F32); KS > 1: fp32 partials
-    o [KS, M, N] for ``_fp8_linear_reduce``. G > 1: block-diagonal (V4.1's grouped wo_a): x is [M, G K], output
-    features [g N / G, (g + 1) N / G) read only x's g-th K slice (BN divides N / G, so a program sees one group)."""
-    pm = tl.program_id(0)
-    nb = tl.program_id(1)
-    ks = tl.program_id(2)
+def _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks,
+              M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+              SWAP: tl.constexpr, ACT_RT: tl.constexpr, DECODE: tl.constexpr, G: tl.constexpr):
+    """fp32 [BM, BN] of one (row tile pm, N block nb, K chunk ks). G > 1: block-diagonal (V4.1's grouped wo_a): x is
+    [M, G K], output features [g N / G, (g + 1) N / G) read only x's g-th K slice (BN divides N / G, so a program
+    sees one group)."""
     XS: tl.constexpr = K * G                    # x's row stride
     if G > 1:
         NG: tl.constexpr = N // G
         x_ptr = x_ptr + ((nb * BN) // NG) * K
     rows = pm * BM + tl.arange(0, BM)
-    rmask = rows < M
     rows_c = tl.minimum(rows, M - 1).to(tl.int64)
     offs_n = nb * BN + tl.arange(0, BN)
     KCH: tl.constexpr = K // KS
@@ -125,6 +122,24 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
             xt = _x_tile(x_ptr, rows_c, k0, XS, BM, BK, ACT_RT)
             w = _w_tile(w_ptr, s_ptr, offs_n, k0, K, BN, BK)
             acc += _dot_bf16(xt, tl.trans(w), DECODE)
+    return acc
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
+                       M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                       SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr,
+                       G: tl.constexpr):
+    """One (row tile, N block, K chunk) (``_fp8_tile``). KS == 1: o [M, N] (bf16, or fp32 with OUT_F32); KS > 1:
+    fp32 partials o [KS, M, N] for ``_fp8_linear_reduce``."""
+    pm = tl.program_id(0)
+    nb = tl.program_id(1)
+    ks = tl.program_id(2)
+    rows = pm * BM + tl.arange(0, BM)
+    rmask = rows < M
+    offs_n = nb * BN + tl.arange(0, BN)
+    acc = _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks, M, N, K, BM, BN, BK, KS, SWAP, ACT_RT, DECODE, G)
     offs = rows[:, None].to(tl.int64) * N + offs_n[None, :]
     if KS == 1:
         if OUT_F32:
@@ -133,6 +148,39 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
             tl.store(o_ptr + offs, _to_bf16(acc, DECODE), mask=rmask[:, None])
     else:
         tl.store(o_ptr + ks * (M * N) + offs, acc, mask=rmask[:, None])
+
+
+@triton.jit
+def _fp8_linear_lastred_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr,
+                               M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
+                               SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr,
+                               DECODE: tl.constexpr, G: tl.constexpr):
+    """Split K (KS > 1) without the second launch: each program writes its fp32 partial to part [KS, M, N] and
+    counts itself in cnt[tile] (zeroed before the launch); the tile's last program to arrive sums the KS partials
+    in the fixed order ks = 0, 1, ... and writes o [M, N] (bf16, or fp32 with OUT_F32) -- the same sums, in the same
+    order, as ``_fp8_linear_reduce``, so the output is bit-identical to the two-launch path whichever program
+    arrives last. Ordering (CUTLASS's semaphore pattern): a CTA barrier after the partial's stores, then one
+    acq_rel atomic at GPU scope (Triton issues a scalar atomic from one thread and broadcasts its result); the last
+    program reads the partials from L2 (``.cg``)."""
+    pm = tl.program_id(0)
+    nb = tl.program_id(1)
+    ks = tl.program_id(2)
+    acc = _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks, M, N, K, BM, BN, BK, KS, SWAP, ACT_RT, DECODE, G)
+    rows = pm * BM + tl.arange(0, BM)
+    rmask = rows < M
+    offs = rows[:, None].to(tl.int64) * N + nb * BN + tl.arange(0, BN)[None, :]
+    tl.store(part_ptr + ks * (M * N) + offs, acc, mask=rmask[:, None])
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pm * tl.num_programs(1) + nb, 1, sem="acq_rel", scope="gpu")
+    if arrived == KS - 1:
+        tot = tl.zeros((BM, BN), tl.float32)
+        for k in tl.range(0, KS, num_stages=1):     # a loop, not unrolled: one partial tile live at a time
+            tot += tl.load(part_ptr + k * (M * N) + offs, mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+        if OUT_F32:
+            tl.store(o_ptr + offs, tot, mask=rmask[:, None])
+        else:
+            tl.store(o_ptr + offs, _to_bf16(tot, DECODE), mask=rmask[:, None])
 
 
 @triton.jit
@@ -158,7 +206,8 @@ class Fp8LinearConfig:
     """BM: rows per tile (swap: the MMA's N; 0 = adaptive, next power of two of M in [16, BM_MAX]); BN: output
     features per program (<= N, a divisor of N is used); BK: K per step; KS: K split (0 = auto from
     target_programs); swap: weights as the MMA's left operand; act_rt: where the "reference" FP8 round trip of x
-    runs ("auto" | "kernel" | "xla": ``act_rt_in_kernel``)."""
+    runs ("auto" | "kernel" | "xla": ``act_rt_in_kernel``); reduce: how KS > 1 partials are summed ("launch": a
+    second kernel, ``_fp8_linear_reduce``; "last": the tile's last program, ``_fp8_linear_lastred_kernel``)."""
     BM: int = 0
     BM_MAX: int = 64
     BN: int = 64
@@ -170,6 +219,11 @@ class Fp8LinearConfig:
     stages: int = 3
     target_programs: int = 264          # 2 per SM of an H200 (132 SMs)
     max_ks: int = 32
+    reduce: str = "launch"
+
+    def __post_init__(self):
+        if self.reduce not in ("launch", "last"):
+            raise ValueError(f"Fp8LinearConfig.reduce must be 'launch' or 'last', not {self.reduce!r}")
 
 
 NAMED_CONFIGS = {
@@ -189,7 +243,7 @@ DECODE_CONFIG = "decode_bn128"
 
 
 def pick_config(rows: int) -> Fp8LinearConfig:
-    return NAMED_CONFIGS[DECODE_CONFIG if rows <= DECODE_MAX_ROWS else "prefill"]
+    return named_config(DECODE_CONFIG) if rows <= DECODE_MAX_ROWS else NAMED_CONFIGS["prefill"]
 
 
 def _pow2_divisor(n, cap):
@@ -249,13 +303,22 @@ def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1, groups=1):
     N = w8.shape[0]
     pl = plan(cfg, M, N, K, groups)
     KS = pl["KS"]
+    consts = dict(M=M, N=N, K=K, BM=pl["BM"], BN=pl["BN"], BK=pl["BK"], KS=KS, SWAP=int(cfg.swap),
+                  ACT_RT=int(act_rt_kernel), OUT_F32=int(out_f32), DECODE=decode, G=groups)
+    if KS > 1 and cfg.reduce == "last":
+        tiles = pl["grid"][0] * pl["grid"][1]
+        o, _, _ = jt.triton_call(
+            x2, w8, s8, kernel=_fp8_linear_lastred_kernel,
+            out_shape=(jax.ShapeDtypeStruct((M, N), jnp.float32 if out_f32 else jnp.bfloat16),
+                       jax.ShapeDtypeStruct((KS, M, N), jnp.float32),      # the partials (every read one written)
+                       jax.ShapeDtypeStruct((tiles,), jnp.int32)),         # arrival counters, zeroed
+            zeroed_outputs=(2,), grid=pl["grid"], num_warps=cfg.warps, num_stages=cfg.stages, **consts)
+        return o
     odt = jnp.float32 if (out_f32 or KS > 1) else jnp.bfloat16
     oshape = (KS, M, N) if KS > 1 else (M, N)
     o = jt.triton_call(
         x2, w8, s8, kernel=_fp8_linear_kernel, out_shape=jax.ShapeDtypeStruct(oshape, odt),
-        grid=pl["grid"], num_warps=cfg.warps, num_stages=cfg.stages,
-        M=M, N=N, K=K, BM=pl["BM"], BN=pl["BN"], BK=pl["BK"], KS=KS, SWAP=int(cfg.swap), ACT_RT=int(act_rt_kernel),
-        OUT_F32=int(out_f32), DECODE=decode, G=groups)   # every constexpr given: jax-triton does not apply defaults
+        grid=pl["grid"], num_warps=cfg.warps, num_stages=cfg.stages, **consts)
     if KS == 1:
         return o
     BR = min(16, 1 << max(0, M - 1).bit_length())

@@ -75,7 +75,7 @@ def _check(name, M, precision="reference", config=None):
     changed = float(np.mean(y16 != ref16))
     own = bool(np.array_equal(y16, np.asarray(jnp.asarray(y32).astype(jnp.bfloat16).astype(jnp.float32))))
     rel = float(np.linalg.norm(y32 - ref32) / np.linalg.norm(ref32))
-    pl = ft.plan(ft.NAMED_CONFIGS[config] if isinstance(config, str) else (config or ft.pick_config(M)),
+    pl = ft.plan(ft.named_config(config) if isinstance(config, str) else (config or ft.pick_config(M)),
                  M, *SHAPES[name])
     print(f"{name} M={M} {precision} {config or 'picked'} {pl}: fp32 rel {rel:.2e}, max |d|/sum|xw| {worst:.2e}, "
           f"bf16 changed {changed:.3%}, bf16 == RNE(own fp32) {own}")
@@ -100,6 +100,29 @@ def test_kernel_matches_xla_path_bf16_precision(name, M):
 @pytest.mark.parametrize("M", (6, 192))
 def test_named_configs(config, M):
     _check("wq_a", M, config=config)
+
+
+@pytest.mark.parametrize("M", (6, 192))
+@pytest.mark.parametrize("name", ["wq_a", "wkv", "wo_b", "sh_w13", "sh_w2"])
+def test_last_program_reduce_is_bit_identical_to_the_reduce_launch(name, M):
+    """``reduce="last"`` (session 27): the split-K partials summed by each tile's last program to arrive, on the GPU
+    where the programs of a tile race. Same partials, same order as ``_fp8_linear_reduce``, so fp32 and bf16 outputs
+    must be bit-identical to the two-launch path -- on three calls of one compiled program (the arrival counters
+    must start from zero every call) and after a NaN call (no output left unwritten)."""
+    from dsflash.kernels import fp8_linear_triton as ft
+    x, w, s = _inputs(name, M, seed=3)
+    launch = ft.named_config("decode_bn128")
+    last = ft.named_config("dec_bn128_lastred")
+    assert ft.plan(last, M, *SHAPES[name])["KS"] > 1
+    for f32 in (True, False):
+        ref = np.asarray(jax.jit(lambda a, f32=f32: ft.fp8_linear_triton(a, w, s, config=launch, out_f32=f32))(x),
+                         np.float32)
+        fn = jax.jit(lambda a, f32=f32: ft.fp8_linear_triton(a, w, s, config=last, out_f32=f32))
+        _poisoned(fn, x)
+        for call in range(3):
+            got = np.asarray(fn(x), np.float32)
+            assert np.array_equal(got, ref), (f"{name} M={M} out_f32={f32} call {call}: "
+                                              f"{int(np.sum(got != ref))} elements differ")
 
 
 def test_nan_weight_propagates():

@@ -25,4 +25,7 @@ CANDIDATES = {
     # (140 KB: one CTA a SM). BK 128 with 2 stages spills (255 registers). Written after session 27's sweep.
     "dec_bn64_bm256_bk64": Fp8LinearConfig(BN=64, BM_MAX=256, BK=64, warps=4, stages=3),
     "dec_bn64_bm256_bk64_s4": Fp8LinearConfig(BN=64, BM_MAX=256, BK=64, warps=4, stages=4),
+    # decode_bn128 with the split-K partials summed by each tile's last program instead of a second launch (session
+    # 27's ncu: the reduce launch is 13-24 % of a 192-row op at 6-10 % warps active); bit-identical by construction
+    "dec_bn128_lastred": Fp8LinearConfig(BN=128, reduce="last"),
 }
