@@ -64,6 +64,8 @@
 # fp8_lastred: the last-program split-K reduce's GPU test, fp8_sweep at 6 / 192 rows with it and the one-row-tile
 #   candidate, then prefill_step's decode points with moeil / moeil_lastred / moeil_fp8bm256. Files: pytest_lastred.log,
 #   fp8_sweep.*, prefill_step.log, step_profile.json.
+# mixed_ab: bench engine, demo, MIXED_PROMPTS (128) chat prompts through MIXED_SEQS (8 32) sequences, adaptive /
+#   adaptive_mixed / plain, 5 interleaved passes. Files: mixed_<seqs>.json / .log.
 # attn_prefill: scripts/gpu_attn_prefill_probe.py at 4096 / 16384 tokens (flash configs and the paged kernel), then
 #   ncu metrics of the flash and paged kernels at 4096. Files: attn_prefill.json / .log, ncu_attn_prefill.log.
 # targets: the rest of issue 19's grid after prefill_step's points -- decode 1 / 8 / 64 x 6 @ 4K, 32 x 6 @ 32K and 128K
@@ -284,6 +286,16 @@ case $PART in
       FP8_SWEEP_CONFIGS="decode_bn128 dec_bn128_lastred dec_bn64_bm256_bk64" bash "$0" fp8_sweep
     STEP_POINTS="--decode 32@4096 1@4096" STEP_VARIANTS=moeil,moeil_lastred,moeil_fp8bm256 bash "$0" prefill_step
     ;;
+  mixed_ab)     # session 27 (issue 23): the mixed-step A/B with passes of seconds, not tenths (session 27's 32-prompt
+                # passes spread +-25 %): MIXED_PROMPTS (128) chat prompts through MIXED_SEQS (8, 32) sequences, 5 passes
+    for seqs in ${MIXED_SEQS:-8 32}; do
+      timeout "${MIXED_TIMEOUT:-270}" python3 -m dsflash.bench engine --model demo --chat-prompts \
+        --num-prompts "${MIXED_PROMPTS:-128}" --max-num-seqs "$seqs" --max-tokens 64 --passes 5 \
+        --modes adaptive,adaptive_mixed,plain --json "$OUT/mixed_$seqs.json" --compilation-cache-dir /tmp/cc \
+        > "$OUT/mixed_$seqs.log" 2>&1
+      echo "== mixed A/B, $seqs sequences (rc $?)"; grep -E "/ plain|^\[" "$OUT/mixed_$seqs.log" | tail -6
+    done
+    ;;
   moe_stalls)   # sessions 18-19: why the il prefill kernels run at 200-360 TFLOP/s of bf16 wgmma with their bytes in L2:
                 # stall reasons per issued instruction by metric (ncu's section set segfaulted, session 19), 4096 tokens
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -427,6 +439,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|mixed_ab|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
