@@ -14,7 +14,13 @@ included). Per layer, at the rows that predict the argument's name tokens (``arg
   hold (the target's top-k mass), to read ``share`` against; ``effective_entries``: exp(entropy) of the target;
 * ``entity_picked``: an entry covering the entity's tokens in the user turn is among the picks;
 * ``entity_mass`` / ``entity_uniform``: the target's mass on those entries, and what a flat distribution would give;
-* ``entity_rank``: how many visible entries the indexer scores above the best entity entry (0: the top).
+* ``entity_rank``: the best entity entry's place in the layer's own selection order (score descending, ties to the
+  lower id, as the top-k takes them) among the entries the layer chooses from (a candidate consumer: its candidate
+  set), so it is picked exactly when the rank is below ``index_topk``; ``entity_rank_all``: the same over every
+  visible entry (differs at a consumer whose candidate filter excludes the entity); ``entity_tied``: how many
+  entries share that score (many: the indexer does not separate them and the tie rule -- lowest ids -- decides).
+  (Exact at ``--precision fp32``, where the captured scores are the forward's; at ``reference`` the captured scores
+  use unquantized keys.)
 
 Before running the model it checks whether ``index_topk`` covers every visible entry at the measured rows (then every
 entry is picked, the share is trivially 1 and the picks cannot be the bottleneck) and says so. ``--force-entity``
@@ -82,14 +88,30 @@ def all_picked(visible, topk):
 
 
 def entity_rank(score, entries):
-    """Per row of ``score`` [..., T] (-inf: not visible): how many entries score strictly above the best of
-    ``entries`` (0: an entity entry is the top); -1 where none of them is visible."""
+    """Per row of ``score`` [..., T] (-inf: not selectable): the best of ``entries``'s place in the selection's order
+    (score descending, ties to the lower id, as ``kernels.indexer_topk.select_topk``): how many entries score above
+    it or tie with it at a lower id. So it is picked exactly when the rank is below ``index_topk`` (0: the top); -1
+    where none of them is selectable."""
+    score = np.asarray(score, np.float64)
+    ent = sorted(e for e in entries if e < score.shape[-1])
+    if not ent:
+        return np.full(score.shape[:-1], -1)
+    es = score[..., ent]
+    best = es.max(-1)
+    first = np.asarray(ent)[np.argmax(es, -1)]                 # the lowest id among the entity's best
+    ahead = (score > best[..., None]) | ((score == best[..., None]) & (np.arange(score.shape[-1]) < first[..., None]))
+    return np.where(np.isfinite(best), ahead.sum(-1), -1)
+
+
+def entity_tied(score, entries):
+    """Per row of ``score`` [..., T]: how many entries share the best of ``entries``'s score (itself included; 0 where
+    none of them is selectable). Many: the rank is decided by the tie rule (a dead indexer scores 0 everywhere)."""
     score = np.asarray(score, np.float64)
     ent = [e for e in entries if e < score.shape[-1]]
     if not ent:
-        return np.full(score.shape[:-1], -1)
+        return np.zeros(score.shape[:-1], int)
     best = score[..., ent].max(-1)
-    return np.where(np.isfinite(best), (score > best[..., None]).sum(-1), -1)
+    return np.where(np.isfinite(best), (score == best[..., None]).sum(-1), 0)
 
 
 def token_byte_spans(tokenizer, ids):
@@ -168,7 +190,8 @@ class _Proxy:
 @contextlib.contextmanager
 def _hooks(rec, force=None, page_size=16):
     """Record, per index-source layer, the distillation target, the indexer's scores and visible counts (from the
-    arguments ``csa_attention`` passes ``index_distill_loss``) and the top-k that layer published. ``force``
+    arguments ``csa_attention`` passes ``index_distill_loss``; the scores before any candidate filter), the top-k
+    that layer published and, at a candidate consumer, the candidate mask its top-k was restricted to. ``force``
     ({ratio: entries [B, F]}): every index-source layer's picks get those entries (``forced_picks``)."""
     import importlib
     import jax.numpy as jnp
@@ -190,6 +213,8 @@ def _hooks(rec, force=None, page_size=16):
         y, state, shared = orig_csa(params, cfg, layer, *a)
         if layer in rec:
             rec[layer]["topk"] = shared["topk"]
+            if layer > cfg.candidate_source_layer_id and "cand" in shared:     # a consumer: it chose among these
+                rec[layer]["cand"] = shared["cand"]
         return y, state, shared
 
     def topk_hook(q, w, pool, page_table, per_page, visible, valid, **kw):
@@ -220,8 +245,9 @@ def _forward(params, cfg, tokens, lengths, force, rec, precision, page_size, **o
 
 
 def capture(params, cfg, tokens, lengths, precision="fp32", page_size=16, force=None):
-    """{index-source layer: {"target" [B,S,T], "score" [B,S,T], "topk" [B,S,K], "visible" [B,S]}} (numpy) of one
-    forward over ``tokens`` [B, S] (rows ``lengths`` long); ``force``: as ``_hooks``'s."""
+    """{index-source layer: {"target" [B,S,T], "score" [B,S,T], "topk" [B,S,K], "visible" [B,S], and at candidate
+    consumers "cand" [B,S,T]}} (numpy) of one forward over ``tokens`` [B, S] (rows ``lengths`` long); ``force``: as
+    ``_hooks``'s."""
     import jax
 
     def run(params, tokens, lengths, force):
@@ -280,10 +306,15 @@ def layer_rows(rec, cfg, case, b, layer):
              "entity_picked_rows": int(picked.any(-1).sum())}
         if what == "arg":
             ev = [e for e in ents if e < t.shape[-1]]
+            sc = d["score"][rows[:1]]                                     # over every visible entry
+            sel = np.where(d["cand"][rows[:1]], sc, -np.inf) if "cand" in d else sc   # what the layer chose from
             o.update(effective_entries=float(np.nanmean(effective_entries(t))),
                      entity_mass=float(t[:, ev].sum(-1).mean()),
                      entity_uniform=float(np.mean(np.sum(np.asarray(ev)[None] < vis[:, None], -1) / vis)),
-                     entity_rank_first=int(entity_rank(d["score"][rows[:1]], ents)[0]),
+                     entity_rank_first=int(entity_rank(sel, ents)[0]),
+                     entity_rank_first_all=int(entity_rank(sc, ents)[0]),
+                     entity_tied_first=int(entity_tied(sc, ents)[0]),
+                     entity_candidate_first=bool(np.isfinite(sel[0, ev]).any()),
                      entity_picked_first=bool(picked[0].any()),
                      distance_first=int(rows[0] - max(case["entity_pos"])), window=W)     # row - last entity token
         out[what] = o
@@ -359,6 +390,9 @@ def measure(checkpoint, trials=20, split="train", precision="fp32", batch=5, for
             "entity_mass": float(np.mean([r["entity_mass"] for r in a])),
             "entity_uniform": float(np.mean([r["entity_uniform"] for r in a])),
             "entity_rank_first_median": float(np.median([r["entity_rank_first"] for r in a])),
+            "entity_rank_first_all_median": float(np.median([r["entity_rank_first_all"] for r in a])),
+            "entity_tied_first_median": float(np.median([r["entity_tied_first"] for r in a])),
+            "entity_candidate_first": sum(r["entity_candidate_first"] for r in a),
             "cases": len(rows)}
     copy = {}
     for k in (per_case[0]["copy"] if per_case else {}):
@@ -386,17 +420,22 @@ def table(res):
                      f"{c['visible_max']}, index_topk {c['index_topk']}"
                      + ("  -> EVERY visible entry is picked: share is trivially 1" if c["all_picked"] else ""))
     lines.append(f"{'layer':>5} {'arg share':>9} {'random':>7} {'oracle':>7} {'ans share':>9} {'oracle':>7} "
-                 f"{'eff n':>6} {'ent picked 1st':>14} {'ent picked rows':>15} {'ent mass':>8} {'flat':>6} {'ent rank':>8}")
+                 f"{'eff n':>6} {'ent picked 1st':>14} {'ent picked rows':>15} {'ent mass':>8} {'flat':>6} {'ent rank':>8} "
+                 f"{'rank all':>8} {'tied':>5} {'cand':>6}")
     for l, s in res["summary"].items():
         lines.append(f"{l:>5} {s['arg_share']:9.3f} {s['arg_random']:7.3f} {s['arg_oracle']:7.3f} {s['answer_share']:9.3f} "
                      f"{s['answer_oracle']:7.3f} {s['arg_effective_entries']:6.0f} {str(s['entity_picked_first']) + '/' + str(s['cases']):>14} "
                      f"{s['entity_picked_arg_rows']:>15} {s['entity_mass']:8.4f} {s['entity_uniform']:6.4f} "
-                     f"{s['entity_rank_first_median']:8.0f}")
+                     f"{s['entity_rank_first_median']:8.0f} {s['entity_rank_first_all_median']:8.0f} "
+                     f"{s['entity_tied_first_median']:5.0f} {str(s['entity_candidate_first']) + '/' + str(s['cases']):>6}")
     lines.append("share: target mass on the picks (arg: rows predicting the argument's name; ans: all answer rows); "
                  "random: k entries drawn blind (k / visible); oracle: the best k entries' mass; eff n: exp(entropy) of the target at the arg rows; ent picked: "
                  "an entity entry among the picks (at the first arg row / over arg rows); ent mass vs flat: the "
-                 "target's mass on the entity entries vs a flat target's; ent rank: entries the indexer scores above "
-                 "the best entity entry (median, first arg row)")
+                 "target's mass on the entity entries vs a flat target's; ent rank: the best entity entry's place "
+                 "in the layer's selection order (score descending, ties to the lower id) among the entries it "
+                 "chooses from, picked iff < index_topk, -1 if none is among them (median, first arg row); rank all: "
+                 "the same over every visible entry; tied: entries sharing that score (median); cand: the entity in "
+                 "a consumer's candidate set (else visible)")
     dist = sorted(c["reasoning_distance"] for c in res["cases"] if c["reasoning_distance"] is not None)
     for k, cc in res.get("copy", {}).items():
         for what, c in cc.items():

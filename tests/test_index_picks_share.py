@@ -109,3 +109,48 @@ def test_tiny_model_forced_entries_reach_the_picks_and_the_outputs(captured):
     plain, forced = ips.next_token(params, cfg, tokens, lengths), ips.next_token(params, cfg, tokens, lengths, force)
     assert np.abs(plain[0] - forced[0]).max() > 1e-4            # the forced picks change what the model predicts
     np.testing.assert_array_equal(plain[0][:, :3], forced[0][:, :3])    # not before any forced entry is visible
+
+
+def test_entity_rank_breaks_ties_as_the_selection_does():
+    # the selection takes ties in ascending id order (SPEC 4.5): among equal scores a lower id ranks first
+    s = np.asarray([[0.0, 0.0, 0.0, 0.0, -np.inf], [0.0, 1.0, 0.0, 0.0, 0.0]])
+    np.testing.assert_array_equal(ips.entity_rank(s, [2]), [2, 2])
+    np.testing.assert_array_equal(ips.entity_rank(s, [3, 2]), [2, 2])          # the best entity entry counts
+    np.testing.assert_array_equal(ips.entity_rank(s, [0]), [0, 1])
+    np.testing.assert_array_equal(ips.entity_tied(s, [2]), [4, 4])              # entries sharing that score
+
+
+@pytest.fixture(scope="module")
+def collapsed():
+    """The mini model with a consumer layer (3, after the candidate source 2) and the candidate source's indexer
+    dead (head weights 0: every score 0, as layer 5's after the teacher-picks run), so its picks and its candidate
+    blocks are decided by the tie rule alone."""
+    from dsflash.model.params import float_params, init_params
+    from dsflash.train.config import mini_config
+    cfg = mini_config(512).replace(index_source_layer_ids=(1, 2, 3))
+    params = dict(float_params(cfg, init_params(cfg, 0)))
+    w = f"layers.{cfg.candidate_source_layer_id}.attn.indexer.weights_proj.weight"
+    params[w] = jnp.zeros_like(params[w])
+    tokens = jnp.asarray(np.random.default_rng(1).integers(1, 500, size=(2, 48)), jnp.int32)
+    return cfg, ips.capture(params, cfg, tokens, jnp.asarray([48, 40], jnp.int32))
+
+
+def test_entity_rank_below_topk_exactly_when_picked(collapsed):
+    """layer_rows's rank of an entity and whether it is picked agree at every layer and row: the rank is taken over
+    the entries the layer selects from (a consumer's candidate set) with the selection's tie rule."""
+    cfg, rec = collapsed
+    K, cs = cfg.index_topk, cfg.candidate_source_layer_id
+    assert np.all(rec[cs]["score"][0][rec[cs]["visible"][0] > 0][:, 0] == 0)      # the dead indexer: all ties
+    n, seen = 48, {"ranked_not_picked": 0, "picked": 0, "consumer_excluded": 0}
+    for layer in cfg.index_source_layer_ids:
+        r = cfg.ratio(layer)
+        for s in range(16, n - 1, 5):                     # row s predicts token s + 1
+            vis = int(rec[layer]["visible"][0, s])
+            for e in range(vis):
+                case = {"entity_pos": [e * r], "arg_pos": [s + 1], "answer_start": s + 1, "ids": np.zeros(n, int)}
+                a = ips.layer_rows(rec, cfg, case, 0, layer)["arg"]
+                assert a["entity_picked_first"] == (0 <= a["entity_rank_first"] < K), (layer, s, e, a)
+                seen["picked"] += a["entity_picked_first"]
+                if layer > cs and not a["entity_picked_first"] and a["entity_rank_first_all"] < K:
+                    seen["consumer_excluded"] += 1       # ranked in the top-k over all entries, outside the candidates
+    assert seen["picked"] and seen["consumer_excluded"], seen
