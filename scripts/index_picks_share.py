@@ -167,24 +167,10 @@ def encode_case(tokenizer, conv):
 def forced_picks(topk, entries, visible, valid):
     """``topk`` [B, S, K] with each row's visible ``entries`` [B, F] (distinct ids, -1 pad) put in: copies already
     there are blanked (-1) and the entries take the last F slots (a pad or an entry not yet visible leaves the
-    slot's pick). So a row keeps at least K - F of its own picks besides the entity's entries."""
-    import jax.numpy as jnp
-    K, F = topk.shape[-1], entries.shape[-1]
-    e = entries[:, None, :]                                                             # [B, 1, F]
-    dup = jnp.any(topk[..., :, None] == e[:, :, None, :], axis=-1) & (topk >= 0)
-    t = jnp.where(dup, -1, topk)
-    ok = (e >= 0) & (e < visible[..., None]) & valid[..., None]
-    return jnp.concatenate([t[..., :K - F], jnp.where(ok, e, t[..., K - F:])], axis=-1)
-
-
-class _Proxy:
-    """A module stand-in: ``overrides`` first, the module's attributes otherwise."""
-
-    def __init__(self, module, **overrides):
-        self._m, self._o = module, overrides
-
-    def __getattr__(self, k):
-        return self._o[k] if k in self._o else getattr(self._m, k)
+    slot's pick). So a row keeps at least K - F of its own picks besides the entity's entries. The training's
+    teacher picks with one entry list for every position (``teacher_picks.force_positions``)."""
+    from dsflash.train.teacher_picks import force_positions
+    return force_positions(topk, entries[:, None, :], visible, valid)
 
 
 @contextlib.contextmanager
@@ -196,6 +182,7 @@ def _hooks(rec, force=None, page_size=16):
     import importlib
     import jax.numpy as jnp
     from dsflash.kernels.indexer_topk import indexer_scores_reference
+    from dsflash.train.teacher_picks import Proxy
     from dsflash.model import index_distill as idd
     attention = importlib.import_module("dsflash.model.attention")
     fwd = importlib.import_module("dsflash.model.forward")     # (dsflash.model.forward is also a function's name)
@@ -223,7 +210,7 @@ def _hooks(rec, force=None, page_size=16):
 
     attention.index_distill_loss, fwd.csa_attention = loss_hook, csa_hook
     if force is not None:
-        attention.ik = _Proxy(orig_ik, indexer_topk_paged=topk_hook)
+        attention.ik = Proxy(orig_ik, indexer_topk_paged=topk_hook)
     try:
         yield
     finally:

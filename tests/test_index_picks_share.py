@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsflash.train import teacher_picks
+
 _spec = importlib.util.spec_from_file_location(
     "index_picks_share", os.path.join(os.path.dirname(__file__), "..", "scripts", "index_picks_share.py"))
 ips = importlib.util.module_from_spec(_spec)
@@ -101,7 +103,7 @@ def test_tiny_model_forced_entries_reach_the_picks_and_the_outputs(captured):
     force = {r: jnp.asarray(v) for r, v in ips.entity_force(cases, [cfg.ratio(l) for l in cfg.index_source_layer_ids]
                                                             ).items()}
     rec = ips.capture(params, cfg, tokens, lengths, force=force)
-    assert not isinstance(attention.ik, ips._Proxy)                                       # hook removed
+    assert not isinstance(attention.ik, teacher_picks.Proxy)                              # hook removed
     for layer, d in rec.items():
         ents = ips.entity_entries(cases[0]["entity_pos"], cfg.ratio(layer))
         rows = np.nonzero(d["visible"][0] > max(ents))[0]

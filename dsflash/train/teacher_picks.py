@@ -36,7 +36,7 @@ def force_positions(topk, entries, visible, valid):
     return jnp.concatenate([t[..., :K - F], jnp.where(ok, e, t[..., K - F:])], axis=-1)
 
 
-class _Proxy:
+class Proxy:
     """A module stand-in: ``overrides`` first, the module's attributes otherwise."""
 
     def __init__(self, module, **overrides):
@@ -60,7 +60,7 @@ def forcing(entries: dict | None, page_size: int):
         topk, cand = orig.indexer_topk_paged(q, w, pool, page_table, per_page, visible, valid, **kw)
         return force_positions(topk, entries[str(page_size // per_page)], visible, valid), cand
 
-    attention.ik = _Proxy(orig, indexer_topk_paged=hook)
+    attention.ik = Proxy(orig, indexer_topk_paged=hook)
     try:
         yield
     finally:
