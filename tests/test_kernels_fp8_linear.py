@@ -242,8 +242,9 @@ def test_launch_gives_every_constexpr(M, N, K, groups):
 def test_named_config_finds_experimental_candidates_and_names_unknown_ones():
     from dsflash.kernels import fp8_linear_triton as ft
     from dsflash.kernels.experimental.fp8_configs import CANDIDATES
-    for name, cfg in CANDIDATES.items():
-        assert ft.named_config(name) is cfg
+    for name, fields in CANDIDATES.items():
+        cfg = ft.named_config(name)
+        assert cfg == ft.Fp8LinearConfig(**fields)
         assert name not in ft.NAMED_CONFIGS            # a candidate never shadows a default
         p = ft.plan(cfg, 192, 5120, 8192)                # wo_b at 32 x 6 rows
         assert p["programs"] == p["grid"][0] * p["grid"][1] * p["grid"][2]

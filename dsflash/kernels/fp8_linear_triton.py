@@ -294,7 +294,7 @@ def named_config(name: str) -> Fp8LinearConfig:
     from dsflash.kernels.experimental.fp8_configs import CANDIDATES
     if name not in CANDIDATES:
         raise ValueError(f"unknown FP8 linear config {name!r}; known: {sorted(NAMED_CONFIGS) + sorted(CANDIDATES)}")
-    return CANDIDATES[name]
+    return Fp8LinearConfig(**CANDIDATES[name])
 
 
 # ------------------------------------------------------------------------------------------ launcher
