@@ -10,6 +10,7 @@ flattered XLA 2-3x in the first run of this script, run 28), and the time is the
 JSON in $OUT/fp8_sweep.json:
 
   python3 scripts/gpu_fp8_linear_sweep.py --rows 6 192 --out $OUT
+  python3 scripts/gpu_fp8_linear_sweep.py --rows 192 --configs decode_bn128 dec_bn128_lastred --out $OUT   # by name
 """
 from __future__ import annotations
 
