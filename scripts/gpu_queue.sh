@@ -22,6 +22,8 @@
 #   run(command="bash scripts/gpu_queue.sh rope_ab", carry=[".whl"])       # RoPE in the flash kernel: test + step A/B, ~5 min
 #   run(command="bash scripts/gpu_queue.sh s22_tests", carry=[".whl"])     # session 22's GPU bit checks (RoPE, top-k, indexer), ~4 min
 #   run(command="bash scripts/gpu_queue.sh s22_step", carry=[".whl"])      # session 22's step A/B at 16K (4 variants) + 4K, ~8 min
+#   run(command="bash scripts/gpu_queue.sh fp8_lastred", carry=[".whl"])   # session 27: last-program split-K reduce, ~8 min
+#   run(command="bash scripts/gpu_queue.sh mixed_ab", carry=[".whl"])      # session 27: issue 23's mixed-step A/B, ~8 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
