@@ -25,7 +25,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     N, K = FP8_LINEAR_SHAPES[a.shape]
     cfg = ft.named_config(a.config) if a.config else ft.pick_config(a.rows)
-    name = a.config or next(n for n, c in ft.NAMED_CONFIGS.items() if c is cfg)
+    name = a.config or (ft.DECODE_CONFIG if a.rows <= ft.DECODE_MAX_ROWS else "prefill")     # pick_config's choice
     pl = ft.plan(cfg, a.rows, N, K)
     print(f"{a.shape} [N {N}, K {K}] x {a.rows} rows, config {name}: {pl}")
     if a.plan_only:

@@ -220,8 +220,6 @@ def test_stored_roundtrip_is_what_an_export_loads_back():
 
 def test_trial_conversations_are_the_first_held_out_or_evenly_spread_named_training_ones():
     """The selection both trial scripts score (chat_samples.py --trials, index_picks_share.py)."""
-    import pytest as _pytest
-    from dsflash.train import chat_data
     convs = [{"name": f"e{i}" if i % 5 else None, "tools": [1] if i % 2 else None, "heldout": i >= 40,
               "thinking": False, "messages": []} for i in range(60)]
     held = chat_data.trial_conversations(convs, 3, "heldout")
@@ -232,5 +230,5 @@ def test_trial_conversations_are_the_first_held_out_or_evenly_spread_named_train
     tools = [c for c in convs[:40] if c["name"] and c["tools"]]            # 16 named training tool rows
     assert train["tool"] == tools[::4][:4]
     assert all(c["name"] and not c["heldout"] and not c["tools"] for c in train["answer"]) and len(train["answer"]) == 4
-    with _pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match="split"):
         chat_data.trial_conversations(convs, 3, "test")
