@@ -24,6 +24,7 @@
 #   run(command="bash scripts/gpu_queue.sh s22_step", carry=[".whl"])      # session 22's step A/B at 16K (4 variants) + 4K, ~8 min
 #   run(command="bash scripts/gpu_queue.sh fp8_lastred", carry=[".whl"])   # session 27: last-program split-K reduce, ~8 min
 #   run(command="bash scripts/gpu_queue.sh mixed_ab", carry=[".whl"])      # session 27: issue 23's mixed-step A/B, ~8 min
+#   run(command="bash scripts/gpu_queue.sh moe_decode_stalls", carry=[".whl"])  # session 28: ncu on the MoE decode kernels, ~2 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -307,13 +308,22 @@ case $PART in
       M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
     done
     M=$M${NCU_EXTRA:+,$NCU_EXTRA}   # e.g. session 20's L2 traffic: lts__t_bytes.sum,lts__throughput.avg.pct_of_peak_sustained_elapsed
-    [ -n "$NCU" ] && for c in ${NCU_CONFIGS:-sw_il_bm128_nf_g8_hp_xp_dp}; do
+    [ -n "$NCU" ] && for ct in ${NCU_CONFIGS:-sw_il_bm128_nf_g8_hp_xp_dp}; do   # config or config:tokens (4096)
+      c=${ct%%:*}; t=4096; [ "$ct" != "$c" ] && t=${ct#*:}
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
-        --kernel-name regex:_moe_ --launch-skip 2 --launch-count 2 --metrics "$M" \
-        python3 scripts/moe_profile_target.py --config "$c" --tokens 4096 --reps 1 > "$OUT/ncu_stalls_$c.log" 2>&1
-      echo "== ncu stalls $c T=4096 (rc $?)"
-      grep -E "_moe_|gpu__|smsp__|sm__|launch__|lts__|dram__" "$OUT/ncu_stalls_$c.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -60
+        --kernel-name regex:_moe_ --launch-skip "${NCU_SKIP:-2}" --launch-count "${NCU_COUNT:-2}" --metrics "$M" \
+        python3 scripts/moe_profile_target.py --config "$c" --tokens "$t" --reps 1 > "$OUT/ncu_stalls_${c}_T$t.log" 2>&1
+      echo "== ncu stalls $c T=$t (rc $?)"
+      grep -E "_moe_|gpu__|smsp__|sm__|launch__|lts__|dram__" "$OUT/ncu_stalls_${c}_T$t.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -${NCU_LINES:-60}
     done
+    ;;
+  moe_decode_stalls)  # session 28: the routed-expert decode kernels (the step's largest share, ~56 % of their byte
+                # floor) under Nsight Compute at the serving bands' points: 192 tokens (32 x 6, sw_il_bm32) and 6 (1 x 6,
+                # sw_il); stall reasons, issue activity, DRAM bytes and rate, instructions (~2 min)
+    # every _moe_ launch of both calls (compile call + one rep: up, down and, where K is split, their epilogues)
+    NCU_CONFIGS="${NCU_CONFIGS:-sw_il_bm32:192 sw_il:6}" NCU_SKIP=0 NCU_COUNT=8 \
+      NCU_EXTRA="${NCU_EXTRA:-dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,lts__t_bytes.sum}" \
+      NCU_LINES=200 bash "$0" moe_stalls
     ;;
   decode_glue)  # session 18: which XLA fusions the 32 x 6 decode step's concatenations are (0.42 ms a step in four
                 # input_concatenate fusions, sparse_attention / kv_gather / attention_other scopes): the HLO beside them
@@ -441,6 +451,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|mixed_ab|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|mixed_ab|moe_decode_stalls|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
