@@ -24,7 +24,8 @@
 #   run(command="bash scripts/gpu_queue.sh s22_step", carry=[".whl"])      # session 22's step A/B at 16K (4 variants) + 4K, ~8 min
 #   run(command="bash scripts/gpu_queue.sh fp8_lastred", carry=[".whl"])   # session 27: last-program split-K reduce, ~8 min
 #   run(command="bash scripts/gpu_queue.sh mixed_ab", carry=[".whl"])      # session 27: issue 23's mixed-step A/B, ~8 min
-#   run(command="bash scripts/gpu_queue.sh moe_decode_stalls", carry=[".whl"])  # session 28: ncu on the MoE decode kernels, ~2 min
+#   run(command="bash scripts/gpu_queue.sh moe_decode_stalls", carry=[".whl"])  # session 28: ncu on the MoE decode kernels, ~1 min
+#   run(command="bash scripts/gpu_queue.sh moe_sd3", carry=[".whl"])    # session 28: the bm32 band's down kernel at 3 stages, ~5 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -319,11 +320,19 @@ case $PART in
     ;;
   moe_decode_stalls)  # session 28: the routed-expert decode kernels (the step's largest share, ~56 % of their byte
                 # floor) under Nsight Compute at the serving bands' points: 192 tokens (32 x 6, sw_il_bm32) and 6 (1 x 6,
-                # sw_il); stall reasons, issue activity, DRAM bytes and rate, instructions (~2 min)
-    # every _moe_ launch of both calls (compile call + one rep: up, down and, where K is split, their epilogues)
+                # sw_il); stall reasons, issue activity, registers, DRAM bytes (~1 min)
+    # every _moe_ launch of both calls (compile call + one rep: up, down and, where K is split, their epilogues);
+    # NCU_EXTRA adds metrics -- with dram__throughput's pct, smsp__inst_executed and lts__t_bytes ncu segfaulted (s28)
     NCU_CONFIGS="${NCU_CONFIGS:-sw_il_bm32:192 sw_il:6}" NCU_SKIP=0 NCU_COUNT=8 \
-      NCU_EXTRA="${NCU_EXTRA:-dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,lts__t_bytes.sum}" \
+      NCU_EXTRA="${NCU_EXTRA:-dram__bytes_read.sum}" \
       NCU_LINES=200 bash "$0" moe_stalls
+    ;;
+  moe_sd3)      # session 28: the bm32 band's down kernel at 3 stages (6 programs per SM, was 4): kernel times at 192 /
+                # 384 tokens (32 / 64 x 6), then the decode step with it (~5 min)
+    timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 192,384 --quick --no-torch --out "$OUT" \
+      --decode-configs sw_il_bm32,sw_il_bm32_sd3,sw_il > "$OUT/bench_moe_sd3.log" 2>&1
+    echo "== bench kernels moe (rc $?)"; tail -14 "$OUT/bench_moe_sd3.log"
+    STEP_POINTS="--decode 32@4096 64@4096" STEP_VARIANTS=moeil,moeil_sd3 bash "$0" prefill_step
     ;;
   decode_glue)  # session 18: which XLA fusions the 32 x 6 decode step's concatenations are (0.42 ms a step in four
                 # input_concatenate fusions, sparse_attention / kv_gather / attention_other scopes): the HLO beside them
@@ -451,6 +460,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|mixed_ab|moe_decode_stalls|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|mixed_ab|moe_decode_stalls|moe_sd3|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

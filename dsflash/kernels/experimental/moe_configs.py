@@ -183,6 +183,11 @@ CONFIGS = {
                                   prefetch=False, KS_UP=1, KS_DOWN=3),
     # * stages 2 at BM 64: the down kernel 116 -> 119 registers but 57 -> 37 KB of shared memory, so 4 programs per
     #   SM instead of 2 (the up kernel stays at 2: 208 registers); same math as sw_il_bm64_xb (stages only pipeline)
+    # * session 28 (ncu, H100, 192 tokens): the bm32 band's down kernel runs 4 programs per SM (45.8 KB of shared
+    #   memory at 4 stages; 72 registers would allow 7) at 49 % issue active, long-scoreboard the top stall. 3 down
+    #   stages: 33.3 KB, 6 programs per SM, 72 registers, no spills (sm_90 compile); same math (stages only pipeline)
+    "sw_il_bm32_sd3": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                                prefetch=False, stages_down=3),
     "sw_il_bm64_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
                                   prefetch=False, act="bf16rt"),
     # * split_gate_up at prefill tiles: BM 128 is the spill-free twin of sw_il_bm128_xb (213 registers, 2 programs per
