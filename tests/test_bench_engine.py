@@ -13,9 +13,10 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())["results"]
     spec, adaptive, plain = res
-    assert [r["mode"] for r in res] == ["spec", "adaptive", "plain"]
+    # the default modes: always drafting, the engine's default (adaptive deciding mixed steps too), plain
+    assert [r["mode"] for r in res] == ["spec", "adaptive_mixed", "plain"]
     assert spec["speculative"] and adaptive["speculative"] and not plain["speculative"]
-    assert set(json.loads(out.read_text())["ratios"]) == {"spec_over_plain", "adaptive_over_plain"}
+    assert set(json.loads(out.read_text())["ratios"]) == {"spec_over_plain", "adaptive_mixed_over_plain"}
     for r in res:
         assert r["generated_tokens"] == 3 * 12
         assert r["decode_iters"] > 0 and r["ms_per_decode_iter"] > 0
@@ -41,7 +42,7 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
                - (b["forward_block1_with_context_ms"] + b["propose_ms"]) / b["forward_1_ms"]) < 1e-9
     assert "iteration_breakdown" not in plain
     text = capsys.readouterr().out
-    assert "by step kind: mixed" in text and "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive / plain tokens/s" in text
+    assert "by step kind: mixed" in text and "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive_mixed / plain tokens/s" in text
 
 
 def test_chat_prompts_are_held_out_first_turns_as_served():
@@ -67,8 +68,8 @@ def test_chat_prompts_are_held_out_first_turns_as_served():
 
 def test_adaptive_mixed_mode_lets_the_cost_model_draft_in_steps_that_prefill(tmp_path):
     """``adaptive_mixed`` (EngineConfig.speculative_in_mixed_steps): the calls of steps that also prefill are the
-    cost model's to decide where the budget has room, so none is forced plain; the default adaptive rule forces
-    them plain (one prompt a step: the second and third prefill while the first decodes)."""
+    cost model's to decide where the budget has room, so none is forced plain; the prefill-first rule (mode
+    adaptive) forces them plain (one prompt a step: the second and third prefill while the first decodes)."""
     out = tmp_path / "engine.json"
     rc = bench_engine.main(["--model", "toy", "--num-prompts", "3", "--prompt-len", "8", "--max-tokens", "12",
                             "--max-num-seqs", "3", "--max-model-len", "64", "--page-size", "8",

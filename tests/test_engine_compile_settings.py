@@ -80,8 +80,10 @@ def test_bench_engine_flags():
 
 
 def test_server_flag_reaches_the_adaptive_policy_s_mixed_step_rule():
-    """``--speculative-in-mixed-steps`` is the config field of the same name (off by default)."""
+    """``--speculative-in-mixed-steps`` is the config field of the same name, on by default (session 28's A/B) in
+    the server and in ``EngineConfig`` alike; ``--no-speculative-in-mixed-steps`` turns the prefill-first rule on."""
     from dsflash.serve.__main__ import build_parser
-    assert EngineConfig.from_namespace(build_parser().parse_args([])).speculative_in_mixed_steps is False
-    c = EngineConfig.from_namespace(build_parser().parse_args(["--speculative-in-mixed-steps"]))
-    assert c.speculative_in_mixed_steps is True
+    assert EngineConfig.from_namespace(build_parser().parse_args([])).speculative_in_mixed_steps is True
+    assert EngineConfig().speculative_in_mixed_steps is True
+    c = EngineConfig.from_namespace(build_parser().parse_args(["--no-speculative-in-mixed-steps"]))
+    assert c.speculative_in_mixed_steps is False

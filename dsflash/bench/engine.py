@@ -1,7 +1,8 @@
 """``python -m dsflash.bench engine``: end-to-end engine throughput with and without DSpark drafts.
 
 Runs the same closed batch of synthetic prompts through the engine once per mode (``spec``: drafts every
-decode call, ``adaptive``: the engine's default cost-model choice, ``plain``: no drafts), after a warm-up pass
+decode call, ``adaptive_mixed``: the engine's default cost-model choice, ``adaptive``: the same with every call of
+a step that prefills plain, ``plain``: no drafts; default modes spec, adaptive_mixed, plain), after a warm-up pass
 (compilation excluded; the adaptive engine keeps what it measured there, as a serving engine would), then
 ``--passes`` timed passes per mode, interleaved across the modes (the median is reported), and prints generated tokens/s, steps, host overhead per step and
 the acceptance numbers (drafts, acceptance rate, mean acceptance length = 1 + accepted/drafts, per
@@ -48,10 +49,11 @@ def parse(argv):
     p.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"])
     p.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],
                    help="kernels: 'auto' = Triton on a CUDA GPU when jax-triton imports, else XLA")
-    p.add_argument("--modes", default="spec,adaptive,plain",
-                   help="comma list of spec (drafts every call), adaptive (the engine's default: drafts when its "
-                        "cost model says they pay, every call of a step that prefills plain), adaptive_mixed "
-                        "(adaptive, its cost model deciding those calls too) and plain (no drafts)")
+    p.add_argument("--modes", default="spec,adaptive_mixed,plain",
+                   help="comma list of spec (drafts every call), adaptive (drafts when its cost model says they "
+                        "pay, every call of a step that prefills plain: the server's --no-speculative-in-mixed-steps), "
+                        "adaptive_mixed (the engine's default: adaptive, its cost model deciding those calls too) "
+                        "and plain (no drafts)")
     p.add_argument("--passes", type=int, default=1,
                    help="timed passes per mode, the modes' passes interleaved; the median pass is reported")
     p.add_argument("--batches", default=None,
@@ -154,8 +156,9 @@ def iteration_breakdown(eng, repeats: int) -> dict:
     return out
 
 
-# bench mode -> speculative_mode; "adaptive_mixed": adaptive, its cost model also deciding the calls of steps that
-# prefill (EngineConfig.speculative_in_mixed_steps)
+# bench mode -> speculative_mode; "adaptive": adaptive with the prefill-first rule (every call of a step that
+# prefills runs plain); "adaptive_mixed": adaptive, its cost model also deciding those calls
+# (EngineConfig.speculative_in_mixed_steps, the engine's default since session 28)
 MODES = {"spec": "always", "adaptive": "adaptive", "adaptive_mixed": "adaptive", "plain": "off"}
 
 

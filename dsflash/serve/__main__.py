@@ -62,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'adaptive': each decode call drafts only when the measured verify / plain cost and the "
                         "requests' running acceptance say it pays (a request whose drafts keep failing stops "
                         "drafting); 'always': every call drafts; 'off': never")
-    g.add_argument("--speculative-in-mixed-steps", action=argparse.BooleanOptionalAction, default=False,
-                   help="adaptive: let the cost model also decide the decode calls of steps that prefill prompts "
-                        "(default: those run plain; docs/engine.md 'prefill first')")
+    g.add_argument("--speculative-in-mixed-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="adaptive: let the cost model also decide the decode calls of steps that prefill prompts, "
+                        "where the token budget has room for both (default on; --no-speculative-in-mixed-steps: "
+                        "those calls run plain; docs/engine.md 'prefill first')")
     g.add_argument("--precision", default="reference", choices=["reference", "bf16", "fp32"],
                    help="numerics: 'reference' = the official FP8/FP4 round trips, 'bf16' = plain bf16")
     g.add_argument("--backend", default="auto", choices=["auto", "xla", "triton"],

@@ -89,9 +89,9 @@ class EngineConfig:
     # (adaptive.py); "always": draft every call; "off": never (as speculative=False)
     speculative_mode: str = "adaptive"
     # adaptive: let the cost model draft in a step that also prefills, where the token budget has room for both
-    # (False: every such call plain, adaptive.py "Prefill first"; on one H100 that rule was at or above plain at
-    # batch 32 but below always-drafting at batch 8, BENCHMARKS session 26)
-    speculative_in_mixed_steps: bool = False
+    # (False: every such call plain, adaptive.py "Prefill first"). On by default since session 28: one H100, demo,
+    # 128 chat prompts x 5 passes, 1.65x plain against 1.29x at 8 sequences, 1.18x against 1.14x at 32 (BENCHMARKS)
+    speculative_in_mixed_steps: bool = True
     # adaptive: the plain program skips the draft's context update; drafting catches it up from recorded taps
     lazy_draft_context: bool = True
     # verify as block + 1 one-row forwards, so a row rounds the same whatever the draft length (reproducible
