@@ -355,7 +355,8 @@ class LLMEngine:
         # tokens per decode iteration (a plain call leaves more of the budget to prefill)
         decoding = [s for s in self.running if s.status == DECODE]
         prefilling = bool(self.waiting) or len(decoding) < len(self.running)
-        # ... and plain in a step that prefills (adaptive.py "Prefill first")
+        # ... and plain in a step that prefills where drafting would displace prompt tokens (or in every such step
+        # with speculative_in_mixed_steps off: adaptive.py "Prefill first")
         prefill, displaced = self._prefill_conflict(decoding, prefilling)
         self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced,
                                                     prefill_tokens=prefill) + 1
