@@ -26,6 +26,7 @@
 #   run(command="bash scripts/gpu_queue.sh mixed_ab", carry=[".whl"])      # session 27: issue 23's mixed-step A/B, ~8 min
 #   run(command="bash scripts/gpu_queue.sh moe_decode_stalls", carry=[".whl"])  # session 28: ncu on the MoE decode kernels, ~1 min
 #   run(command="bash scripts/gpu_queue.sh moe_sd3", carry=[".whl"])    # session 28: the bm32 band's down kernel at 3 stages, ~5 min
+#   run(command="bash scripts/gpu_queue.sh fp8_planes", carry=[".whl"]) # session 28: the E4M3 bit-placement decode, ~7 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -279,7 +280,7 @@ case $PART in
       --shapes ${FP8_SWEEP_SHAPES:-wo_b wq_b shared_w13} --reps 5 --out "$OUT" \
       --configs ${FP8_SWEEP_CONFIGS:-decode_bn128 dec_bn64_bm256_bk64 dec_bn64_bm256_bk64_s4 dec_bn128_w8} \
       > "$OUT/fp8_sweep.log" 2>&1
-    echo "== fp8 sweep (rc $?)"; grep -v '^{' "$OUT/fp8_sweep.log" | tail -8
+    echo "== fp8 sweep (rc $?)"; grep -v "^{" "$OUT/fp8_sweep.log" | tail -12
     ;;
   fp8_lastred)  # session 27 (~8 min): the last-program split-K reduce -- its GPU bit-identity test, the sweep at 6 and
                 # 192 rows against decode_bn128 and the one-row-tile candidate, then the decode step with each
@@ -289,6 +290,16 @@ case $PART in
     FP8_ROWS="6 192" FP8_SWEEP_SHAPES="wq_a wo_b shared_w13 shared_w2" FP8_SWEEP_TIMEOUT=200 \
       FP8_SWEEP_CONFIGS="decode_bn128 dec_bn128_lastred dec_bn64_bm256_bk64" bash "$0" fp8_sweep
     STEP_POINTS="--decode 32@4096 1@4096" STEP_VARIANTS=moeil,moeil_lastred,moeil_fp8bm256 bash "$0" prefill_step
+    ;;
+  fp8_planes)   # session 28 (~7 min): the E4M3 bit-placement decode (Fp8LinearConfig.planes) -- its GPU tests against
+                # the XLA path (16 cases + the large-scale fallback), the sweep at 6 / 192 rows against decode_bn128,
+                # then the decode step (32 x 6 and 1 x 6 @ 4K) with moeil / moeil_planes
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_linear.py -k "planes" \
+      > "$OUT/pytest_planes.log" 2>&1
+    echo "== GPU tests (rc $?)"; tail -3 "$OUT/pytest_planes.log"
+    FP8_ROWS="6 192" FP8_SWEEP_SHAPES="wq_a wq_b wo_b shared_w13 shared_w2" FP8_SWEEP_TIMEOUT=200 \
+      FP8_SWEEP_CONFIGS="decode_bn128 dec_bn128_planes" bash "$0" fp8_sweep
+    STEP_POINTS="--decode 32@4096 1@4096" STEP_VARIANTS=moeil,moeil_planes bash "$0" prefill_step
     ;;
   mixed_ab)     # session 27 (issue 23): the mixed-step A/B with passes of seconds, not tenths (session 27's 32-prompt
                 # passes spread +-25 %): MIXED_PROMPTS (128) chat prompts through MIXED_SEQS (8, 32) sequences, 5 passes
@@ -460,6 +471,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|mixed_ab|moe_decode_stalls|moe_sd3|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

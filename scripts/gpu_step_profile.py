@@ -29,7 +29,8 @@ the indexer scorer's rounding as the convert alone (``indexer_topk_triton.HW_ROU
 4,096 by default since session 26); ``moeil_nogluon`` = ``moeil`` with the Triton flash kernel at every row count.
 ``moeil_lastred`` / ``moeil_fp8bm256`` = ``moeil`` with the dense FP8 decode band on ``dec_bn128_lastred`` (split K
 summed by each tile's last program) / ``dec_bn64_bm256_bk64`` (kernels/experimental/fp8_configs.py, session 27).
-``moeil_sd3`` = ``moeil`` with the il band of 9-32 slots per expert on ``sw_il_bm32_sd3`` (the down launch at 3
+``moeil_planes`` = ``moeil`` with the dense FP8 decode band on ``dec_bn128_planes`` (E4M3 decoded by bit placement
+into even / odd K planes; session 28). ``moeil_sd3`` = ``moeil`` with the il band of 9-32 slots per expert on ``sw_il_bm32_sd3`` (the down launch at 3
 stages: 6 programs per SM instead of 4; session 28).
 """
 from __future__ import annotations
@@ -143,7 +144,8 @@ def main():
                 if var == "moeil_sd3" else real_bands
             dispatch.GATES["indexer_paged"] = real_paged.replace(triton=()) if var == "gather" else real_paged
             fp8_linear_triton.DECODE_CONFIG = {"fp8bn64": "decode", "moeil_lastred": "dec_bn128_lastred",
-                                               "moeil_fp8bm256": "dec_bn64_bm256_bk64"}.get(var, real_fp8cfg)
+                                               "moeil_fp8bm256": "dec_bn64_bm256_bk64",
+                                               "moeil_planes": "dec_bn128_planes"}.get(var, real_fp8cfg)
             dispatch.GATES["topk"] = real_topk.replace(triton=((1, None),)) if var == "topk" else \
                 real_topk.replace(triton=()) if var == "notopk" else real_topk
             triton_call.USE_FFI = {"moeil_ffi": True, "moeil_legacy": False}.get(var, real_ffi)

@@ -11,8 +11,8 @@ kernel's fp32 result |y - y_exact| <= K 2^-24 sum|x w| elementwise; its bf16 out
 result (bit for bit) and within one bf16 ulp of the reference's bf16 output, with >= 99 % of elements equal.
 "exact.*" checks use small-integer data whose every partial sum is exact in fp32: there the outputs must be
 bit-identical to the reference. ``mutant.*`` checks must FAIL the same comparison (expect_ok False): the scales
-rolled by one K block (a wrong scale index), and the kernel without the activation round trip (precision "bf16")
-against the "reference" reference.
+rolled by one K block (a wrong scale index), the kernel without the activation round trip (precision "bf16")
+against the "reference" reference, and the planes decode without its scale guard on a scale it cannot represent.
 Usage: python scripts/triton_interpret_fp8_linear.py [--list | --check NAME]   (needs triton; each check in a fresh
 process, a failed check re-run once: ``interpret_isolation``)"""
 import os
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from triton_interpret_moe import _JtShim  # noqa: E402
 from dsflash.kernels import fp8_linear, fp8_linear_triton as ft  # noqa: E402
 from dsflash import quant  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 def problem(M, K, N, seed, exact=False):
@@ -46,10 +47,26 @@ def problem(M, K, N, seed, exact=False):
     return x, w, s
 
 
+def all_codes(x, w, s):
+    """Every E4M3 code but the NaNs (0x7F, 0xFF), zeros, subnormals and both signs included, tiled over w."""
+    codes = np.array([c for c in range(256) if c not in (0x7F, 0xFF)], np.uint8)
+    rng = np.random.default_rng(26)
+    b = rng.permutation(np.resize(codes, w.size)).reshape(w.shape)
+    return x, jax.lax.bitcast_convert_type(jnp.asarray(b), jnp.float8_e4m3fn), s
+
+
+def big_scale(x, w, s):
+    """One scale block above ``PLANES_MAX_SCALE`` (its 32 x 32 weights ~2^13 x larger): the planes decode cannot
+    write 2^(s - 7) as a bf16 there, so that K chunk must take the per-element decode."""
+    return x, w, s.at[0, 1].set(ft.PLANES_MAX_SCALE + 6)
+
+
 def check(M, K=256, N=96, *, precision="reference", config="decode", seed=0, exact=False, mutate=None,
-          expect_ok=True, act_quant=True):
+          expect_ok=True, act_quant=True, tweak=None):
     sys.modules["jax_triton"] = _JtShim
     x, w, s = problem(M, K, N, seed, exact)
+    if tweak is not None:
+        x, w, s = tweak(x, w, s)
     ref = np.asarray(fp8_linear.fp8_linear_reference(x, w, s, precision=precision, act_quant=act_quant)
                      ).astype(np.float32)
     ks, kprec = s, precision
@@ -196,7 +213,28 @@ CHECKS = {
     "lastred.m40": lambda: check_lastred(40, seed=20),
     "lastred.grouped.m6": lambda: check_lastred(6, K=256, groups=2, seed=21),
     "ref.m6.lastred": lambda: check(6, N=256, K=512, config="dec_bn128_lastred", seed=22),
+    # the E4M3 bit-placement decode into even / odd K planes (Fp8LinearConfig.planes, session 28)
+    "planes.m6": lambda: check(6, N=256, config="dec_bn128_planes", seed=23),
+    "planes.m40.ks": lambda: check(40, N=256, K=512, config="dec_bn128_planes", seed=24),
+    "planes.exact.m6": lambda: check(6, N=256, exact=True, config="dec_bn128_planes", seed=25),
+    "planes.allcodes": lambda: check(6, N=256, config="dec_bn128_planes", seed=26, tweak=all_codes),
+    "planes.bigscale": lambda: check(6, N=256, K=512, config="dec_bn128_planes", seed=27, tweak=big_scale),
+    "mutant.planes.scale": lambda: check(6, N=256, config="dec_bn128_planes", seed=28, mutate="scale",
+                                         expect_ok=False),
+    "mutant.planes.noguard": lambda: _without_guard(lambda: check(6, N=256, K=512, config="dec_bn128_planes",
+                                                                  seed=27, tweak=big_scale, expect_ok=False)),
 }
+
+
+def _without_guard(run):
+    """The planes decode with its scale guard off (every chunk decoded by bit placement): the big-scale block then
+    decodes wrongly, which the comparison must catch."""
+    keep = ft._PLANES_MAX
+    ft._PLANES_MAX = tl.constexpr(255)
+    try:
+        return run()
+    finally:
+        ft._PLANES_MAX = keep
 
 
 if __name__ == "__main__":

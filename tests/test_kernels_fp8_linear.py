@@ -287,3 +287,69 @@ def test_last_program_reduce_is_one_launch_with_zeroed_counters():
     assert [c["kernel"] for c in calls] == ["_fp8_linear_kernel"]
     with pytest.raises(ValueError, match="reduce"):
         ft.Fp8LinearConfig(reduce="atomic")
+
+
+# ------------------------------------------------------------------ the planes decode (session 28)
+def _planes_ptx_ok(asm):
+    """The planes decode's PTX emulated instruction by instruction (test_kernels_moe_layout's emulator) on every E4M3
+    byte at every byte position of a word and at scales across the range it serves: lanes E = (b0, b2), O = (b1, b3)
+    must be the bf16 bits of E4M3 value x 2^(s - 127), NaN codes excepted."""
+    import ml_dtypes
+    from test_kernels_moe_layout import _run_ptx
+    rng = np.random.default_rng(5)
+    byte = np.arange(256, dtype=np.uint32)
+    nan = (byte & 0x7F) == 0x7F
+    for pos in range(4):
+        others = rng.integers(0, 1 << 32, 256, dtype=np.uint64).astype(np.uint32) & ~np.uint32(0xFF << (8 * pos))
+        words = others | (byte << (8 * pos))
+        for s in (0, 1, 60, 100, 118, 121, 124, 127, 130, 134):
+            f = np.uint32(((s + 120) << 7) | ((s + 120) << 23))
+            reg = _run_ptx(asm, {"$2": words, "$3": np.full(256, f, np.uint32)})
+            out = reg["$0"] if pos in (0, 2) else reg["$1"]
+            got = (out >> (16 * (pos >= 2))) & 0xFFFF
+            val = byte.astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** (s - 127)
+            want = val.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32)
+            if not np.array_equal(got[~nan], want[~nan]):
+                return False
+    return True
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_planes_ptx_decodes_every_e4m3_byte_exactly():
+    from dsflash.kernels import fp8_linear_triton as ft
+    assert _planes_ptx_ok(ft._PLANES_ASM.value)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_a_wrong_shift_or_mask_in_the_planes_ptx_is_caught():
+    from dsflash.kernels import fp8_linear_triton as ft
+    asm = ft._PLANES_ASM.value
+    for old, new in (("shl.b32 u, $2, 4;", "shl.b32 u, $2, 3;"), ("shr.b32 u, $2, 4;", "shr.b32 u, $2, 5;"),
+                     ("and.b32 t, $2, 0x80008000;", "and.b32 t, $2, 0x00800080;")):
+        assert old in asm
+        assert not _planes_ptx_ok(asm.replace(old, new)), new
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_planes_config_needs_swap_and_reaches_the_kernel():
+    """``planes`` is the register operand's decode, so only swapped tiles take it (ValueError otherwise), and the
+    launcher passes it as the kernel's EO constexpr (0 for every other config, whose code it leaves as it was)."""
+    import types
+    from dsflash.kernels import fp8_linear_triton as ft
+    with pytest.raises(ValueError, match="planes needs swap=True"):
+        ft.Fp8LinearConfig(planes=True, swap=False)
+    seen = []
+
+    def triton_call(*args, kernel, out_shape, grid, **kw):
+        seen.append((kernel.fn.__name__, kw.get("EO")))
+        shapes = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+        outs = tuple(jnp.zeros(o.shape, o.dtype) for o in shapes)
+        return outs if isinstance(out_shape, tuple) else outs[0]
+
+    jt = types.SimpleNamespace(triton_call=triton_call)
+    x = jnp.zeros((192, 5120), jnp.bfloat16)
+    w, s = jnp.zeros((1280, 5120), jnp.uint8), jnp.zeros((40, 160), jnp.uint8)
+    for name, eo in (("dec_bn128_planes", 1), ("decode_bn128", 0)):
+        seen.clear()
+        ft._launch(jt, x, w, s, cfg=ft.named_config(name), act_rt_kernel=False, out_f32=False)
+        assert seen[0] == ("_fp8_linear_kernel", eo), (name, seen)

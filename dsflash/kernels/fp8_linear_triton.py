@@ -90,14 +90,83 @@ def _w_tile(w_ptr, s_ptr, offs_n, k0, K: tl.constexpr, BN: tl.constexpr, BK: tl.
     return tl.reshape(w3, (BN, BK)).to(tl.bfloat16)
 
 
+# E4M3 bytes -> bf16 by bit placement (``Fp8LinearConfig.planes``, session 28): a byte's sign to bf16 bit 15 and its
+# seven exponent / mantissa bits to bits 10-4 is the bf16 pattern of value * 2^-120 -- subnormals included, since the
+# E4M3 exponent lands in the low bits of bf16's -- and one bf16x2 multiply by 2^(s - 7) makes value * 2^(s - 127),
+# exact (the product has the E4M3 value's <= 4 significant bits). Per 32-bit word (bytes b0..b3 = K elements 4j..4j+3)
+# two bf16x2 outputs: E = (b0, b2), the even K elements; O = (b1, b3), the odd ones. 2^(s - 7) is a bf16 for s <=
+# 134 (``PLANES_MAX_SCALE``); a K chunk with a larger scale takes ``_w_tile`` instead. E4M3's NaN codes (0x7F / 0xFF)
+# decode as 480 * 2^(s - 127), not NaN: a checkpoint with NaN weights is not a model.
+PLANES_MAX_SCALE = 134
+_PLANES_MAX = tl.constexpr(PLANES_MAX_SCALE)       # the kernel's copy (a jit function reads constexpr globals only)
+_PLANES_ASM = tl.constexpr("""
+{
+.reg .b32 t, u;
+shl.b32 t, $2, 8;
+shl.b32 u, $2, 4;
+and.b32 t, t, 0x80008000;
+and.b32 u, u, 0x07F007F0;
+or.b32 t, t, u;
+mul.rn.bf16x2 $0, t, $3;
+shr.b32 u, $2, 4;
+and.b32 t, $2, 0x80008000;
+and.b32 u, u, 0x07F007F0;
+or.b32 t, t, u;
+mul.rn.bf16x2 $1, t, $3;
+}
+""")
+
+
+@triton.jit
+def _bits_times(bits, fs):
+    """bf16 bit pattern (uint32, low 16 bits) times fs (fp32 power of two) -> bf16; the interpreter's stand-in for
+    mul.rn.bf16x2 (exact products, so the cast's rounding never acts)."""
+    return ((bits << 16).to(tl.float32, bitcast=True) * fs).to(tl.bfloat16)
+
+
+@triton.jit
+def _w_planes(w_ptr, s_ptr, offs_n, k0, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
+    """``_w_tile``'s values as (even, odd) K planes, bf16 [BN, BK / 2] each: plane column i = K element k0 + 2 i (+ 1).
+    Halfword i of a row holds elements 2 i (low byte) and 2 i + 1."""
+    KSC: tl.constexpr = K // 32
+    h = tl.load(w_ptr.to(tl.pointer_type(tl.uint16)) + offs_n[:, None].to(tl.int64) * (K // 2) + k0 // 2
+                + tl.arange(0, BK // 2)[None, :])
+    s = tl.load(s_ptr + (offs_n // 32)[:, None] * KSC + k0 // 32 + tl.arange(0, BK // 32)[None, :])
+    f = (s.to(tl.uint16) + 120) << 7                      # bf16 bits of 2^(s - 7)
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, BK // 32, 16)), (BN, BK // 2))
+    if DECODE == 1:
+        we, wo = tl.inline_asm_elementwise(asm=_PLANES_ASM, constraints="=r,=r,r,r", args=[h, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    else:
+        v = h.to(tl.uint32)
+        fs = (f.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        we = _bits_times(((v << 8) & 0x8000) | ((v << 4) & 0x07F0), fs)
+        wo = _bits_times((v & 0x8000) | ((v >> 4) & 0x07F0), fs)
+    return we, wo
+
+
+@triton.jit
+def _chunk_max_scale(s_ptr, offs_n, kbeg, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KCH: tl.constexpr):
+    """The largest UE8M0 scale byte of rows offs_n over K [kbeg, kbeg + KCH): decides the chunk's decode path."""
+    KSC: tl.constexpr = K // 32
+    m = tl.max(tl.max(tl.load(s_ptr + (offs_n // 32)[:, None] * KSC + kbeg // 32
+                              + tl.arange(0, BK // 32)[None, :]).to(tl.int32), axis=1), axis=0)
+    for i in tl.range(1, KCH // BK):
+        sc = tl.load(s_ptr + (offs_n // 32)[:, None] * KSC + (kbeg + i * BK) // 32 + tl.arange(0, BK // 32)[None, :])
+        m = tl.maximum(m, tl.max(tl.max(sc.to(tl.int32), axis=1), axis=0))
+    return m
+
+
 @triton.jit
 def _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks,
               M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-              SWAP: tl.constexpr, ACT_RT: tl.constexpr, DECODE: tl.constexpr, G: tl.constexpr):
+              SWAP: tl.constexpr, ACT_RT: tl.constexpr, DECODE: tl.constexpr, G: tl.constexpr,
+              EO: tl.constexpr = 0):
     """fp32 [BM, BN] of one (row tile pm, N block nb, K chunk ks). G > 1: block-diagonal (V4.1's grouped wo_a): x is
     [M, G K], output features [g N / G, (g + 1) N / G) read only x's g-th K slice (BN divides N / G, so a program
-    sees one group)."""
+    sees one group). EO (swap only): the weights decoded by ``_w_planes`` into even / odd K planes, two dots a step
+    (the same products; the fp32 sums in another order), where the chunk's scales allow it."""
     XS: tl.constexpr = K * G                    # x's row stride
     if G > 1:
         NG: tl.constexpr = N // G
@@ -109,11 +178,22 @@ def _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks,
     kbeg = ks * KCH
     if SWAP:
         acc_t = tl.zeros((BN, BM), tl.float32)
-        for i in tl.range(0, KCH // BK):
-            k0 = kbeg + i * BK
-            w = _w_tile(w_ptr, s_ptr, offs_n, k0, K, BN, BK)
-            xt = _x_tile(x_ptr, rows_c, k0, XS, BM, BK, ACT_RT)
-            acc_t += _dot_bf16(w, tl.trans(xt), DECODE)
+        planes = False
+        if EO:
+            planes = _chunk_max_scale(s_ptr, offs_n, kbeg, K, BN, BK, KCH) <= _PLANES_MAX
+        if planes:
+            for i in tl.range(0, KCH // BK):
+                k0 = kbeg + i * BK
+                we, wo = _w_planes(w_ptr, s_ptr, offs_n, k0, K, BN, BK, DECODE)
+                xe, xo = tl.split(tl.reshape(_x_tile(x_ptr, rows_c, k0, XS, BM, BK, ACT_RT), (BM, BK // 2, 2)))
+                acc_t += _dot_bf16(we, tl.trans(xe), DECODE)
+                acc_t += _dot_bf16(wo, tl.trans(xo), DECODE)
+        else:
+            for i in tl.range(0, KCH // BK):
+                k0 = kbeg + i * BK
+                w = _w_tile(w_ptr, s_ptr, offs_n, k0, K, BN, BK)
+                xt = _x_tile(x_ptr, rows_c, k0, XS, BM, BK, ACT_RT)
+                acc_t += _dot_bf16(w, tl.trans(xt), DECODE)
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros((BM, BN), tl.float32)
@@ -130,7 +210,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
                        M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                        SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr, DECODE: tl.constexpr,
-                       G: tl.constexpr):
+                       G: tl.constexpr, EO: tl.constexpr = 0):
     """One (row tile, N block, K chunk) (``_fp8_tile``). KS == 1: o [M, N] (bf16, or fp32 with OUT_F32); KS > 1:
     fp32 partials o [KS, M, N] for ``_fp8_linear_reduce``."""
     pm = tl.program_id(0)
@@ -139,7 +219,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, o_ptr,
     rows = pm * BM + tl.arange(0, BM)
     rmask = rows < M
     offs_n = nb * BN + tl.arange(0, BN)
-    acc = _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks, M, N, K, BM, BN, BK, KS, SWAP, ACT_RT, DECODE, G)
+    acc = _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks, M, N, K, BM, BN, BK, KS, SWAP, ACT_RT, DECODE, G, EO)
     offs = rows[:, None].to(tl.int64) * N + offs_n[None, :]
     if KS == 1:
         if OUT_F32:
@@ -155,7 +235,7 @@ def _fp8_linear_lastred_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr,
                                M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                                SWAP: tl.constexpr, ACT_RT: tl.constexpr, OUT_F32: tl.constexpr,
-                               DECODE: tl.constexpr, G: tl.constexpr):
+                               DECODE: tl.constexpr, G: tl.constexpr, EO: tl.constexpr = 0):
     """Split K (KS > 1) without the second launch: each program writes its fp32 partial to part [KS, M, N] and
     counts itself in cnt[tile] (zeroed before the launch); the tile's last program to arrive sums the KS partials
     in the fixed order ks = 0, 1, ... and writes o [M, N] (bf16, or fp32 with OUT_F32) -- the same sums, in the same
@@ -166,7 +246,7 @@ def _fp8_linear_lastred_kernel(x_ptr, w_ptr, s_ptr, o_ptr, part_ptr, cnt_ptr,
     pm = tl.program_id(0)
     nb = tl.program_id(1)
     ks = tl.program_id(2)
-    acc = _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks, M, N, K, BM, BN, BK, KS, SWAP, ACT_RT, DECODE, G)
+    acc = _fp8_tile(x_ptr, w_ptr, s_ptr, pm, nb, ks, M, N, K, BM, BN, BK, KS, SWAP, ACT_RT, DECODE, G, EO)
     rows = pm * BM + tl.arange(0, BM)
     rmask = rows < M
     offs = rows[:, None].to(tl.int64) * N + nb * BN + tl.arange(0, BN)[None, :]
@@ -207,7 +287,8 @@ class Fp8LinearConfig:
     features per program (<= N, a divisor of N is used); BK: K per step; KS: K split (0 = auto from
     target_programs); swap: weights as the MMA's left operand; act_rt: where the "reference" FP8 round trip of x
     runs ("auto" | "kernel" | "xla": ``act_rt_in_kernel``); reduce: how KS > 1 partials are summed ("launch": a
-    second kernel, ``_fp8_linear_reduce``; "last": the tile's last program, ``_fp8_linear_lastred_kernel``)."""
+    second kernel, ``_fp8_linear_reduce``; "last": the tile's last program, ``_fp8_linear_lastred_kernel``); planes:
+    weights decoded by bit placement into even / odd K planes (``_w_planes``; swap only, experimental)."""
     BM: int = 0
     BM_MAX: int = 64
     BN: int = 64
@@ -220,10 +301,13 @@ class Fp8LinearConfig:
     target_programs: int = 264          # 2 per SM of an H200 (132 SMs)
     max_ks: int = 32
     reduce: str = "launch"
+    planes: bool = False
 
     def __post_init__(self):
         if self.reduce not in ("launch", "last"):
             raise ValueError(f"Fp8LinearConfig.reduce must be 'launch' or 'last', not {self.reduce!r}")
+        if self.planes and not self.swap:
+            raise ValueError("Fp8LinearConfig.planes needs swap=True (the planes are the MMA's register operand)")
 
 
 NAMED_CONFIGS = {
@@ -304,7 +388,7 @@ def _launch(jt, x2, w8, s8, *, cfg, act_rt_kernel, out_f32, decode=1, groups=1):
     pl = plan(cfg, M, N, K, groups)
     KS = pl["KS"]
     consts = dict(M=M, N=N, K=K, BM=pl["BM"], BN=pl["BN"], BK=pl["BK"], KS=KS, SWAP=int(cfg.swap),
-                  ACT_RT=int(act_rt_kernel), OUT_F32=int(out_f32), DECODE=decode, G=groups)
+                  ACT_RT=int(act_rt_kernel), OUT_F32=int(out_f32), DECODE=decode, G=groups, EO=int(cfg.planes))
     if KS > 1 and cfg.reduce == "last":
         tiles = pl["grid"][0] * pl["grid"][1]
         o, _, _ = jt.triton_call(

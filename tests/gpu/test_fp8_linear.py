@@ -59,9 +59,11 @@ def _poisoned(fn, x, *rest):
     return np.asarray(fn(x, *rest), np.float32)
 
 
-def _check(name, M, precision="reference", config=None):
+def _check(name, M, precision="reference", config=None, tweak=None):
     from dsflash.kernels import fp8_linear as fl, fp8_linear_triton as ft
     x, w, s = _inputs(name, M)
+    if tweak is not None:
+        x, w, s = tweak(x, w, s)
     k32 = jax.jit(lambda a, w_, s_: ft.fp8_linear_triton(a, w_, s_, precision=precision, config=config,
                                                           out_f32=True))
     k16 = jax.jit(lambda a, w_, s_: ft.fp8_linear_triton(a, w_, s_, precision=precision, config=config))
@@ -123,6 +125,23 @@ def test_last_program_reduce_is_bit_identical_to_the_reduce_launch(name, M):
             got = np.asarray(fn(x), np.float32)
             assert np.array_equal(got, ref), (f"{name} M={M} out_f32={f32} call {call}: "
                                               f"{int(np.sum(got != ref))} elements differ")
+
+
+@pytest.mark.parametrize("M", (6, 192))
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_planes_decode_matches_the_xla_path(name, M):
+    """``Fp8LinearConfig.planes`` (candidate ``dec_bn128_planes``, session 28): E4M3 bytes decoded by bit placement
+    into even / odd K planes and multiplied by 2^(s - 7) in bf16 (inline PTX ``mul.rn.bf16x2``, E4M3 subnormals as
+    bf16 subnormals), two dots a K step: the same products as the XLA path, summed in another fp32 order."""
+    _check(name, M, config="dec_bn128_planes")
+
+
+@pytest.mark.parametrize("M", (6, 192))
+def test_planes_decode_falls_back_where_a_scale_is_too_large(M):
+    """A scale byte above ``PLANES_MAX_SCALE`` (2^(s - 7) is no bf16 there): that K chunk takes the per-element
+    decode, so the result still matches the XLA path."""
+    from dsflash.kernels import fp8_linear_triton as ft
+    _check("wq_a", M, config="dec_bn128_planes", tweak=lambda x, w, s: (x, w, s.at[3, 5].set(ft.PLANES_MAX_SCALE + 6)))
 
 
 def test_nan_weight_propagates():

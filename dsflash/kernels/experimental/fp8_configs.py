@@ -28,4 +28,8 @@ CANDIDATES = {
     # decode_bn128 with the split-K partials summed by each tile's last program instead of a second launch (session
     # 27's ncu: the reduce launch is 13-24 % of a 192-row op at 6-10 % warps active); bit-identical by construction
     "dec_bn128_lastred": dict(BN=128, reduce="last"),
+    # decode_bn128 with the E4M3 bytes decoded by bit placement into even / odd K planes (session 28): ~1.75 thread
+    # instructions per weight element for the decode against F2FP + HADD2 + FMUL + F2FP's ~3 (sm_90 compile of
+    # decode_bn128's loop: 5.36 per element at 192 rows); two dots of K 64 a step instead of one of 128
+    "dec_bn128_planes": dict(BN=128, planes=True),
 }
