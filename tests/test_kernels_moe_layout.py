@@ -272,3 +272,52 @@ def test_plane_x_and_down_pair_are_refused_where_they_would_be_ignored():
         mt._check_shapes(x, idx, *il_w, dataclasses.replace(wide, act="fp8"))
     with pytest.raises(ValueError, match="down_pair.*plane_h"):
         mt._check_shapes(x, idx, *il_w, dataclasses.replace(wide, plane_h=False))
+
+
+def test_tile_major_is_an_exact_permutation_with_contiguous_tiles():
+    """``to_tiles`` (config ``tile_major``): same shapes and dtypes, ``from_tiles`` undoes it exactly, and the 64 rows
+    x 32 halfwords (x 1 scale word) of each (row block, slab) of an expert are one contiguous run, rows in order."""
+    wh, sw = L.repack(*_weights(7, (2, 192, 384)))         # 3 row blocks, 3 slabs: a block / slab mix-up shows
+    tw, ts = L.to_tiles(wh, sw)
+    assert (tw.dtype, tw.shape, ts.dtype, ts.shape) == (wh.dtype, wh.shape, sw.dtype, sw.shape)
+    assert not np.array_equal(np.asarray(tw), np.asarray(wh))
+    bw, bs = L.from_tiles(tw, ts)
+    np.testing.assert_array_equal(np.asarray(bw), np.asarray(wh))
+    np.testing.assert_array_equal(np.asarray(bs), np.asarray(sw))
+    flat_w, flat_s = np.asarray(tw).reshape(2, -1), np.asarray(ts).reshape(2, -1)
+    il_w, il_s = np.asarray(wh), np.asarray(sw)
+    KW = 384 // L.BK
+    for e in range(2):
+        for nb in range(3):
+            for j in range(KW):
+                t = (nb * KW + j) * L.BN
+                np.testing.assert_array_equal(flat_w[e, t * L.HALF:(t + L.BN) * L.HALF].reshape(L.BN, L.HALF),
+                                              il_w[e, nb * L.BN:(nb + 1) * L.BN, j * L.HALF:(j + 1) * L.HALF])
+                np.testing.assert_array_equal(flat_s[e, t:t + L.BN], il_s[e, nb * L.BN:(nb + 1) * L.BN, j])
+    rw = np.random.default_rng(0).integers(0, 2 ** 16, (3, 128, 64), dtype=np.uint16)   # any bits, the real dtypes
+    rs = np.random.default_rng(1).integers(0, 2 ** 32, (3, 128, 2), dtype=np.uint32)
+    back = L.from_tiles(*L.to_tiles(rw, rs))
+    np.testing.assert_array_equal(np.asarray(back[0]), rw)
+    np.testing.assert_array_equal(np.asarray(back[1]), rs)
+    with pytest.raises(ValueError, match="divisible by 64"):
+        L.to_tiles(rw[:, :96], rs[:, :96])
+
+
+def test_tile_major_is_refused_outside_the_il_kernels_and_off_64_row_blocks():
+    """Only the il kernels read tile-major addresses, and its tiles are 64 rows: set elsewhere it would be silently
+    ignored (wrong outputs from permuted weights), so the shape check names the field; the named twins are accepted on
+    il weights."""
+    import dataclasses
+
+    from dsflash.kernels import moe_gemm_triton as mt
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(jax.random.PRNGKey(5), 5, 2, 4, 256, 128)
+    il_w = L.tile_experts(*L.repack_experts(w1, s1, w3, s3, w2, s2))
+    with pytest.raises(ValueError, match="tile_major"):
+        mt._check_shapes(x, idx, w1, s1, w3, s3, w2, s2,
+                         dataclasses.replace(moe_plan.named_config("sw_eo_np"), tile_major=True))
+    for name in ("sw_il_tm", "sw_il_bm32_tm", "sw_il_bm64_xb_tm"):
+        cfg = moe_plan.named_config(name)
+        assert cfg.tile_major and cfg == dataclasses.replace(moe_plan.named_config(name[:-3]), tile_major=True)
+        mt._check_shapes(x, idx, *il_w, cfg)                                    # accepted on il weights
+        with pytest.raises(ValueError, match="tile_major"):
+            mt._check_shapes(x, idx, *il_w, dataclasses.replace(cfg, BN_DOWN=128))

@@ -191,3 +191,42 @@ def repack_experts(w1, s1, w3, s3, w2, s2, check=True):
         for s in (s1, s3, s2):
             check_scales(s)
     return (*repack(w1, s1), *repack(w3, s3), *repack(w2, s2))
+
+
+# ------------------------------------------------------------------------------------------ tile-major il
+# Session 28, experimental (config ``tile_major``, mma "swap_il" only): the il arrays with each (64-row block, slab)
+# tile made contiguous. A swap_il program reads, per K step, the 64-byte slab of each of its 64 rows: 64 pieces
+# 2560 bytes apart (d = 5120) in the row-major il layout. Tile-major puts those 64 x 64 bytes in one 4 KB run (and
+# the block's 64 scale words in one 256-byte run). Hypothesis, NOT yet measured on a GPU: the il kernels stream at
+# ~1.85 TB/s of 3.1 because of the DRAM locality of the 64-B-per-row pattern; a 4 KB run per step may fix that.
+# A pure permutation: same shapes and dtypes, so nothing tells tiled weights from plain ones -- the caller pairs
+# them with a tile_major config.
+
+def to_tiles(w_il, s_il, bn=BN):
+    """il arrays (halfwords [..., N, K/4], scale words [..., N, K/128]) -> the same shapes, tile-major: row block nb
+    (``bn`` rows) and slab j at halfword ((nb * (K/128) + j) * bn + r) * 32 + c and scale word
+    (nb * (K/128) + j) * bn + r, rows r in natural order."""
+    return _tile_permute(w_il, HALF, bn, to_tiles=True), _tile_permute(s_il, 1, bn, to_tiles=True)
+
+
+def from_tiles(w_tm, s_tm, bn=BN):
+    """Inverse of ``to_tiles``."""
+    return _tile_permute(w_tm, HALF, bn, to_tiles=False), _tile_permute(s_tm, 1, bn, to_tiles=False)
+
+
+def _tile_permute(a, per_slab, bn, to_tiles):
+    """[..., N, KW * per_slab] between row-major [nb, r, j, c] and tile-major [nb, j, r, c] (c < per_slab)."""
+    *lead, n, cols = a.shape
+    if n % bn or cols % per_slab:
+        raise ValueError(f"tile-major il needs N divisible by {bn} and {per_slab} entries a slab; got shape "
+                         f"{tuple(a.shape)}")
+    kw = cols // per_slab
+    nl = len(lead)
+    src = (*lead, n // bn, bn, kw, per_slab) if to_tiles else (*lead, n // bn, kw, bn, per_slab)
+    perm = (*range(nl), nl, nl + 2, nl + 1, nl + 3)           # swap the row and slab axes (its own inverse)
+    return jnp.transpose(jnp.reshape(a, src), perm).reshape(a.shape)
+
+
+def tile_experts(w1, s1, w3, s3, w2, s2):
+    """The six il arrays of ``repack_experts`` -> tile-major (``to_tiles`` on each matrix)."""
+    return (*to_tiles(w1, s1), *to_tiles(w3, s3), *to_tiles(w2, s2))
