@@ -209,22 +209,16 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
     fixed = (w1, s1, w3, s3, w2, s2)
     jax.block_until_ready(fixed)
     fixed_il = None     # the same weights in the load-time il layout (mma "swap_il" configs), repacked once
-    fixed_tm = None     # ... and tile-major (configs with tile_major), permuted once
 
     def weights_for(cfg_):
-        nonlocal fixed_il, fixed_tm
+        nonlocal fixed_il
         if not (cfg_.kind == "sk" and cfg_.mma == "swap_il"):
             return fixed
-        from dsflash.kernels import moe_layout
         if fixed_il is None:
+            from dsflash.kernels import moe_layout
             fixed_il = moe_layout.repack_experts(*fixed)
             jax.block_until_ready(fixed_il)
-        if not cfg_.tile_major:
-            return fixed_il
-        if fixed_tm is None:
-            fixed_tm = moe_layout.tile_experts(*fixed_il)
-            jax.block_until_ready(fixed_tm)
-        return fixed_tm
+        return fixed_il
     tokens = [int(t) for t in args.tokens.split(",")]
     for T in tokens:
         nsets = 4 if T <= 256 else 2

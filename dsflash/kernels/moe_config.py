@@ -54,10 +54,6 @@ class MoeConfig:
     down_pair: bool = False  # mma "swap_il" with plane_h: each down program computes two adjacent column blocks (2 x
                           # BN_DOWN rows of W2) from one read of its h slab, halving h's L2 traffic (each h tile is
                           # read once per program: d / BN_DOWN times without it). Same dots per column: bit-identical
-    tile_major: bool = False  # mma "swap_il" only (session 28, experimental, not yet run on a GPU): the weights are
-                          # permuted by ``moe_layout.to_tiles`` so that a program's weight bytes of one K step are one
-                          # contiguous 4 KB tile instead of 64 pieces of 64 B (DRAM locality). The caller must pass
-                          # tiled weights (nothing in their shape or dtype tells). Same dots: bit-identical
     stages_down: int = 0  # num_stages of the down launch (0: ``stages``); plane_h's down loop fits 3 programs per SM
                           # at 2 stages while its up kernel spills there
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32

@@ -188,16 +188,6 @@ CONFIGS = {
     #   stages: 33.3 KB, 6 programs per SM, 72 registers, no spills (sm_90 compile); same math (stages only pipeline)
     "sw_il_bm32_sd3": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
                                 prefetch=False, stages_down=3),
-    # * _tm (tile_major; session 28, interpreter + sm_90 compile only, NOT RUN ON A GPU): the decode bands' configs on
-    #   weights permuted by moe_layout.to_tiles, so a program's weight bytes per K step are one 4 KB run, not 64
-    #   pieces of 64 B 2560 B apart. Tests the hypothesis that the il kernels' ~1.85 TB/s (of 3.1) is that pattern's
-    #   DRAM locality. Same dots: bit-identical to their twins. The caller must pass tiled weights.
-    "sw_il_tm": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False,
-                          tile_major=True),
-    "sw_il_bm32_tm": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
-                               prefetch=False, tile_major=True),
-    "sw_il_bm64_xb_tm": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
-                                  prefetch=False, act="bf16rt", tile_major=True),
     "sw_il_bm64_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
                                   prefetch=False, act="bf16rt"),
     # * split_gate_up at prefill tiles: BM 128 is the spill-free twin of sw_il_bm128_xb (213 registers, 2 programs per

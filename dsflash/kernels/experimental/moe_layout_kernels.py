@@ -21,10 +21,6 @@ is how the bf16 weight planes are made:
   MMA (checked in the sm_90 compile: no STSM / LDSM / SHFL in the loop). Written for BN = 64 and 4 warps (BM >= 16:
   wgmma); BM 8 tiles (mma.sync, kWidth 4) need another K order and are not supported.
 
-* Tile-major weights (constexpr TM, config ``tile_major``; session 28, not yet run on a GPU): the il arrays permuted
-  by ``moe_layout.to_tiles``, so a program's 64 rows x 64 bytes of one K step are one 4 KB run; only ``_il_load``'s
-  addresses change.
-
 ``DECODE`` 1: the inline PTX; 0: the same bit operations in plain Triton (the interpreter).
 """
 from __future__ import annotations
@@ -39,8 +35,6 @@ from dsflash.kernels.triton_common import _dot_bf16
 
 # the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
 _IL_ASM = tl.constexpr(moe_layout.IL_ASM)
-# rows of a tile of the tile-major layout (``moe_layout.to_tiles``): the kernels' row block
-_TILE_ROWS = tl.constexpr(moe_layout.BN)
 
 
 @triton.jit
@@ -113,18 +107,11 @@ def _il_planes(wh, sw, BN: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _il_load(w_base, s_base, offs_l, k0, KH: tl.constexpr, KW: tl.constexpr, TM: tl.constexpr):
+def _il_load(w_base, s_base, offs_l, k0, KH: tl.constexpr, KW: tl.constexpr):
     """Raw slab at K offset k0 (multiple of 128): halfwords [BN, 32] (64 contiguous bytes a row) and the scale word of
-    each row [BN], rows in ``_il_rows`` order. TM (config ``tile_major``): the weights are ``moe_layout.to_tiles``'
-    permutation, where memory row m's slab sits in the contiguous tile of its 64-row block m // 64 and slab k0 // 128
-    (one 4 KB run of halfwords and one 256-byte run of scale words a block and K step)."""
-    if TM:
-        row = ((offs_l // _TILE_ROWS) * KW + k0 // 128) * _TILE_ROWS + offs_l % _TILE_ROWS
-        wh = tl.load(w_base + row[:, None] * 32 + tl.arange(0, 32)[None, :])
-        sw = tl.load(s_base + row)
-    else:
-        wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
-        sw = tl.load(s_base + offs_l * KW + k0 // 128)
+    each row [BN], rows in ``_il_rows`` order."""
+    wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+    sw = tl.load(s_base + offs_l * KW + k0 // 128)
     return wh, sw
 
 
@@ -230,8 +217,7 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                       ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
-                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0, XP: tl.constexpr = 0,
-                      TM: tl.constexpr = 0):
+                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0, XP: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
 
     XP (config ``plane_x``): x is bf16 in plane order (``x_dequant(planes=True)`` / ``to_planes``), loaded as its two
@@ -241,10 +227,7 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     I / BN is a block of W1 (gate), the rest of W3 (up). Such a program keeps one accumulator and decodes one matrix
     (about half the registers of the joint loop), and writes its fp32 sums to the gate or up half of the partials
     [KS, S, 2, I] (``h_ptr``) that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same order and the same
-    SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split.
-
-    TM (config ``tile_major``, session 28, experimental): W1 / W3 in ``moe_layout.to_tiles``' tile-major order; only
-    the load addresses change (``_il_load``), the same values reach the same dots: bit-identical."""
+    SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split."""
     e, _, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -270,9 +253,9 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     acc_u = tl.zeros((BN, BM), tl.float32)
     for i in tl.range(0, KCH // BK):
         k0 = kbeg + i * BK
-        pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW, TM)
+        pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
         if not GU:
-            pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW, TM)
+            pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
         if XP:      # x in plane order
             xe, xo = _plane_pair(xq_ptr + tok[:, None] * D, k0, BK)
             acc_g = _il_mma_planes(acc_g, pg, sg, xe, xo, BN, DECODE)
@@ -299,13 +282,12 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                         DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0,
-                        DP: tl.constexpr = 0, TM: tl.constexpr = 0):
+                        DP: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2.
     HP: h in plane order (``h_from_planes``): the two B planes are plain tile loads that Triton stages straight into
     the wgmma's shared-memory operand, instead of one [BM, 128] load split in registers and stored back.
     DP (config ``down_pair``, with HP): the program's column blocks are 2 nb and 2 nb + 1, both from one read of each h
-    slab (two accumulators); each column's dots are the single-block kernel's.
-    TM (config ``tile_major``): W2 in ``moe_layout.to_tiles``' tile-major order (addresses only, bit-identical)."""
+    slab (two accumulators); each column's dots are the single-block kernel's."""
     e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -325,9 +307,9 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     acc = tl.zeros((BN, BM), tl.float32)
     for i in tl.range(0, KCH // BK):
         k0 = kbeg + i * BK
-        pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW, TM)
+        pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
         if DP:
-            pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW, TM)
+            pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW)
             he, ho = _plane_pair(h_ptr + rows_c[:, None] * I, k0, BK)
             acc = _il_mma_planes(acc, pw, sw, he, ho, BN, DECODE)
             acc1 = _il_mma_planes(acc1, pw1, sw1, he, ho, BN, DECODE)
@@ -390,9 +372,6 @@ def to_planes(x):
 
 def check_config(cfg):
     """The geometry the il kernels are written for (the layout's slab and the row permutation's block)."""
-    if cfg.tile_major and (cfg.BN_UP != moe_layout.BN or cfg.BN_DOWN != moe_layout.BN):
-        raise ValueError(f"tile_major weights come in tiles of {moe_layout.BN} rows (moe_layout.to_tiles): it needs "
-                         f"BN_UP=BN_DOWN={moe_layout.BN}; got BN_UP={cfg.BN_UP}, BN_DOWN={cfg.BN_DOWN}")
     if cfg.BK != moe_layout.BK or cfg.BN_UP != moe_layout.BN or cfg.BN_DOWN != moe_layout.BN:
         raise ValueError(f"mma 'swap_il' needs BK={moe_layout.BK}, BN_UP=BN_DOWN={moe_layout.BN}; got {cfg}")
     if cfg.act not in ("fp8", "bf16rt"):
@@ -413,8 +392,7 @@ def il_kernels(cfg, *, d, I, dec):
     kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
     return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec,
-                                                        NF=int(cfg.n_fast), GM=cfg.group_m, HP=int(cfg.plane_h),
-                                                        TM=int(cfg.tile_major))
+                                                        NF=int(cfg.n_fast), GM=cfg.group_m, HP=int(cfg.plane_h))
 
 
 def il_up_constexprs(cfg):
