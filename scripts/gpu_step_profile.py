@@ -31,7 +31,8 @@ the indexer scorer's rounding as the convert alone (``indexer_topk_triton.HW_ROU
 summed by each tile's last program) / ``dec_bn64_bm256_bk64`` (kernels/experimental/fp8_configs.py, session 27).
 ``moeil_planes`` = ``moeil`` with the dense FP8 decode band on ``dec_bn128_planes`` (E4M3 decoded by bit placement
 into even / odd K planes; session 28). ``moeil_sd3`` = ``moeil`` with the il band of 9-32 slots per expert on ``sw_il_bm32_sd3`` (the down launch at 3
-stages: 6 programs per SM instead of 4; session 28).
+stages: 6 programs per SM instead of 4; session 28); ``moeil_xbs3`` = ``moeil`` with the two decode bands on
+``sw_il_xb_s3`` / ``sw_il_bm32_xb_s3`` (x dequantised once before the up kernel, 3 stages; session 28).
 """
 from __future__ import annotations
 
@@ -140,8 +141,9 @@ def main():
             dispatch.GATES["fp8_linear"], fp8_linear.MIN_WEIGHT_ELEMENTS = fp8_gates.get(var, real_fp8)
             fp8_linear.GROUPED = var in ("fp8grp", "grp32") or real_grouped
             moe_plan.DECODE_CONFIG = moe_plan.named_config("sw_eo_np_bm32") if var in ("moe32", "grp32") else real_moe
-            moe_plan.IL_BANDS = tuple((m, "sw_il_bm32_sd3" if n == "sw_il_bm32" else n) for m, n in real_bands) \
-                if var == "moeil_sd3" else real_bands
+            band_swap = {"moeil_sd3": {"sw_il_bm32": "sw_il_bm32_sd3"},
+                         "moeil_xbs3": {"sw_il": "sw_il_xb_s3", "sw_il_bm32": "sw_il_bm32_xb_s3"}}.get(var, {})
+            moe_plan.IL_BANDS = tuple((m, band_swap.get(n, n)) for m, n in real_bands)
             dispatch.GATES["indexer_paged"] = real_paged.replace(triton=()) if var == "gather" else real_paged
             fp8_linear_triton.DECODE_CONFIG = {"fp8bn64": "decode", "moeil_lastred": "dec_bn128_lastred",
                                                "moeil_fp8bm256": "dec_bn64_bm256_bk64",

@@ -188,6 +188,14 @@ CONFIGS = {
     #   stages: 33.3 KB, 6 programs per SM, 72 registers, no spills (sm_90 compile); same math (stages only pipeline)
     "sw_il_bm32_sd3": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
                                 prefetch=False, stages_down=3),
+    # * session 28: x dequantised once before the up kernel ("_xb") at 3 stages. _xb alone lost at BM 16 / 32
+    #   (session 13, H100: 3-27 % slower), where its bf16 x tile (58.9 KB at BM 32, 4 stages) left 3 programs per SM;
+    #   at 3 stages (42 KB, 125 registers) the up kernel keeps 4 and runs 3.53 thread instructions per weight element
+    #   against sw_il_bm32's 4.09 (sm_90 compile, 192 tokens); BM 16: 95 registers, 5 programs, 3.36 against 3.62
+    "sw_il_bm32_xb_s3": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                                  prefetch=False, act="bf16rt"),
+    "sw_il_xb_s3": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
+                             prefetch=False, act="bf16rt"),
     "sw_il_bm64_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
                                   prefetch=False, act="bf16rt"),
     # * split_gate_up at prefill tiles: BM 128 is the spill-free twin of sw_il_bm128_xb (213 registers, 2 programs per
