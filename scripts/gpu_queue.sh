@@ -28,6 +28,7 @@
 #   run(command="bash scripts/gpu_queue.sh moe_sd3", carry=[".whl"])    # session 28: the bm32 band's down kernel at 3 stages, ~5 min
 #   run(command="bash scripts/gpu_queue.sh fp8_planes", carry=[".whl"]) # session 28: the E4M3 bit-placement decode, ~7 min
 #   run(command="bash scripts/gpu_queue.sh moe_xbs3", carry=[".whl"])   # session 28: MoE decode with x dequantised once, ~5 min
+#   run(command="bash scripts/gpu_queue.sh mhc_rows", carry=[".whl"])   # session 28: mHC kernel B one token a program, ~4 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -346,6 +347,13 @@ case $PART in
     echo "== bench kernels moe (rc $?)"; tail -14 "$OUT/bench_moe_sd3.log"
     STEP_POINTS="--decode 32@4096 64@4096" STEP_VARIANTS=moeil,moeil_sd3 bash "$0" prefill_step
     ;;
+  mhc_rows)     # session 28: mHC's kernel B one token a program (mhc_fused_plan.EPI_ROWS_BELOW): its GPU test, then the
+                # decode step at 1 / 8 / 32 x 6 @ 4K with moeil / moeil_epirow (~4 min)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mhc.py -k "one_token_a_program" \
+      > "$OUT/pytest_mhc_rows.log" 2>&1
+    echo "== GPU tests (rc $?)"; tail -3 "$OUT/pytest_mhc_rows.log"
+    STEP_POINTS="--decode 1@4096 8@4096 32@4096" STEP_VARIANTS=moeil,moeil_epirow bash "$0" prefill_step
+    ;;
   moe_xbs3)     # session 28: x dequantised once before the up kernel, at 3 stages, in both decode bands: kernel times at
                 # 6 / 48 / 192 / 384 tokens, then the decode step with it at 1 / 32 x 6 @ 4K (~5 min)
     timeout 240 python3 -m dsflash.bench kernels --ops moe --tokens 6,48,192,384 --quick --no-torch --out "$OUT" \
@@ -479,6 +487,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dsflash.config import preset
-from dsflash.kernels import mhc_fused as mf
+from dsflash.kernels import mhc_fused as mf, mhc_fused_plan
 from dsflash.model import mhc
 
 CFG = preset("tiny")
@@ -106,10 +106,24 @@ def test_plan_splits_d_into_bd_multiples(n, d):
         assert p["BD"] in mf.BD_CHOICES and d % p["BD"] == 0, (T, p)
         assert d % p["DS"] == 0 and (d // p["DS"]) % p["BD"] == 0, (T, p)     # every split = whole BD chunks
         assert p["BT"] * p["BD"] <= mf.TILE_CAP or p["BD"] == mf.BD_CHOICES[-1], (T, p)
-        assert p["SB"] * p["BTE"] * p["NCP"] <= mf.EPI_TILE_CAP and p["SB"] <= mf._next_pow2(p["DS"]), (T, p)
+        cap = mf.EPI_ROW_TILE_CAP if p["BTE"] == 1 else mf.EPI_TILE_CAP
+        assert p["SB"] * p["BTE"] * p["NCP"] <= cap and p["SB"] <= mf._next_pow2(p["DS"]), (T, p)
         assert p["NCP"] >= 2 * n + n * n and p["programs"] == -(-T // p["BT"]) * p["DS"], (T, p)
         assert p["num_warps"] in (4, 8)
         mf.check_plan(p, n, d)
+
+
+def test_plan_runs_kernel_b_per_token_below_epi_rows(monkeypatch):
+    """``EPI_ROWS_BELOW`` (session 28; off by default until measured): below it kernel B takes one token a program
+    and every partial in one step (V4.1 at 6 tokens: DS 160 -> SB 256); from it the 16-token blocks as before."""
+    assert mf.kernel_plan(6, **V41)["BTE"] == 16                             # the default: off
+    monkeypatch.setattr(mhc_fused_plan, "EPI_ROWS_BELOW", 512)
+    for T in (1, 6, 48, 192, 511):
+        p = mf.kernel_plan(T, **V41)
+        assert p["BTE"] == 1 and p["SB"] >= p["DS"] and p["SB"] * p["NCP"] <= mf.EPI_ROW_TILE_CAP, (T, p)
+        mf.check_plan(p, **V41)
+    assert mf.kernel_plan(6, **V41)["SB"] == 256
+    assert mf.kernel_plan(512, **V41)["BTE"] == 16
 
 
 def test_plan_fills_the_gpu_at_small_T():
@@ -164,7 +178,8 @@ def test_plan_rejects_unsupported_shapes():
             mf.kernel_plan(T, n, d)
     good = mf.kernel_plan(20, 4, 256)
     mf.check_plan(dict(good, warps_b=1), 4, 256)
-    for bad in (dict(DS=3), dict(BT=24), dict(BD=8), dict(NCP=16), dict(SB=3), dict(BTE=8), dict(warps_b=3)):
+    mf.check_plan(dict(good, BTE=1), 4, 256)
+    for bad in (dict(DS=3), dict(BT=24), dict(BD=8), dict(NCP=16), dict(SB=3), dict(BTE=12), dict(warps_b=3)):
         with pytest.raises(ValueError):
             mf.check_plan(dict(good, **bad), 4, 256)
 

@@ -32,6 +32,13 @@ MIN_PROGRAMS = SMS           # kernel A programs wanted at least: one per SM (sm
 TARGET_PROGRAMS = 2 * SMS    # preferred: two per SM
 TILE_CAP = 2048              # elements of kernel A's per-stream [BT, BD] tile: <= 8 a thread (warps = BT*BD / 256)
 EPI_TILE_CAP = 4096          # elements of kernel B's [SB, BTE, NCP] partials tile (32 a thread at 4 warps)
+# Below EPI_ROWS_BELOW tokens kernel B runs one program a token (BTE 1) and sums all DS partials in one step (SB up to
+# EPI_ROW_TILE_CAP / NCP): session 28's 1 x 6 step spent 26 us a launch in B's single program -- 8 launches, 0.21 of
+# mHC's 0.32 ms -- walking DS 160 partials in 20 dependent steps of SB 8 for 6 tokens. One step of independent loads
+# per token instead: the same sums in another fixed fp32 order. 0 (off) until a GPU run measures it
+# (``gpu_step_profile --variants moeil,moeil_epirow`` sets 512; NOTES.md session 28).
+EPI_ROWS_BELOW = 0
+EPI_ROW_TILE_CAP = 8192      # [SB, 1, NCP] at BTE 1: 64 elements a thread at 4 warps
 PARTIAL_X_FRAC = 1 / 16      # partial bytes at most this fraction of X's bytes ...
 PARTIAL_FLOOR = 8 << 20      # ... or of this many bytes (small T: everything stays in L2)
 BD_CHOICES = (128, 64, 32)
@@ -69,7 +76,8 @@ def partial_bytes(T, DS, NCP):
 def kernel_plan(T, n, d):
     """Blocking of the Triton kernel for T tokens, n streams of width d: dict with
     BT (tokens a kernel-A program), BD (d chunk), DS (d splits; d / DS is a multiple of BD), NCP (logit columns,
-    padded to a power of two >= 16), BTE / SB (kernel B: tokens a program, partials summed per step), programs
+    padded to a power of two >= 16), BTE / SB (kernel B: tokens a program -- 1 below EPI_ROWS_BELOW tokens --,
+    partials summed per step), programs
     (kernel A's grid size), num_warps (kernel A).
     Rules: BT 16 / 32 / 64 for T <= 128 / <= 2048 / larger (MMA rows; fn is re-read once per token block). Then
     among BD in BD_CHOICES with BT*BD <= TILE_CAP and DS dividing d / BD, with partial bytes within
@@ -96,13 +104,13 @@ def kernel_plan(T, n, d):
             or next((c for c in cands if tb * c[1] >= MIN_PROGRAMS), None)
             or max(cands, key=lambda c: (c[1], c[0])))      # the most programs (splits), then the widest BD
     BD, DS = pick
-    BTE = 16 if T <= 2048 else 32
+    BTE = 1 if T < EPI_ROWS_BELOW else 16 if T <= 2048 else 32
+    sb = min(_next_pow2(DS), max(1, (EPI_ROW_TILE_CAP if BTE == 1 else EPI_TILE_CAP) // (BTE * NCP)))
     hw = {}
     if T >= NARROW_FROM and d % (DS * NARROW_BD) == 0:   # the measured prefill tile (NARROW_BT's comment), same DS
         BT, BD, hw = NARROW_BT, NARROW_BD, {"hw_round": 1}
         tb = _cdiv(T, BT)
-    return dict(BT=BT, BD=BD, DS=DS, NCP=NCP, BTE=BTE, SB=min(_next_pow2(DS), max(1, EPI_TILE_CAP // (BTE * NCP))),
-                programs=tb * DS, num_warps=num_warps(BT, BD), **hw)
+    return dict(BT=BT, BD=BD, DS=DS, NCP=NCP, BTE=BTE, SB=sb, programs=tb * DS, num_warps=num_warps(BT, BD), **hw)
 
 
 def num_warps(BT, BD):
@@ -113,8 +121,8 @@ def num_warps(BT, BD):
 def check_plan(p, n, d):
     """Raise ValueError unless plan ``p`` (kernel_plan's keys, e.g. with overrides) fits the kernels."""
     pow2 = lambda v: v >= 1 and v & (v - 1) == 0  # noqa: E731
-    if not all(pow2(p[k]) for k in ("BT", "BD", "NCP", "BTE", "SB")) or min(p["BT"], p["BTE"]) < 16:
-        raise ValueError(f"BT, BD, NCP, BTE, SB must be powers of two (BT, BTE >= 16), got {p}")
+    if not all(pow2(p[k]) for k in ("BT", "BD", "NCP", "BTE", "SB")) or p["BT"] < 16:
+        raise ValueError(f"BT, BD, NCP, BTE, SB must be powers of two (BT >= 16: kernel A's MMA rows), got {p}")
     if p["NCP"] < 2 * n + n * n or p["BD"] < 16 or p["DS"] < 1 or d % (p["DS"] * p["BD"]):
         raise ValueError(f"plan {p} does not fit n={n}, d={d}: need NCP >= 2n+n^2, BD >= 16, "
                          f"d % (DS*BD) == 0")

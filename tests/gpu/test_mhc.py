@@ -152,6 +152,24 @@ def test_epilogue_warps_leave_the_outputs(warps):
         assert _rel(gi, ui) < 1e-4, name
 
 
+@pytest.mark.parametrize("T", [6, 48, 192])
+def test_epilogue_one_token_a_program_leaves_the_outputs(T):
+    """Kernel B one token a program, every partial in one step (``mhc_fused_plan.EPI_ROWS_BELOW``, session 28): kernel
+    A is the same launch, so X1 and h are bit-identical; the coefficients differ only by the partials' summation
+    order (the band above)."""
+    from dsflash.kernels import mhc_fused_triton as mt
+    case = (T, 4, 5120)
+    X, a, fn, base, scale, ex = _inputs(case, 41 + T)
+    p = mf.kernel_plan(*case)
+    rows = dict(BTE=1, SB=min(mf._next_pow2(p["DS"]), mf.EPI_ROW_TILE_CAP // p["NCP"]))
+    g = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW))(X, a, fn, base, scale, ex)
+    u = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW, plan=rows))(X, a, fn, base, scale, ex)
+    np.testing.assert_array_equal(np.asarray(g[0], np.float32), np.asarray(u[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(g[1], np.float32), np.asarray(u[1], np.float32))
+    for name, gi, ui in zip(("pre", "post", "comb"), g[2], u[2]):
+        assert _rel(gi, ui) < 1e-4, name
+
+
 def test_fn_terms3_matches_reference():
     """Three bf16 parts of fn: logits at fp32 level; same band as the default."""
     from dsflash.kernels import mhc_fused_triton as mt
