@@ -253,21 +253,26 @@ def test_named_config_finds_experimental_candidates_and_names_unknown_ones():
         ft.named_config("nope")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
-def test_last_program_reduce_is_one_launch_with_zeroed_counters():
-    """``reduce="last"``: split K in one launch (partials + per-tile arrival counters, the counters zeroed by
-    jax-triton before it), against two launches for "launch"; KS 1 is the plain kernel either way."""
+def _recording_jt(calls):
+    """A jax-triton stand-in for the launcher: records each launch (kernel name, out_shape, grid, keywords) in
+    ``calls`` and returns zeros of the declared outputs."""
     import types
-    from dsflash.kernels import fp8_linear_triton as ft
-    calls = []
 
     def triton_call(*args, kernel, out_shape, grid, **kw):
         calls.append(dict(kernel=kernel.fn.__name__, out_shape=out_shape, grid=grid, kw=kw))
         shapes = out_shape if isinstance(out_shape, tuple) else (out_shape,)
         outs = tuple(jnp.zeros(o.shape, o.dtype) for o in shapes)
         return outs if isinstance(out_shape, tuple) else outs[0]
+    return types.SimpleNamespace(triton_call=triton_call)
 
-    jt = types.SimpleNamespace(triton_call=triton_call)
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_last_program_reduce_is_one_launch_with_zeroed_counters():
+    """``reduce="last"``: split K in one launch (partials + per-tile arrival counters, the counters zeroed by
+    jax-triton before it), against two launches for "launch"; KS 1 is the plain kernel either way."""
+    from dsflash.kernels import fp8_linear_triton as ft
+    calls = []
+    jt = _recording_jt(calls)
     x = jnp.zeros((192, 5120), jnp.bfloat16)
     w, s = jnp.zeros((2304, 5120), jnp.uint8), jnp.zeros((72, 160), jnp.uint8)
     last = ft.Fp8LinearConfig(BN=128, reduce="last")
@@ -334,22 +339,14 @@ def test_a_wrong_shift_or_mask_in_the_planes_ptx_is_caught():
 def test_planes_config_needs_swap_and_reaches_the_kernel():
     """``planes`` is the register operand's decode, so only swapped tiles take it (ValueError otherwise), and the
     launcher passes it as the kernel's EO constexpr (0 for every other config, whose code it leaves as it was)."""
-    import types
     from dsflash.kernels import fp8_linear_triton as ft
     with pytest.raises(ValueError, match="planes needs swap=True"):
         ft.Fp8LinearConfig(planes=True, swap=False)
-    seen = []
-
-    def triton_call(*args, kernel, out_shape, grid, **kw):
-        seen.append((kernel.fn.__name__, kw.get("EO")))
-        shapes = out_shape if isinstance(out_shape, tuple) else (out_shape,)
-        outs = tuple(jnp.zeros(o.shape, o.dtype) for o in shapes)
-        return outs if isinstance(out_shape, tuple) else outs[0]
-
-    jt = types.SimpleNamespace(triton_call=triton_call)
+    calls = []
+    jt = _recording_jt(calls)
     x = jnp.zeros((192, 5120), jnp.bfloat16)
     w, s = jnp.zeros((1280, 5120), jnp.uint8), jnp.zeros((40, 160), jnp.uint8)
     for name, eo in (("dec_bn128_planes", 1), ("decode_bn128", 0)):
-        seen.clear()
+        calls.clear()
         ft._launch(jt, x, w, s, cfg=ft.named_config(name), act_rt_kernel=False, out_f32=False)
-        assert seen[0] == ("_fp8_linear_kernel", eo), (name, seen)
+        assert (calls[0]["kernel"], calls[0]["kw"].get("EO")) == ("_fp8_linear_kernel", eo), (name, calls)
