@@ -29,6 +29,7 @@
 #   run(command="bash scripts/gpu_queue.sh fp8_planes", carry=[".whl"]) # session 28: the E4M3 bit-placement decode, ~7 min
 #   run(command="bash scripts/gpu_queue.sh moe_xbs3", carry=[".whl"])   # session 28: MoE decode with x dequantised once, ~5 min
 #   run(command="bash scripts/gpu_queue.sh mhc_rows", carry=[".whl"])   # session 28: mHC kernel B one token a program, ~4 min
+#   run(command="bash scripts/gpu_queue.sh indexer_stalls", carry=[".whl"])  # session 28: ncu on the paged indexer at 128K, ~2 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -276,6 +277,23 @@ case $PART in
       grep -E "gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_fp8_$sh.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -48
     done
     ;;
+  indexer_stalls)  # session 28: the paged indexer scorer, 1.05 + 0.53 ms of the 32 x 6 @ 128K step (~13 % of the bf16
+                # tensor rate; the 128K / 4K target binds on it): Nsight Compute's stall reasons, issue activity, DRAM
+                # bytes at 128K (one call of gpu_indexer_split.py; ~2 min)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
+    M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,launch__grid_size
+    for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
+             not_selected selected dispatch_stall no_instruction branch_resolving drain; do
+      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+    done
+    [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
+      --kernel-name regex:_indexer_paged --launch-skip 1 --launch-count 1 --metrics "$M" \
+      python3 scripts/gpu_indexer_split.py --contexts ${INDEXER_CONTEXT:-131072} --seqs 32 --rows 6 --reps 1 \
+      --out "$OUT" > "$OUT/ncu_indexer.log" 2>&1
+    echo "== ncu indexer (rc $?)"
+    grep -E "_indexer_paged|gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_indexer.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -30
+    ;;
   fp8_sweep)    # session 27: the decode band's config against kernels/experimental/fp8_configs.py's candidates at
                 # FP8_ROWS (192) for FP8_SWEEP_SHAPES, kernel busy time per call (scripts/gpu_fp8_linear_sweep.py)
     timeout "${FP8_SWEEP_TIMEOUT:-300}" python3 scripts/gpu_fp8_linear_sweep.py --rows ${FP8_ROWS:-192} \
@@ -487,6 +505,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|indexer_stalls|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
