@@ -277,8 +277,8 @@ case $PART in
       grep -E "gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_fp8_$sh.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -48
     done
     ;;
-  indexer_stalls)  # session 28: the paged indexer scorer, 1.05 + 0.53 ms of the 32 x 6 @ 128K step (~13 % of the bf16
-                # tensor rate; the 128K / 4K target binds on it): Nsight Compute's stall reasons, issue activity, DRAM
+  indexer_stalls)  # session 28: the paged indexer scorer, 1.05 + 0.53 ms of the 32 x 6 @ 128K step (its op at 19 % of
+                # its floor; the 128K / 4K target binds on it): Nsight Compute's stall reasons, issue activity, DRAM
                 # bytes at 128K (one call of gpu_indexer_split.py; ~2 min)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
