@@ -77,8 +77,7 @@ def kernel_plan(T, n, d):
     """Blocking of the Triton kernel for T tokens, n streams of width d: dict with
     BT (tokens a kernel-A program), BD (d chunk), DS (d splits; d / DS is a multiple of BD), NCP (logit columns,
     padded to a power of two >= 16), BTE / SB (kernel B: tokens a program -- 1 below EPI_ROWS_BELOW tokens --,
-    partials summed per step), programs
-    (kernel A's grid size), num_warps (kernel A).
+    partials summed per step), programs (kernel A's grid size), num_warps (kernel A).
     Rules: BT 16 / 32 / 64 for T <= 128 / <= 2048 / larger (MMA rows; fn is re-read once per token block). Then
     among BD in BD_CHOICES with BT*BD <= TILE_CAP and DS dividing d / BD, with partial bytes within
     max(PARTIAL_X_FRAC * X bytes, PARTIAL_FLOOR): the fewest splits reaching TARGET_PROGRAMS with BD >= 64 (or the
