@@ -30,6 +30,7 @@
 #   run(command="bash scripts/gpu_queue.sh moe_xbs3", carry=[".whl"])   # session 28: MoE decode with x dequantised once, ~5 min
 #   run(command="bash scripts/gpu_queue.sh mhc_rows", carry=[".whl"])   # session 28: mHC kernel B one token a program, ~4 min
 #   run(command="bash scripts/gpu_queue.sh indexer_stalls", carry=[".whl"])  # session 28: ncu on the paged indexer at 128K, ~2 min
+#   run(command="bash scripts/gpu_queue.sh s28_ncu", carry=[".whl"])    # session 28: the sd3 check + indexer_stalls, ~3 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -379,6 +380,11 @@ case $PART in
     echo "== bench kernels moe (rc $?)"; grep -E "^  T=" "$OUT/bench_moe_xbs3.log" | tail -6
     STEP_POINTS="--decode 32@4096 1@4096" STEP_VARIANTS=moeil,moeil_xbs3 bash "$0" prefill_step
     ;;
+  s28_ncu)      # session 28's two Nsight Compute items in one call (~3 min): the down kernel at 3 stages (did 6 CTAs a
+                # SM run?), then the paged indexer scorer at 128K
+    NCU_CONFIGS="sw_il_bm32_sd3:192" bash "$0" moe_decode_stalls
+    bash "$0" indexer_stalls
+    ;;
   decode_glue)  # session 18: which XLA fusions the 32 x 6 decode step's concatenations are (0.42 ms a step in four
                 # input_concatenate fusions, sparse_attention / kv_gather / attention_other scopes): the HLO beside them
     timeout 300 python3 scripts/gpu_step_profile.py --preset "$MODEL" --backend triton --decode 32@4096 \
@@ -505,6 +511,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|indexer_stalls|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"
