@@ -25,7 +25,8 @@ How it works
 * KS > 1: fp32 partials [KS, M, N], summed in the fixed order ks = 0, 1, ... by ``_fp8_linear_reduce``, then rounded
   to bf16 once. KS is chosen by ``plan`` so that row tiles x N / BN x KS >= ``target_programs`` (132 SMs).
   ``reduce="last"`` (experimental, session 27): the same sum in the same order by each tile's last program to
-  arrive (``_fp8_linear_lastred_kernel``, arrival counters zeroed by jax-triton), one launch instead of two.
+  arrive (``_fp8_linear_lastred_kernel``, arrival counters zeroed by jax-triton). Measured slower (session 28, H100):
+  jax-triton zeroes the counters with a launch of its own, so the launch count does not fall.
 * ``DECODE`` 0 is the interpreter mode (Triton's interpreter mis-converts fp8 -> bf16 and its bf16 dot is wrong):
   an fp32 "ieee" dot of the same exact values (the same math). 1 on a GPU.
 """
