@@ -122,6 +122,17 @@ eng32() {     # `bench engine --model demo` at batch 32, chat then documentation
   done
 }
 
+stall_metrics() {   # Nsight Compute metrics by name: time, issue activity, registers, warps active, DRAM bytes read,
+                    # grid size and the stall reasons per issued instruction (ncu's section sets segfaulted, session 19)
+  local m=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread r
+  m=$m,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,launch__grid_size
+  for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
+           not_selected selected dispatch_stall no_instruction branch_resolving drain; do
+    m=$m,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
+  done
+  echo "$m"
+}
+
 moe_bench() {  # decode configs (MOE_CONFIGS) at 1 / 32 / 64 x 6 rows, then ncu's stall reasons on one config at 192 tokens
   timeout 200 python3 -m dsflash.bench kernels --ops moe --tokens 6,192,384 --quick --no-torch --out "$OUT" \
     --decode-configs ${MOE_CONFIGS:-sw_il,sw_il_bm32} > "$OUT/bench_moe_decode.log" 2>&1
@@ -263,12 +274,7 @@ case $PART in
                 # shared expert 1.43 ms against ~0.27 of floor): Nsight Compute's stall reasons, issue activity and DRAM
                 # bytes of FP8_SHAPES at FP8_ROWS rows, the picked config (FP8_CONFIG overrides)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
-    M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,launch__grid_size
-    for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
-             not_selected selected dispatch_stall no_instruction branch_resolving drain; do
-      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
-    done
+    M=$(stall_metrics)
     [ -n "$NCU" ] && for sh in ${FP8_SHAPES:-sh_w13 wo_b wq_b}; do
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 120 "$NCU" --clock-control none --target-processes all \
         --kernel-name regex:_fp8_linear --launch-skip 2 --launch-count 2 --metrics "$M" \
@@ -282,12 +288,7 @@ case $PART in
                 # its floor; the 128K / 4K target binds on it): Nsight Compute's stall reasons, issue activity, DRAM
                 # bytes at 128K (one call of gpu_indexer_split.py; ~2 min)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    M=gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
-    M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,launch__grid_size
-    for r in barrier membar long_scoreboard short_scoreboard math_pipe_throttle wait mio_throttle lg_throttle \
-             not_selected selected dispatch_stall no_instruction branch_resolving drain; do
-      M=$M,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
-    done
+    M=$(stall_metrics)
     [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
       --kernel-name regex:_indexer_paged --launch-skip 1 --launch-count 1 --metrics "$M" \
       python3 scripts/gpu_indexer_split.py --contexts ${INDEXER_CONTEXT:-131072} --seqs 32 --rows 6 --reps 1 \
