@@ -150,9 +150,8 @@ def _w_planes(w_ptr, s_ptr, offs_n, k0, K: tl.constexpr, BN: tl.constexpr, BK: t
 def _chunk_max_scale(s_ptr, offs_n, kbeg, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KCH: tl.constexpr):
     """The largest UE8M0 scale byte of rows offs_n over K [kbeg, kbeg + KCH): decides the chunk's decode path."""
     KSC: tl.constexpr = K // 32
-    m = tl.max(tl.max(tl.load(s_ptr + (offs_n // 32)[:, None] * KSC + kbeg // 32
-                              + tl.arange(0, BK // 32)[None, :]).to(tl.int32), axis=1), axis=0)
-    for i in tl.range(1, KCH // BK):
+    m = tl.zeros((), tl.int32)
+    for i in tl.range(0, KCH // BK):
         sc = tl.load(s_ptr + (offs_n // 32)[:, None] * KSC + (kbeg + i * BK) // 32 + tl.arange(0, BK // 32)[None, :])
         m = tl.maximum(m, tl.max(tl.max(sc.to(tl.int32), axis=1), axis=0))
     return m

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from dsflash.kernels import dispatch
 from dsflash.kernels.mhc_fused_plan import (  # noqa: F401  (the plan, shared with mhc_fused_triton)
-    BD_CHOICES, EPI_ROW_TILE_CAP, EPI_ROWS_BELOW, EPI_TILE_CAP, MIN_PROGRAMS, NARROW_BD, NARROW_BT, NARROW_FROM,
+    BD_CHOICES, EPI_ROW_TILE_CAP, EPI_TILE_CAP, MIN_PROGRAMS, NARROW_BD, NARROW_BT, NARROW_FROM,
     PARTIAL_FLOOR, PARTIAL_X_FRAC, SMS, TARGET_PROGRAMS, TILE_CAP, _cdiv, _next_pow2, check_plan, check_shapes,
     kernel_plan, num_warps, partial_bytes)
 

@@ -23,7 +23,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
-from dsflash.kernels import mhc_fused as mf  # noqa: E402
+from dsflash.kernels import mhc_fused as mf, mhc_fused_plan  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -160,8 +160,11 @@ def test_epilogue_one_token_a_program_leaves_the_outputs(T):
     from dsflash.kernels import mhc_fused_triton as mt
     case = (T, 4, 5120)
     X, a, fn, base, scale, ex = _inputs(case, 41 + T)
-    p = mf.kernel_plan(*case)
-    rows = dict(BTE=1, SB=min(mf._next_pow2(p["DS"]), mf.EPI_ROW_TILE_CAP // p["NCP"]))
+    with pytest.MonkeyPatch.context() as m:                  # the plan rule itself, switched on
+        m.setattr(mhc_fused_plan, "EPI_ROWS_BELOW", 512)
+        p = mf.kernel_plan(*case)
+    assert p["BTE"] == 1, p
+    rows = dict(BTE=p["BTE"], SB=p["SB"])
     g = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW))(X, a, fn, base, scale, ex)
     u = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW, plan=rows))(X, a, fn, base, scale, ex)
     np.testing.assert_array_equal(np.asarray(g[0], np.float32), np.asarray(u[0], np.float32))
