@@ -80,10 +80,17 @@ def main():
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--parts", default="gather,select,scores,paged",
+                    help="comma-separated subset of gather, select, scores, paged: under Nsight Compute, `--parts paged` "
+                         "runs no XLA sort (ncu segfaulted on the whole script, session 29)")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    if parts - {"gather", "select", "scores", "paged"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'gather', 'select', 'scores', 'paged'})}")
     os.makedirs(a.out, exist_ok=True)
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from dsflash.kernels import indexer_topk as ik
     from dsflash.model import state as st
@@ -99,13 +106,14 @@ def main():
         pages = T // per_page
         kq, kk, kw, ks = jax.random.split(jax.random.fold_in(key, C), 4)
         pool = st.encode_index_k(jax.random.normal(kk, (B * T, Di), jnp.float32), "reference")
-        page_table = jax.random.permutation(kq, B * pages).reshape(B, pages).astype(jnp.int32)
+        # a host permutation: jax.random.permutation is a sort on the device (see --parts)
+        page_table = jnp.asarray(np.random.default_rng(C).permutation(B * pages).reshape(B, pages), jnp.int32)
         entries = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
         q = jax.random.normal(kq, (B, S, Hi, Di), jnp.float32).astype(jnp.bfloat16)
         w = (jax.random.normal(kw, (B, S, Hi), jnp.float32) * 0.02).astype(jnp.bfloat16)
         visible = jnp.full((B, S), T, jnp.int32)
         valid = jnp.ones((B, S), bool)
-        score = jax.random.normal(ks, (B, S, T), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+        nan = float("nan")
 
         gather = jax.jit(lambda pool, pt: gather_pool(pool, pool_addresses(pt, entries, per_page),
                                                       st.decode_index_k, jnp.bfloat16))
@@ -113,17 +121,25 @@ def main():
         row = {"context": C, "T": T, "B": B, "S": S,
                "index_key_MB": sum(x.size * x.dtype.itemsize for x in pool.values()) / 1e6,
                "gathered_bf16_MB": k_all.size * 2 / 1e6}
-        row["gather_ms"] = timed(gather, pool, page_table, reps=a.reps)
-        row.update(selection_timings(score, visible, topk, a.reps))
-        row["scores_xla_ms"] = timed(jax.jit(lambda q, w, k: ik.indexer_scores_reference(q, w, k, visible, valid)),
-                                     q, w, k_all, reps=a.reps)
+        row["gather_ms"] = timed(gather, pool, page_table, reps=a.reps) if "gather" in parts else nan
+        if "select" in parts:
+            score = jax.random.normal(ks, (B, S, T), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+            row.update(selection_timings(score, visible, topk, a.reps))
+            del score
+        if "scores" in parts:
+            row["scores_xla_ms"] = timed(jax.jit(lambda q, w, k: ik.indexer_scores_reference(q, w, k, visible, valid)),
+                                         q, w, k_all, reps=a.reps)
         try:
+            if "scores" not in parts:
+                raise RuntimeError("not in --parts")
             from dsflash.kernels import indexer_topk_triton as it
             row["scores_triton_ms"] = timed(jax.jit(lambda q, w, k: it.indexer_scores_triton(q, w, k, visible, valid)),
                                             q, w, k_all, reps=a.reps)
         except Exception as e:  # noqa: BLE001
             row["scores_triton_error"] = repr(e)[:300]
         try:   # the paged scorer: keys read straight from the pool (no gather)
+            if "paged" not in parts:
+                raise RuntimeError("not in --parts")
             from dsflash.kernels import indexer_paged_triton as ipt
             paged = jax.jit(lambda q, w, pool, pt: ipt.indexer_scores_paged_triton(q, w, pool, pt, per_page, visible,
                                                                                    valid))
@@ -138,17 +154,18 @@ def main():
         print(json.dumps(row), flush=True)
         with open(os.path.join(a.out, "indexer_split.json"), "w") as f:
             json.dump(res, f, indent=1)
-        del pool, k_all, score
+        del pool, k_all
+    nan = float("nan")
     print("\ncontext  gather  scores(xla)  scores(triton)  paged  top-512 (sort / radix, mismatch)  cand-filter (sort / "
           "radix, mismatch)   (ms; keys MB packed / gathered bf16)")
     for r in res["points"]:
-        print(f"{r['context']:>7} {r['gather_ms']:>7.3f} {r['scores_xla_ms']:>12.3f} "
+        print(f"{r['context']:>7} {r['gather_ms']:>7.3f} {r.get('scores_xla_ms', nan):>12.3f} "
               f"{r.get('scores_triton_ms', float('nan')):>15.3f} {r.get('scores_paged_ms', float('nan')):>6.3f} "
-              f"{r['topk_ms']:>8.3f} / {r['topk_radix_ms']:.3f}, "
-              f"{r['topk_mismatch']:>3}    {r['cand_filter_ms']:>12.3f} / {r['cand_filter_radix_ms']:.3f}, "
-              f"{r['cand_filter_mismatch']:>3}   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
+              f"{r.get('topk_ms', nan):>8.3f} / {r.get('topk_radix_ms', nan):.3f}, "
+              f"{r.get('topk_mismatch', '-'):>3}    {r.get('cand_filter_ms', nan):>12.3f} / "
+              f"{r.get('cand_filter_radix_ms', nan):.3f}, "
+              f"{r.get('cand_filter_mismatch', '-'):>3}   {r['index_key_MB']:.0f} / {r['gathered_bf16_MB']:.0f}")
     print("\ncontext  Triton top-512 32-bit / 16-bit keys (mismatch)  Triton cand-filter 32 / 16 (mismatch)   (ms)")
-    nan = float("nan")
     for r in res["points"]:
         print(f"{r['context']:>7} {r.get('topk_triton32_ms', nan):>10.3f} / {r.get('topk_triton16_ms', nan):.3f} "
               f"({r.get('topk_triton32_mismatch', '-')}, {r.get('topk_triton16_mismatch', '-')})"

@@ -286,13 +286,14 @@ case $PART in
     ;;
   indexer_stalls)  # session 28: the paged indexer scorer, 1.05 + 0.53 ms of the 32 x 6 @ 128K step (its op at 19 % of
                 # its floor; the 128K / 4K target binds on it): Nsight Compute's stall reasons, issue activity, DRAM
-                # bytes at 128K (one call of gpu_indexer_split.py; ~2 min)
+                # bytes at 128K (one call of gpu_indexer_split.py; ~2 min). `--parts paged`: the whole script
+                # segfaulted under ncu (session 29, with and without jax-triton: an XLA sort is the suspect)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     M=$(stall_metrics)
     [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
       --kernel-name regex:_indexer_paged --launch-skip 1 --launch-count 1 --metrics "$M" \
       python3 scripts/gpu_indexer_split.py --contexts ${INDEXER_CONTEXT:-131072} --seqs 32 --rows 6 --reps 1 \
-      --out "$OUT" > "$OUT/ncu_indexer.log" 2>&1
+      --parts paged --out "$OUT" > "$OUT/ncu_indexer.log" 2>&1
     echo "== ncu indexer (rc $?)"
     grep -E "_indexer_paged|gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_indexer.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -30
     ;;
@@ -368,11 +369,12 @@ case $PART in
     STEP_POINTS="--decode 32@4096 64@4096" STEP_VARIANTS=moeil,moeil_sd3 bash "$0" prefill_step
     ;;
   mhc_rows)     # session 28: mHC's kernel B one token a program (mhc_fused_plan.EPI_ROWS_BELOW): its GPU test, then the
-                # decode step at 1 / 8 / 32 x 6 @ 4K with moeil / moeil_epirow (~4 min)
+                # decode step at 1 / 8 / 32 x 6 @ 4K with moeil_epiblk (the token blocks) / moeil (one token a
+                # program: the default since session 29) (~4 min)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_mhc.py -k "one_token_a_program" \
       > "$OUT/pytest_mhc_rows.log" 2>&1
     echo "== GPU tests (rc $?)"; tail -3 "$OUT/pytest_mhc_rows.log"
-    STEP_POINTS="--decode 1@4096 8@4096 32@4096" STEP_VARIANTS=moeil,moeil_epirow bash "$0" prefill_step
+    STEP_POINTS="--decode 1@4096 8@4096 32@4096" STEP_VARIANTS=moeil_epiblk,moeil bash "$0" prefill_step
     ;;
   moe_xbs3)     # session 28: x dequantised once before the up kernel, at 3 stages, in both decode bands: kernel times at
                 # 6 / 48 / 192 / 384 tokens, then the decode step with it at 1 / 32 x 6 @ 4K (~5 min)

@@ -33,8 +33,8 @@ summed by each tile's last program) / ``dec_bn64_bm256_bk64`` (kernels/experimen
 into even / odd K planes; session 28). ``moeil_sd3`` = ``moeil`` with the il band of 9-32 slots per expert on ``sw_il_bm32_sd3`` (the down launch at 3
 stages: 6 programs per SM instead of 4; session 28); ``moeil_xbs3`` = ``moeil`` with the two decode bands on
 ``sw_il_xb_s3`` / ``sw_il_bm32_xb_s3`` (x dequantised once before the up kernel, 3 stages; session 28);
-``moeil_epirow`` = ``moeil`` with mHC's kernel B one program a token below 512 tokens
-(``mhc_fused_plan.EPI_ROWS_BELOW``; session 28).
+``moeil_epirow`` / ``moeil_epiblk`` = ``moeil`` with mHC's kernel B one program a token below 512 tokens / in
+16-token blocks everywhere (``mhc_fused_plan.EPI_ROWS_BELOW`` 512 -- the default since session 29 -- / 0).
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def main():
             band_swap = {"moeil_sd3": {"sw_il_bm32": "sw_il_bm32_sd3"},
                          "moeil_xbs3": {"sw_il": "sw_il_xb_s3", "sw_il_bm32": "sw_il_bm32_xb_s3"}}.get(var, {})
             moe_plan.IL_BANDS = tuple((m, band_swap.get(n, n)) for m, n in real_bands)
-            mhc_fused_plan.EPI_ROWS_BELOW = 512 if var == "moeil_epirow" else real_epi_rows
+            mhc_fused_plan.EPI_ROWS_BELOW = {"moeil_epirow": 512, "moeil_epiblk": 0}.get(var, real_epi_rows)
             dispatch.GATES["indexer_paged"] = real_paged.replace(triton=()) if var == "gather" else real_paged
             fp8_linear_triton.DECODE_CONFIG = {"fp8bn64": "decode", "moeil_lastred": "dec_bn128_lastred",
                                                "moeil_fp8bm256": "dec_bn64_bm256_bk64",

@@ -180,13 +180,15 @@ CHECKS = {   # each runs in its own process (``interpret_isolation``)
     "bt64": _check(dict(T=100, d=256, seed=8, plan=dict(BT=64, BD=64, DS=2, BTE=32, SB=2)), want_splits=(2, 2)),
     "fn_terms3": _check(dict(T=20, d=256, seed=9, fn_terms=3), coef_band=1e-5),
     "nan_rows": _check(dict(T=21, d=128, seed=10, expand=False, nan_rows=(2, 17))),
-    # the V4.1 decode plan itself (n4 d5120: BD 32, DS 160, one chunk each; kernel B in 20 steps of 8)
+    # the V4.1 decode plan itself (n4 d5120: BD 32, DS 160, one chunk each; kernel B one program a token, every
+    # partial in one masked step below mhc_fused_plan.EPI_ROWS_BELOW -- the default since session 29)
     "v41_t1": _check(dict(T=1, d=5120, seed=11), want_splits=(160, 1)),
     "v41_t17_pre": _check(dict(T=17, d=5120, seed=12, expand=False), want_splits=(80, 1)),
-    # kernel B one program a token, every partial in one masked step (mhc_fused_plan.EPI_ROWS_BELOW, session 28)
     "v41_t6_rows": _check(dict(T=6, d=5120, seed=13, plan=dict(BTE=1, SB=256)), want_splits=(160, 1)),
-    "v41_t17_rows_pre": _check(dict(T=17, d=5120, seed=14, expand=False, plan=dict(BTE=1, SB=128)),
-                               want_splits=(80, 1)),
+    # kernel B's token blocks at decode sizes (the plan above EPI_ROWS_BELOW, or with it set to 0): 20 steps of 8
+    "v41_t6_blocks": _check(dict(T=6, d=5120, seed=13, plan=dict(BTE=16, SB=8)), want_splits=(160, 1)),
+    "v41_t17_blocks_pre": _check(dict(T=17, d=5120, seed=14, expand=False, plan=dict(BTE=16, SB=8)),
+                                 want_splits=(80, 1)),
 }
 
 

@@ -114,10 +114,14 @@ def test_plan_splits_d_into_bd_multiples(n, d):
 
 
 def test_plan_runs_kernel_b_per_token_below_epi_rows(monkeypatch):
-    """``EPI_ROWS_BELOW`` (session 28; off by default until measured): below it kernel B takes one token a program
-    and every partial in one step (V4.1 at 6 tokens: DS 160 -> SB 256); from it the 16-token blocks as before."""
-    assert mf.kernel_plan(6, **V41)["BTE"] == 16                             # the default: off
-    monkeypatch.setattr(mhc_fused_plan, "EPI_ROWS_BELOW", 512)
+    """``EPI_ROWS_BELOW`` (session 28; 512 by default since session 29's GPU run): below it kernel B takes one token
+    a program and every partial in one step (V4.1 at 6 tokens: DS 160 -> SB 256); from it, or with it 0, the
+    16-token blocks walking the partials in steps of 8."""
+    monkeypatch.setattr(mhc_fused_plan, "EPI_ROWS_BELOW", 0)
+    p = mf.kernel_plan(6, **V41)
+    assert (p["BTE"], p["SB"]) == (16, 8), p                                  # switched off: the token blocks
+    monkeypatch.undo()
+    assert mhc_fused_plan.EPI_ROWS_BELOW == 512                               # the default
     for T in (1, 6, 48, 192, 511):
         p = mf.kernel_plan(T, **V41)
         assert p["BTE"] == 1 and p["SB"] >= p["DS"] and p["SB"] * p["NCP"] <= mf.EPI_ROW_TILE_CAP, (T, p)

@@ -35,9 +35,9 @@ EPI_TILE_CAP = 4096          # elements of kernel B's [SB, BTE, NCP] partials ti
 # Below EPI_ROWS_BELOW tokens kernel B runs one program a token (BTE 1) and sums all DS partials in one step (SB up to
 # EPI_ROW_TILE_CAP / NCP): session 28's 1 x 6 step spent 26 us a launch in B's single program -- 8 launches, 0.21 of
 # mHC's 0.32 ms -- walking DS 160 partials in 20 dependent steps of SB 8 for 6 tokens. One step of independent loads
-# per token instead: the same sums in another fixed fp32 order. 0 (off) until a GPU run measures it
-# (``gpu_step_profile --variants moeil,moeil_epirow`` sets 512; NOTES.md session 28).
-EPI_ROWS_BELOW = 0
+# per token instead: the same sums in another fixed fp32 order. Measured (H100, session 29, NOTES.md): mHC 0.337 ->
+# 0.168 ms in the 1 x 6 step, kernel-busy -0.17 / -0.12 / -0.09 ms at 1 / 8 / 32 x 6. 0 switches it off.
+EPI_ROWS_BELOW = 512
 EPI_ROW_TILE_CAP = 8192      # [SB, 1, NCP] at BTE 1: 64 elements a thread at 4 warps
 PARTIAL_X_FRAC = 1 / 16      # partial bytes at most this fraction of X's bytes ...
 PARTIAL_FLOOR = 8 << 20      # ... or of this many bytes (small T: everything stays in L2)

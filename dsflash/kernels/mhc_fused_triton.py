@@ -20,7 +20,7 @@ Design (blocking from ``mhc_fused.kernel_plan``):
   as they were (the interpreter script checks split vs unsplit); only the logits' fp32 summation order changes.
 * kernel B, grid (cdiv(T, BTE),): sums the DS partials (SB splits a step, the steps in order: a fixed order),
   then rsqrt scaling, sigmoids, softmax and ``iters - 1`` Sinkhorn steps on [BTE, n, n] in registers. Below
-  ``mhc_fused_plan.EPI_ROWS_BELOW`` tokens (off until measured) one program a token (BTE 1) sums all DS partials
+  ``mhc_fused_plan.EPI_ROWS_BELOW`` tokens (512) one program a token (BTE 1) sums all DS partials
   in one step.
 * logits: x is bf16-exact whenever the streams are bf16 (a bf16 X, or X1 rounded to bf16), so fn = hi + lo with
   both parts bf16 (RNE) and x . fn = 2 (``fn_terms``) bf16 MMAs with exact fp32 products: fn kept to ~16 bits, logit
@@ -43,7 +43,7 @@ small T (fn's 2 MB is ~0.4 us of DRAM time; launches, serial chunk loops and the
 * Partials: DS * T * (NCP + 1) * 4 bytes written by A and read by B (132 B per token per split vs 40 KiB of X):
   < 3 % of X at >= 1024 tokens; at small T <= 1.4 MB, L2-resident.
 * Kernel B's loop has ceil(DS / SB) steps (20 at T <= 16, V4.1: one program of 16 tokens, 26 us a launch in session
-  28's 1 x 6 step; 1 with ``EPI_ROWS_BELOW`` on, one program a token); its per-token work is tiny.
+  28's 1 x 6 step; 1 below ``EPI_ROWS_BELOW``, one program a token: the default since session 29); its per-token work is tiny.
 ``iters`` is a compile-time loop bound (one compile per value), as before.
 X1 / h are rounded to bf16 by ``triton_common._bf16_round``: the integer RNE, or with the plan's ``hw_round`` (from
 512 tokens, ``mhc_fused_plan.NARROW_FROM``) the hardware convert with the same bits; off when interpreted.

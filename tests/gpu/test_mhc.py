@@ -154,16 +154,17 @@ def test_epilogue_warps_leave_the_outputs(warps):
 
 @pytest.mark.parametrize("T", [6, 48, 192])
 def test_epilogue_one_token_a_program_leaves_the_outputs(T):
-    """Kernel B one token a program, every partial in one step (``mhc_fused_plan.EPI_ROWS_BELOW``, session 28): kernel
-    A is the same launch, so X1 and h are bit-identical; the coefficients differ only by the partials' summation
-    order (the band above)."""
+    """Kernel B one token a program, every partial in one step (``mhc_fused_plan.EPI_ROWS_BELOW``, session 28; the
+    default since 29) against the token blocks it replaced: kernel A is the same launch, so X1 and h are
+    bit-identical; the coefficients differ only by the partials' summation order (the band above)."""
     from dsflash.kernels import mhc_fused_triton as mt
     case = (T, 4, 5120)
     X, a, fn, base, scale, ex = _inputs(case, 41 + T)
-    with pytest.MonkeyPatch.context() as m:                  # the plan rule itself, switched on
-        m.setattr(mhc_fused_plan, "EPI_ROWS_BELOW", 512)
+    assert mf.kernel_plan(*case)["BTE"] == 1                 # the default plan: one token a program
+    with pytest.MonkeyPatch.context() as m:                  # the plan rule itself, switched off
+        m.setattr(mhc_fused_plan, "EPI_ROWS_BELOW", 0)
         p = mf.kernel_plan(*case)
-    assert p["BTE"] == 1, p
+    assert p["BTE"] == 16, p
     rows = dict(BTE=p["BTE"], SB=p["SB"])
     g = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW))(X, a, fn, base, scale, ex)
     u = jax.jit(lambda *x: mt.mhc_fused_triton(*x, **KW, plan=rows))(X, a, fn, base, scale, ex)
