@@ -31,6 +31,7 @@
 #   run(command="bash scripts/gpu_queue.sh mhc_rows", carry=[".whl"])   # session 28: mHC kernel B one token a program, ~4 min
 #   run(command="bash scripts/gpu_queue.sh indexer_stalls", carry=[".whl"])  # session 28: ncu on the paged indexer at 128K, ~2 min
 #   run(command="bash scripts/gpu_queue.sh s28_ncu", carry=[".whl"])    # session 28: the sd3 check + indexer_stalls, ~3 min
+#   run(command="bash scripts/gpu_queue.sh moe_ladder", carry=[".whl"]) # session 29: the il decode ladder, ~3-4 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -88,7 +89,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -368,6 +369,14 @@ case $PART in
     echo "== bench kernels moe (rc $?)"; tail -14 "$OUT/bench_moe_sd3.log"
     STEP_POINTS="--decode 32@4096 64@4096" STEP_VARIANTS=moeil,moeil_sd3 bash "$0" prefill_step
     ;;
+  moe_ladder)   # session 29: the il decode ladder (scripts/gpu_moe_ladder.py): the routed-expert decode kernels' loop
+                # taken apart (loads / + decode / + x slab / + MMA; MoeConfig.probe) at 6 tokens (sw_il) and 192
+                # (sw_il_bm32), up and down kernels timed apart from a profiler trace, each rung as compiled and with
+                # its programs per SM pinned to the kernel's; rung 0 checked against the reference first (~3-4 min).
+                # Files: moe_ladder.json / .log, moe_ladder_sm90.json / .log
+    timeout 330 python3 scripts/gpu_moe_ladder.py --out "$OUT" > "$OUT/moe_ladder.log" 2>&1
+    echo "== moe ladder (rc $?)"; grep -E "streaming read|rung 0 vs|^read |^ *T |^ *(6|192) " "$OUT/moe_ladder.log" | tail -45
+    ;;
   mhc_rows)     # session 28: mHC's kernel B one token a program (mhc_fused_plan.EPI_ROWS_BELOW): its GPU test, then the
                 # decode step at 1 / 8 / 32 x 6 @ 4K with moeil_epiblk (the token blocks) / moeil (one token a
                 # program: the default since session 29) (~4 min)
@@ -514,6 +523,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

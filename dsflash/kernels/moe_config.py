@@ -56,6 +56,10 @@ class MoeConfig:
                           # read once per program: d / BN_DOWN times without it). Same dots per column: bit-identical
     stages_down: int = 0  # num_stages of the down launch (0: ``stages``); plane_h's down loop fits 3 programs per SM
                           # at 2 stages while its up kernel spills there
+    probe: int = 0        # mma "swap_il" only, timing probes (session 29's decode ladder; outputs are GARBAGE):
+                          # 0 the kernels; 1-4 the il kernels' loop with pieces taken out -- 1 weight + scale loads
+                          # only, 2 + the weight decode, 3 loads + x / h slab + MMA on the raw bits (no decode), 4
+                          # loads + decode + x / h slab (no MMA); moe_layout_kernels "the decode ladder"
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)

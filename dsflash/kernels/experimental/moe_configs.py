@@ -210,3 +210,11 @@ CONFIGS = {
     "sw_il_bm128_gu_xb_nf": MoeConfig(kind="sk", mma="swap_il", BM=128, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                                       prefetch=False, split_gate_up=True, act="bf16rt", n_fast=True),
 }
+
+# The decode ladder (session 29, CPU-built: sm_90 compile; NOT RUN ON A GPU): the two decode bands' configs with the
+# il kernels' loop taken apart (MoeConfig.probe; moe_layout_kernels "the decode ladder"). TIMING ONLY: their outputs
+# are garbage by design. scripts/gpu_moe_ladder.py times each rung's up and down kernels (gpu_queue.sh moe_ladder).
+import dataclasses as _dc  # noqa: E402
+
+PROBE_BASES = ("sw_il", "sw_il_bm32")
+CONFIGS.update({f"{base}_probe{p}": _dc.replace(CONFIGS[base], probe=p) for base in PROBE_BASES for p in (1, 2, 3, 4)})

@@ -149,6 +149,68 @@ def _il_mma_planes(acc, wh, sw, xe, xo, BN: tl.constexpr, DECODE: tl.constexpr):
     return acc
 
 
+# ---- the decode ladder (config ``probe``, session 29): the loop with pieces taken out, to time each piece -------
+# PROBE 0 is the kernel. PROBE > 0 keeps the grid, tiles, K loop, ``_il_load`` and ``tl.range`` of the kernel and
+# replaces pieces of the loop body by a trivial use of what they would consume (one 32-bit xor a pair of halfwords
+# into a loop-carried sink, folded into the accumulator after the loop, so no load or op is dead); the outputs are
+# garbage by design. 1: weight + scale loads only; 2: loads + the weight decode (scales and nibbles -> bf16 planes),
+# no x, no MMA; 3: loads + the x / h slab + the MMAs on the raw halfwords reinterpreted as bf16 planes, no decode;
+# 4: loads + the decode + the x / h slab, no MMA. So 1 -> 2 adds the decode, 2 -> 4 the x slab, 4 -> 0 the MMA,
+# and 3 -> 0 the decode with everything else in place.
+
+
+@triton.jit
+def _xor_bits(s, t, DECODE: tl.constexpr):
+    """s ^ the bits of t (uint16 s, any 16-bit t, same shape): one xor.b32 per pair of elements (pack 2), as the
+    decode's own inline PTX takes its halfwords; plain Triton ops for the interpreter."""
+    if DECODE == 1:
+        r = tl.inline_asm_elementwise(asm="xor.b32 $0, $1, $2;", constraints="=r,r,r", args=[s, t],
+                                      dtype=tl.uint16, is_pure=True, pack=2)
+    else:
+        r = s ^ t.to(tl.uint16, bitcast=True)
+    return r
+
+
+@triton.jit
+def _il_decode_sink(sk, wh, sw, BN: tl.constexpr, DECODE: tl.constexpr):
+    """The decode of ``_il_planes`` (scales, then the four bf16 outputs of each halfword), its outputs xor-ed into
+    the sink [BN, 32] in the load layout instead of being arranged into planes for the MMA."""
+    f = _il_scales(sw, BN)
+    if DECODE == 1:
+        a, b, c, d = _il_decode_asm(wh, f)
+    else:
+        a, b, c, d = _il_decode_tl(wh, f)
+    return _xor_bits(_xor_bits(_xor_bits(_xor_bits(sk, a, DECODE), b, DECODE), c, DECODE), d, DECODE)
+
+
+@triton.jit
+def _il_raw_planes(wh, BN: tl.constexpr):
+    """The raw halfwords as bf16 bits arranged as ``_il_planes`` arranges the decoded outputs (each halfword in the
+    place of all four of its outputs): MMA operands of the right shape and layout with no decode."""
+    a = wh.to(tl.bfloat16, bitcast=True)
+    lo = tl.reshape(tl.permute(tl.reshape(tl.join(a, a), (BN, 4, 4, 2, 2)), (0, 2, 4, 1, 3)), (BN, 64))
+    p = _il_unpermute(lo, BN, 64)
+    return p, p
+
+
+@triton.jit
+def _il_raw_mma(acc, wh, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.constexpr):
+    """``_il_mma`` on ``_il_raw_planes`` (rung 3)."""
+    wl, wo = _il_raw_planes(wh, BN)
+    xe, xo = tl.split(tl.reshape(xb, (BM, 64, 2)))
+    acc += _dot_bf16(wl, tl.trans(xe), DECODE)
+    acc += _dot_bf16(wo, tl.trans(xo), DECODE)
+    return acc
+
+
+@triton.jit
+def _probe_fold(acc, sk_w, sk_s, sk_x):
+    """The sinks into the accumulator [BN, BM] after the loop: row n gets its weight and scale sinks' xor and the x
+    sink's total xor, as an fp32 number (garbage, but every loaded and decoded bit reaches the kernel's output)."""
+    v = tl.xor_sum(sk_w.to(tl.uint32), axis=1) ^ sk_s ^ tl.xor_sum(tl.xor_sum(sk_x.to(tl.uint32), axis=1), axis=0)
+    return acc + v.to(tl.float32)[:, None]
+
+
 @triton.jit
 def _il_x_slab(xq_ptr, xs_ptr, tok, k0, D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, ACT_FP8: tl.constexpr):
     """x [BM, BK] at K offset k0 for the tile's token rows, as bf16 carriers (FP8 codes x their per-32 scales when
@@ -217,8 +279,14 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       S: tl.constexpr, D: tl.constexpr, I: tl.constexpr, LIMIT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                       ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
-                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0, XP: tl.constexpr = 0):
+                      NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0, XP: tl.constexpr = 0,
+                      PROBE: tl.constexpr = 0, NSTAGE: tl.constexpr = None):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
+
+    PROBE (config ``probe``; the decode ladder above ``_il_x_slab``): 0 the kernel; 1-4 the same loop with pieces
+    taken out (garbage outputs, for timing only). Not with XP or GU. NSTAGE: the K loop's own num_stages (None: none
+    set, the launch's applies); the ladder sets the launch's, because Triton pipelines the loads of a loop without
+    a dot (rungs 1, 2, 4) only when the loop carries num_stages.
 
     XP (config ``plane_x``): x is bf16 in plane order (``x_dequant(planes=True)`` / ``to_planes``), loaded as its two
     [BM, 64] planes per slab; the same two dots as ``_il_mma`` on the same operands.
@@ -251,12 +319,31 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     offs_l = _il_rows(nb, BN)
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
-    for i in tl.range(0, KCH // BK):
+    if PROBE:
+        tl.static_assert(not GU and not XP, "PROBE: the joint up kernel with x in natural order only")
+        sk_w = tl.zeros((BN, 32), tl.uint16)
+        sk_s = tl.zeros((BN,), tl.uint32)
+        sk_x = tl.zeros((BM, BK), tl.uint16)
+    for i in tl.range(0, KCH // BK, num_stages=NSTAGE):
         k0 = kbeg + i * BK
         pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
         if not GU:
             pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
-        if XP:      # x in plane order
+        if PROBE == 1:      # loads only
+            sk_w = _xor_bits(_xor_bits(sk_w, pg, DECODE), pu, DECODE)
+            sk_s = sk_s ^ sg ^ su
+        elif PROBE == 2:    # loads + decode
+            sk_w = _il_decode_sink(_il_decode_sink(sk_w, pg, sg, BN, DECODE), pu, su, BN, DECODE)
+        elif PROBE == 3:    # loads + x slab + MMA on the raw bits
+            xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
+            acc_g = _il_raw_mma(acc_g, pg, xb, BM, BN, DECODE)
+            acc_u = _il_raw_mma(acc_u, pu, xb, BM, BN, DECODE)
+            sk_s = sk_s ^ sg ^ su
+        elif PROBE == 4:    # loads + decode + x slab
+            xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
+            sk_w = _il_decode_sink(_il_decode_sink(sk_w, pg, sg, BN, DECODE), pu, su, BN, DECODE)
+            sk_x = _xor_bits(sk_x, xb, DECODE)
+        elif XP:      # x in plane order
             xe, xo = _plane_pair(xq_ptr + tok[:, None] * D, k0, BK)
             acc_g = _il_mma_planes(acc_g, pg, sg, xe, xo, BN, DECODE)
             if not GU:
@@ -266,6 +353,8 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
             acc_g = _il_mma(acc_g, pg, sg, xb, BM, BN, DECODE)
             if not GU:
                 acc_u = _il_mma(acc_u, pu, su, xb, BM, BN, DECODE)
+    if PROBE:
+        acc_g = _probe_fold(acc_g, sk_w, sk_s, sk_x)
     if GU:
         base = h_ptr + (ks * S + rows[None, :]).to(tl.int64) * (2 * I) + up * I + offs_n[:, None]
         tl.store(base, acc_g, mask=rmask[None, :])
@@ -282,12 +371,13 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                         DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0,
-                        DP: tl.constexpr = 0):
+                        DP: tl.constexpr = 0, PROBE: tl.constexpr = 0, NSTAGE: tl.constexpr = None):
     """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2.
     HP: h in plane order (``h_from_planes``): the two B planes are plain tile loads that Triton stages straight into
     the wgmma's shared-memory operand, instead of one [BM, 128] load split in registers and stored back.
     DP (config ``down_pair``, with HP): the program's column blocks are 2 nb and 2 nb + 1, both from one read of each h
-    slab (two accumulators); each column's dots are the single-block kernel's."""
+    slab (two accumulators); each column's dots are the single-block kernel's.
+    PROBE, NSTAGE: the decode ladder as in the up kernel (h's slab in the place of x's); not with HP or DP."""
     e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -305,10 +395,28 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     else:
         offs_l = _il_rows(nb, BN)
     acc = tl.zeros((BN, BM), tl.float32)
-    for i in tl.range(0, KCH // BK):
+    if PROBE:
+        tl.static_assert(not HP and not DP, "PROBE: the down kernel with h in natural order only")
+        sk_w = tl.zeros((BN, 32), tl.uint16)
+        sk_s = tl.zeros((BN,), tl.uint32)
+        sk_x = tl.zeros((BM, BK), tl.uint16)
+    for i in tl.range(0, KCH // BK, num_stages=NSTAGE):
         k0 = kbeg + i * BK
         pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
-        if DP:
+        if PROBE == 1:      # loads only
+            sk_w = _xor_bits(sk_w, pw, DECODE)
+            sk_s = sk_s ^ sw
+        elif PROBE == 2:    # loads + decode
+            sk_w = _il_decode_sink(sk_w, pw, sw, BN, DECODE)
+        elif PROBE == 3:    # loads + h slab + MMA on the raw bits
+            ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
+            acc = _il_raw_mma(acc, pw, ha, BM, BN, DECODE)
+            sk_s = sk_s ^ sw
+        elif PROBE == 4:    # loads + decode + h slab
+            ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
+            sk_w = _il_decode_sink(sk_w, pw, sw, BN, DECODE)
+            sk_x = _xor_bits(sk_x, ha, DECODE)
+        elif DP:
             pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW)
             he, ho = _plane_pair(h_ptr + rows_c[:, None] * I, k0, BK)
             acc = _il_mma_planes(acc, pw, sw, he, ho, BN, DECODE)
@@ -319,6 +427,8 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         else:
             ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
             acc = _il_mma(acc, pw, sw, ha, BM, BN, DECODE)
+    if PROBE:
+        acc = _probe_fold(acc, sk_w, sk_s, sk_x)
     if DP:
         _sw_down_out(acc, o_ptr, slot_ptr, rows, rmask, 2 * nb * BN + tl.arange(0, BN), ks, S, D, KS)
         _sw_down_out(acc1, o_ptr, slot_ptr, rows, rmask, (2 * nb + 1) * BN + tl.arange(0, BN), ks, S, D, KS)
@@ -370,6 +480,9 @@ def to_planes(x):
     return x.reshape(T, D // 128, 64, 2).transpose(0, 1, 3, 2).reshape(T, D)
 
 
+PROBES = {0: "kernel", 1: "loads", 2: "loads+decode", 3: "loads+x+mma(raw)", 4: "loads+decode+x"}
+
+
 def check_config(cfg):
     """The geometry the il kernels are written for (the layout's slab and the row permutation's block)."""
     if cfg.BK != moe_layout.BK or cfg.BN_UP != moe_layout.BN or cfg.BN_DOWN != moe_layout.BN:
@@ -382,6 +495,11 @@ def check_config(cfg):
     if cfg.plane_x and cfg.act != "bf16rt":
         raise ValueError(f"plane_x reads x dequantised once, before the up kernel: it needs act 'bf16rt'; got "
                          f"{cfg.act!r}")
+    if cfg.probe not in PROBES:
+        raise ValueError(f"probe is one of {sorted(PROBES)} (the decode ladder); got {cfg.probe}")
+    if cfg.probe and (cfg.plane_x or cfg.plane_h or cfg.down_pair or cfg.split_gate_up):
+        raise ValueError(f"the decode ladder (probe) is written for the plain il loops: no plane_x / plane_h / "
+                         f"down_pair / split_gate_up; got {cfg}")
     if cfg.warps_up != 4 or cfg.warps_down != 4 or cfg.BM < 16:
         raise ValueError(f"mma 'swap_il' needs 4 warps and BM >= 16 (wgmma; BM 8 lowers to mma.sync with another "
                          f"operand layout); got {cfg}")
@@ -395,11 +513,17 @@ def il_kernels(cfg, *, d, I, dec):
                                                         NF=int(cfg.n_fast), GM=cfg.group_m, HP=int(cfg.plane_h))
 
 
+def _probe(cfg, stages):
+    """PROBE and the K loop's num_stages (NSTAGE, the launch's own ``stages``) for the launch, only when set: at probe
+    0 the kernels' launches keep their constexprs as they were."""
+    return dict(PROBE=cfg.probe, NSTAGE=stages) if cfg.probe else {}
+
+
 def il_up_constexprs(cfg):
     """The up kernel's own constexprs (``il_kernels``' common ones go to both launches)."""
-    return dict(GU=int(cfg.split_gate_up), XP=int(cfg.plane_x))
+    return dict(GU=int(cfg.split_gate_up), XP=int(cfg.plane_x), **_probe(cfg, cfg.stages))
 
 
 def il_down_constexprs(cfg):
     """The down kernel's own constexprs."""
-    return dict(DP=int(cfg.down_pair))
+    return dict(DP=int(cfg.down_pair), **_probe(cfg, cfg.stages_down or cfg.stages))
