@@ -45,6 +45,29 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
     assert "by step kind: mixed" in text and "breakdown (2 rows" in text and "spec / plain tokens/s" in text and "adaptive_mixed / plain tokens/s" in text
 
 
+def test_ratios_pass_by_pass():
+    """Session 29: the median passes' ratio alone hid how noisy it was (2-core CPU, passes +-10 %); each round's
+    passes ran side by side, so the ratio pass by pass has its median and range in the JSON and the printed line."""
+    res = [{"mode": "adaptive", "passes_tokens_per_s": [90.0, 120.0, 100.0], "tokens_per_s": 100.0},
+           {"mode": "plain", "passes_tokens_per_s": [100.0, 100.0, 125.0], "tokens_per_s": 100.0}]
+    got = bench_engine.ratios_by_round(res)
+    assert set(got) == {"adaptive_over_plain"}
+    r = got["adaptive_over_plain"]
+    assert r["rounds"] == [0.9, 1.2, 0.8] and r["median"] == 0.9 and (r["min"], r["max"]) == (0.8, 1.2)
+    assert bench_engine.ratios_by_round(res[:1]) == {}
+
+
+def test_bench_engine_prints_the_ratio_by_round(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    assert bench_engine.main(["--model", "toy", "--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "6",
+                              "--max-num-seqs", "2", "--max-model-len", "64", "--page-size", "8",
+                              "--prefill-buckets", "2x8", "--modes", "adaptive,plain", "--passes", "2",
+                              "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["ratios_by_round"]["adaptive_over_plain"]
+    assert len(r["rounds"]) == 2 and r["min"] <= r["median"] <= r["max"]
+    assert "pass by pass over 2 rounds" in capsys.readouterr().out
+
+
 def test_chat_prompts_are_held_out_first_turns_as_served():
     """``--chat-prompts``: the server's rendering of held-out conversations' first turns (BOS first, ending where the
     assistant's turn opens), only those that fit, and a clear exit when too few do."""

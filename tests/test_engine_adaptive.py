@@ -734,6 +734,60 @@ def test_plain_calls_do_not_redo_the_expected_verify_rows(monkeypatch):
     assert pol._extra_rows(calls[1]) == real(5, calls[1])
 
 
+def _bisection_extra_rows(draft_len, accepted):
+    """``expected_extra_rows`` as it was before session 29 (a numpy bisection over every row): the reference."""
+    a = np.clip(np.asarray([x for x in accepted if x > 0], np.float64), 0.0, draft_len)
+    if not draft_len or not a.size:
+        return 0.0
+    if a.size == 1:
+        return float(a[0])
+    j = np.arange(1, draft_len + 1)
+    lo, hi = np.zeros_like(a), np.ones_like(a)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        big = (mid[:, None] ** j).sum(1) > a
+        hi, lo = np.where(big, mid, hi), np.where(big, lo, mid)
+    r = (lo + hi) / 2
+    return float((1.0 - np.prod(1.0 - r[:, None] ** j, axis=0)).sum())
+
+
+def test_the_expected_verify_rows_solve_each_estimate_once():
+    """Issue 23, session 29: a batch whose rows change (a prompt joins, a request finishes) changed the estimates'
+    tuple, and each change redid a numpy bisection over every row (~0.5-0.8 ms host time at 8 rows, demo, CPU, twice
+    a pass of the bench) although the rows' estimates were mostly the same values (new requests start at the
+    engine-wide mean). Each distinct estimate is solved once now; the answer is the bisection's."""
+    import dsflash.serve.engine.adaptive as A
+    rng = np.random.default_rng(0)
+    for n in (2, 3, 8, 32):
+        for _ in range(5):
+            acc = list(rng.uniform(0.0, 5.5, size=n)) + [0.0]
+            assert A.expected_extra_rows(5, acc) == pytest.approx(_bisection_extra_rows(5, acc), rel=1e-12, abs=1e-12)
+    A._geometric_ratio.cache_clear()
+    A.expected_extra_rows(5, [0.8] * 8)
+    assert A._geometric_ratio.cache_info().misses == 1              # eight rows, one estimate: one solve
+    A.expected_extra_rows(5, [0.8] * 7 + [0.55])                     # a row joins at another estimate
+    A.expected_extra_rows(5, [0.8] * 6 + [0.55])                     # and one leaves
+    assert A._geometric_ratio.cache_info().misses == 2
+
+
+def test_a_plain_decision_does_not_refit_the_row_cost():
+    """Every decision reads the drafting cost's per-row slope (``IterationCost.row_ratio``, a fit over the samples);
+    only a sample changes it, so it is kept until the next one."""
+    from dsflash.serve.engine.adaptive import IterationCost
+    c = IterationCost(0.3, row_prior=0.5)
+    c.observe(0.04, 4, ref=0.01, extra_rows=4)
+    c.observe(0.05, 4, ref=0.01, extra_rows=8)
+    first = c.row_ratio
+    fits = []
+    real = c._fitted_row_ratio
+    c._fitted_row_ratio = lambda: fits.append(1) or real()
+    for _ in range(10):
+        assert c.row_ratio == first and c.at(1.0) == c.ratio + first
+    assert not fits
+    c.observe(0.06, 4, ref=0.01, extra_rows=12)
+    assert c.row_ratio != first and len(fits) == 1
+
+
 def test_the_kernels_line_names_the_plain_programs_rows(monkeypatch):
     """The start-up line's ``decode=`` is the decode program at ``max_num_seqs * (block + 1)`` rows; an adaptive
     engine's plain calls run ``max_num_seqs`` rows, where a kernel's gate may pick another implementation (H100,

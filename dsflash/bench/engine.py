@@ -6,7 +6,8 @@ a step that prefills plain, ``plain``: no drafts; default modes spec, adaptive_m
 (compilation excluded; the adaptive engine keeps what it measured there, as a serving engine would), then
 ``--passes`` timed passes per mode, interleaved across the modes (the median is reported), and prints generated tokens/s, steps, host overhead per step and
 the acceptance numbers (drafts, acceptance rate, mean acceptance length = 1 + accepted/drafts, per
-position) and each mode's tokens/s over plain's. ``--batches 1,8,32`` repeats it per batch size (prompts =
+position) and each mode's tokens/s over plain's (the median passes'; with several passes also pass by pass, each round's
+passes having run side by side: median and range over the rounds, ``ratios_by_round``). ``--batches 1,8,32`` repeats it per batch size (prompts =
 ``max_num_seqs`` = the batch). ``--json PATH`` writes the numbers. Random-weight presets accept few drafts: the point on
 CPU is the mechanism and the host overhead, not the speed-up.
 
@@ -333,6 +334,26 @@ def ratios(results) -> dict:
     return {f"{r['mode']}_over_plain": r["tokens_per_s"] / plain["tokens_per_s"] for r in results if r is not plain}
 
 
+def ratios_by_round(results) -> dict:
+    """Each drafting mode's tokens/s over plain's pass by pass: the modes' passes run interleaved, round by round, so
+    pass ``i`` of a mode and of plain ran next to each other (under the same load); the ratio's median and range over
+    the rounds say how far the median passes' ratio (``ratios``) is from noise (2-core CPU, session 28: passes
+    spread +-10 %, and a whole pass is one sample)."""
+    import statistics
+    plain = next((r for r in results if r["mode"] == "plain"), None)
+    if plain is None:
+        return {}
+    out = {}
+    for r in results:
+        if r is plain:
+            continue
+        rat = [a / b for a, b in zip(r["passes_tokens_per_s"], plain["passes_tokens_per_s"]) if b]
+        if rat:
+            out[f"{r['mode']}_over_plain"] = {"median": statistics.median(rat), "min": min(rat), "max": max(rat),
+                                              "rounds": rat}
+    return out
+
+
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.switch_interval:
@@ -360,14 +381,18 @@ def main(argv=None) -> int:
             args.num_prompts = args.max_num_seqs = b
             print(f"--- batch {b}")
         results = run_modes(m, args, modes)
-        rat = ratios(results)
+        rat, by_round = ratios(results), ratios_by_round(results)
         for name, v in rat.items():
-            print(f"{name.replace('_over_', ' / ')} tokens/s: {v:.2f}x" + (f" (batch {b})" if b else ""))
-        runs.append({"batch": b, "results": results, "ratios": rat})
+            rr = by_round.get(name)
+            print(f"{name.replace('_over_', ' / ')} tokens/s: {v:.2f}x" + (f" (batch {b})" if b else "")
+                  + (f"; pass by pass over {len(rr['rounds'])} rounds: median {rr['median']:.2f}x, "
+                     f"{rr['min']:.2f}-{rr['max']:.2f}x" if rr and len(rr["rounds"]) > 1 else ""))
+        runs.append({"batch": b, "results": results, "ratios": rat, "ratios_by_round": by_round})
         if args.json:            # after every batch: a long run cut short keeps what it measured
             with open(args.json, "w") as f:
                 out = {"args": vars(args)}
-                out.update({"batches": runs} if args.batches else {"results": results, "ratios": rat})
+                out.update({"batches": runs} if args.batches else {"results": results, "ratios": rat,
+                                                                   "ratios_by_round": by_round})
                 json.dump(out, f, indent=2)
     return 0
 

@@ -54,6 +54,7 @@ drafted: verification decides which are emitted, so greedy output equals plain d
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Iterable, Mapping, Optional, Sequence
 
@@ -94,20 +95,37 @@ def expected_extra_rows(draft_len: int, accepted: Sequence[float]) -> float:
     """Expected one-row verify forwards past the first of a sequential-verify iteration (runner: row ``j + 1`` runs
     while some row accepted drafts ``0 .. j``): ``E[max over rows of the accepted prefix]``. Each row's accepted
     prefix ``L`` is taken as geometric, ``P(L >= j) = r ** j`` with ``E[min(L, draft_len)] =`` its estimate (the demo
-    draft's first positions: 0.27, 0.12, 0.07, 0.05, 0.02); one row: its estimate."""
-    a = np.clip(np.asarray([x for x in accepted if x > 0], np.float64), 0.0, draft_len)
-    if not draft_len or not a.size:
+    draft's first positions: 0.27, 0.12, 0.07, 0.05, 0.02); one row: its estimate. Host work: each distinct estimate's
+    ``r`` is solved once (``_geometric_ratio``, cached: a batch's new requests share the engine-wide mean, and a
+    batch that gains or loses a row keeps the others' estimates), the rest is ``draft_len`` products over the rows
+    (demo, CPU, 8 rows: ~0.5 ms a change of the batch as a numpy bisection over every row, 2 a pass of the bench)."""
+    a = [min(float(x), float(draft_len)) for x in accepted if x > 0]
+    if not draft_len or not a:
         return 0.0
-    if a.size == 1:
-        return float(a[0])
-    j = np.arange(1, draft_len + 1)
-    lo, hi = np.zeros_like(a), np.ones_like(a)
-    for _ in range(30):           # bisection for r: sum_j r ** j = a (increasing in r; r = 1 gives draft_len)
+    if len(a) == 1:
+        return a[0]
+    rs = [_geometric_ratio(draft_len, x) for x in a]
+    total = 0.0
+    for j in range(1, draft_len + 1):
+        none = 1.0
+        for r in rs:
+            none *= 1.0 - r ** j
+        total += 1.0 - none
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometric_ratio(draft_len: int, a: float) -> float:
+    """``r`` with ``sum_{j=1..draft_len} r ** j = a`` (0 < a <= draft_len), by 30 bisection steps (increasing in r;
+    r = 1 gives draft_len)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
         mid = (lo + hi) / 2
-        big = (mid[:, None] ** j).sum(1) > a
-        hi, lo = np.where(big, mid, hi), np.where(big, lo, mid)
-    r = (lo + hi) / 2
-    return float((1.0 - np.prod(1.0 - r[:, None] ** j, axis=0)).sum())
+        if sum(mid ** j for j in range(1, draft_len + 1)) > a:
+            hi = mid
+        else:
+            lo = mid
+    return (lo + hi) / 2
 
 
 class IterationCost:
@@ -131,10 +149,17 @@ class IterationCost:
         self.row_prior, self.row_prior_weight = row_prior, row_prior_weight
         self._decay = 1.0 - 1.0 / max(1.0, row_horizon)
         self._fit = np.zeros(5)          # weight, sum x, sum y, sum x^2, sum x*y of (extra rows, ratio) samples
+        self._row_ratio = None           # row_ratio of the current fit (None: not computed since it changed)
 
     @property
     def row_ratio(self) -> float:
-        """Reference iterations one extra verify row costs (>= 0)."""
+        """Reference iterations one extra verify row costs (>= 0); kept until the next sample (every decision reads
+        it, only ``observe`` changes it)."""
+        if self._row_ratio is None:
+            self._row_ratio = self._fitted_row_ratio()
+        return self._row_ratio
+
+    def _fitted_row_ratio(self) -> float:
         w, sx, sy, sxx, sxy = self._fit
         vxx = sxx - sx * sx / w if w > 0 else 0.0
         vxy = sxy - sx * sy / w if w > 0 else 0.0
@@ -162,6 +187,7 @@ class IterationCost:
         if ref:
             r = s / ref
             self._fit = self._decay * self._fit + np.array([1.0, x, r, x * x, x * r])
+            self._row_ratio = None
             r -= self.row_ratio * x
             self.ratio = r if self.ratio is None else (1 - self.alpha) * self.ratio + self.alpha * r
 
