@@ -11,7 +11,7 @@ default), ``adaptive`` (prefill first) and ``plain2`` (a second plain engine: th
 ``scripts/adaptive_nodraft_cost.py``'s variants (no taps recorded / one-row output buffers / neither; only for
 timing: such an engine must not draft). Also per step: each decode call's wall time over the plain engine's call of
 the same step (the engines run the same schedule), median and quartiles over every step of every pass. Per engine and pass, split by step kind (mixed: a prefill call in it;
-decode-only): the step's wall time, the prefill call (``run_step`` less the decode call), the decode call (its
+decode-only): the drafting calls, the step's wall time, the prefill call (``run_step`` less the decode call), the decode call (its
 ``elapsed_s``), the host time (the step outside ``handle.result()``), and counts: device calls (prefill / decode
 programs, snapshot copies), drafting calls, compiles inside steps. Prints per engine the medians over passes and each
 mode's tokens/s over plain's *paired by round* (median and range of the per-round ratios), also in process CPU time.
@@ -86,7 +86,7 @@ def one_pass(eng, probe, prompts, sp, tag):
     for i, p in enumerate(prompts):
         eng.add_request(f"{tag}{i}", p, sp)
     kinds = {k: {"steps": 0, "ms": 0.0, "cpu_ms": 0.0, "prefill_ms": 0.0, "decode_ms": 0.0, "host_ms": 0.0,
-                 "iters": 0} for k in ("mixed", "decode")}
+                 "iters": 0, "drafting": 0} for k in ("mixed", "decode")}
     c0 = dict(probe.counts)
     m = eng.metrics
     wall = cpu = 0.0
@@ -95,6 +95,7 @@ def one_pass(eng, probe, prompts, sp, tag):
     while eng.has_unfinished_requests():
         n_pf, n_it = m.num_prefill_calls, m.num_decode_iters
         probe.step = {}
+        n_dr = probe.counts["decode_drafting"]
         ts, cs = time.perf_counter(), time.process_time()
         outs = eng.step()
         dt, dc = time.perf_counter() - ts, time.process_time() - cs
@@ -110,6 +111,7 @@ def one_pass(eng, probe, prompts, sp, tag):
             k["prefill_ms"] += 1e3 * (probe.step.get("run_step", 0.0) - probe.step.get("decode", 0.0))
             k["host_ms"] += 1e3 * m.host_time[-1]
             k["iters"] += m.num_decode_iters - n_it
+            k["drafting"] += probe.counts["decode_drafting"] - n_dr
             if probe.step.get("decode"):
                 dcalls.append((m.num_steps, probe.step["decode"], m.num_decode_iters - n_it))
         yield
@@ -221,7 +223,7 @@ def main(argv=None):
             k = r[kind]
             print(f"    {kind:6s}: {k['steps']:.0f} steps {k['ms']:7.1f} ms (prefill {k['prefill_ms']:6.1f}, decode "
                   f"{k['decode_ms']:6.1f}, host {k['host_ms']:5.1f}; {k['ms_per_step']:.2f} ms/step, host "
-                  f"{k['host_ms_per_step']:.3f}), {k['iters']:.0f} iterations")
+                  f"{k['host_ms_per_step']:.3f}), {k['iters']:.0f} iterations, {k['drafting']:.0f} drafting calls")
         if "decode_call_over_plain_per_step" in r:
             c = r["decode_call_over_plain_per_step"]
             print(f"    decode call / plain's, same step: median {c['median']:.3f} (quartiles {c['q1']:.3f}-{c['q3']:.3f}, "

@@ -183,6 +183,49 @@ def test_a_step_that_prefills_runs_plain_even_where_the_budget_has_room():
     assert SpeculationPolicy(5, "always").choose([a], prefilling=True, prefill_tokens=40) == 5
 
 
+def _mixed_policy(ratio, row_ratio=0.0):
+    """A policy drafting in mixed steps whose drafting iteration costs ``ratio`` plain ones (sequential verify, the
+    row cost ``row_ratio``)."""
+    pol = SpeculationPolicy(5, "adaptive", probe_calls=1, cold_calls=0, remeasure_plain_every=10**6,
+                            remeasure_every=10**6, reprobe_every=10**6, draft_in_mixed_steps=True,
+                            sequential_verify=True, row_prior=row_ratio, margin=0.02)
+    pol.costs[0].observe(1.0, 1)
+    pol.costs[5].observe(ratio, 1, ref=1.0)
+    pol.costs[5]._row_ratio = row_ratio
+    return pol
+
+
+def test_a_mixed_step_charges_drafting_to_the_sequences_it_holds_up():
+    """Issue 23, session 29 (2-core CPU, demo, chat prompts, batch 8): a pass's first mixed step decodes 1 row while
+    the other 7 prompts prefill. Drafting there cost ~2.6 plain iterations for one row expecting ~1.0 accepted drafts
+    (2.0 tokens an iteration against 1: a per-row win at a modelled 1.9x), but the 7 held prompts wait out the extra
+    time too: the mixed steps' decode calls took 401 ms a pass against plain's 236 and the pass ran 0.90x plain. With
+    the held sequences priced at their plain rate, drafting there needs accepted drafts > (1 + 7) x 0.9: plain."""
+    a = _measured(_Seq("a"), 1.0)
+    pol = _mixed_policy(1.9)
+    assert pol.choose([a]) == 5                      # decode-only, the batch's last row: drafting pays
+    pol = _mixed_policy(1.9)
+    assert pol.choose([a], prefilling=True, prefill_tokens=59, held=7) == 0
+    assert pol.calls_plain_for_prefill == 0          # the cost model's decision, not the prefill-first rule
+    # a step that prefills with no row decoding yet runs plain, whatever the last choice was (before: the last
+    # pass's last call, drafting for the batch's last row, carried into the next pass's first step)
+    pol = _mixed_policy(1.9)
+    assert pol.choose([a]) == 5 and pol.choose([], prefilling=True) == 0 and pol.choose([]) == 5
+    # held counts only in a step that prefills (waiting prompts that get no tokens this step are not held by it)
+    assert _mixed_policy(1.9).choose([a], prefilling=True, prefill_tokens=0, held=7) == 5
+
+
+def test_a_mixed_step_still_drafts_where_drafting_is_cheap():
+    """The GPU case (H100, demo, chat, batch 8: drafting ~1.3-1.45 plain iterations, ~1.15 accepted drafts; mixed
+    steps 16.1 ms for 34.5 tokens drafting against 14.5 ms for 26.5 plain): with most of the batch decoding and a few
+    prompts held, drafting in the mixed step still pays and is chosen; with one row decoding and seven held it does
+    not (8 x 0.4 plain iterations of the whole batch for 1.15 tokens)."""
+    rows = [_measured(_Seq(str(i)), 1.15) for i in range(6)]
+    assert _mixed_policy(1.4).choose(rows, prefilling=True, prefill_tokens=32, held=2) == 5
+    assert _mixed_policy(1.3).choose(rows[:4], prefilling=True, prefill_tokens=79, held=4) == 5
+    assert _mixed_policy(1.4).choose(rows[:1], prefilling=True, prefill_tokens=59, held=7) == 0
+
+
 def test_prefill_first_switches_log_at_debug_and_cost_switches_at_info(caplog):
     """Under load the prefill-first rule can flip the draft length step by step: those switches (and the switch back
     right after one) log at debug, a switch the costs decide still at info."""

@@ -44,8 +44,11 @@ token budget.
   +26 ms of a 357-ms pass that lost 0.91x to plain; decode-only 130.8 ms against 126.5).
   ``draft_in_mixed_steps=True`` keeps the older rule (plain only where the budget binds); the engine passes it from
   ``EngineConfig.speculative_in_mixed_steps``, on by default since session 28 (H100, demo, 128 chat prompts: 1.65x
-  plain against this rule's 1.29x at 8 sequences, 1.18x against 1.14x at 32). It is no exploration
-  decision: the back-off stays, a due probe waits for a step without prefill, and the call's cost is a plain sample
+  plain against this rule's 1.29x at 8 sequences, 1.18x against 1.14x at 32). The cost model then also charges
+  the drafting call's extra time to the sequences the step holds up besides its rows (``held``: prompts it
+  prefills, waiting ones its free slots take), as rows emitting one token an iteration either way: priced as free
+  they had a 2-core CPU draft a pass's first mixed step for its one decoding row while 7 prompts prefilled (chat,
+  batch 8: 0.90x plain, session 29). It is no exploration decision: the back-off stays, a due probe waits for a step without prefill, and the call's cost is a plain sample
   as any other.
 
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
@@ -232,6 +235,7 @@ class SpeculationPolicy:
         self.backoff, self.max_backoff = 1, max(1, max_backoff)
         self._reprobing = self._probed = False
         self._wait = 1                     # 2 while prompts wait for prefill (choose)
+        self._held = 0                     # sequences the call's step holds up besides its rows (choose)
         self.calls_plain_for_prefill = 0   # calls run plain because drafting would have shrunk the step's prefill
         self._plain_for_prefill_last = False    # the last switch to 0 was that rule's (its switch back logs at debug)
 
@@ -269,18 +273,22 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ per decode call
     def choose(self, seqs: Sequence, prefilling: bool = False, displaces_prefill: int = 0,
-               prefill_tokens: int = 0) -> int:
+               prefill_tokens: int = 0, held: int = 0) -> int:
         """Draft length of the next decode call over ``seqs`` (its sequences). ``prefilling``: prompts wait for
         prefill this step; an exploration probe then waits (up to twice its interval), since a drafting call's
         decode rows take ``block + 1`` tokens each of the step's token budget and so slow the prefill down too
         (batch 32 of the tiny model: a probe left 16 of 128 tokens to prefill). ``displaces_prefill``: the prompt
         tokens drafting would take from this step's prefill (0: none, the budget has room for both);
         ``prefill_tokens``: the prompt tokens the step prefills with a plain call. Plain (``_plain_for_prefill``)
-        if the step prefills anything, or, with ``draft_in_mixed_steps``, if drafting would displace some of it."""
+        if the step prefills anything, or, with ``draft_in_mixed_steps``, if drafting would displace some of it.
+        ``held``: the sequences a step that prefills holds up besides ``seqs`` (prompts prefilling in it or waiting
+        for a free slot it can fill); a drafting call's extra time is charged at their plain rate too (``_decide``)."""
         if self.mode != "adaptive":
             return self.block
-        if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log)
-            return self.draft_len
+        if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log), but a
+            # step that prefills runs plain: its decode rows are prompts whose prefill ends in it, the rest wait on it
+            # (a pass's first step ran the last pass's last choice, drafting, with 7 prompts prefilling: session 29)
+            return 0 if prefilling else self.draft_len
         self._reprobe(seqs)
         if displaces_prefill or (prefill_tokens and not self.draft_in_mixed_steps):
             return self._plain_for_prefill(int(displaces_prefill), int(prefill_tokens))
@@ -289,6 +297,7 @@ class SpeculationPolicy:
             self.calls_since_draft = 0     # one drafting call (its verifications update the estimates), not an
             self._reprobing = True         # optimistic prior for every new request
         accepted = [self.estimate(s) for s in seqs]
+        self._held = max(0, int(held)) if prefill_tokens else 0
         d = self._decide(accepted)
         if d != self.draft_len:
             c = {k: (None if v is None else round(1e3 * v, 2)) for k, v in self.current_costs(accepted).items()}
@@ -323,7 +332,10 @@ class SpeculationPolicy:
             c = self.costs[d]
             if c.seconds is None or c.samples < self.probe_calls:
                 return d
-        best = choose_draft_length(self.current_costs(accepted), accepted, self.margin)
+        # in a step that prefills, the sequences it holds up (``held``) wait out a drafting call's extra time too:
+        # they count as rows that emit one token an iteration either way (``choose_draft_length`` then drafts only
+        # where the accepted drafts beat (rows + held) x the extra cost in plain iterations), not as free
+        best = choose_draft_length(self.current_costs(accepted), list(accepted) + [0.0] * self._held, self.margin)
         if self._probed:        # the call before was an exploration probe: back off while probes find nothing
             self.backoff = 1 if best else min(2 * self.backoff, self.max_backoff)
             self._probed = False

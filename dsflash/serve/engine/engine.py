@@ -358,8 +358,10 @@ class LLMEngine:
         # ... and plain in a step that prefills where drafting would displace prompt tokens (or in every such step
         # with speculative_in_mixed_steps off: adaptive.py "Prefill first")
         prefill, displaced = self._prefill_conflict(decoding, prefilling)
+        # the sequences such a step holds up besides its decode rows: prompts prefilling, waiting ones free slots take
+        held = len(self.running) - len(decoding) + min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
         self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced,
-                                                    prefill_tokens=prefill) + 1
+                                                    prefill_tokens=prefill, held=held) + 1
         plan = self.scheduler.schedule()
         rec = None
         early: list = []          # prefill results already processed (handed out before the decode call)
