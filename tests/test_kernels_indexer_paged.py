@@ -43,3 +43,33 @@ def test_paged_supports():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
 def test_interpreter_script(interpreter_script):
     interpreter_script("triton_interpret_indexer_paged.py")
+
+
+def test_paged_stages_reach_the_launch(monkeypatch):
+    """``indexer_paged_triton.NUM_STAGES`` is the launch's num_stages (2 by default; 3 is the opt-in row prefetch
+    one row further ahead), recorded through a stand-in for jax-triton at V4.1's decode shape."""
+    pytest.importorskip("triton")
+    import sys
+    from dsflash.kernels import indexer_paged_triton as ipt
+    calls = []
+
+    class Rec:
+        def triton_call(self, *args, kernel, out_shape, grid, num_warps, num_stages, **kw):
+            calls.append(dict(grid=grid, num_warps=num_warps, num_stages=num_stages, **kw))
+            return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype)
+
+    monkeypatch.setitem(sys.modules, "jax_triton", Rec())
+    B, S, P, per_page = 2, 6, 4, 64
+    sd = jax.ShapeDtypeStruct
+    pool = {"q": sd((B * P * per_page, 64), jnp.uint8), "s": sd((B * P * per_page, 4), jnp.uint8)}
+    args = (sd((B, S, 32, 128), jnp.bfloat16), sd((B, S, 32), jnp.bfloat16), sd((B, P), jnp.int32),
+            sd((B, S), jnp.int32), sd((B, S), bool))
+
+    def run():
+        jax.eval_shape(lambda q, w, pt, vis, val, pl: ipt.indexer_scores_paged_triton(q, w, pl, pt, per_page, vis,
+                                                                                      val), *args, pool)
+    run()
+    monkeypatch.setattr(ipt, "NUM_STAGES", 3)
+    run()
+    assert [c["num_stages"] for c in calls] == [2, 3]
+    assert all(c["SB"] == 6 and c["BT"] == 128 and c["num_warps"] == 4 and c["grid"] == (B, 2) for c in calls)

@@ -101,6 +101,13 @@ def _indexer_paged_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, kx_ptr, pt_ptr, lim_ptr,
         tl.store(o_ptr + out, tl.where(ok, score, float("-inf")), mask=tmask & rin)
 
 
+# The row loop's cp.async stages (the launch's num_stages). At 2 the next row's queries are requested at the end of a
+# row and waited for at the top of the next (sm_90 SASS: LDGSTS ... BRA; DEPBAR.LE SB0, 0x0), so every row waits one
+# L2 round trip; at 3 they are requested a row earlier (DEPBAR.LE SB0, 0x1), 57,600 B of shared memory, 138 registers,
+# still 3 programs an SM (NOTES: "The paged indexer scorer under an sm_90 compile"). 2 until timed on a GPU.
+NUM_STAGES = 2
+
+
 def launch_params(S, T):
     """SB rows per program (all of a decode call's rows share one decoded key tile), BT entries."""
     return dict(SB=min(S, 8), BT=128 if T >= 128 else max(16, triton.next_power_of_2(T)), num_warps=4)
@@ -137,4 +144,4 @@ def indexer_scores_paged_triton(q, w, pool, page_table, per_page, visible, valid
     arrays, const, grid, nw = kernel_args(q, w, pool, page_table, per_page, visible, valid, cand)
     return jt.triton_call(*arrays, kernel=_indexer_paged_kernel,
                           out_shape=jax.ShapeDtypeStruct((B, S, const["T"]), jnp.float32),
-                          grid=grid, num_warps=nw, num_stages=2, DECODE=1, **const)
+                          grid=grid, num_warps=nw, num_stages=NUM_STAGES, DECODE=1, **const)
