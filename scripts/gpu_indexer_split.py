@@ -83,6 +83,9 @@ def main():
     ap.add_argument("--parts", default="gather,select,scores,paged",
                     help="comma-separated subset of gather, select, scores, paged: under Nsight Compute, `--parts paged` "
                          "runs no XLA sort (ncu segfaulted on the whole script, session 29)")
+    ap.add_argument("--paged-stages", type=int, nargs="+", default=None,
+                    help="also time the paged scorer at these num_stages (indexer_paged_triton.NUM_STAGES; "
+                         "scores_paged_s<N>_ms), after the default")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     if parts - {"gather", "select", "scores", "paged"}:
@@ -147,6 +150,16 @@ def main():
             ref = ik.indexer_scores_reference(q, w, k_all, visible, valid)
             got = paged(q, w, pool, page_table)
             row["paged_max_rel_diff"] = float(jnp.max(jnp.abs(got - ref) / (jnp.abs(ref) + 1e-30)))
+            default_stages = ipt.NUM_STAGES
+            for st_n in a.paged_stages or ():      # each a fresh trace: the launch reads NUM_STAGES when traced
+                ipt.NUM_STAGES = st_n
+                try:
+                    f = jax.jit(lambda q, w, pool, pt: ipt.indexer_scores_paged_triton(q, w, pool, pt, per_page,
+                                                                                       visible, valid))
+                    row[f"scores_paged_s{st_n}_ms"] = timed(f, q, w, pool, page_table, reps=a.reps)
+                    row[f"paged_s{st_n}_equal"] = bool(jnp.array_equal(f(q, w, pool, page_table), got))
+                finally:
+                    ipt.NUM_STAGES = default_stages
             del ref, got
         except Exception as e:  # noqa: BLE001
             row["scores_paged_error"] = repr(e)[:300]

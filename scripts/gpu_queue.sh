@@ -287,8 +287,9 @@ case $PART in
     ;;
   indexer_stalls)  # session 28: the paged indexer scorer, 1.05 + 0.53 ms of the 32 x 6 @ 128K step (its op at 19 % of
                 # its floor; the 128K / 4K target binds on it): Nsight Compute's stall reasons, issue activity, DRAM
-                # bytes at 128K (one call of gpu_indexer_split.py; ~2 min). `--parts paged`: the whole script
-                # segfaulted under ncu (session 29, with and without jax-triton: an XLA sort is the suspect)
+                # bytes at 128K (one call of gpu_indexer_split.py), then the scorer timed at 2 and 3 stages (~3 min).
+                # `--parts paged`: the whole script segfaulted under ncu (session 29, with and without jax-triton:
+                # an XLA sort is the suspect)
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     M=$(stall_metrics)
     [ -n "$NCU" ] && XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 200 "$NCU" --clock-control none --target-processes all \
@@ -297,6 +298,11 @@ case $PART in
       --parts paged --out "$OUT" > "$OUT/ncu_indexer.log" 2>&1
     echo "== ncu indexer (rc $?)"
     grep -E "_indexer_paged|gpu__|smsp__|sm__|launch__|dram__" "$OUT/ncu_indexer.log" | sed 's/smsp__average_warps_issue_stalled_//' | head -30
+    # the paged scorer at 2 (default) and 3 stages (indexer_paged_triton.NUM_STAGES; session 29's sm_90 study), timed
+    timeout 150 python3 scripts/gpu_indexer_split.py --contexts 131072 32768 --seqs 32 --rows 6 --reps 10 \
+      --parts paged --paged-stages 3 --out "$OUT" > "$OUT/indexer_stages.log" 2>&1
+    echo "== paged scorer, stages 2 / 3 (rc $?)"
+    grep -o '"context": [0-9]*\|"scores_paged[a-z0-9_]*": [0-9.]*\|"paged_s3_equal": [a-z]*' "$OUT/indexer_stages.log" | paste -sd' '
     ;;
   fp8_sweep)    # session 27: the decode band's config against kernels/experimental/fp8_configs.py's candidates at
                 # FP8_ROWS (192) for FP8_SWEEP_SHAPES, kernel busy time per call (scripts/gpu_fp8_linear_sweep.py)
