@@ -6,7 +6,9 @@ dsflash.bench engine`` builds them (max_model_len 256, page 32, budget 128, pref
 a call), their passes interleaved round by round (``--passes``; the engines' order rotates every round, so no engine
 always runs right after another). Modes: ``plain`` (speculative off), ``nodraft`` (speculative_mode adaptive with
 drafting forced off through the policy: every call still runs ``choose`` / ``observe``), ``adaptive_mixed`` (the
-default), ``adaptive`` (prefill first) and ``plain2`` (a second plain engine: the instrument's own spread);
+default), ``adaptive`` (prefill first), ``plain2`` (a second plain engine: the instrument's own spread) and
+``nodraft_rec`` (``nodraft`` with ``tap_free_plain=False``: every plain call records the lazy context's taps, as
+before session 29's tap-free program; ``nodraft`` runs the tap-free program once it has been plain a while);
 ``nodraft/notaps``, ``nodraft/smallbuf``, ``nodraft/both``: ``nodraft`` with its draft-length-0 program replaced by
 ``scripts/adaptive_nodraft_cost.py``'s variants (no taps recorded / one-row output buffers / neither; only for
 timing: such an engine must not draft). Also per step: each decode call's wall time over the plain engine's call of
@@ -29,9 +31,11 @@ import time
 def build(model, mode, args):
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.engine.backend import ModelBackend
-    mode = mode.split("/")[0]
-    spec = {"plain": "off", "plain2": "off", "nodraft": "adaptive", "adaptive": "adaptive", "adaptive_mixed": "adaptive"}[mode]
+    variant, mode = "/" in mode, mode.split("/")[0]
+    spec = {"plain": "off", "plain2": "off", "nodraft": "adaptive", "nodraft_rec": "adaptive", "adaptive": "adaptive",
+            "adaptive_mixed": "adaptive"}[mode]
     return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), speculative_mode=spec,
+                     tap_free_plain=mode != "nodraft_rec" and not variant,    # a variant replaces the draft-0 program
                      speculative_in_mixed_steps=mode != "adaptive", max_num_seqs=args.batch,
                      max_model_len=args.max_model_len, page_size=32, max_num_batched_tokens=128,
                      decode_steps=args.decode_steps, enable_prefix_caching=False, prefill_buckets=[(4, 32)], seed=0)
@@ -51,7 +55,7 @@ class Probe:
     def __init__(self, eng):
         self.eng, r = eng, eng.runner
         self.step = {}
-        self.counts = {"prefill": 0, "decode": 0, "decode_drafting": 0, "snapshot": 0}
+        self.counts = {"prefill": 0, "decode": 0, "decode_drafting": 0, "decode_tap_free": 0, "snapshot": 0}
         run_step, prefill, decode = r.run_step, r.prefill, r.decode
 
         def w_run_step(*a, **kw):
@@ -67,7 +71,9 @@ class Probe:
 
         def w_decode(inp, draft_len=None):
             self.counts["decode"] += 1
-            self.counts["decode_drafting"] += bool(r.k if draft_len is None else draft_len)
+            d = r.k if draft_len is None else draft_len
+            self.counts["decode_drafting"] += d > 0
+            self.counts["decode_tap_free"] += d < 0          # runner.TAP_FREE
             return decode(inp, draft_len)
         r.run_step, r.prefill, r.decode = w_run_step, w_prefill, w_decode
         if r.snap is not None:

@@ -857,3 +857,159 @@ def test_the_kernels_line_names_the_plain_programs_rows(monkeypatch):
     assert adaptive.endswith("draft length 3 (32 rows); draft length 0 (8 rows): sparse_attention decode=xla")
     assert "draft length 0" not in line(4, (3,))            # always drafting: one decode program
     assert "draft length 0" not in line(1, (0,))            # plain
+
+
+# ------------------------------------------------------------------ tap-free plain calls (runner.TAP_FREE)
+def _plain_policy(block=5, reprobe_every=6, lead=4):
+    """A policy that measured both programs and finds drafting 50x plain: only the engine-wide reprobe drafts."""
+    pol = SpeculationPolicy(block, "adaptive", reprobe_every=reprobe_every, remeasure_every=10**6)
+    for c in pol.costs.values():
+        c.seconds, c.samples, c.alpha = 1e-3, pol.probe_calls, 0.0
+    pol.costs[block].ratio = 50.0
+    return pol
+
+
+def test_tap_free_only_in_a_long_plain_stretch_and_not_within_lead_calls_of_a_scheduled_probe():
+    """The policy allows the tap-free program once it has been plain for ``lead`` calls and no drafting call it
+    schedules (here the engine-wide reprobe, every 6 x back-off calls) is due within ``lead`` calls: the last
+    ``lead`` plain calls before every probe record."""
+    pol, s, lead, seq = _plain_policy(), _Seq("a"), 4, []
+    for _ in range(60):
+        d = pol.choose([s])
+        seq.append("D" if d else ("f" if pol.tap_free([s], lead) else "r"))
+        pol.observe(d, 1e-3 * 4, 4, [(s, 4, 0)] if d else [])
+    text = "".join(seq)
+    # probes at 6, then (back-off 2) 12 calls later, then 24 later: tap-free only where the probe is > lead away
+    assert text == "rrrrrr" + "D" + "rrrr" + "f" * 4 + "rrrr" + "D" + "rrrr" + "f" * 16 + "rrrr" + "D" + "rrrr" + \
+        "f" * 11, text
+
+
+def test_a_drafting_decision_waits_for_the_draft_context_and_a_due_probe_stays_due():
+    """After tap-free calls a drafting call would catch the draft context up from a ring missing positions: the
+    decision is deferred (plain, recorded) until the engine says the context is complete, and a due probe stays due
+    (no back-off, no reset of its interval)."""
+    pol, s = _plain_policy(), _Seq("a")
+    for _ in range(6):
+        pol.observe(pol.choose([s]), 4e-3, 4)
+    backoff = pol.backoff
+    for _ in range(3):                      # the reprobe is due, the context is not ready: plain, still due
+        assert pol.choose([s], draft_ready=False) == 0 and not pol.tap_free([s], 4)
+        pol.observe(0, 4e-3, 4)
+    assert pol.deferred_drafting_calls == 3 and pol.backoff == backoff
+    assert pol.choose([s], draft_ready=True) == pol.block
+    assert pol.metrics()["spec_deferred_drafting_calls"] == 3
+
+
+def test_the_tap_free_program_records_no_taps():
+    """The third decode program: the plain one's forward (one row per sequence) without taps."""
+    import functools
+
+    import jax
+    from dsflash.serve.engine.runner import TAP_FREE
+    eng = LLMEngine(RecordingToy(), **COMMON)
+    r, be = eng.runner, eng.backend
+    assert r.tap_free and set(r._decodes) == {0, eng.k, TAP_FREE} and ("decode", TAP_FREE) in r._compiled
+    be.log = []
+    try:
+        jax.jit(functools.partial(r._decode_impl, drafting=False, record=False)).lower(
+            r.params, r.state, r.rows, r.place(r.empty_decode_inputs()))
+        assert be.log == [("forward", 1, False)]
+    finally:
+        be.log = None
+    assert not LLMEngine(RecordingToy(), tap_free_plain=False, **COMMON).runner.tap_free
+    assert not LLMEngine(RecordingToy(), speculative_mode="always", **COMMON).runner.tap_free
+
+
+def _ring_run(tap_free):
+    """The toy (its drafts read the draft context) with a policy plain by cost (drafting only at the engine-wide
+    reprobe): per decode call its program, and at every drafting call each active row's (pos, ctx_pos, the ring
+    entries the catch-up reads)."""
+    import jax
+    eng = LLMEngine(ToyBackend(), tap_free_plain=tap_free, **dict(COMMON, max_model_len=160))
+    eng.speculation = pol = _plain_policy(eng.k)
+    pol.sequential_verify = eng.runner.sequential_verify
+    r, calls, seen = eng.runner, [], []
+    decode, W = r.decode, r.tap_window
+
+    def traced(inp, draft_len=None):
+        calls.append(draft_len)
+        if draft_len and draft_len > 0:
+            rows = jax.device_get(r.rows)
+            act = np.asarray(rows["active"]) & ~np.asarray(inp["deactivate"])
+            snap = {}
+            for i in np.flatnonzero(act):
+                p, cp = int(rows["pos"][i]), int(rows["ctx_pos"][i])
+                q = range(max(cp, p - W) + 1, p + 1)
+                snap[int(i)] = (p, cp, np.stack([rows["taps"][i, x % W] for x in q]) if len(q) else None)
+            seen.append(snap)
+        return decode(inp, draft_len)
+
+    r.decode = traced
+    prompts = [[int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 3 * i)] for i in range(3)]
+    for i, p in enumerate(prompts):
+        eng.add_request(f"t{i}", p, SamplingParams(max_tokens=90 - 10 * i, temperature=0.0, ignore_eos=True))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
+    return eng, pol, calls, seen, out
+
+
+def test_after_a_tap_free_stretch_a_drafting_call_reads_the_ring_an_always_recording_engine_would():
+    """Long plain stretches run the tap-free program, the last ceil(W / decode_steps) calls before each scheduled
+    probe record again, and every drafting call's catch-up reads exactly the ring entries (and positions) it reads
+    in an engine that recorded every plain call: same drafts, same acceptance, plain decoding's output."""
+    from dsflash.serve.engine.runner import TAP_FREE
+    eng, pol, calls, seen, out = _ring_run(True)
+    ref_eng, _, ref_calls, ref_seen, ref_out = _ring_run(False)
+    lead = eng._tap_lead
+    assert lead == 4 and TAP_FREE in calls and TAP_FREE not in ref_calls
+    assert pol.tap_free_calls == calls.count(TAP_FREE) >= 10 and pol.deferred_drafting_calls == 0
+    drafting = [i for i, d in enumerate(calls) if d and d > 0]
+    assert drafting == [i for i, d in enumerate(ref_calls) if d and d > 0] and len(drafting) >= 2
+    assert [max(d, 0) if d is not None else d for d in calls] == ref_calls
+    for i in drafting:                # tap-free calls end lead calls before a drafting call
+        if TAP_FREE in calls[:i]:
+            assert calls[i - lead:i] == [0] * lead, calls[i - lead - 2:i + 1]
+    assert len(seen) == len(ref_seen)
+    for a, b in zip(seen, ref_seen):
+        assert a.keys() == b.keys()
+        for slot in a:
+            assert a[slot][:2] == b[slot][:2]
+            if a[slot][2] is not None:
+                np.testing.assert_array_equal(a[slot][2], b[slot][2])
+    assert out == ref_out
+    m, ref_m = eng.metrics_snapshot(), ref_eng.metrics_snapshot()
+    assert (m["spec_num_drafts"], m["spec_num_accepted_tokens"]) == \
+        (ref_m["spec_num_drafts"], ref_m["spec_num_accepted_tokens"]) and m["spec_num_accepted_tokens"] > 0
+    assert m["compiles_after_warmup"] == 0
+    plain = LLMEngine(ToyBackend(), speculative_mode="off", **dict(COMMON, max_model_len=160))
+    for i, p in enumerate([[int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 3 * i)]
+                           for i in range(3)]):
+        plain.add_request(f"t{i}", p, SamplingParams(max_tokens=90 - 10 * i, temperature=0.0, ignore_eos=True))
+    want = {}
+    while plain.has_unfinished_requests():
+        for o in plain.step():
+            if o.finished:
+                want[o.request_id] = o.outputs[0].token_ids
+    assert out == want
+
+
+def test_a_drafting_decision_after_tap_free_calls_is_deferred_until_the_ring_is_refilled():
+    """A decision to draft the policy did not schedule (here: the costs turn) right after tap-free calls runs
+    recording plain calls until every row recorded its last W positions, then drafts."""
+    from dsflash.serve.engine.runner import TAP_FREE
+    eng = LLMEngine(ToyBackend(), **dict(COMMON, max_model_len=160))
+    eng.speculation = pol = _plain_policy(eng.k, reprobe_every=10**6)
+    calls, decode = [], eng.runner.decode
+    eng.runner.decode = lambda inp, draft_len=None: (calls.append(draft_len), decode(inp, draft_len))[1]
+    for i in range(2):
+        eng.add_request(f"t{i}", [3 + i, 7, 9, 11, 5], SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
+    while calls.count(TAP_FREE) < 6:
+        eng.step()
+    pol.costs[eng.k].ratio = 1.0         # drafting now pays
+    n = len(calls)
+    for _ in range(eng._tap_lead + 1):
+        eng.step()
+    assert calls[n:] == [0] * eng._tap_lead + [eng.k] and pol.deferred_drafting_calls == eng._tap_lead

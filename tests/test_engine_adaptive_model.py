@@ -151,3 +151,41 @@ def test_seeded_sampling_identical_with_drafting_forced_on_and_off():
     assert eng.metrics_snapshot()["spec_num_drafts"] > 0        # the unseeded rows drafted
     for i in range(0, 8, 2):
         assert drafted[str(i)] == plain[str(i)], i
+
+
+@pytest.mark.slow
+def test_fp32_tap_free_stretches_keep_greedy_output_and_acceptance(fp32):
+    """Long plain stretches run the tap-free plain program (no taps recorded); the calls before each scheduled probe
+    record again, so every drafting call's catch-up has the ring it needs: greedy output is plain decoding's, and
+    the drafts and their acceptance are an always-recording engine's (``tap_free_plain=False``)."""
+    from dsflash.serve.engine.runner import TAP_FREE
+    plain, eng = fp32
+    items = [(f"t{i}", p, SamplingParams(max_tokens=56, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(prompts(6, seed=5, lo=3, hi=30))]
+    want = run_all(plain, items)
+    res = {}
+    for tap_free in (True, False):
+        e = eng if tap_free else LLMEngine(eng.backend, tap_free_plain=False, **OPTS)
+        assert e.runner.tap_free == tap_free
+        e.speculation = pol = SpeculationPolicy(e.k, "adaptive", reprobe_every=5, remeasure_every=10**6)
+        pol.sequential_verify = e.runner.sequential_verify
+        for c in pol.costs.values():      # measured; drafting 50x plain: only the engine-wide reprobe drafts
+            c.seconds, c.samples, c.alpha = 1e-3, pol.probe_calls, 0.0
+        pol.costs[e.k].ratio, pol.backoff = 50.0, 4
+        calls, decode = [], e.runner.decode
+        m0 = e.metrics_snapshot()         # the module's engine has served other tests: count this run's only
+        e.runner.decode = lambda inp, draft_len=None, calls=calls, decode=decode: (
+            calls.append(draft_len), decode(inp, draft_len))[1]
+        try:
+            got = run_all(e, items)
+        finally:
+            e.runner.decode = decode
+        for rid in want:
+            assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, (tap_free, rid)
+        m = e.metrics_snapshot()
+        assert m["compiles_after_warmup"] == 0
+        res[tap_free] = ([max(d, 0) for d in calls], m["spec_num_drafts"] - m0["spec_num_drafts"],
+                         m["spec_num_accepted_tokens"] - m0["spec_num_accepted_tokens"])
+        if tap_free:
+            assert calls.count(TAP_FREE) >= 4 and m["spec_tap_free_calls"] == calls.count(TAP_FREE)
+    assert res[True] == res[False] and res[True][1] > 0

@@ -51,6 +51,11 @@ token budget.
   batch 8: 0.90x plain, session 29). It is no exploration decision: the back-off stays, a due probe waits for a step without prefill, and the call's cost is a plain sample
   as any other.
 
+**Tap-free plain calls** (``tap_free``): a plain call of a long plain stretch may run a decode program that records no
+taps for the lazy draft context; the policy allows it only while no drafting call it schedules is due within the
+``lead`` calls that rewrite a row's last W taps, and ``choose(draft_ready=False)`` defers any other decision to draft
+until the engine says every row's ring is complete again (docs/engine.md "Tap-free plain calls").
+
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
 lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
 drafted: verification decides which are emitted, so greedy output equals plain decoding's.
@@ -237,6 +242,10 @@ class SpeculationPolicy:
         self._wait = 1                     # 2 while prompts wait for prefill (choose)
         self._held = 0                     # sequences the call's step holds up besides its rows (choose)
         self.calls_plain_for_prefill = 0   # calls run plain because drafting would have shrunk the step's prefill
+        # tap-free plain calls (``tap_free``) and drafting calls deferred until the draft context could be caught up
+        # (``choose(draft_ready=False)``): the engine's counts
+        self.tap_free_calls = self.deferred_drafting_calls = 0
+        self._deferred = False             # this call's drafting was deferred (it must record: no tap-free call)
         self._plain_for_prefill_last = False    # the last switch to 0 was that rule's (its switch back logs at debug)
 
     @property
@@ -273,7 +282,7 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ per decode call
     def choose(self, seqs: Sequence, prefilling: bool = False, displaces_prefill: int = 0,
-               prefill_tokens: int = 0, held: int = 0) -> int:
+               prefill_tokens: int = 0, held: int = 0, draft_ready: bool = True) -> int:
         """Draft length of the next decode call over ``seqs`` (its sequences). ``prefilling``: prompts wait for
         prefill this step; an exploration probe then waits (up to twice its interval), since a drafting call's
         decode rows take ``block + 1`` tokens each of the step's token budget and so slow the prefill down too
@@ -282,7 +291,12 @@ class SpeculationPolicy:
         ``prefill_tokens``: the prompt tokens the step prefills with a plain call. Plain (``_plain_for_prefill``)
         if the step prefills anything, or, with ``draft_in_mixed_steps``, if drafting would displace some of it.
         ``held``: the sequences a step that prefills holds up besides ``seqs`` (prompts prefilling in it or waiting
-        for a free slot it can fill); a drafting call's extra time is charged at their plain rate too (``_decide``)."""
+        for a free slot it can fill); a drafting call's extra time is charged at their plain rate too (``_decide``).
+        ``draft_ready``: whether a drafting call could catch every row's draft context up now (False after tap-free
+        calls until each row has recorded its last W positions again: ``tap_free``); if not, a decision to draft is
+        **deferred**: this call runs plain (and records) and the decision's exploration state is kept (a due probe
+        stays due), so it drafts once the context is complete."""
+        self._deferred = False
         if self.mode != "adaptive":
             return self.block
         if not seqs:                 # nothing decoding yet: keep the last choice (no flapping in the log), but a
@@ -293,12 +307,19 @@ class SpeculationPolicy:
         if displaces_prefill or (prefill_tokens and not self.draft_in_mixed_steps):
             return self._plain_for_prefill(int(displaces_prefill), int(prefill_tokens))
         self._wait = 2 if prefilling else 1
+        kept = (self.calls_since_draft, self._reprobing)
         if self.calls_since_draft >= self.reprobe_every * self.backoff * self._wait:   # nothing drafted: probe
             self.calls_since_draft = 0     # one drafting call (its verifications update the estimates), not an
             self._reprobing = True         # optimistic prior for every new request
         accepted = [self.estimate(s) for s in seqs]
         self._held = max(0, int(held)) if prefill_tokens else 0
         d = self._decide(accepted)
+        if d and not draft_ready:          # the draft context cannot be caught up yet (tap-free calls): plain, and
+            self.calls_since_draft, self._reprobing = kept      # the probe (if this was one) stays due
+            self._probed = False
+            self._deferred = True
+            self.deferred_drafting_calls += 1
+            return 0
         if d != self.draft_len:
             c = {k: (None if v is None else round(1e3 * v, 2)) for k, v in self.current_costs(accepted).items()}
             log.log(logging.DEBUG if self._plain_for_prefill_last else logging.INFO,
@@ -308,6 +329,30 @@ class SpeculationPolicy:
             self.draft_len = d
             self._plain_for_prefill_last = False
         return d
+
+    def tap_free(self, seqs: Sequence, lead: int) -> bool:
+        """Whether this plain call may run the tap-free plain program (no taps recorded for the lazy draft context):
+        the policy has been plain for ``lead`` calls and no drafting call it schedules is due within the next
+        ``lead`` calls (``lead = ceil(W / decode_steps)``: the calls that record a row's last W positions again,
+        all a catch-up reads). Scheduled: the start-up measurements, the engine-wide reprobe, the drafting
+        re-measure (while it could pay) and a stopped request's re-probe (its estimate goes back to the engine's
+        mean). A decision that turns to drafting otherwise (costs, a new request's estimate) is deferred until the
+        context is complete (``choose(draft_ready=False)``). Call after ``choose`` returned 0."""
+        if self.mode != "adaptive" or not seqs or self._deferred or self._reprobing or lead < 1:
+            return False
+        c0, ck = self.costs[0], self.costs[self.block]
+        if c0.seconds is None or ck.seconds is None or min(c0.samples, ck.samples) < self.probe_calls:
+            return False
+        if self.calls_since_draft < lead or self.calls_since_draft + lead >= self.reprobe_every * self.backoff:
+            return False
+        if ck.since + lead >= self.remeasure[self.block] * self.backoff and \
+                self._could_pay([self.estimate(s) for s in seqs]):
+            return False
+        for s in seqs:
+            if not getattr(s, "spec_drafting", True) and \
+                    getattr(s, "spec_idle_calls", 0) + lead >= self.reprobe_every:
+                return False
+        return True
 
     def _plain_for_prefill(self, displaced: int, prefill: int = 0) -> int:
         """Draft length 0 for a call in a step that prefills ``prefill`` prompt tokens, of which drafting would take
@@ -433,6 +478,8 @@ class SpeculationPolicy:
                 "spec_requests_stopped_drafting": self.requests_stopped,
                 "spec_requests_reprobed": self.requests_reprobed,
                 "spec_calls_plain_for_prefill": self.calls_plain_for_prefill,
+                "spec_tap_free_calls": self.tap_free_calls,
+                "spec_deferred_drafting_calls": self.deferred_drafting_calls,
                 "spec_engine_accepted_per_verify": self.engine_mean,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
                    for d, c in self.costs.items()},

@@ -94,6 +94,10 @@ class EngineConfig:
     speculative_in_mixed_steps: bool = True
     # adaptive: the plain program skips the draft's context update; drafting catches it up from recorded taps
     lazy_draft_context: bool = True
+    # adaptive with the lazy draft context: long plain stretches run a third decode program that records no taps,
+    # recording again ceil(W / decode_steps) calls before a drafting call the policy schedules (a decision to draft
+    # otherwise waits until every row's last W taps are recorded again; docs/engine.md "Tap-free plain calls")
+    tap_free_plain: bool = True
     # verify as block + 1 one-row forwards, so a row rounds the same whatever the draft length (reproducible
     # adaptive output); None: on for adaptive speculation on CPU, where it costs little (docs/engine.md)
     sequential_verify: Optional[bool] = None

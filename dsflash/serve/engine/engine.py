@@ -84,7 +84,11 @@ class LLMEngine:
                                snapshot_bytes=c.prefix_snapshot_bytes if self._wants_snapshots(c) else 0,
                                max_snapshots=lay.num_pages, draft_lengths=self.speculation.lengths,
                                lazy_draft_context=c.lazy_draft_context,
-                               sequential_verify=self._sequential_verify(c), snapshot_tail=self.snapshot_tail)
+                               sequential_verify=self._sequential_verify(c), snapshot_tail=self.snapshot_tail,
+                               tap_free_plain=c.tap_free_plain and self.speculation.mode == "adaptive")
+        # tap-free plain calls (docs/engine.md "Tap-free plain calls"): the recording calls that rewrite a row's
+        # last W taps, all a catch-up reads (rows running decode_steps iterations a call)
+        self._tap_lead = -(-self.runner.tap_window // c.decode_steps) if self.runner.tap_free else 0
         self.speculation.sequential_verify = self.runner.sequential_verify     # its cost grows with acceptance
         draft_sampling = getattr(be, "supports_row_keys", True) if c.draft_sampling is None else c.draft_sampling
         self.scheduler = Scheduler(
@@ -361,7 +365,8 @@ class LLMEngine:
         # the sequences such a step holds up besides its decode rows: prompts prefilling, waiting ones free slots take
         held = len(self.running) - len(decoding) + min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
         self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced,
-                                                    prefill_tokens=prefill, held=held) + 1
+                                                    prefill_tokens=prefill, held=held,
+                                                    draft_ready=self._draft_ready(decoding)) + 1
         plan = self.scheduler.schedule()
         rec = None
         early: list = []          # prefill results already processed (handed out before the decode call)
@@ -369,6 +374,10 @@ class LLMEngine:
             inputs = self.runner.step_inputs(plan)       # from the sequences as they are before this step
             self.scheduler.commit(plan)
             draft_len = plan.K1 - 1 if plan.decode else None
+            if draft_len == 0 and self._tap_free(decoding):
+                draft_len = R.TAP_FREE
+                self.speculation.tap_free_calls += 1
+            self._track_taps(plan, draft_len, decoding)
             on_prefill = None
             if self.first_token_hook is not None and not self.async_scheduling and plan.decode \
                     and any(last for _, _, last in plan.prefill_items):
@@ -411,6 +420,48 @@ class LLMEngine:
         self._compiles_in_steps += R.compile_count() - c0
         m.compiles_after_warmup = self.compiles_after_warmup
         return outs
+
+    # ------------------------------------------------------------------ tap-free plain calls
+    # Host bookkeeping of the lazy draft context's ring (runner.tap_free): per sequence ``spec_taps``, None while its
+    # ring holds every position a catch-up would read (the context current after its prefill or a drafting call, and
+    # every plain call since recorded), else the positions recorded since its last tap-free call. A drafting call
+    # catches every active row up from its ring's last min(pos - ctx_pos, W) positions, so it may run only once each
+    # decoding row has recorded W positions again (``_draft_ready``); the policy then defers a decision to draft.
+    def _draft_ready(self, decoding) -> bool:
+        if not self._tap_lead:
+            return True
+        W = self.runner.tap_window
+        return all(s.spec_taps is None or s.spec_taps >= W for s in decoding)
+
+    def _tap_free(self, decoding) -> bool:
+        """Whether this plain call runs the tap-free program: the policy expects no drafting call within
+        ``_tap_lead`` calls (``SpeculationPolicy.tap_free``), and no row is guided (one iteration a call: it would
+        need W recording calls, not ``_tap_lead``)."""
+        return bool(self._tap_lead) and all(s.guide is None for s in decoding) and \
+            self.speculation.tap_free(decoding, self._tap_lead)
+
+    def _track_taps(self, plan, draft_len, decoding):
+        """``spec_taps`` after this step's calls (in launch order: async scheduling's later choice sees them)."""
+        if not self._tap_lead:
+            return
+        for s, _, last in plan.prefill_items:      # a prompt's prefill sets its context current
+            if last:
+                s.spec_taps = None
+        if draft_len is None:
+            return
+        if draft_len > 0:                          # the catch-up sets every active row's context current
+            for s in decoding:
+                s.spec_taps = None
+            for s, _ in plan.decode:
+                s.spec_taps = None
+        elif draft_len == R.TAP_FREE:
+            for s, h in plan.decode:
+                if h > 0:
+                    s.spec_taps = 0
+        else:
+            for s, h in plan.decode:
+                if s.spec_taps is not None:
+                    s.spec_taps += h
 
     def _prefill_conflict(self, decoding, prefilling) -> tuple[int, int]:
         """(prompt tokens this step prefills with a plain decode call, those a drafting call would take from it: 0

@@ -12,8 +12,9 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
   written past it are never read). Without drafts each step is a single-token forward. Rows stop on
   their stop ids / EOS, on ``max_tokens``, or when their page horizon (``row_steps``) is used up. Adaptive
   speculation compiles it for draft lengths ``block`` and 0; the plain one records taps instead of updating the
-  draft context (lazy draft context) and, with ``sequential_verify``, the verify is up to ``block + 1`` one-row
-  forwards, stopping once every row has rejected a draft (early exit).
+  draft context (lazy draft context; a third program, ``TAP_FREE``, is the plain one without the record) and,
+  with ``sequential_verify``, the verify is up to ``block + 1`` one-row forwards, stopping once every row has
+  rejected a draft (early exit).
 
 The Runner owns these programs, the state they donate and the host mirrors of what a decode call reads
 (``SlotMirror``: page tables, sampling rows, window floors per slot; the scheduler updates them as it admits,
@@ -157,6 +158,11 @@ class SlotMirror:
         self.floor[i] = s.floor
 
 
+# the decode program key (``draft_len`` of ``decode`` / ``launch``) of the tap-free plain program: draft length 0
+# without the lazy draft context's taps record (Runner.tap_free)
+TAP_FREE = -1
+
+
 class Runner:
     """Owns the compiled programs, the model and row state they donate, and the host mirrors of what each decode
     call reads (``mirror``). ``eplb``: an ``EngineEplb`` fed by ``after_step`` (None: off)."""
@@ -164,7 +170,7 @@ class Runner:
     def __init__(self, backend, geo, *, max_num_seqs: int, pages_per_seq: int, prefill_buckets, speculative: bool,
                  max_iters: int, max_logprobs: int, max_stop_ids: int, dp: int = 1, eplb=None,
                  snapshot_bytes: int = 0, max_snapshots: int = 0, draft_lengths=None, lazy_draft_context=True,
-                 sequential_verify=False, snapshot_tail: int = 0):
+                 sequential_verify=False, snapshot_tail: int = 0, tap_free_plain=True):
         self.backend = backend
         self.geo = geo
         self.S = max_num_seqs
@@ -186,6 +192,10 @@ class Runner:
         # Off: the plain program updates the draft context every step (as before).
         self.lazy_ctx = self.spec and 0 in self.draft_lengths and bool(lazy_draft_context)
         self.tap_window = backend.sliding_window
+        # a third decode program (key TAP_FREE): draft length 0 without the taps record, for long plain stretches
+        # of an adaptive engine (the engine records again before any drafting call: docs/engine.md "Tap-free plain
+        # calls")
+        self.tap_free = self.lazy_ctx and bool(tap_free_plain)
         # verify as block + 1 one-row forwards (_target_forward): rows bit-identical across draft lengths
         self.sequential_verify = bool(sequential_verify) and self.spec
         # a seeded sampled row promises its sample whatever else runs; when the draft length follows timings
@@ -210,6 +220,8 @@ class Runner:
         # compiled with compile_options.FAITHFUL (no excess precision: the FP8 / FP4 round trips stay), per program
         import functools
         impls = {d: functools.partial(self._decode_impl, drafting=d > 0) for d in self.draft_lengths}
+        if self.tap_free:
+            impls[TAP_FREE] = functools.partial(self._decode_impl, drafting=False, record=False)
         if mesh is None:
             self._prefill = compile_options.jit(self._prefill_impl, donate_argnums=(1, 2))
             self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2)) for d, f in impls.items()}
@@ -374,13 +386,14 @@ class Runner:
         return state, rows, (pack_traced(res) if self.mesh is None else res)
 
     # ------------------------------------------------------------------ decode loop
-    def _decode_impl(self, params, state, rows, inp, drafting=True):
+    def _decode_impl(self, params, state, rows, inp, drafting=True, record=True):
         inp = unpacked(inp)
         be, V, S_, k = self.backend, self.V, self.S, self.k
         spec = self.spec and drafting
         # the draft context: updated by the drafting program; by the plain one too unless it is lazy (__init__)
         ctx = spec or (self.spec and self.draft_ctx and not self.lazy_ctx)
-        record = self.lazy_ctx and not spec        # the plain program records the taps instead
+        # the plain program records the taps instead (the tap-free one does not: TAP_FREE)
+        record = self.lazy_ctx and not spec and record
         K1 = k + 1 if spec else 1
         sp = inp["sp"]
         greedy = sp["temp"] <= 0
@@ -707,7 +720,8 @@ class Runner:
             t = time.perf_counter()
             dc = to_host(self.decode(dc_inp, draft_len))
             dc["elapsed_s"] = time.perf_counter() - t
-            dc["draft_len"] = self.k if draft_len is None else draft_len
+            d = self.k if draft_len is None else draft_len
+            dc["draft_len"], dc["tap_free"] = max(d, 0), d == TAP_FREE
         return to_host(pf), dc
 
     def after_step(self, pf, dc):
@@ -814,7 +828,7 @@ class Runner:
         pace, the first run of a program's collectives needs all of them)."""
         from concurrent.futures import ThreadPoolExecutor
         jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
-        jobs += [(("decode", d), self._decodes[d], self.empty_decode_inputs()) for d in self.draft_lengths]
+        jobs += [(("decode", d), fn, self.empty_decode_inputs()) for d, fn in self._decodes.items()]
         lowered = [(key, fn.lower(self.params, self.state, self.rows, self.place(inp))) for key, fn, inp in jobs]
         threads = threads or environment.compile_threads()
         with ThreadPoolExecutor(threads) as ex:
@@ -824,7 +838,7 @@ class Runner:
             sync()
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
-        for d in self.draft_lengths:
+        for d in self._decodes:
             jax.block_until_ready(self.decode(self.empty_decode_inputs(), d))
         if self.snap is not None:
             self.state = jax.block_until_ready(self.snap.warmup(self.state))

@@ -43,6 +43,9 @@ class Sequence:
         self.spec_verifies = 0
         self.spec_drafting = True
         self.spec_idle_calls = 0
+        # tap-free plain calls (engine._track_taps): None while the lazy draft context's ring holds all a catch-up
+        # reads, else the positions recorded since its last tap-free call
+        self.spec_taps = None
 
     @property
     def all_ids(self):
