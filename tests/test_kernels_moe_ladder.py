@@ -52,16 +52,17 @@ def test_probe_configs_resolve_and_reach_both_il_launches(name):
 
 @pytest.mark.parametrize("base,T", [("sw_il", 6), ("sw_il_bm32", 192)])
 def test_probe_zero_launches_keep_their_constexprs(base, T):
-    """At probe 0 the il launches get PROBE 0 and NSTAGE None -- the kernels' defaults (``triton_call`` fills in every
-    left-out constexpr), so the K loop carries no num_stages of its own and the kernels compile as before the ladder
-    existed (the sm_90 SASS was checked identical when it was added)."""
+    """At probe 0 the il launches get PROBE 0 and NSTAGE None -- the kernels' defaults, passed explicitly (jax-triton
+    sends a left-out constexpr as None: tests/test_kernels_launch_constexprs.py), so the K loop carries no num_stages
+    of its own and the kernels compile as before the ladder existed (the sm_90 SASS was checked identical when it
+    was added)."""
     _, calls = sm90_compile.moe_launches(base, T)
     il = [c for c in calls if c["kernel"].__name__.endswith("_kernel_il")]
     assert len(il) == 2
     for c in il:
         assert c["constexprs"].get("PROBE", 0) == 0 and c["constexprs"].get("NSTAGE") is None, c["constexprs"]
-    assert K.il_up_constexprs(moe_plan.named_config(base)).keys() == {"GU", "XP"}
-    assert K.il_down_constexprs(moe_plan.named_config(base)).keys() == {"DP"}
+    assert K.il_up_constexprs(moe_plan.named_config(base)) == dict(GU=0, XP=0, PROBE=0, NSTAGE=None)
+    assert K.il_down_constexprs(moe_plan.named_config(base)) == dict(DP=0, PROBE=0, NSTAGE=None)
 
 
 def test_bad_probe_configs_are_refused():

@@ -514,9 +514,10 @@ def il_kernels(cfg, *, d, I, dec):
 
 
 def _probe(cfg, stages):
-    """PROBE and the K loop's num_stages (NSTAGE, the launch's own ``stages``) for the launch, only when set: at probe
-    0 the kernels' launches keep their constexprs as they were."""
-    return dict(PROBE=cfg.probe, NSTAGE=stages) if cfg.probe else {}
+    """PROBE and the K loop's num_stages (NSTAGE: the launch's own ``stages`` at a probe, None -- the loop's default --
+    at probe 0). Always passed: jax-triton sends a constexpr the launch leaves out as None, not as its default
+    (tests/test_kernels_launch_constexprs.py); at probe 0 both select the kernels' code as it was."""
+    return dict(PROBE=cfg.probe, NSTAGE=stages if cfg.probe else None)
 
 
 def il_up_constexprs(cfg):
