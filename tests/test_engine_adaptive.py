@@ -945,15 +945,20 @@ def _ring_run(tap_free):
         return decode(inp, draft_len)
 
     r.decode = traced
-    prompts = [[int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 3 * i)] for i in range(3)]
-    for i, p in enumerate(prompts):
+    return eng, pol, calls, seen, _ring_requests(eng)
+
+
+def _ring_requests(eng):
+    """_ring_run's three greedy requests run to the end on ``eng``: their token ids by request id."""
+    for i in range(3):
+        p = [int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 3 * i)]
         eng.add_request(f"t{i}", p, SamplingParams(max_tokens=90 - 10 * i, temperature=0.0, ignore_eos=True))
     out = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 out[o.request_id] = o.outputs[0].token_ids
-    return eng, pol, calls, seen, out
+    return out
 
 
 def test_after_a_tap_free_stretch_a_drafting_call_reads_the_ring_an_always_recording_engine_would():
@@ -984,16 +989,7 @@ def test_after_a_tap_free_stretch_a_drafting_call_reads_the_ring_an_always_recor
     assert (m["spec_num_drafts"], m["spec_num_accepted_tokens"]) == \
         (ref_m["spec_num_drafts"], ref_m["spec_num_accepted_tokens"]) and m["spec_num_accepted_tokens"] > 0
     assert m["compiles_after_warmup"] == 0
-    plain = LLMEngine(ToyBackend(), speculative_mode="off", **dict(COMMON, max_model_len=160))
-    for i, p in enumerate([[int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 3 * i)]
-                           for i in range(3)]):
-        plain.add_request(f"t{i}", p, SamplingParams(max_tokens=90 - 10 * i, temperature=0.0, ignore_eos=True))
-    want = {}
-    while plain.has_unfinished_requests():
-        for o in plain.step():
-            if o.finished:
-                want[o.request_id] = o.outputs[0].token_ids
-    assert out == want
+    assert out == _ring_requests(LLMEngine(ToyBackend(), speculative_mode="off", **dict(COMMON, max_model_len=160)))
 
 
 def test_a_drafting_decision_after_tap_free_calls_is_deferred_until_the_ring_is_refilled():
