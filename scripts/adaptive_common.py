@@ -1,5 +1,5 @@
-"""What the adaptive-speculation study scripts (adaptive_*.py) share: decode inputs that keep every row running, and
-a timer of one decode program's calls per iteration."""
+"""What the adaptive-speculation study scripts (adaptive_*.py) share: decode inputs that keep every row running, a
+timer of one decode program's calls per iteration, and drafting forced off through the policy."""
 from __future__ import annotations
 
 import time
@@ -41,3 +41,13 @@ def iteration_timer(eng, fn, pos0):
         res = to_host(res)        # (inputs and results travel packed: packed.py)
         return (time.perf_counter() - t) / int(res["iters"])
     return call
+
+
+def force_plain(pol):
+    """Drafting forced off through the policy's own path (every call still runs ``choose`` -- estimates, the cost
+    comparison, with the sequential verify the expected verify rows -- and ``observe``): the drafting program
+    measured at 100x plain, never re-measured, no engine-wide reprobe."""
+    pol.reprobe_every = 10**9
+    pol.remeasure[pol.block] = 10**9
+    ck = pol.costs[pol.block]
+    ck.seconds, ck.samples, ck.ratio = 1.0, pol.probe_calls, 100.0

@@ -29,7 +29,7 @@ import time
 
 import jax
 
-from adaptive_common import iteration_timer
+from adaptive_common import force_plain, iteration_timer
 
 
 def build(model, mode, args):
@@ -93,16 +93,6 @@ def programs(model, args, out):
         print(f"{n:28s} ms/iter min {1e3 * min(ts):7.3f}  median {1e3 * statistics.median(ts):7.3f}  "
               f"min / plain {min(ts) / base:.3f}x  hlo {size}", flush=True)
     out["programs"] = res
-
-
-def force_plain(pol):
-    """Drafting forced off through the policy's own path (every call still runs ``choose`` -- estimates, the cost
-    comparison, with the sequential verify the expected verify rows -- and ``observe``): the drafting program
-    measured at 100x plain, never re-measured, no engine-wide reprobe."""
-    pol.reprobe_every = 10**9
-    pol.remeasure[pol.block] = 10**9
-    ck = pol.costs[pol.block]
-    ck.seconds, ck.samples, ck.ratio = 1.0, pol.probe_calls, 100.0
 
 
 def engines(model, args, out):

@@ -27,6 +27,8 @@ import json
 import statistics
 import time
 
+from adaptive_common import force_plain
+
 
 def build(model, mode, args):
     from dsflash.serve.engine import LLMEngine
@@ -39,14 +41,6 @@ def build(model, mode, args):
                      speculative_in_mixed_steps=mode != "adaptive", max_num_seqs=args.batch,
                      max_model_len=args.max_model_len, page_size=32, max_num_batched_tokens=128,
                      decode_steps=args.decode_steps, enable_prefix_caching=False, prefill_buckets=[(4, 32)], seed=0)
-
-
-def force_plain(pol):
-    """Drafting forced off through the policy's own path (as scripts/adaptive_nodraft_cost.py)."""
-    pol.reprobe_every = 10**9
-    pol.remeasure[pol.block] = 10**9
-    ck = pol.costs[pol.block]
-    ck.seconds, ck.samples, ck.ratio = 1.0, pol.probe_calls, 100.0
 
 
 class Probe:
