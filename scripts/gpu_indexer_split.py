@@ -7,6 +7,12 @@ paged scorer that reads the packed keys through the page table instead of the ga
 a table last, JSON in $OUT/indexer_split.json. From the repo root:
 
   python3 scripts/gpu_indexer_split.py --contexts 4096 32768 131072 --seqs 32 --rows 6 --out $OUT
+
+The paged scorer's opt-in variants (session 30: indexer_paged_triton.KEY_DECODE / PAIRED_ROUND / RELU_ONE_COMPARE),
+timed after the default and checked bit for bit against it:
+
+  python3 scripts/gpu_indexer_split.py --contexts 131072 --seqs 32 --rows 6 --page-size 64 --reps 20 --parts paged \
+      --paged-variants table paired relu1 table+paired paired+relu1 table+paired+relu1 table+paired+relu1:s3 --out $OUT
 """
 from __future__ import annotations
 
@@ -71,6 +77,25 @@ def selection_timings(score, visible, topk, reps):
     return row
 
 
+# session 30's opt-in switches of the paged scorer: name -> (module attribute, value)
+PAGED_SWITCHES = {"table": ("KEY_DECODE", "table"), "paired": ("PAIRED_ROUND", True),
+                  "relu1": ("RELU_ONE_COMPARE", True)}
+
+
+def paged_variant(spec):
+    """'table+paired:s3' -> ({module attribute: value}, num_stages or None)."""
+    name, _, st = spec.partition(":")
+    sets = {}
+    for part in name.split("+"):
+        if part not in PAGED_SWITCHES:
+            raise ValueError(f"--paged-variants: unknown switch {part!r} in {spec!r} (known: {sorted(PAGED_SWITCHES)})")
+        attr, val = PAGED_SWITCHES[part]
+        sets[attr] = val
+    if st and not (st.startswith("s") and st[1:].isdigit()):
+        raise ValueError(f"--paged-variants: stages must be ':s<N>', got {spec!r}")
+    return sets, (int(st[1:]) if st else None)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
@@ -86,7 +111,17 @@ def main():
     ap.add_argument("--paged-stages", type=int, nargs="+", default=None,
                     help="also time the paged scorer at these num_stages (indexer_paged_triton.NUM_STAGES; "
                          "scores_paged_s<N>_ms), after the default")
+    ap.add_argument("--paged-variants", nargs="+", default=None,
+                    help="also time the paged scorer with session 30's opt-in switches, each a '+'-joined set of "
+                         f"{sorted(PAGED_SWITCHES)} with an optional ':s<N>' (num_stages), e.g. table paired "
+                         "table+paired+relu1 table+paired+relu1:s3 (scores_paged_<variant>_ms, and "
+                         "paged_<variant>_equal: its scores bit-identical to the default's)")
     a = ap.parse_args()
+    for v in a.paged_variants or ():
+        try:
+            paged_variant(v)
+        except ValueError as e:
+            ap.error(str(e))
     parts = set(a.parts.split(","))
     if parts - {"gather", "select", "scores", "paged"}:
         ap.error(f"--parts: unknown {sorted(parts - {'gather', 'select', 'scores', 'paged'})}")
@@ -160,6 +195,28 @@ def main():
                     row[f"paged_s{st_n}_equal"] = bool(jnp.array_equal(f(q, w, pool, page_table), got))
                 finally:
                     ipt.NUM_STAGES = default_stages
+            for spec in a.paged_variants or ():    # each a fresh trace: the launch reads the switches when traced
+                sets, st_n = paged_variant(spec)
+                saved = {k: getattr(ipt, k) for k in [*sets, "NUM_STAGES"]}
+                tag = spec.replace("+", "_").replace(":", "_")
+                try:
+                    for k, v in sets.items():
+                        setattr(ipt, k, v)
+                    if st_n:
+                        ipt.NUM_STAGES = st_n
+                    f = jax.jit(lambda q, w, pool, pt: ipt.indexer_scores_paged_triton(q, w, pool, pt, per_page,
+                                                                                       visible, valid))
+                    row[f"scores_paged_{tag}_ms"] = timed(f, q, w, pool, page_table, reps=a.reps)
+                    row[f"paged_{tag}_equal"] = bool(jnp.array_equal(
+                        jax.lax.bitcast_convert_type(f(q, w, pool, page_table), jnp.uint32),
+                        jax.lax.bitcast_convert_type(got, jnp.uint32)))
+                except Exception as e:  # noqa: BLE001
+                    row[f"scores_paged_{tag}_error"] = repr(e)[:300]
+                finally:
+                    for k, v in saved.items():
+                        setattr(ipt, k, v)
+            if a.paged_variants and a.reps > 1:    # the default again, last: drift over the call shows up here
+                row["scores_paged_again_ms"] = timed(paged, q, w, pool, page_table, reps=a.reps)
             del ref, got
         except Exception as e:  # noqa: BLE001
             row["scores_paged_error"] = repr(e)[:300]
