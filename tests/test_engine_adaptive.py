@@ -13,8 +13,9 @@ from dsflash.serve.engine.scheduler import DECODE, PREFILL, Scheduler, Sequence
 from dsflash.serve.engine.testing import ToyBackend
 from dsflash.serve.types import SamplingParams
 
+# every program compiled before the engine serves (background_compile=False): these tests count which program ran
 COMMON = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=48, decode_steps=2,
-              prefill_buckets=[(4, 12)], enable_prefix_caching=False)
+              prefill_buckets=[(4, 12)], enable_prefix_caching=False, background_compile=False)
 
 
 # ------------------------------------------------------------------ the decision on synthetic numbers

@@ -11,8 +11,9 @@ from dsflash.serve.types import SamplingParams
 from test_engine_model import prompts
 from test_engine_scheduler import run_all
 
+# every program compiled before the engine serves (background_compile=False): these tests count which program ran
 OPTS = dict(max_num_seqs=4, max_model_len=96, page_size=16, max_num_batched_tokens=64, decode_steps=2,
-            prefill_buckets=[(2, 32)], enable_prefix_caching=False)
+            prefill_buckets=[(2, 32)], enable_prefix_caching=False, background_compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_reference_greedy_identical_with_drafting_forced_on_and_off():
     import numpy as np
     from dsflash.api import SHIPPED
     eng = LLMEngine(dsflash.load("demo"), max_num_seqs=8, max_model_len=256, page_size=64,
-                    max_num_batched_tokens=256, enable_prefix_caching=False)
+                    max_num_batched_tokens=256, enable_prefix_caching=False, background_compile=False)
     assert eng.config.speculative_mode == "adaptive" and eng.runner.sequential_verify
     rows = np.load(SHIPPED["demo"] + "/heldout_rows.npy")
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -138,7 +139,7 @@ def test_seeded_sampling_identical_with_drafting_forced_on_and_off():
     import numpy as np
     from dsflash.api import SHIPPED
     eng = LLMEngine(dsflash.load("demo"), max_num_seqs=8, max_model_len=256, page_size=64,
-                    max_num_batched_tokens=256, enable_prefix_caching=False)
+                    max_num_batched_tokens=256, enable_prefix_caching=False, background_compile=False)
     rows = np.load(SHIPPED["demo"] + "/heldout_rows.npy")
     items = []
     for i in range(8):

@@ -18,9 +18,9 @@ def test_config_fields_reach_the_runner(monkeypatch, tmp_path):
     monkeypatch.setattr(R, "enable_compilation_cache", lambda path=None: seen.setdefault("cache_dir", path))
     warmup = R.Runner.warmup
 
-    def recording_warmup(self, threads=None):
+    def recording_warmup(self, threads=None, **kw):
         seen["threads"] = threads
-        return warmup(self, threads)
+        return warmup(self, threads, **kw)
 
     monkeypatch.setattr(R.Runner, "warmup", recording_warmup)
     LLMEngine(ToyBackend(), compilation_cache_dir=str(tmp_path), compile_threads=3, **SMALL)
@@ -69,6 +69,13 @@ def test_serve_flags_become_config_fields():
     assert (c.compile_threads, c.compilation_cache_dir) == (4, "/x/cache")
     c = EngineConfig.from_namespace(build_parser().parse_args([]))
     assert (c.compile_threads, c.compilation_cache_dir) == (None, None)
+
+
+def test_serve_background_compile_flag():
+    from dsflash.serve.__main__ import build_parser
+    assert EngineConfig.from_namespace(build_parser().parse_args([])).background_compile is True
+    args = build_parser().parse_args(["--no-background-compile"])
+    assert EngineConfig.from_namespace(args).background_compile is False
 
 
 def test_bench_engine_flags():

@@ -182,11 +182,13 @@ def test_tiny_dep2_equals_single_device():
     from dsflash.sharding.mesh import make_mesh
     ps = prompts(8, seed=5, lo=5, hi=50, vocab=512)
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    single = LLMEngine("tiny", **MODEL)
+    single = LLMEngine("tiny", background_compile=False, **MODEL)
     want = run_all(single, [(f"r{i}", p, sp, None) for i, p in enumerate(ps)], check=False)
     del single
     eng = LLMEngine("tiny", mesh=make_mesh("dep=2", jax.devices()[:2]), **MODEL)
-    assert eng.dp == 2 and eng.speculative
+    # the drafting and tap-free programs compiled in the background on the mesh (lowered on abstract sharded
+    # arguments): wait for them, so the calls below draft
+    assert eng.dp == 2 and eng.speculative and eng.wait_for_programs(600) and eng.programs_ready
     kv = eng.backend.global_kv_arrays(eng.runner.state)[0]
     assert len(kv.sharding.device_set) == 2 and not kv.sharding.is_fully_replicated
     assert len(eng.runner.rows["y"].sharding.device_set) == 2

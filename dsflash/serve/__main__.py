@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile-threads", type=int, default=None,
                    help="threads compiling the engine's programs at start-up (default: $DSFLASH_COMPILE_THREADS, "
                         "else 1)")
+    g.add_argument("--background-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="adaptive speculation: serve once the prefill and plain decode programs are compiled and "
+                        "compile the drafting / tap-free programs in the background (decode calls run plain until "
+                        "they are ready); --no-background-compile: compile every program before serving")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the chosen one is printed)")

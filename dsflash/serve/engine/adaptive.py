@@ -56,9 +56,14 @@ taps for the lazy draft context; the policy allows it only while no drafting cal
 ``lead`` calls that rewrite a row's last W taps, and ``choose(draft_ready=False)`` defers any other decision to draft
 until the engine says every row's ring is complete again (docs/engine.md "Tap-free plain calls").
 
+**Background compile**: while the drafting program still compiles (``EngineConfig.background_compile``), the engine
+passes ``choose(draft_compiled=False)``: a decision to draft (the start-up measurement first of all) is deferred
+the same way, so every call runs the plain recording program and the first call after the compile drafts.
+
 ``choose_draft_length`` then compares ``(rows + expected accepted drafts) / cost`` per length. Only the draft
-lengths compiled at start-up are candidates, so adapting never compiles. It changes only how many tokens are
-drafted: verification decides which are emitted, so greedy output equals plain decoding's.
+lengths compiled (at start-up, or in the background and finished) are candidates, so adapting never compiles. It
+changes only how many tokens are drafted: verification decides which are emitted, so greedy output equals plain
+decoding's.
 """
 from __future__ import annotations
 
@@ -245,6 +250,7 @@ class SpeculationPolicy:
         # tap-free plain calls (``tap_free``) and drafting calls deferred until the draft context could be caught up
         # (``choose(draft_ready=False)``): the engine's counts
         self.tap_free_calls = self.deferred_drafting_calls = 0
+        self.calls_before_drafting_compiled = 0   # decisions to draft run plain: the program compiles in the background
         self._deferred = False             # this call's drafting was deferred (it must record: no tap-free call)
         self._plain_for_prefill_last = False    # the last switch to 0 was that rule's (its switch back logs at debug)
 
@@ -282,7 +288,7 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ per decode call
     def choose(self, seqs: Sequence, prefilling: bool = False, displaces_prefill: int = 0,
-               prefill_tokens: int = 0, held: int = 0, draft_ready: bool = True) -> int:
+               prefill_tokens: int = 0, held: int = 0, draft_ready: bool = True, draft_compiled: bool = True) -> int:
         """Draft length of the next decode call over ``seqs`` (its sequences). ``prefilling``: prompts wait for
         prefill this step; an exploration probe then waits (up to twice its interval), since a drafting call's
         decode rows take ``block + 1`` tokens each of the step's token budget and so slow the prefill down too
@@ -295,7 +301,10 @@ class SpeculationPolicy:
         ``draft_ready``: whether a drafting call could catch every row's draft context up now (False after tap-free
         calls until each row has recorded its last W positions again: ``tap_free``); if not, a decision to draft is
         **deferred**: this call runs plain (and records) and the decision's exploration state is kept (a due probe
-        stays due), so it drafts once the context is complete."""
+        stays due), so it drafts once the context is complete. ``draft_compiled``: whether the drafting program is
+        compiled (False while it compiles in the background: ``EngineConfig.background_compile``); if not, a decision
+        to draft is deferred the same way (counted apart, ``spec_calls_before_drafting_compiled``), so the start-up
+        measurements of the drafting program run once it is."""
         self._deferred = False
         if self.mode != "adaptive":
             return self.block
@@ -314,11 +323,14 @@ class SpeculationPolicy:
         accepted = [self.estimate(s) for s in seqs]
         self._held = max(0, int(held)) if prefill_tokens else 0
         d = self._decide(accepted)
-        if d and not draft_ready:          # the draft context cannot be caught up yet (tap-free calls): plain, and
-            self.calls_since_draft, self._reprobing = kept      # the probe (if this was one) stays due
-            self._probed = False
+        if d and not (draft_ready and draft_compiled):   # the draft context cannot be caught up yet (tap-free
+            self.calls_since_draft, self._reprobing = kept  # calls) or the program is not compiled yet: plain, and
+            self._probed = False                            # the probe (if this was one) stays due
             self._deferred = True
-            self.deferred_drafting_calls += 1
+            if draft_compiled:
+                self.deferred_drafting_calls += 1
+            else:
+                self.calls_before_drafting_compiled += 1
             return 0
         if d != self.draft_len:
             c = {k: (None if v is None else round(1e3 * v, 2)) for k, v in self.current_costs(accepted).items()}
@@ -480,6 +492,7 @@ class SpeculationPolicy:
                 "spec_calls_plain_for_prefill": self.calls_plain_for_prefill,
                 "spec_tap_free_calls": self.tap_free_calls,
                 "spec_deferred_drafting_calls": self.deferred_drafting_calls,
+                "spec_calls_before_drafting_compiled": self.calls_before_drafting_compiled,
                 "spec_engine_accepted_per_verify": self.engine_mean,
                 **{f"spec_iteration_ms_draft{d}": (1e3 * c.seconds if c.seconds is not None else 0.0)
                    for d, c in self.costs.items()},

@@ -135,6 +135,10 @@ class EngineConfig:
     compilation_cache: bool = True             # persistent XLA cache (unless JAX's own cache dir is configured)
     compilation_cache_dir: Optional[str] = None  # its folder; None: $DSFLASH_CACHE_DIR, else ~/.cache/dsflash/jax
     compile_threads: Optional[int] = None      # threads compiling the programs at start-up; None: $DSFLASH_COMPILE_THREADS, else 1
+    # adaptive speculation: serve once the prefill buckets and the plain decode program are compiled, compiling the
+    # drafting and tap-free programs on background threads (each used once compiled; until then every call is plain);
+    # False: every program compiled before the engine is ready (docs/engine.md "Programs")
+    background_compile: bool = True
 
     def __post_init__(self):
         self.validate()

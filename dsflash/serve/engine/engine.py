@@ -115,7 +115,13 @@ class LLMEngine:
         t1 = time.perf_counter()
         link = self.runner.link
         sync = {"sync": lambda: link.barrier("warmup")} if link is not None else {}   # multi-controller only
-        self.runner.warmup(threads=c.compile_threads, **sync)
+        # background compile (docs/engine.md "Programs"): an adaptive engine serves once its prefill buckets and
+        # the plain recording program are compiled; the drafting and the tap-free programs compile on daemon threads
+        # and run only once compiled (until then every decode call is plain and records: ``_draft_compiled``)
+        later = ()
+        if c.background_compile and self.speculation.mode == "adaptive" and link is None:
+            later = tuple(d for d in (self.k, R.TAP_FREE) if d in self.runner._decodes)
+        self.runner.warmup(threads=c.compile_threads, background=later, **sync)
         if link is not None:
             t2 = time.perf_counter()
             n = link.warmup()
@@ -123,7 +129,24 @@ class LLMEngine:
         self.warmup_time = time.perf_counter() - t1
         self.startup_time = time.perf_counter() - t0
         self._compiles_in_steps = 0
-        log.info("engine %s: programs compiled in %.1fs; %s", self.model_name, self.warmup_time, self.kernels_line)
+        log.info("engine %s: programs compiled in %.1fs%s; %s", self.model_name, self.warmup_time,
+                 f" (compiling in the background: {', '.join(R.program_name(d) for d in later)})" if later else "",
+                 self.kernels_line)
+
+    # ------------------------------------------------------------------ background compile
+    def _draft_compiled(self) -> bool:
+        """Whether the drafting program may run (not still compiling in the background, nor failed to)."""
+        return not self.k or self.runner.available(self.k)
+
+    @property
+    def programs_ready(self) -> bool:
+        """Every decode program compiled (False while one compiles in the background or after its compile failed)."""
+        return all(self.runner.available(d) for d in self.runner._decodes)
+
+    def wait_for_programs(self, timeout: float | None = None) -> bool:
+        """Wait for the background compiles (``EngineConfig.background_compile``) to finish, compiled or failed;
+        False if ``timeout`` seconds passed first. Benchmarks and tests that need every program call this."""
+        return self.runner.wait_for_background(timeout)
 
     # ------------------------------------------------------------------ multi-controller (multihost.py)
     def _bind_multihost(self, c):
@@ -366,7 +389,8 @@ class LLMEngine:
         held = len(self.running) - len(decoding) + min(len(self.waiting), max(0, self.max_num_seqs - len(self.running)))
         self.scheduler.K1 = self.speculation.choose(decoding, prefilling=prefilling, displaces_prefill=displaced,
                                                     prefill_tokens=prefill, held=held,
-                                                    draft_ready=self._draft_ready(decoding)) + 1
+                                                    draft_ready=self._draft_ready(decoding),
+                                                    draft_compiled=self._draft_compiled()) + 1
         plan = self.scheduler.schedule()
         rec = None
         early: list = []          # prefill results already processed (handed out before the decode call)
@@ -437,8 +461,8 @@ class LLMEngine:
         """Whether this plain call runs the tap-free program: the policy expects no drafting call within
         ``_tap_lead`` calls (``SpeculationPolicy.tap_free``), and no row is guided (one iteration a call: it would
         need W recording calls, not ``_tap_lead``)."""
-        return bool(self._tap_lead) and all(s.guide is None for s in decoding) and \
-            self.speculation.tap_free(decoding, self._tap_lead)
+        return bool(self._tap_lead) and self.runner.available(R.TAP_FREE) and \
+            all(s.guide is None for s in decoding) and self.speculation.tap_free(decoding, self._tap_lead)
 
     def _track_taps(self, plan, draft_len, decoding):
         """``spec_taps`` after this step's calls (in launch order: async scheduling's later choice sees them)."""
@@ -512,6 +536,15 @@ class LLMEngine:
         d.update(self.speculation.metrics())
         d["spec_sequential_verify"] = self.runner.sequential_verify
         d["warmup_time_s"] = self.warmup_time
+        # background compile: programs still compiling, and per program its state (0 compiling, 1 available, -1 failed)
+        # and compile seconds (0 until known)
+        r = self.runner
+        d["programs_compiling"] = len(r.compiling)
+        d["programs_ready"] = self.programs_ready
+        d["background_programs"] = {
+            ("tap_free" if p == R.TAP_FREE else f"draft{p}"): {
+                "state": {"compiling": 0, "ready": 1, "failed": -1}[b["state"]], "compile_s": b["compile_s"] or 0.0}
+            for p, b in list(r.background.items())}
         if self.eplb is not None:
             d.update(self.eplb.metrics())
         if self.dp > 1:

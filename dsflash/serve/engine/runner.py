@@ -14,7 +14,8 @@ Two jitted programs, both taking the model state and the per-slot *row state* as
   speculation compiles it for draft lengths ``block`` and 0; the plain one records taps instead of updating the
   draft context (lazy draft context; a third program, ``TAP_FREE``, is the plain one without the record) and,
   with ``sequential_verify``, the verify is up to ``block + 1`` one-row forwards, stopping once every row has
-  rejected a draft (early exit).
+  rejected a draft (early exit). With ``background=`` (``EngineConfig.background_compile``) ``warmup`` leaves the
+  drafting and tap-free programs to daemon threads; the engine runs a program only once it is ``available``.
 
 The Runner owns these programs, the state they donate and the host mirrors of what a decode call reads
 (``SlotMirror``: page tables, sampling rows, window floors per slot; the scheduler updates them as it admits,
@@ -33,6 +34,8 @@ devices.
 """
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
 import time
@@ -47,14 +50,21 @@ from dsflash.model.state import Batch
 from dsflash.serve.engine import sampling as S
 from dsflash.serve.engine.packed import Packed, pack, pack_traced, to_host, unpacked
 
+log = logging.getLogger("dsflash.serve.engine")
+
 # ------------------------------------------------------------------ compile accounting (process-wide)
 _compile_lock = threading.Lock()
-_compile_events = {"count": 0, "names": []}
+_count_lock = threading.Lock()        # listeners run on the thread that compiles (warm-up pool, background threads)
+_compile_events = {"count": 0, "names": [], "background": 0}
 _listener_installed = False
+# a background compile thread (Runner.warmup(background=...)) marks itself here: its events are not the serving
+# steps' (``compile_count``), they are counted apart (``background_compile_count``)
+_thread = threading.local()
 
 
 def install_compile_listener():
-    """Count every trace / lowering / backend compile / persistent-cache load in this process."""
+    """Count every trace / lowering / backend compile / persistent-cache load in this process (those of background
+    compile threads apart)."""
     global _listener_installed
     with _compile_lock:
         if _listener_installed:
@@ -63,16 +73,25 @@ def install_compile_listener():
 
         def on_duration(event, duration, **kw):
             if event.startswith("/jax/core/compile/") or event.startswith("/jax/compilation_cache/cache_retrieval"):
-                _compile_events["count"] += 1
-                if len(_compile_events["names"]) < 200:
-                    _compile_events["names"].append((event, kw.get("fun_name")))
+                with _count_lock:
+                    if getattr(_thread, "background", False):
+                        _compile_events["background"] += 1
+                        return
+                    _compile_events["count"] += 1
+                    if len(_compile_events["names"]) < 200:
+                        _compile_events["names"].append((event, kw.get("fun_name")))
 
         monitoring.register_event_duration_secs_listener(on_duration)
         _listener_installed = True
 
 
 def compile_count() -> int:
+    """Compile events of every thread but the background compile threads."""
     return _compile_events["count"]
+
+
+def background_compile_count() -> int:
+    return _compile_events["background"]
 
 
 def compile_events() -> list:
@@ -90,6 +109,42 @@ def enable_compilation_cache(path: str | None = None):
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     except Exception:  # a read-only home must not stop serving
         pass
+
+
+# ------------------------------------------------------------------ background compiles (Runner.warmup(background=))
+# Threads compiling programs in the background, with their runner's stop event. They are daemon threads, so nothing
+# waits for them while the process runs; but an XLA compile still running when the interpreter finalizes aborts the
+# process (the thread is unwound through XLA's C++ frames: "terminate called ...", SIGABRT, exit code 134; measured
+# on CPU, jaxlib 0.10.2). At exit the queued compiles are therefore dropped and the ones in flight waited for
+# (at most one program's compile per thread).
+_background_threads: list = []
+_exit_hook = False
+
+
+def _finish_background_compiles():
+    live = [(t, stop) for t, stop in _background_threads if t.is_alive()]
+    for _, stop in live:
+        stop.set()
+    if live:
+        log.info("exit: waiting for %d background compile(s) in flight (an XLA compile cut off at exit aborts the "
+                 "process)", len(live))
+    for t, _ in live:
+        t.join()
+
+
+def _register_background_thread(t, stop):
+    global _exit_hook
+    with _compile_lock:
+        _background_threads[:] = [(x, e) for x, e in _background_threads if x.is_alive()]
+        _background_threads.append((t, stop))
+        if not _exit_hook:
+            atexit.register(_finish_background_compiles)
+            _exit_hook = True
+
+
+def program_name(draft_len: int) -> str:
+    """A decode program's name in logs and metrics."""
+    return "draft length 0 (tap-free)" if draft_len == TAP_FREE else f"draft length {draft_len}"
 
 
 SAMPLING_FIELDS = ("temp", "top_k", "top_p", "min_p", "pres", "freq", "rep", "seed_lo", "seed_hi", "max_gen",
@@ -240,6 +295,12 @@ class Runner:
             self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2), out_shardings=out)
                              for d, f in impls.items()}
         self._compiled: dict = {}
+        # background compiles (warmup(background=...)): the decode programs (draft lengths) not compiled yet or whose
+        # compile failed (``available``), per program its state and compile seconds (``background``), the threads
+        self._unavailable: set = set()
+        self.background: dict = {}
+        self._bg_threads: list = []
+        self._bg_stop = threading.Event()
         self._mask0: dict = {}
         self._mask0_device: dict = {}
         self.link = None      # multihost.PlanLink of a multi-controller job (the engine binds it)
@@ -819,26 +880,122 @@ class Runner:
         self.state, self.rows, res = fn(self.params, self.state, self.rows, inp)
         return res
 
-    def warmup(self, threads: int | None = None, sync=None):
+    def warmup(self, threads: int | None = None, sync=None, background=()):
         """Compile every bucket ahead of time (concurrently: XLA compiles release the GIL), then run each
         once with dummy rows (which write nothing). Serving calls the compiled executables directly, so a
         shape outside the buckets is an error, never a silent recompile. ``threads``: compile threads (None:
         ``environment.compile_threads()``; the engine passes ``EngineConfig.compile_threads``). ``sync``: called
         between compiling and the first runs (a multi-controller job's barrier: every process compiles at its own
-        pace, the first run of a program's collectives needs all of them)."""
+        pace, the first run of a program's collectives needs all of them).
+
+        ``background``: decode programs (draft lengths, in the order wanted) lowered and compiled on daemon threads
+        (at most ``threads``) started once the others are compiled, instead of before this returns; each becomes
+        ``available`` once compiled (it runs no warm-up call: its first serving call is a cold one). A compile that
+        fails is logged and its program stays unavailable. Single-process only (a multi-controller job's processes
+        must run the same programs)."""
         from concurrent.futures import ThreadPoolExecutor
-        jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
-        jobs += [(("decode", d), fn, self.empty_decode_inputs()) for d, fn in self._decodes.items()]
-        lowered = [(key, fn.lower(self.params, self.state, self.rows, self.place(inp))) for key, fn, inp in jobs]
         threads = threads or environment.compile_threads()
+        later = [d for d in dict.fromkeys(background) if d in self._decodes]
+        jobs = [(("prefill", tuple(b)), self._prefill, self.empty_prefill_inputs(b)) for b in self.prefill_buckets]
+        jobs += [(("decode", d), fn, self.empty_decode_inputs()) for d, fn in self._decodes.items() if d not in later]
+        if later:          # their arguments' shapes and shardings now: the state's buffers are donated from here on
+            args = _abstract((self.params, self.state, self.rows, self.place(self.empty_decode_inputs())))
+        lowered = [(key, fn.lower(self.params, self.state, self.rows, self.place(inp))) for key, fn, inp in jobs]
         with ThreadPoolExecutor(threads) as ex:
             compiled = list(ex.map(lambda kl: (kl[0], kl[1].compile()), lowered))
-        self._compiled = dict(compiled)
+        self._compiled.update(compiled)
+        if later:          # once the others are compiled: started with them they slowed them down (docs/engine.md)
+            self._start_background([(d, self._decodes[d], args) for d in later], threads)
         if sync is not None:
             sync()
         for b in self.prefill_buckets:
             jax.block_until_ready(self.prefill(self.empty_prefill_inputs(b)))
         for d in self._decodes:
-            jax.block_until_ready(self.decode(self.empty_decode_inputs(), d))
+            if d not in later:
+                jax.block_until_ready(self.decode(self.empty_decode_inputs(), d))
         if self.snap is not None:
             self.state = jax.block_until_ready(self.snap.warmup(self.state))
+
+    # ------------------------------------------------------------------ background compiles
+    def available(self, draft_len: int) -> bool:
+        """Whether the decode program of ``draft_len`` may run now: it exists and is not still compiling in the
+        background (or failed to). The engine runs no other: a call of an unavailable one would compile it on the
+        spot (``decode`` falls back to the jitted function)."""
+        return draft_len in self._decodes and draft_len not in self._unavailable
+
+    @property
+    def compiling(self) -> list:
+        """Draft lengths of the decode programs still compiling in the background."""
+        return [d for d, b in list(self.background.items()) if b["state"] == "compiling"]
+
+    def _start_background(self, jobs, threads: int):
+        """``jobs``: ``[(draft_len, jitted fn, abstract args)]``, compiled in this order by up to ``threads`` daemon
+        threads."""
+        for d, _, _ in jobs:
+            self._unavailable.add(d)
+            self.background[d] = {"state": "compiling", "compile_s": None}
+        queue, lock = list(jobs), threading.Lock()
+
+        def worker():
+            _thread.background = True          # compile accounting: not the serving steps'
+            while not self._bg_stop.is_set():
+                with lock:
+                    if not queue:
+                        return
+                    job = queue.pop(0)
+                self._compile_background(*job)
+            with lock:                         # stopped: what is still queued will not compile
+                for d, _, _ in queue:
+                    self.background[d] = {"state": "failed", "compile_s": None, "error": "stopped before compiling"}
+                queue.clear()
+
+        for i in range(max(1, min(int(threads), len(jobs)))):
+            t = threading.Thread(target=worker, name=f"dsflash-compile-{i}", daemon=True)
+            self._bg_threads.append(t)
+            _register_background_thread(t, self._bg_stop)
+            t.start()
+
+    def _compile_background(self, d, fn, args):
+        t = time.perf_counter()
+        try:
+            exe = self._compile_program(("decode", d), fn, args)
+        except Exception as e:  # noqa: BLE001 - the engine keeps serving without this program
+            dt = time.perf_counter() - t
+            self.background[d] = {"state": "failed", "compile_s": dt, "error": f"{type(e).__name__}: {e}"}
+            log.error("background compile of the decode program %s failed after %.1fs; the engine runs without it: "
+                      "%s: %s", program_name(d), dt, type(e).__name__, e, exc_info=True)
+            return
+        dt = time.perf_counter() - t
+        self._compiled[("decode", d)] = exe
+        self._unavailable.discard(d)          # after the executable is in place: the engine may run it from now on
+        self.background[d] = {"state": "ready", "compile_s": dt}
+        log.info("decode program %s compiled in the background in %.1fs: available from the next step",
+                 program_name(d), dt)
+
+    def _compile_program(self, key, fn, args):
+        """One background compile (``key``: ``("decode", draft_len)``; tests replace this to hold or fail one)."""
+        return fn.lower(*args).compile()
+
+    def wait_for_background(self, timeout: float | None = None) -> bool:
+        """Wait until no background compile is running (each compiled or failed); False if ``timeout`` seconds
+        passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for t in list(self._bg_threads):
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+            if t.is_alive():
+                return False
+        return True
+
+    def stop_background(self):
+        """Start no further background compile (one in flight finishes; its program then still becomes available)."""
+        self._bg_stop.set()
+
+
+def _abstract(tree):
+    """Arrays -> ``jax.ShapeDtypeStruct`` with their sharding (what lowering reads of them); other leaves as they
+    are. A background thread lowers on these: the arrays themselves are donated (deleted) by the serving calls."""
+    def one(a):
+        if isinstance(a, jax.Array):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding, weak_type=a.aval.weak_type)
+        return a
+    return jax.tree.map(one, tree)
