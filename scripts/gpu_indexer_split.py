@@ -8,11 +8,12 @@ a table last, JSON in $OUT/indexer_split.json. From the repo root:
 
   python3 scripts/gpu_indexer_split.py --contexts 4096 32768 131072 --seqs 32 --rows 6 --out $OUT
 
-The paged scorer's opt-in variants (session 30: indexer_paged_triton.KEY_DECODE / PAIRED_ROUND / RELU_ONE_COMPARE),
-timed after the default and checked bit for bit against it:
+The paged scorer's variants (session 30: indexer_paged_triton.KEY_DECODE / PAIRED_ROUND / RELU_ONE_COMPARE; all three
+on by default since session 30; where / unpaired / relu_nan set each back), timed after the default and checked bit
+for bit against it (the fp32 forms, i.e. the kernel before session 30, then the default's own parts):
 
   python3 scripts/gpu_indexer_split.py --contexts 131072 --seqs 32 --rows 6 --page-size 64 --reps 20 --parts paged \
-      --paged-variants table paired relu1 table+paired paired+relu1 table+paired+relu1 table+paired+relu1:s3 --out $OUT
+      --paged-variants where+unpaired+relu_nan where paired+relu1 table:s3 --out $OUT
 """
 from __future__ import annotations
 
@@ -77,9 +78,11 @@ def selection_timings(score, visible, topk, reps):
     return row
 
 
-# session 30's opt-in switches of the paged scorer: name -> (module attribute, value)
+# session 30's switches of the paged scorer: name -> (module attribute, value); the first three are the default
+# since session 30, the last three set each back to the fp32 form ("where+unpaired+relu_nan" = the kernel before)
 PAGED_SWITCHES = {"table": ("KEY_DECODE", "table"), "paired": ("PAIRED_ROUND", True),
-                  "relu1": ("RELU_ONE_COMPARE", True)}
+                  "relu1": ("RELU_ONE_COMPARE", True), "where": ("KEY_DECODE", "where"),
+                  "unpaired": ("PAIRED_ROUND", False), "relu_nan": ("RELU_ONE_COMPARE", False)}
 
 
 def paged_variant(spec):

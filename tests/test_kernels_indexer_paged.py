@@ -164,20 +164,20 @@ def test_paired_round_asm_is_the_per_element_rounding():
 
 
 def test_switches_reach_the_launch(monkeypatch):
-    """The module switches become the launch's constexprs (KTAB, PAIR, RELU1; all 0 by default, so the default
-    compiles the same kernel as before them) and an unknown KEY_DECODE is refused."""
+    """The module switches become the launch's constexprs (KTAB, PAIR, RELU1; all 1 by default since session 30's
+    H100 run, 0 = the fp32 forms the kernel had before them) and an unknown KEY_DECODE is refused."""
     pytest.importorskip("triton")
     from dsflash.kernels import indexer_paged_triton as ipt
-    assert ipt.switch_constexprs() == dict(KTAB=0, PAIR=0, RELU1=0)
-    monkeypatch.setattr(ipt, "KEY_DECODE", "table")
-    monkeypatch.setattr(ipt, "PAIRED_ROUND", True)
-    monkeypatch.setattr(ipt, "RELU_ONE_COMPARE", True)
     assert ipt.switch_constexprs() == dict(KTAB=1, PAIR=1, RELU1=1)
+    monkeypatch.setattr(ipt, "KEY_DECODE", "where")
+    monkeypatch.setattr(ipt, "PAIRED_ROUND", False)
+    monkeypatch.setattr(ipt, "RELU_ONE_COMPARE", False)
+    assert ipt.switch_constexprs() == dict(KTAB=0, PAIR=0, RELU1=0)
     q = jnp.zeros((1, 2, 16, 64), jnp.bfloat16)
     pool = {"q": jnp.zeros((64, 32), jnp.uint8), "s": jnp.zeros((64, 2), jnp.uint8)}
     _, const, _, _ = ipt.kernel_args(q, jnp.zeros((1, 2, 16)), pool, jnp.zeros((1, 1), jnp.int32), 64,
                                      jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), bool), None)
-    assert (const["KTAB"], const["PAIR"], const["RELU1"]) == (1, 1, 1)
+    assert (const["KTAB"], const["PAIR"], const["RELU1"]) == (0, 0, 0)
     monkeypatch.setattr(ipt, "KEY_DECODE", "lut")
     with pytest.raises(ValueError):
         ipt.switch_constexprs()

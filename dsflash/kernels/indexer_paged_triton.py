@@ -52,8 +52,8 @@ def _round(x, DECODE: tl.constexpr):
     return _bf16_rne(x)
 
 
-# ---- opt-in candidates (session 30; CPU only, NOT RUN ON A GPU): the module switches KEY_DECODE "table",
-# PAIRED_ROUND, RELU_ONE_COMPARE (below NUM_STAGES); the default compiles to the same SASS as before them.
+# ---- session 30's forms (the module switches KEY_DECODE "table", PAIRED_ROUND, RELU_ONE_COMPARE below NUM_STAGES;
+# the default since session 30's H100 run; the switches off compile to the same SASS as before them).
 # KTAB_ASM: the MXFP4 key decode by byte tables. Per 32-bit word of packed codes (4 bytes = 8 nibbles n0..n7, n(2k)
 # the low nibble of byte k): the word masked to 0x7777, low 16 bits, is four PRMT selectors = the magnitudes of
 # n0..n3 (shifted down 16, of n4..n7); two 8-byte tables give the low and high byte of the bf16 bit pattern of each
@@ -63,7 +63,7 @@ def _round(x, DECODE: tl.constexpr):
 # nibble planes of two bytes); one `mul.rn.bf16x2` a pair by 2^(s - 127) (bf16 bits max(s << 7, 0x0040): s = 0 is
 # the subnormal 2^-127, s = 255 is inf, as _e8m0_f32). Every product is an E2M1 value times a power of two, so
 # exact in bf16 (fp32's exponent range, subnormals kept), overflow (s >= 254) goes to inf and 0 x inf to NaN, as
-# the default's fp32 product + cvt.rn. ~20 instructions per 8 key elements instead of ~14 an element (sm_90: the
+# the fp32 form's product + cvt.rn. ~20 instructions per 8 key elements instead of ~14 an element (sm_90: the
 # prologue 1,856 -> 698 SASS a warp, 168 -> 124 registers). Checked: scripts/ptx_emu.py on every byte x scale byte.
 KTAB_ASM = """
 {
@@ -164,11 +164,11 @@ def _round_pair(x, DECODE: tl.constexpr, PAIR: tl.constexpr):
 def _mxfp4_tile(packed, s_ptrs, smask, BT: tl.constexpr, Di: tl.constexpr, KTAB: tl.constexpr,
                 DECODE: tl.constexpr):
     """Packed E2M1 bytes [BT, Di/2] (element 2j in the low nibble of byte j) + the UE8M0 scale bytes at ``s_ptrs``
-    [BT, Di/32] (127 where not ``smask``) -> the bf16 key tile [BT, Di]. KTAB 0 (the default): ``_e2m1_f32`` x
+    [BT, Di/32] (127 where not ``smask``) -> the bf16 key tile [BT, Di]. KTAB 0 (the fp32 form): ``_e2m1_f32`` x
     ``_e8m0_f32`` in fp32, then the bf16 pack (exact: E2M1 x 2^e has <= 2 significant bits). KTAB 1: the byte tables
     (``_KTAB_ASM`` on the GPU, ``_e2m1_table_tl`` in the interpreter), each byte with its group's scale byte, two bf16
     planes joined. (The scales are loaded in here, after the codes' unpack, as before the helper existed: loading
-    them first changed the default's SASS.)"""
+    them first changed the KTAB 0 SASS.)"""
     if KTAB == 1:
         sb = tl.load(s_ptrs, mask=smask, other=127)
         p3 = tl.reshape(packed, (BT, Di // 32, 16))
@@ -242,19 +242,21 @@ def _indexer_paged_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, kx_ptr, pt_ptr, lim_ptr,
 # still 3 programs an SM (NOTES: "The paged indexer scorer under an sm_90 compile"). 2 until timed on a GPU.
 NUM_STAGES = 2
 
-# Opt-in candidates of session 30 (NOTES: "The paged indexer scorer: table key decode and paired roundings"; CPU only,
-# NOT RUN ON A GPU), read when the launch is traced, like NUM_STAGES:
-# KEY_DECODE "where" (the default: _e2m1_f32 x _e8m0_f32 in fp32, then the bf16 pack) or "table" (_KTAB_ASM: byte
-# tables by PRMT + one bf16x2 multiply a pair; the interpreter runs _e2m1_table_tl). The same bf16 key tile for every
+# Session 30's forms of the scorer (NOTES: "The paged indexer scorer: table key decode and paired roundings"), read
+# when the launch is traced, like NUM_STAGES; all three on by default since session 30's H100 run (bit-identical to
+# the fp32 forms in the GPU test tests/gpu/test_indexer_paged_switches.py; 128K ratio 1 scorer -25 to -29 %, the 32 x
+# 6 @ 128K step 11.11 -> 10.34 ms, benchmarks/results/step128k_20261207_h100_s30_ktab_*). Each can be set back for A/Bs:
+# KEY_DECODE "table" (_KTAB_ASM: byte tables by PRMT + one bf16x2 multiply a pair; the interpreter runs
+# _e2m1_table_tl) or "where" (_e2m1_f32 x _e8m0_f32 in fp32, then the bf16 pack). The same bf16 key tile for every
 # code and scale byte (tests/test_kernels_indexer_paged.py enumerates them).
-KEY_DECODE = "where"
+KEY_DECODE = "table"
 # PAIRED_ROUND: the epilogue's two elementwise roundings (qk, c) by cvt.rn.bf16x2.f32 a pair (_PAIR_ASM) instead of
 # cvt.rn.bf16.f32 an element. The interpreter keeps _bf16_rne either way.
-PAIRED_ROUND = False
+PAIRED_ROUND = True
 # RELU_ONE_COMPARE: relu as where(x <= 0, 0, x) instead of _relu_nan's where(x > 0, x, where(x != x, x, 0)): the same
-# value for every x (NaN kept, -0.0 -> +0.0), which ptxas turns into one FMNMX.NAN an element (the default takes
+# value for every x (NaN kept, -0.0 -> +0.0), which ptxas turns into one FMNMX.NAN an element (the other form takes
 # FSETP + FSEL + HSETP2). Together with PAIRED_ROUND the row loop goes 426 -> 330 SASS a warp.
-RELU_ONE_COMPARE = False
+RELU_ONE_COMPARE = True
 KEY_DECODES = ("where", "table")
 
 

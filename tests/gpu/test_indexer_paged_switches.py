@@ -19,7 +19,9 @@ import jax.numpy as jnp  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-VARIANTS = {  # name: (module switches, num_stages or None)
+FP32_FORMS = dict(KEY_DECODE="where", PAIRED_ROUND=False, RELU_ONE_COMPARE=False)   # the kernel before session 30
+VARIANTS = {  # name: (module switches over FP32_FORMS, num_stages or None)
+    "default": (None, None),                              # the module's defaults, whatever they are
     "table": (dict(KEY_DECODE="table"), None),
     "paired": (dict(PAIRED_ROUND=True), None),
     "relu1": (dict(RELU_ONE_COMPARE=True), None),
@@ -123,13 +125,16 @@ def test_scores_bit_identical(monkeypatch, per_page, pages, cand):
             q, w, pool, pt, pp, visible, valid, c))
         return np.asarray(f(q, w, pool, pt, visible, valid, c)).view(np.uint32)
 
-    want = scores()
+    with monkeypatch.context() as m:
+        for k, v in FP32_FORMS.items():
+            m.setattr(ipt, k, v)
+        want = scores()
     fin = np.isfinite(want.view(np.float32))
     assert fin.sum() > 1000 and np.isnan(want.view(np.float32)).sum() > 0      # the inputs reach both kinds
     bad = {}
     for name, (sets, stages) in VARIANTS.items():
         with monkeypatch.context() as m:
-            for k, v in sets.items():
+            for k, v in ({} if sets is None else {**FP32_FORMS, **sets}).items():
                 m.setattr(ipt, k, v)
             if stages:
                 m.setattr(ipt, "NUM_STAGES", stages)
