@@ -17,8 +17,11 @@ def test_bench_engine_both_modes_and_breakdown(tmp_path, capsys):
     assert [r["mode"] for r in res] == ["spec", "adaptive_mixed", "plain"]
     assert spec["speculative"] and adaptive["speculative"] and not plain["speculative"]
     assert set(json.loads(out.read_text())["ratios"]) == {"spec_over_plain", "adaptive_mixed_over_plain"}
+    # the timed passes start once every program is compiled (EngineConfig.background_compile): no adaptive call ran
+    # plain for want of the drafting program
+    assert adaptive["spec_calls_before_drafting_compiled"] == 0
     for r in res:
-        assert r["generated_tokens"] == 3 * 12
+        assert r["generated_tokens"] == 3 * 12 and r["programs_ready_s"] >= r["startup_s"]
         assert r["decode_iters"] > 0 and r["ms_per_decode_iter"] > 0
         # decode-only steps: a subset of the run's steps and iterations, each with its own time
         d = r["decode_phase"]

@@ -179,6 +179,9 @@ def run_mode(model, args, mode: str) -> dict:
                     compile_threads=args.compile_threads,
                     prefill_buckets=[tuple(int(v) for v in b.split("x")) for b in args.prefill_buckets.split(",")])
     startup = time.perf_counter() - t0
+    # the timed passes compare programs, not compile threads: wait for the background compiles (drafting, tap-free)
+    eng.wait_for_programs()
+    programs_s = time.perf_counter() - t0
     V = eng.backend.vocab_size
     rng = np.random.default_rng(args.seed)
     if args.chat_prompts:
@@ -241,12 +244,13 @@ def run_mode(model, args, mode: str) -> dict:
     iters = m["num_decode_iters"] - m0["num_decode_iters"]
     breakdown = iteration_breakdown(eng, args.repeats) if mode == "spec" and args.breakdown else None
     spec_m = {k: m[k] for k in ("spec_mode", "spec_drafted_call_fraction", "spec_requests_stopped_drafting",
-                                "spec_iteration_ms_draft0", f"spec_iteration_ms_draft{eng.k}") if k in m}
+                                "spec_iteration_ms_draft0", f"spec_iteration_ms_draft{eng.k}",
+                                "spec_calls_before_drafting_compiled") if k in m}
     if "spec_calls_plain_for_prefill" in m:      # this pass's, not the warm-up's too
         spec_m["spec_calls_plain_for_prefill"] = m["spec_calls_plain_for_prefill"] - m0["spec_calls_plain_for_prefill"]
     yield {
         "mode": mode, "speculative": speculative, "batch": args.num_prompts, "max_num_seqs": args.max_num_seqs,
-        **spec_m, "startup_s": startup, "warmup_s": eng.warmup_time,
+        **spec_m, "startup_s": startup, "programs_ready_s": programs_s, "warmup_s": eng.warmup_time,
         "generated_tokens": n_tok, "elapsed_s": dt, "tokens_per_s": n_tok / dt if dt else 0.0,
         "passes_tokens_per_s": [r[1] / r[0] for r in passes],
         "steps": steps, "host_overhead_per_step_ms": 1e3 * statistics.mean(host) if host else 0.0,
