@@ -122,7 +122,7 @@ def main(argv=None):
     B = args.batch
     engs, log = {}, []
     for name in args.engines.split(","):
-        engs[name] = LLMEngine(ModelBackend(model, moe_weight_layout="auto"), max_num_seqs=B, max_model_len=256,
+        engs[name] = LLMEngine(ModelBackend(model, moe_weight_layout="auto"), background_compile=False, max_num_seqs=B, max_model_len=256,
                                page_size=32, max_num_batched_tokens=128, decode_steps=args.decode_steps,
                                enable_prefix_caching=False, prefill_buckets=[(4, 32)], **kinds[name])
         instrument(name, engs[name], log, old=name == "adaptive_old")

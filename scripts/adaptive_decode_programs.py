@@ -25,7 +25,7 @@ def programs(model, batch, args):
     common = dict(max_num_seqs=batch, max_model_len=args.max_model_len, page_size=args.page_size,
                   max_num_batched_tokens=128, decode_steps=args.decode_steps, enable_prefix_caching=False,
                   prefill_buckets=[(min(4, batch), 32)])
-    engs = {m: LLMEngine(ModelBackend(model), speculative_mode=m, **common) for m in args.modes.split(",")}
+    engs = {m: LLMEngine(ModelBackend(model), speculative_mode=m, background_compile=False, **common) for m in args.modes.split(",")}
     out = []
     for mode, eng in engs.items():
         for d in eng.runner.draft_lengths:

@@ -35,7 +35,7 @@ from adaptive_common import force_plain, iteration_timer
 def build(model, mode, args):
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.engine.backend import ModelBackend
-    return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), speculative_mode=mode, max_num_seqs=args.batch,
+    return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), background_compile=False, speculative_mode=mode, max_num_seqs=args.batch,
                      max_model_len=args.max_model_len, page_size=args.page_size, max_num_batched_tokens=128,
                      decode_steps=args.decode_steps, enable_prefix_caching=False, prefill_buckets=[(4, 32)])
 

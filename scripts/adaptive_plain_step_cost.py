@@ -36,7 +36,7 @@ def build(model, mode, args):
     variant, mode = "/" in mode, mode.split("/")[0]
     spec = {"plain": "off", "plain2": "off", "nodraft": "adaptive", "nodraft_rec": "adaptive", "adaptive": "adaptive",
             "adaptive_mixed": "adaptive"}[mode]
-    return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), speculative_mode=spec,
+    return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), background_compile=False, speculative_mode=spec,
                      tap_free_plain=mode != "nodraft_rec" and not variant,    # a variant replaces the draft-0 program
                      speculative_in_mixed_steps=mode != "adaptive", max_num_seqs=args.batch,
                      max_model_len=args.max_model_len, page_size=32, max_num_batched_tokens=128,

@@ -39,7 +39,7 @@ from adaptive_common import endless_decode_inputs
 def build(model, mode, args, **kw):
     from dsflash.serve.engine import LLMEngine
     from dsflash.serve.engine.backend import ModelBackend
-    return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), speculative_mode=mode, max_num_seqs=args.batch,
+    return LLMEngine(ModelBackend(model, moe_weight_layout="auto"), background_compile=False, speculative_mode=mode, max_num_seqs=args.batch,
                      max_model_len=256, page_size=32, max_num_batched_tokens=128, decode_steps=4,
                      enable_prefix_caching=False, prefill_buckets=[(4, 32)], sequential_verify=False, **kw)
 

@@ -105,6 +105,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         engines[sm] = eng = LLMEngine(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                       max_num_batched_tokens=args.max_num_batched_tokens, speculative_mode=sm)
+        eng.wait_for_programs()     # timed passes compare programs, not background compile threads
         print(f"model {args.model}, speculative {sm}: engine ready in {time.perf_counter() - t:.1f}s; "
               f"{args.num_prompts} prompts, max_tokens {args.max_tokens}, temperature {args.temperature}, "
               f"max_num_seqs {args.max_num_seqs}")
