@@ -14,6 +14,24 @@ pipelined ``tl.range`` in every rung, pieces of the body replaced by a trivial x
 So 1 -> 2 adds the decode, 2 -> 4 the x slab, 4 -> 0 the MMA; 3 -> 0 is the decode with all else in place. Rungs
 above 0 write garbage (by design).
 
+Ladder 2 (session 30; the H100 run of the above put the up kernel's whole cost on rung 1: its load stream alone ran at
+the kernel's ~1.8 TB/s while the down kernel's streamed 2.4-2.5) varies rung 1's load stream:
+
+  rung 5  weights only (no scale loads)           rung 7  W1 + its scales only (one matrix, half the bytes)
+  rung 6  scale words from a contiguous run       rung 8  rung 7's loop in split_gate_up programs (one matrix a
+          (same words and 4-byte copies a step)           program, all the bytes, twice the programs)
+
+In the down kernel (one matrix) 7 and 8 are rung 1 again (a repeat); 5 and 6 are the same changes. TB/s counts the
+bytes each rung reads (5: weights only; 7: W1 and its scales).
+
+  python3 scripts/gpu_moe_ladder.py --rungs 0,1,5,6,7,8 --out "$OUT"          # GPU: ladder 2 (gpu_queue.sh moe_ladder2)
+
+``--ncu-target`` makes the script a minimal program for Nsight Compute (no profiler trace, no reference, no XLA sort:
+routing drawn on the host; no sm_90 child): it compiles every (rung, pin) of ``--ncu-variants`` at the first
+``--plan`` point, calls each once (warm-up), prints the launch order, then calls each once more -- so ncu's
+``--launch-skip 2N --launch-count 2N`` with ``--kernel-name regex:_moe_(up|down)_kernel_il`` sees each variant's up
+and down kernels in that order. ``--ncu-summary LOG ...`` turns such ncu logs (text output) into one table.
+
 Occupancy: the rungs without the x slab or the MMA need fewer registers and less shared memory, so more programs fit
 an SM (the sm_90 compile's figures are printed first). "free" runs each rung as compiled; "pinned" launches it with
 its dynamic shared memory padded (jax-triton's compile result patched in this process only) so that its programs per
@@ -184,6 +202,168 @@ def weight_bytes(idx, BM):
                 down_tiles=tiles * down)
 
 
+def rung_fraction(rung, kernel):
+    """The share of ``weight_bytes``' bytes a rung's kernel reads: 5 the weights without their scales (32 / 34 of
+    the MXFP4 + scale bytes: a scale byte per 16 nibble bytes), 7 one of the up kernel's two matrices; else all."""
+    if rung == 5:
+        return 16 / 17
+    if rung == 7 and kernel == KERNELS[0]:
+        return 0.5
+    return 1.0
+
+
+# ------------------------------------------------------------------------------------------ ncu target (GPU)
+def parse_variants(spec):
+    """"0:free,1:pinned,..." -> [(rung, pin)] (rung 0 is always run as compiled)."""
+    out = []
+    for v in spec.split(","):
+        r, _, pin = v.strip().partition(":")
+        pin = pin or "free"
+        if pin not in ("free", "pinned"):
+            raise ValueError(f"variant {v!r}: pin is 'free' or 'pinned'")
+        out.append((int(r), "free" if int(r) == 0 else pin))
+    return out
+
+
+def ncu_problem(T):
+    """x, idx, weight and the il weights at V4.1's widths, ``moe_plan.random_moe_problem``'s recipe but with the
+    routing drawn on the host (distinct experts a token), so the process runs no XLA sort / top-k (ncu segfaulted on
+    a script with sorts, session 29)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from dsflash.kernels import moe_layout
+    rng = np.random.default_rng(0)
+    idx = jnp.asarray(np.stack([rng.choice(E, TOPK, replace=False) for _ in range(T)]).astype(np.int32))
+    s = rng.uniform(0.1, 1.0, (T, TOPK)).astype(np.float32)
+    weight = jnp.asarray(s / s.sum(-1, keepdims=True) * 1.5)
+    ks = jax.random.split(jax.random.PRNGKey(0), 7)
+    x = jax.random.normal(ks[0], (T, D), jnp.float32).astype(jnp.bfloat16)
+
+    def mx(kw, ks_, shape):
+        w = jax.random.randint(kw, shape[:-1] + (shape[-1] // 2,), -128, 128, jnp.int32).astype(jnp.int8)
+        sc = jax.random.randint(ks_, shape[:-1] + (shape[-1] // 32,), 119, 124, jnp.int32).astype(jnp.uint8)
+        return w, sc
+    w1, s1 = mx(ks[1], ks[2], (E, INTER, D))
+    w3, s3 = mx(ks[3], ks[4], (E, INTER, D))
+    w2, s2 = mx(ks[5], ks[6], (E, D, INTER))
+    il = tuple(moe_layout.repack_experts(w1, s1, w3, s3, w2, s2))
+    jax.block_until_ready(il)
+    return x, idx, weight, il
+
+
+def ncu_target(plan, variants, pin_blocks):
+    """The Nsight Compute program: every variant compiled and called once (warm-up), then each called once more in
+    the printed order (2 il launches each: up, down)."""
+    import jax
+    from dsflash.kernels import moe_gemm_triton as mt, moe_plan
+    T, base = plan[0]
+    x, idx, weight, il = ncu_problem(T)
+    cfg0 = moe_plan.named_config(base)
+    p = jax.jit(lambda x_, i_, w_: moe_plan.prepare(x_, i_, w_, E=E, BM=cfg0.BM, act_fp8=True))(x, idx, weight)
+    install_smem_pad()
+    fns = []
+    for r, pin in variants:
+        cfg = moe_plan.named_config(rung_config(base, r))
+        _PAD.clear()
+        if pin == "pinned":
+            for kn, b in zip(KERNELS, pin_blocks):
+                _PAD[kn] = SMEM_SM // b - SMEM_RESERVED      # padded only where the kernel asks for less
+        clear_kernel_cache()
+
+        def fn(p_, *w, cfg=cfg):
+            return mt._launch(p_, *w, T=T, k=TOPK, d=D, I=INTER, E=E, limit=LIMIT, act_fp8=True, cfg=cfg)[0]
+        jf = jax.jit(fn)
+        jax.block_until_ready(jf(p, *il))
+        _PAD.clear()
+        clear_kernel_cache()
+        fns.append(jf)
+    n = len(variants)
+    print(f"ncu target T={T} {base}: {n} variants warmed up ({2 * n} il launches); profiled calls in this order "
+          f"(ncu: --launch-skip {2 * n} --launch-count {2 * n}):", flush=True)
+    for j, ((r, pin), jf) in enumerate(zip(variants, fns)):
+        print(f"  launches {2 * j}, {2 * j + 1}: {rung_config(base, r)} ({pin})", flush=True)
+        jax.block_until_ready(jf(p, *il))
+
+
+_UNITS = {"byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0, "Tbyte": 1e3,        # -> GB
+          "ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
+
+
+def parse_ncu(text):
+    """ncu's text report -> [(kernel name, {metric: value})] in report (= launch) order; bytes in GB, times in us."""
+    import re
+    kernels = []
+    head = re.compile(r"^\s+(_\w+) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)")
+    row = re.compile(r"^\s+([a-z0-9_]+__[\w.]+)\s+(\S.*?)?\s+([-\d.,]+|n/a)\s*$")
+    for line in text.splitlines():
+        m = head.match(line)
+        if m:
+            kernels.append((m.group(1), {}))
+            continue
+        m = row.match(line)
+        if m and kernels:
+            name, unit, val = m.group(1), (m.group(2) or "").strip(), m.group(3)
+            if val == "n/a":
+                continue
+            v = float(val.replace(",", ""))
+            kernels[-1][1][name] = v * _UNITS.get(unit, 1.0)
+    return kernels
+
+
+def ncu_summary(logs, plan, variants):
+    """One table from ncu logs of ``ncu_target`` (each log: 2 kernels a variant, in order; several logs = several
+    metric passes over the same launches, merged)."""
+    T, base = plan[0]
+    merged = {}
+    for path in logs:
+        try:
+            with open(path) as f:
+                ks = parse_ncu(f.read())
+        except OSError:
+            continue
+        ks = [k for k in ks if k[0] in KERNELS]
+        if len(ks) != 2 * len(variants):
+            print(f"{path}: {len(ks)} il kernels profiled, expected {2 * len(variants)}: rows may be missing")
+        for j, (kn, m) in enumerate(ks[:2 * len(variants)]):
+            merged.setdefault((j // 2, kn), {}).update(m)
+    cols = [("us", "gpu__time_duration.sum", 1), ("DRAM GB", "dram__bytes_read.sum", 1),
+            ("DRAM %pk", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+            ("L2 hit%", "lts__t_sector_hit_rate.pct", 1),
+            ("issue%", "smsp__issue_active.avg.pct_of_peak_sustained_active", 1),
+            ("warps%", "sm__warps_active.avg.pct_of_peak_sustained_active", 1)]
+    stalls = ("long_scoreboard", "mio_throttle", "lg_throttle", "barrier", "wait", "short_scoreboard", "not_selected",
+              "selected", "dispatch_stall", "no_instruction", "branch_resolving", "math_pipe_throttle", "drain",
+              "membar")
+    print(f"ncu, T={T} {base} (one launch each; DRAM TB/s = dram bytes / duration):")
+    print(f"{'variant':<24} {'kernel':<5} " + " ".join(f"{c:>8}" for c, _, _ in cols)
+          + f" {'TB/s':>6} {'ld sec/req':>10} {'ldgsts s/r':>10} {'L2 rd sec (M)':>13}")
+    for (j, kn), m in sorted(merged.items(), key=lambda kv: (kv[0][0], KERNELS.index(kv[0][1]))):
+        r, pin = variants[j]
+        vals = " ".join(f"{m[k] * f:>8.2f}" if k in m else f"{'-':>8}" for _, k, f in cols)
+        tb = (m["dram__bytes_read.sum"] / m["gpu__time_duration.sum"] * 1e3
+              if "dram__bytes_read.sum" in m and m.get("gpu__time_duration.sum") else float("nan"))
+
+        def ratio(a_, b_):
+            return f"{m[a_] / m[b_]:.2f}" if m.get(b_) and a_ in m else "-"
+        ld = ratio("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum")
+        lg = ratio("l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum",
+                   "l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum")
+        l2 = m.get("lts__t_sectors_srcunit_tex_op_read.sum")
+        print(f"{rung_config(base, r) + ' ' + pin:<24} {kn.split('_')[2]:<5} {vals} {tb:>6.2f} {ld:>10} {lg:>10} "
+              f"{(l2 / 1e6 if l2 is not None else float('nan')):>13.1f}")
+    print("stall reasons per issued instruction (smsp__average_warps_issue_stalled_*_per_issue_active.ratio):")
+    print(f"{'variant':<24} {'kernel':<5} " + " ".join(f"{s_[:8]:>8}" for s_ in stalls))
+    for (j, kn), m in sorted(merged.items(), key=lambda kv: (kv[0][0], KERNELS.index(kv[0][1]))):
+        r, pin = variants[j]
+        vals = []
+        for s_ in stalls:
+            k = f"smsp__average_warps_issue_stalled_{s_}_per_issue_active.ratio"
+            vals.append(f"{m[k]:>8.2f}" if k in m else f"{'-':>8}")
+        print(f"{rung_config(base, r) + ' ' + pin:<24} {kn.split('_')[2]:<5} " + " ".join(vals))
+    return merged
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", default="6:sw_il,192:sw_il_bm32", help="TOKENS:BASE_CONFIG pairs (the decode bands)")
@@ -194,10 +374,24 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--sm90-only", action="store_true", help="the sm_90 compile table only (CPU, no GPU)")
     ap.add_argument("--sm90-json", default="", help=argparse.SUPPRESS)     # child mode: write the table there
+    ap.add_argument("--ncu-target", action="store_true",
+                    help="a minimal program for Nsight Compute: --ncu-variants at the first --plan point (see above)")
+    ap.add_argument("--ncu-variants", default="0:free,1:pinned,1:free,5:pinned,6:pinned,7:pinned,8:pinned",
+                    help="RUNG:free|pinned, comma-separated (--ncu-target, --ncu-summary)")
+    ap.add_argument("--pin-blocks", default="4,4",
+                    help="programs per SM a pinned variant is padded to, up and down kernel (--ncu-target; rung 0's: "
+                         "4,4 for sw_il_bm32, 4,7 for sw_il)")
+    ap.add_argument("--ncu-summary", nargs="+", default=None, metavar="LOG",
+                    help="ncu text logs of --ncu-target runs (same variants, one per metric pass): one table")
     a = ap.parse_args(argv)
     plan = [(int(t), b) for t, b in (p.split(":") for p in a.plan.split(","))]
     rungs = [int(r) for r in a.rungs.split(",")]
     t_start = time.time()
+
+    if a.ncu_summary:
+        return ncu_summary(a.ncu_summary, plan, parse_variants(a.ncu_variants))
+    if a.ncu_target:
+        return ncu_target(plan, parse_variants(a.ncu_variants), [int(b) for b in a.pin_blocks.split(",")])
 
     if a.sm90_only or a.sm90_json:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -314,6 +508,7 @@ def main(argv=None):
             name = rung_config(base, r)
             for kn, durs, nb, nbt in ((KERNELS[0], ups, wb["up"], wb["up_tiles"]),
                                       (KERNELS[1], downs, wb["down"], wb["down_tiles"])):
+                nb, nbt = nb * rung_fraction(r, kn), nbt * rung_fraction(r, kn)
                 mine = durs[j * n:(j + 1) * n]
                 if not mine:
                     continue

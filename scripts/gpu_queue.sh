@@ -32,6 +32,7 @@
 #   run(command="bash scripts/gpu_queue.sh indexer_stalls", carry=[".whl"])  # session 28: ncu on the paged indexer at 128K, ~2 min
 #   run(command="bash scripts/gpu_queue.sh s28_ncu", carry=[".whl"])    # session 28: the sd3 check + indexer_stalls, ~3 min
 #   run(command="bash scripts/gpu_queue.sh moe_ladder", carry=[".whl"]) # session 29: the il decode ladder, ~3-4 min
+#   run(command="bash scripts/gpu_queue.sh moe_ladder2", carry=[".whl"]) # session 30: ladder 2 (up kernel's load stream) + ncu, ~6-7 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -89,7 +90,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|moe_ladder2|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -383,6 +384,66 @@ case $PART in
     timeout 330 python3 scripts/gpu_moe_ladder.py --out "$OUT" > "$OUT/moe_ladder.log" 2>&1
     echo "== moe ladder (rc $?)"; grep -E "streaming read|rung 0 vs|^read |^ *T |^ *(6|192) " "$OUT/moe_ladder.log" | tail -45
     ;;
+  moe_ladder2)  # session 30: ladder 2, the up kernel's load stream (its rung 1 ran at the kernel's 1.8 TB/s on the H100,
+                # the down kernel's at 2.4-2.5): rungs 0 / 1 / 5 no scales / 6 contiguous scale words / 7 W1 only / 8
+                # one matrix a program (split_gate_up), free and pinned, at 6 and 192 tokens; the stream probe at the
+                # up and down kernels' buffers (gpu_moe_stream_probe.py --shape); then Nsight Compute on the 192-token
+                # launches of LADDER2_NCU_VARIANTS (two metric passes: the stall list, then memory) (~6-7 min).
+                # Files: moe_ladder2.json / .log, moe_ladder2_sm90.json / .log, stream_up.json / .log,
+                # stream_down.json / .log, ncu_ladder2_{A,B}.log, ncu_ladder2_summary.txt, ncu_query.txt
+    mkdir -p "$OUT/ladder2"
+    timeout 220 python3 scripts/gpu_moe_ladder.py --rungs 0,1,5,6,7,8 --out "$OUT/ladder2" > "$OUT/moe_ladder2.log" 2>&1
+    echo "== moe ladder 2 (rc $?)"; grep -E "streaming read|rung 0 vs|sm_90 compile child" "$OUT/moe_ladder2.log" | tail -4
+    mv "$OUT/ladder2/moe_ladder.json" "$OUT/moe_ladder2.json" 2>/dev/null
+    mv "$OUT/ladder2/moe_ladder_sm90.json" "$OUT/moe_ladder2_sm90.json" 2>/dev/null
+    mv "$OUT/ladder2/moe_ladder_sm90.log" "$OUT/moe_ladder2_sm90.log" 2>/dev/null; rmdir "$OUT/ladder2" 2>/dev/null
+    timeout 130 python3 scripts/gpu_moe_stream_probe.py --shape up --json "$OUT/stream_up.json" > "$OUT/stream_up.log" 2>&1
+    echo "== stream probe, up buffers (rc $?)"
+    timeout 60 python3 scripts/gpu_moe_stream_probe.py --shape down --order expert --json "$OUT/stream_down.json" \
+      > "$OUT/stream_down.log" 2>&1
+    echo "== stream probe, down buffers (rc $?)"
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    V=${LADDER2_NCU_VARIANTS:-0:free,1:pinned,5:pinned,6:pinned,7:pinned}
+    NV=$(( $(echo "$V" | tr ',' '\n' | wc -l) * 2 ))      # il launches a pass: up + down a variant, after as many warm-up ones
+    MA=$(stall_metrics)
+    MB=""    # the memory pass, only metrics this ncu knows (an unknown name fails the whole pass)
+    [ -n "$NCU" ] && "$NCU" --query-metrics > "$OUT/ncu_query.txt" 2>&1
+    for m in gpu__time_duration.sum dram__bytes_read.sum dram__throughput.avg.pct_of_peak_sustained_elapsed \
+             lts__t_sector_hit_rate.pct l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum \
+             l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum \
+             l1tex__t_requests_pipe_lsu_mem_global_op_ldgsts.sum lts__t_sectors_srcunit_tex_op_read.sum \
+             launch__occupancy_limit_shared_mem launch__shared_mem_per_block_dynamic; do
+      if [ "$(wc -l < "$OUT/ncu_query.txt" 2>/dev/null || echo 0)" -lt 100 ] || grep -qE "^${m%%.*}([[:space:]]|$)" "$OUT/ncu_query.txt"; then
+        MB=${MB:+$MB,}$m
+      else
+        echo "ncu: no metric ${m%%.*} here, left out"
+      fi
+    done
+    ncu_pass() {  # tag, metrics
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 "$NCU" --clock-control none --target-processes all \
+        --kernel-name regex:"_moe_(up|down)_kernel_il" --launch-skip "$NV" --launch-count "$NV" --metrics "$2" \
+        python3 scripts/gpu_moe_ladder.py --ncu-target --plan 192:sw_il_bm32 --ncu-variants "$V" --pin-blocks 4,4 \
+        > "$OUT/ncu_ladder2_$1.log" 2>&1
+      echo "== ncu ladder 2, pass $1 (rc $?; $(grep -c '^  _moe_' "$OUT/ncu_ladder2_$1.log") kernels)"
+    }
+    if [ -n "$NCU" ]; then
+      ncu_pass A "$MA"
+      ncu_pass B "$MB"
+      if ! grep -q '^  _moe_' "$OUT/ncu_ladder2_B.log" && [ "$SECONDS" -lt 430 ]; then   # s28: a list with dram's pct segfaulted
+        mv "$OUT/ncu_ladder2_B.log" "$OUT/ncu_ladder2_B_failed.log"
+        ncu_pass B "$(echo "$MB" | tr ',' '\n' | grep -v '^dram__throughput' | paste -sd,)"
+      fi
+      python3 scripts/gpu_moe_ladder.py --plan 192:sw_il_bm32 --ncu-variants "$V" \
+        --ncu-summary "$OUT/ncu_ladder2_A.log" "$OUT/ncu_ladder2_B.log" > "$OUT/ncu_ladder2_summary.txt" 2>&1
+    else
+      echo "no ncu on this machine" > "$OUT/ncu_ladder2_summary.txt"
+    fi
+    echo "== tables ($SECONDS s)"
+    grep -E "^read |^ *T |^ *(6|192) " "$OUT/moe_ladder2.log" | tail -50
+    sed -n '/^mats /,$p' "$OUT/stream_up.log" | head -40
+    sed -n '/^mats /,$p' "$OUT/stream_down.log" | head -12
+    cat "$OUT/ncu_ladder2_summary.txt"
+    ;;
   mhc_rows)     # session 28: mHC's kernel B one token a program (mhc_fused_plan.EPI_ROWS_BELOW): its GPU test, then the
                 # decode step at 1 / 8 / 32 x 6 @ 4K with moeil_epiblk (the token blocks) / moeil (one token a
                 # program: the default since session 29) (~4 min)
@@ -529,6 +590,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|moe_ladder2|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -59,7 +59,9 @@ class MoeConfig:
     probe: int = 0        # mma "swap_il" only, timing probes (session 29's decode ladder; outputs are GARBAGE):
                           # 0 the kernels; 1-4 the il kernels' loop with pieces taken out -- 1 weight + scale loads
                           # only, 2 + the weight decode, 3 loads + x / h slab + MMA on the raw bits (no decode), 4
-                          # loads + decode + x / h slab (no MMA); moe_layout_kernels "the decode ladder"
+                          # loads + decode + x / h slab (no MMA); moe_layout_kernels "the decode ladder"; 5-8 rung
+                          # 1's load stream varied (session 30's ladder 2: no scales / contiguous scale words / W1
+                          # only / one matrix a program, 8 with split_gate_up)
     KS_UP: int = 0        # K splits of the gate/up GEMM (0: auto, split_k()); partial sums go through fp32
     KS_DOWN: int = 0      # K splits of the down GEMM (0: auto)
     min_programs: int = 1056   # auto split-K target: programs per launch (132 SMs x 8)

@@ -218,3 +218,9 @@ import dataclasses as _dc  # noqa: E402
 
 PROBE_BASES = ("sw_il", "sw_il_bm32")
 CONFIGS.update({f"{base}_probe{p}": _dc.replace(CONFIGS[base], probe=p) for base in PROBE_BASES for p in (1, 2, 3, 4)})
+# Ladder 2 (session 30, CPU-built; NOT RUN ON A GPU): the up kernel's load stream alone capped it at ~1.8 TB/s on the
+# H100 (ladder 1's rung 1 = rung 0) while the down kernel's streamed 2.4-2.5. Rung 1 varied: 5 no scale loads, 6 scale
+# words from a contiguous run, 7 W1 only (one matrix, half the bytes), 8 rung 7 in split_gate_up programs (one matrix
+# a program, all the bytes, twice the programs). moe_layout_kernels "ladder 2"; gpu_queue.sh moe_ladder2.
+CONFIGS.update({f"{base}_probe{p}": _dc.replace(CONFIGS[base], probe=p) for base in PROBE_BASES for p in (5, 6, 7)})
+CONFIGS.update({f"{base}_probe8": _dc.replace(CONFIGS[base], probe=8, split_gate_up=True) for base in PROBE_BASES})

@@ -203,6 +203,31 @@ def _il_raw_mma(acc, wh, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.cons
     return acc
 
 
+# ---- ladder 2 (session 30): the up kernel's load stream varied (rungs 5-8; H100 ladder 1: the up kernel's rung 1 ran
+# at its kernel's rate, 1.8 TB/s, the down kernel's at 2.4-2.5). 5: rung 1 without the scale loads (weights only);
+# 6: rung 1 with each step's BN scale words read from one contiguous 4 * BN-byte run of the expert's scale buffer
+# (the same words a step, permuted within the run, so each is still its own 4-byte copy as in il; garbage values)
+# instead of one word a row K / 32 bytes apart; 7: rung 1 on W1 only (W3 and its scales not loaded: half the
+# bytes, one request stream a program); 8 (with split_gate_up): rung 7's loop in the split programs, so each
+# program streams one matrix and the grid has twice the programs: all the bytes, one stream a program. The down
+# kernel has one matrix: there 7 and 8 are rung 1.
+
+
+@triton.jit
+def _il_wload(w_base, offs_l, k0, KH: tl.constexpr):
+    """``_il_load``'s halfwords [BN, 32] alone (no scale word)."""
+    return tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+
+
+@triton.jit
+def _il_sload_contig(s_base, offs_l, nb, k0, KW: tl.constexpr, BN: tl.constexpr):
+    """BN scale words a step from one contiguous run (rung 6): step k0 / 128 of row block nb reads words
+    (nb * KW + k0 / 128) * BN + [0, BN) of the expert's [N * KW] words (in bounds: the block's own KW * BN words,
+    re-cut), in ``_il_rows``' permuted order, so Triton cannot prove them contiguous and keeps one 4-byte copy a
+    word, as the il load does: same words a step, same copies, 8 sectors instead of BN."""
+    return tl.load(s_base + (nb * KW + k0 // 128) * BN + (offs_l - nb * BN))
+
+
 @triton.jit
 def _probe_fold(acc, sk_w, sk_s, sk_x):
     """The sinks into the accumulator [BN, BM] after the loop: row n gets its weight and scale sinks' xor and the x
@@ -284,7 +309,8 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
 
     PROBE (config ``probe``; the decode ladder above ``_il_x_slab``): 0 the kernel; 1-4 the same loop with pieces
-    taken out (garbage outputs, for timing only). Not with XP or GU. NSTAGE: the K loop's own num_stages (None: none
+    taken out, 5-8 rung 1's load stream varied (ladder 2; garbage outputs, for timing only). Not with XP; with GU
+    only 8 (and 8 only with GU). NSTAGE: the K loop's own num_stages (None: none
     set, the launch's applies); the ladder sets the launch's, because Triton pipelines the loads of a loop without
     a dot (rungs 1, 2, 4) only when the loop carries num_stages.
 
@@ -320,16 +346,28 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     acc_g = tl.zeros((BN, BM), tl.float32)
     acc_u = tl.zeros((BN, BM), tl.float32)
     if PROBE:
-        tl.static_assert(not GU and not XP, "PROBE: the joint up kernel with x in natural order only")
+        tl.static_assert(not XP, "PROBE: the up kernel with x in natural order only")
+        tl.static_assert((PROBE == 8) == (GU == 1), "PROBE: the joint up kernel; 8 (and only 8) with split_gate_up")
         sk_w = tl.zeros((BN, 32), tl.uint16)
         sk_s = tl.zeros((BN,), tl.uint32)
         sk_x = tl.zeros((BM, BK), tl.uint16)
     for i in tl.range(0, KCH // BK, num_stages=NSTAGE):
         k0 = kbeg + i * BK
-        pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
-        if not GU:
-            pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
-        if PROBE == 1:      # loads only
+        if PROBE == 5:      # ladder 2: both matrices' weights, no scales
+            pg = _il_wload(w1b, offs_l, k0, KH)
+            pu = _il_wload(w3b, offs_l, k0, KH)
+        elif PROBE == 6:    # ladder 2: both matrices, scale words from a contiguous run
+            pg = _il_wload(w1b, offs_l, k0, KH)
+            pu = _il_wload(w3b, offs_l, k0, KH)
+            sg = _il_sload_contig(s1b, offs_l, nb, k0, KW, BN)
+            su = _il_sload_contig(s3b, offs_l, nb, k0, KW, BN)
+        elif PROBE >= 7:    # ladder 2: one matrix (W1; with GU, the program's own)
+            pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
+        else:
+            pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
+            if not GU:
+                pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
+        if PROBE == 1 or PROBE == 6:    # loads only
             sk_w = _xor_bits(_xor_bits(sk_w, pg, DECODE), pu, DECODE)
             sk_s = sk_s ^ sg ^ su
         elif PROBE == 2:    # loads + decode
@@ -343,6 +381,11 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
             xb = _il_x_slab(xq_ptr, xs_ptr, tok, k0, D, BM, BK, ACT_FP8)
             sk_w = _il_decode_sink(_il_decode_sink(sk_w, pg, sg, BN, DECODE), pu, su, BN, DECODE)
             sk_x = _xor_bits(sk_x, xb, DECODE)
+        elif PROBE == 5:    # weights only
+            sk_w = _xor_bits(_xor_bits(sk_w, pg, DECODE), pu, DECODE)
+        elif PROBE >= 7:    # one matrix's loads
+            sk_w = _xor_bits(sk_w, pg, DECODE)
+            sk_s = sk_s ^ sg
         elif XP:      # x in plane order
             xe, xo = _plane_pair(xq_ptr + tok[:, None] * D, k0, BK)
             acc_g = _il_mma_planes(acc_g, pg, sg, xe, xo, BN, DECODE)
@@ -402,8 +445,14 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         sk_x = tl.zeros((BM, BK), tl.uint16)
     for i in tl.range(0, KCH // BK, num_stages=NSTAGE):
         k0 = kbeg + i * BK
-        pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
-        if PROBE == 1:      # loads only
+        if PROBE == 5:      # ladder 2: weights, no scales
+            pw = _il_wload(w2b, offs_l, k0, KH)
+        elif PROBE == 6:    # ladder 2: scale words from a contiguous run
+            pw = _il_wload(w2b, offs_l, k0, KH)
+            sw = _il_sload_contig(s2b, offs_l, nb, k0, KW, BN)
+        else:
+            pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
+        if PROBE == 1 or PROBE >= 6:    # loads only (one matrix: 7 and 8 are rung 1 here)
             sk_w = _xor_bits(sk_w, pw, DECODE)
             sk_s = sk_s ^ sw
         elif PROBE == 2:    # loads + decode
@@ -416,6 +465,8 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
             ha = tl.load(h_ptr + rows_c[:, None] * I + k0 + tl.arange(0, BK)[None, :])
             sk_w = _il_decode_sink(sk_w, pw, sw, BN, DECODE)
             sk_x = _xor_bits(sk_x, ha, DECODE)
+        elif PROBE == 5:    # weights only
+            sk_w = _xor_bits(sk_w, pw, DECODE)
         elif DP:
             pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW)
             he, ho = _plane_pair(h_ptr + rows_c[:, None] * I, k0, BK)
@@ -480,7 +531,8 @@ def to_planes(x):
     return x.reshape(T, D // 128, 64, 2).transpose(0, 1, 3, 2).reshape(T, D)
 
 
-PROBES = {0: "kernel", 1: "loads", 2: "loads+decode", 3: "loads+x+mma(raw)", 4: "loads+decode+x"}
+PROBES = {0: "kernel", 1: "loads", 2: "loads+decode", 3: "loads+x+mma(raw)", 4: "loads+decode+x",
+          5: "weights only", 6: "scales contig", 7: "W1 only", 8: "1 matrix/prog"}
 
 
 def check_config(cfg):
@@ -497,9 +549,12 @@ def check_config(cfg):
                          f"{cfg.act!r}")
     if cfg.probe not in PROBES:
         raise ValueError(f"probe is one of {sorted(PROBES)} (the decode ladder); got {cfg.probe}")
-    if cfg.probe and (cfg.plane_x or cfg.plane_h or cfg.down_pair or cfg.split_gate_up):
+    if cfg.probe and (cfg.plane_x or cfg.plane_h or cfg.down_pair or (cfg.split_gate_up and cfg.probe != 8)):
         raise ValueError(f"the decode ladder (probe) is written for the plain il loops: no plane_x / plane_h / "
-                         f"down_pair / split_gate_up; got {cfg}")
+                         f"down_pair / split_gate_up (but probe 8); got {cfg}")
+    if cfg.probe == 8 and not cfg.split_gate_up:
+        raise ValueError(f"probe 8 is rung 7's loop in split_gate_up programs (one matrix a program): it needs "
+                         f"split_gate_up; got {cfg}")
     if cfg.warps_up != 4 or cfg.warps_down != 4 or cfg.BM < 16:
         raise ValueError(f"mma 'swap_il' needs 4 warps and BM >= 16 (wgmma; BM 8 lowers to mma.sync with another "
                          f"operand layout); got {cfg}")
