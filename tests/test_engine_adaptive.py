@@ -10,7 +10,7 @@ from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine.adaptive import (SpeculationPolicy, choose_draft_length, expected_extra_rows,
                                           expected_tokens)
 from dsflash.serve.engine.scheduler import DECODE, PREFILL, Scheduler, Sequence
-from dsflash.serve.engine.testing import ToyBackend
+from dsflash.serve.engine.testing import ToyBackend, run_greedy
 from dsflash.serve.types import SamplingParams
 
 # every program compiled before the engine serves (background_compile=False): these tests count which program ran
@@ -436,14 +436,7 @@ class NeverAcceptToy(ToyBackend):
 
 
 def _run(eng, prompts, tag="r", max_tokens=40):
-    for i, p in enumerate(prompts):
-        eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    out = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                out[o.request_id[len(tag):]] = o.outputs[0].token_ids
-    return out
+    return run_greedy(eng, prompts, tag, max_tokens)
 
 
 PROMPTS = [[int(x) for x in np.random.default_rng(i).integers(2, 63, size=5 + 7 * i)] for i in range(3)]
@@ -467,7 +460,7 @@ def test_failing_drafts_stop_and_output_equals_plain(adaptive_engine, plain_outp
     for c in pol.costs.values():      # verify as cheap as a plain step (held): only acceptance can stop drafts
         c.seconds, c.samples, c.alpha = 1e-3, pol.probe_calls, 0.0
     out = _run(eng, PROMPTS[:1])
-    assert out == {"0": plain_outputs["0"]}
+    assert out == {0: plain_outputs[0]}
     m = eng.metrics_snapshot()
     assert m["spec_num_accepted_tokens"] == 0
     assert m["spec_requests_stopped_drafting"] == 1

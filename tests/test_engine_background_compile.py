@@ -15,8 +15,7 @@ import pytest
 from dsflash.serve.engine import LLMEngine
 from dsflash.serve.engine import runner as R
 from dsflash.serve.engine.adaptive import SpeculationPolicy
-from dsflash.serve.engine.testing import ToyBackend, ToyConfig
-from dsflash.serve.types import SamplingParams
+from dsflash.serve.engine.testing import ToyBackend, ToyConfig, run_greedy
 
 TOY = dict(max_num_seqs=4, max_model_len=64, page_size=8, max_num_batched_tokens=48, decode_steps=2,
            prefill_buckets=[(4, 12)], enable_prefix_caching=False)
@@ -51,13 +50,7 @@ def _serve(eng, prompts, tag, max_tokens=30, on_decode=None):
 
     eng.runner.decode = traced
     try:
-        for i, p in enumerate(prompts):
-            eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        out = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    out[int(o.request_id[len(tag):])] = o.outputs[0].token_ids
+        out = run_greedy(eng, prompts, tag, max_tokens)
     finally:
         del eng.runner.decode
     return out, calls

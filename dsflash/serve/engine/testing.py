@@ -110,3 +110,17 @@ class ToyBackend:
 
     def global_kv_arrays(self, state):
         return [state["kv"]]
+
+
+def run_greedy(eng, prompts, tag: str = "r", max_tokens: int = 40) -> dict:
+    """Greedy requests (ids ``tag0``, ``tag1``, ...; no EOS stop) stepped to the end: their token ids by prompt
+    index."""
+    from dsflash.serve.types import SamplingParams
+    for i, p in enumerate(prompts):
+        eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[int(o.request_id[len(tag):])] = o.outputs[0].token_ids
+    return out
