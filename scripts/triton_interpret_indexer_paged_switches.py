@@ -24,8 +24,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import numpy as np  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -35,16 +33,6 @@ import ptx_emu  # noqa: E402
 from dsflash import quant  # noqa: E402
 from dsflash.kernels import indexer_paged_triton as ipt  # noqa: E402
 from triton_interpret_indexer_paged import problem  # noqa: E402
-
-
-@triton.jit
-def _decode_probe(kq_ptr, ks_ptr, o_ptr, KTAB: tl.constexpr, BT: tl.constexpr, Di: tl.constexpr):
-    r = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs_h = tl.arange(0, Di // 2)
-    offs_g = tl.arange(0, Di // 32)
-    packed = tl.load(kq_ptr + r[:, None] * (Di // 2) + offs_h[None, :])
-    kt = ipt._mxfp4_tile(packed, ks_ptr + r[:, None] * (Di // 32) + offs_g[None, :], r[:, None] >= 0, BT, Di, KTAB, 0)
-    tl.store(o_ptr + r[:, None] * Di + tl.arange(0, Di)[None, :], kt.to(tl.uint16, bitcast=True))
 
 
 def all_bytes_and_scales(Di=128):
@@ -83,7 +71,7 @@ def check_decode_all():
     outs = {}
     for ktab in (0, 1):
         o = np.zeros((R, Di), np.uint16)
-        _decode_probe[(R // BT,)](Fake(packed), Fake(scales), Fake(o), KTAB=ktab, BT=BT, Di=Di)
+        ipt._key_tile_kernel[(R // BT,)](Fake(packed), Fake(scales), Fake(o), KTAB=ktab, BT=BT, Di=Di, DECODE=0)
         outs[ktab] = o
     model = default_model_bits(packed, scales)
     # the interpreter's fp32 -> bf16 cast (triton.runtime.interpreter._convert_float) mis-encodes subnormals (fp32

@@ -187,6 +187,18 @@ def _mxfp4_tile(packed, s_ptrs, smask, BT: tl.constexpr, Di: tl.constexpr, KTAB:
 
 
 @triton.jit
+def _key_tile_kernel(kq_ptr, ks_ptr, o_ptr, KTAB: tl.constexpr, BT: tl.constexpr, Di: tl.constexpr,
+                     DECODE: tl.constexpr):
+    """Checks only (the interpreter script and the GPU test of the switches): ``_mxfp4_tile`` of BT rows of packed
+    codes [R, Di/2] + scale bytes [R, Di/32] -> its bf16 bits [R, Di]."""
+    r = tl.program_id(0) * BT + tl.arange(0, BT)
+    packed = tl.load(kq_ptr + r[:, None] * (Di // 2) + tl.arange(0, Di // 2)[None, :])
+    kt = _mxfp4_tile(packed, ks_ptr + r[:, None] * (Di // 32) + tl.arange(0, Di // 32)[None, :], r[:, None] >= 0,
+                     BT, Di, KTAB, DECODE)
+    tl.store(o_ptr + r[:, None] * Di + tl.arange(0, Di)[None, :], kt.to(tl.uint16, bitcast=True))
+
+
+@triton.jit
 def _indexer_paged_kernel(q_ptr, w_ptr, kq_ptr, ks_ptr, kx_ptr, pt_ptr, lim_ptr, cand_ptr, o_ptr,
                           S: tl.constexpr, T: tl.constexpr, P: tl.constexpr, PER_PAGE: tl.constexpr,
                           NPOOL: tl.constexpr, Hi: tl.constexpr, HP: tl.constexpr, Di: tl.constexpr, SB: tl.constexpr,

@@ -3,7 +3,7 @@ on the GPU: ``indexer_paged_triton.KEY_DECODE = "table"`` (the MXFP4 key decode 
 multiply a pair, inline PTX), ``PAIRED_ROUND`` (the epilogue's two roundings by cvt.rn.bf16x2.f32 a pair),
 ``RELU_ONE_COMPARE`` (relu as where(x <= 0, 0, x)), alone, together, and together at 3 stages.
 
-* ``test_key_decode_every_byte_and_scale``: the key tile itself (``_mxfp4_tile`` in a probe kernel, DECODE 1) for
+* ``test_key_decode_every_byte_and_scale``: the key tile itself (``_mxfp4_tile`` in ``_key_tile_kernel``, DECODE 1) for
   every packed byte with every scale byte 0-255: KTAB 1 == KTAB 0 bit for bit (NaN bits included), and both ==
   the numpy model of the default's arithmetic (fp32 product, RNE to bf16, subnormals kept: scale bytes 0 / 1).
 * ``test_scores_bit_identical``: whole-kernel scores at the decode shape (32 heads x 128, 6 rows), ratio-1 and
@@ -31,24 +31,6 @@ VARIANTS = {  # name: (module switches over FP32_FORMS, num_stages or None)
 }
 
 
-def _probe_kernel():
-    import triton
-    import triton.language as tl
-
-    from dsflash.kernels import indexer_paged_triton as ipt
-
-    @triton.jit
-    def _decode_probe(kq_ptr, ks_ptr, o_ptr, KTAB: tl.constexpr, BT: tl.constexpr, Di: tl.constexpr):
-        r = tl.program_id(0) * BT + tl.arange(0, BT)
-        offs_h = tl.arange(0, Di // 2)
-        offs_g = tl.arange(0, Di // 32)
-        packed = tl.load(kq_ptr + r[:, None] * (Di // 2) + offs_h[None, :])
-        kt = ipt._mxfp4_tile(packed, ks_ptr + r[:, None] * (Di // 32) + offs_g[None, :], r[:, None] >= 0, BT, Di,
-                             KTAB, 1)
-        tl.store(o_ptr + r[:, None] * Di + tl.arange(0, Di)[None, :], kt.to(tl.uint16, bitcast=True))
-    return _decode_probe
-
-
 def _model_bits(packed, scales):
     """bf16 bits of the default decode's arithmetic: fp32 E2M1 x 2^(s - 127) (0: 2^-127, 255: inf), RNE (NaN ->
     0x7FFF), subnormals kept."""
@@ -71,11 +53,12 @@ def test_key_decode_every_byte_and_scale():
     scales = (G % 256).astype(np.uint8).reshape(-1, Di // 32)
     packed = ((G // 256)[:, None] * 16 + np.arange(16)[None, :]).astype(np.uint8).reshape(-1, Di // 2)
     R = packed.shape[0]
-    probe = _probe_kernel()
+    from dsflash.kernels import indexer_paged_triton as ipt
     outs = {}
     for ktab in (0, 1):
-        f = jax.jit(lambda p, s, k=ktab: jt.triton_call(p, s, kernel=probe, out_shape=jax.ShapeDtypeStruct(
-            (R, Di), jnp.uint16), grid=(R // BT,), num_warps=4, num_stages=2, KTAB=k, BT=BT, Di=Di))
+        f = jax.jit(lambda p, s, k=ktab: jt.triton_call(
+            p, s, kernel=ipt._key_tile_kernel, out_shape=jax.ShapeDtypeStruct((R, Di), jnp.uint16),
+            grid=(R // BT,), num_warps=4, num_stages=2, KTAB=k, BT=BT, Di=Di, DECODE=1))
         outs[ktab] = np.asarray(f(jnp.asarray(packed), jnp.asarray(scales)))
     model = _model_bits(packed, scales)
     bad_where = int(np.sum(outs[0] != model))
