@@ -46,6 +46,15 @@ kernel time; ``tile_TBps`` counts each expert's bytes once per token tile that r
 measured in the same run.
 
   python3 scripts/gpu_moe_ladder.py --out "$OUT"                 # GPU: 6 tokens sw_il, 192 tokens sw_il_bm32
+
+Tile-major weights (session 30; ``MoeConfig.tile_major``, ``moe_layout.to_tiles``): a --plan base with tile_major
+(``sw_il_tm``, ``sw_il_tm2``, ``sw_il_bm32_tm``, ``sw_il_bm32_tm2``; rungs 1, 2, 5, 7 have ``_probeN`` twins) is timed
+on the weights tiled at its level; its rung 0 is also compared bit for bit with its plain-il twin's output when that
+twin (the same config with tile_major 0) comes earlier in --plan at the same token count. A rung without a named
+config (e.g. 6 on a tiled base) is skipped. Several bases may share a token count:
+
+  python3 scripts/gpu_moe_ladder.py --plan 6:sw_il,6:sw_il_tm,6:sw_il_tm2,192:sw_il_bm32,192:sw_il_bm32_tm,\
+      192:sw_il_bm32_tm2 --rungs 0,1 --out "$OUT"                                  # GPU: gpu_queue.sh moe_tm
   JAX_PLATFORMS=cpu python3 scripts/gpu_moe_ladder.py --sm90-only  # CPU: the compile table alone (no GPU)
 """
 from __future__ import annotations
@@ -70,6 +79,25 @@ KERNELS = ("_moe_up_kernel_il", "_moe_down_kernel_il")
 
 def rung_config(base, rung):
     return base if rung == 0 else f"{base}_probe{rung}"
+
+
+def known_config(name):
+    from dsflash.kernels import moe_plan
+    return name in moe_plan.named_configs()
+
+
+def tiled_weights(il, cfg, cache):
+    """The il weights as ``cfg`` reads them: plain, or tile-major at its ``tile_major`` level (permuted once per
+    level; ``cache`` holds them)."""
+    level = int(cfg.tile_major)
+    if not level:
+        return il
+    if level not in cache:
+        import jax
+        from dsflash.kernels import moe_layout
+        cache[level] = tuple(moe_layout.tile_experts(*il, level=level))
+        jax.block_until_ready(cache[level])
+    return cache[level]
 
 
 def blocks_per_sm(regs, warps, smem):
@@ -108,7 +136,7 @@ def _compile_one(job):
 
 def sm90_table(plan, rungs, workers=8):
     """{config name: {kernel: facts}} from the offline sm_90 compile of every rung (a process per config)."""
-    jobs = [(rung_config(base, r), T) for T, base in plan for r in rungs]
+    jobs = [(rung_config(base, r), T) for T, base in plan for r in rungs if known_config(rung_config(base, r))]
     res = {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as ex:
         for name, T, out in ex.map(_compile_one, jobs):
@@ -261,6 +289,7 @@ def ncu_target(plan, variants, pin_blocks):
     x, idx, weight, il = ncu_problem(T)
     cfg0 = moe_plan.named_config(base)
     p = jax.jit(lambda x_, i_, w_: moe_plan.prepare(x_, i_, w_, E=E, BM=cfg0.BM, act_fp8=True))(x, idx, weight)
+    il = tiled_weights(il, cfg0, {})
     install_smem_pad()
     fns = []
     for r, pin in variants:
@@ -428,8 +457,10 @@ def main(argv=None):
 
     Tmax = max(T for T, _ in plan)
     args = moe_plan.random_moe_problem(jax.random.PRNGKey(0), Tmax, TOPK, E, D, INTER)
-    il = tuple(moe_layout.repack_experts(*args[3:]))
-    jax.block_until_ready(il)
+    il_plain = tuple(moe_layout.repack_experts(*args[3:]))
+    jax.block_until_ready(il_plain)
+    tiled = {}                  # tile-major copies by level (bases with tile_major)
+    outputs = {}                # (T, config) -> rung 0's output, for the tiled twins' bit-for-bit check
 
     child.wait(timeout=600)
     child_log.close()
@@ -451,19 +482,29 @@ def main(argv=None):
     for T, base in plan:
         x, idx, weight = args[0][:T], args[1][:T], args[2][:T]
         cfg0 = moe_plan.named_config(base)
+        il = tiled_weights(il_plain, cfg0, tiled)
         wb = weight_bytes(idx, cfg0.BM)
         # rung 0 must be the real kernel: the whole op against the reference first (tests/gpu/test_moe_gemm.py)
         ref = np.asarray(moe_gemm.routed_moe_reference(x, idx, weight, *args[3:], limit=LIMIT))
         got = np.asarray(jax.jit(lambda *z: mt.routed_moe_triton(*z, limit=LIMIT, config=cfg0))(x, idx, weight, *il))
         rel = float(np.linalg.norm(got.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
         ok = bool(np.all(np.isfinite(got)) and rel < TOL)
-        result.setdefault("check", {})[f"{T}:{base}"] = dict(rel_err=rel, tol=TOL, passed=ok)
-        print(f"T={T} {base}: rung 0 vs reference rel err {rel:.2e} (tol {TOL}) -> {'ok' if ok else 'FAILED'}; "
-              f"{wb['hit_experts']} experts hit, {wb['tiles']} token tiles", flush=True)
+        chk = result.setdefault("check", {})[f"{T}:{base}"] = dict(rel_err=rel, tol=TOL, passed=ok)
+        outputs[(T, cfg0)] = got
+        twin = outputs.get((T, dataclasses.replace(cfg0, tile_major=0))) if cfg0.tile_major else None
+        if twin is not None:
+            chk["bit_identical_to_plain_il"] = same = bool(np.array_equal(got.view(np.uint16), twin.view(np.uint16)))
+            chk["passed"] = ok = ok and same
+        print(f"T={T} {base}: rung 0 vs reference rel err {rel:.2e} (tol {TOL}) -> {'ok' if ok else 'FAILED'}"
+              + (f" (bit-identical to its plain-il twin: {chk['bit_identical_to_plain_il']})" if twin is not None
+                 else "") + f"; {wb['hit_experts']} experts hit, {wb['tiles']} token tiles", flush=True)
         p = jax.jit(lambda x_, i_, w_: moe_plan.prepare(x_, i_, w_, E=E, BM=cfg0.BM, act_fp8=True))(x, idx, weight)
         variants = []           # (rung, pin, fn, launched smem per kernel)
         for r in rungs:
             name = rung_config(base, r)
+            if not known_config(name):
+                print(f"  {name}: no such named config: rung {r} skipped for {base}")
+                continue
             cfg = moe_plan.named_config(name)
             for pin in (("free",) if r == 0 else pins):
                 launched = {}
@@ -497,7 +538,7 @@ def main(argv=None):
                 for _ in range(a.calls):
                     jax.block_until_ready(jf(p, *il))
         print(f"[{time.time() - t_start:.0f} s] T={T}: {len(variants)} variants compiled, tracing", flush=True)
-        ev = kernel_durations(run_all, os.path.join("/tmp", f"moe_ladder_trace_{T}_{os.getpid()}"))
+        ev = kernel_durations(run_all, os.path.join("/tmp", f"moe_ladder_trace_{T}_{base}_{os.getpid()}"))
         ups = [d for kn, _, d in ev if kn == KERNELS[0]]
         downs = [d for kn, _, d in ev if kn == KERNELS[1]]
         n = a.calls
@@ -534,9 +575,11 @@ def main(argv=None):
             json.dump(result, f, indent=1)
     print(f"\nread {result['read_TBps']:.3f} TB/s; checks: "
           + ", ".join(f"{k} {'ok' if v['passed'] else 'FAILED'} ({v['rel_err']:.1e})" for k, v in result["check"].items()))
-    print(f"{'T':>4} {'kernel':<5} {'rung':<17} {'pin':<6} {'prog/SM':>7} {'us':>8} {'TB/s':>6} {'of read':>7}")
+    print(f"{'T':>4} {'config':<22} {'kernel':<5} {'rung':<17} {'pin':<6} {'prog/SM':>7} {'us':>8} {'TB/s':>6} "
+          f"{'of read':>7}")
     for row in rows:
-        print(f"{row['T']:>4} {row['kernel'].split('_')[2]:<5} {row['rung']} {row['rung_name']:<15} {row['pin']:<6} "
+        print(f"{row['T']:>4} {row['config']:<22} {row['kernel'].split('_')[2]:<5} {row['rung']} "
+              f"{row['rung_name']:<15} {row['pin']:<6} "
               f"{row['blocks_per_sm'] if row['blocks_per_sm'] is not None else '?':>7} {row['us']:>8.1f} "
               f"{row['TBps']:>6.2f} {100 * row['frac_of_read']:>6.1f}%")
     return result

@@ -33,6 +33,7 @@
 #   run(command="bash scripts/gpu_queue.sh s28_ncu", carry=[".whl"])    # session 28: the sd3 check + indexer_stalls, ~3 min
 #   run(command="bash scripts/gpu_queue.sh moe_ladder", carry=[".whl"]) # session 29: the il decode ladder, ~3-4 min
 #   run(command="bash scripts/gpu_queue.sh moe_ladder2", carry=[".whl"]) # session 30: ladder 2 (up kernel's load stream) + ncu, ~6-7 min
+#   run(command="bash scripts/gpu_queue.sh moe_tm", carry=[".whl"])      # session 30: tile-major il + blocked scales: bits + ladder rungs 0 / 1, ~4-5 min
 #
 # mhc_overhead: the mHC epilogue-warps test and `bench kernels --ops mhc` with plan overrides at decode sizes, then the
 #   engine's per-call overhead (gpu_engine_steps --call-overhead). Files: pytest_mhc.log, kernels_*.json, steps_*.
@@ -90,7 +91,7 @@
 # JAX_PLATFORMS=cpu bash scripts/gpu_queue.sh engine
 set -u
 MODEL=${MODEL:-bench-4l-96e}
-PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|moe_ladder2|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels}
+PART=${1:?usage: gpu_queue.sh engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|moe_ladder2|moe_tm|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then   # one wheel at a time: one that does not fit this image (glibc) skips alone
   for w in .whl/*.whl; do
@@ -444,6 +445,24 @@ case $PART in
     sed -n '/^mats /,$p' "$OUT/stream_down.log" | head -12
     cat "$OUT/ncu_ladder2_summary.txt"
     ;;
+  moe_tm)       # session 30: the tile-major il layout revived with blocked scales (MoeConfig.tile_major 1 / 2,
+                # moe_layout.to_tiles; CPU-built, not run on a GPU before): the GPU bit identity of sw_il[_bm32]_tm /
+                # _tm2 with plain il at 6 and 192 tokens, then the ladder's rungs 0 (kernel) and 1 (loads only), free
+                # and pinned, for sw_il / _tm / _tm2 at 6 tokens and sw_il_bm32 / _tm / _tm2 at 192 (~4-5 min).
+                # Files: pytest_tm.log, moe_tm.json / .log, moe_tm_sm90.json / .log
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_layout.py -k tile_major \
+      > "$OUT/pytest_tm.log" 2>&1
+    echo "== GPU bit identity, tile-major vs plain il (rc $?)"; grep -E "bit-identical to|passed|failed" "$OUT/pytest_tm.log" | tail -10
+    mkdir -p "$OUT/tm"
+    timeout 300 python3 scripts/gpu_moe_ladder.py --rungs 0,1 --out "$OUT/tm" \
+      --plan 6:sw_il,6:sw_il_tm,6:sw_il_tm2,192:sw_il_bm32,192:sw_il_bm32_tm,192:sw_il_bm32_tm2 > "$OUT/moe_tm.log" 2>&1
+    echo "== moe ladder, tile-major (rc $?)"; grep -E "streaming read|rung 0 vs|sm_90 compile child" "$OUT/moe_tm.log" | tail -8
+    mv "$OUT/tm/moe_ladder.json" "$OUT/moe_tm.json" 2>/dev/null
+    mv "$OUT/tm/moe_ladder_sm90.json" "$OUT/moe_tm_sm90.json" 2>/dev/null
+    mv "$OUT/tm/moe_ladder_sm90.log" "$OUT/moe_tm_sm90.log" 2>/dev/null; rmdir "$OUT/tm" 2>/dev/null
+    echo "== table ($SECONDS s)"
+    grep -E "^read |^ *T |^ *(6|192) " "$OUT/moe_tm.log" | tail -40
+    ;;
   mhc_rows)     # session 28: mHC's kernel B one token a program (mhc_fused_plan.EPI_ROWS_BELOW): its GPU test, then the
                 # decode step at 1 / 8 / 32 x 6 @ 4K with moeil_epiblk (the token blocks) / moeil (one token a
                 # program: the default since session 29) (~4 min)
@@ -590,6 +609,6 @@ PY
       --prefill-configs sw_il_bm32,sw_il_bm32_xb,sw_il_bm64,sw_il_bm64_xb,sw_il_bm128,sw_il_bm128_xb > "$OUT/bench_xb.log" 2>&1
     echo "== bench kernels (rc $?)"; tail -25 "$OUT/bench_xb.log"
     ;;
-  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|moe_ladder2|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
+  *) echo "usage: $0 engine|mhc_overhead|draft|moe_decode|step_mhc|ffi|loop_ab|paged|moe_gu|moe_prefill|indexer_hw|adaptive_switch|moe_stalls|decode_glue|spec_long|prefill_step|mhc_prefill|rope_ab|s22_tests|s22_step|s22_all|guided|s23_all|s23_a|s23_b|targets|attn_prefill|gluon|fp8_stalls|fp8_sweep|fp8_lastred|fp8_planes|mixed_ab|moe_decode_stalls|moe_sd3|moe_xbs3|moe_ladder|moe_ladder2|moe_tm|mhc_rows|indexer_stalls|s28_ncu|gluon_stalls|kernels"; exit 2 ;;
 esac
 ls -la "$OUT"

@@ -29,6 +29,8 @@ def main(argv=None):
     if cfg.mma == "swap_il":        # these kernels read the load-time il layout: repack once, as the engine does
         from dsflash.kernels import moe_layout
         args = tuple(args[:3]) + tuple(moe_layout.repack_experts(*args[3:]))
+        if cfg.tile_major:          # the experimental tile-major permutation those configs read
+            args = tuple(args[:3]) + tuple(moe_layout.tile_experts(*args[3:], level=cfg.tile_major))
     f = jax.jit(lambda *x: mt.routed_moe_triton(*x, limit=10.0, config=cfg))
     jax.block_until_ready(f(*args))                 # compile + first launch
     ts = []

@@ -7,9 +7,11 @@ import dataclasses
 import os
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("triton")
+import jax  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import sm90_compile  # noqa: E402
 
@@ -18,6 +20,9 @@ from dsflash.kernels.experimental import moe_configs, moe_layout_kernels as K  #
 from dsflash.kernels.moe_config import MoeConfig  # noqa: E402
 
 PROBE_NAMES = [f"{b}_probe{p}" for b in ("sw_il", "sw_il_bm32") for p in (1, 2, 3, 4, 5, 6, 7, 8)]
+# the tile-major layout's rungs (session 30): rungs 1, 2, 5, 7 of the tiled decode bands (moe_configs.TM_PROBE_BASES)
+TM_PROBE_NAMES = [f"{b}_probe{p}" for b in ("sw_il_tm", "sw_il_bm32_tm", "sw_il_tm2", "sw_il_bm32_tm2")
+                  for p in (1, 2, 5, 7)]
 
 
 def _param_default(fn, name):
@@ -31,7 +36,7 @@ def test_probe_defaults_to_zero_everywhere_but_the_probe_configs():
     assert _param_default(K._moe_up_kernel_il, "NSTAGE") is None
     assert _param_default(K._moe_down_kernel_il, "NSTAGE") is None
     named = moe_plan.named_configs()
-    assert {n for n, c in named.items() if c.probe} == set(PROBE_NAMES)
+    assert {n for n, c in named.items() if c.probe} == set(PROBE_NAMES) | set(TM_PROBE_NAMES)
     for name in moe_plan.NAMED_CONFIGS:                       # the serving defaults
         assert moe_plan.NAMED_CONFIGS[name].probe == 0
 
@@ -273,3 +278,40 @@ def test_ladder2_rungs_run_in_the_interpreter(name, flip, kernel, changes):
     else:
         assert shape == "2x10x256", shape                       # partials [KS, S, 2 I]
     assert (b[kernel][2] != h0) == changes, (name, flip, a, b)
+
+
+# ---- the tile-major layout's ladder (session 30; gpu_queue.sh moe_tm) --------------------------------------------
+@pytest.mark.parametrize("name", TM_PROBE_NAMES + ["sw_il_tm", "sw_il_tm2", "sw_il_bm32_tm", "sw_il_bm32_tm2"])
+def test_tile_major_configs_reach_both_il_launches_with_their_level(name):
+    """tile_major reaches both il launches as TM (1 or 2), with the probe's PROBE / NSTAGE as at plain il; the plain
+    decode bands launch TM 0 (always passed: jax-triton sends a left-out constexpr as None)."""
+    base, _, p = name.partition("_probe")
+    cfg = moe_plan.named_config(name)
+    level = 2 if base.endswith("2") else 1
+    assert cfg.tile_major == level and cfg.probe == int(p or 0)
+    T = 192 if "bm32" in base else 6
+    _, calls = sm90_compile.moe_launches(name, T)
+    il = [c for c in calls if c["kernel"].__name__.endswith("_kernel_il")]
+    assert len(il) == 2
+    for c in il:
+        assert c["constexprs"]["TM"] == level and c["constexprs"]["PROBE"] == int(p or 0), c["constexprs"]
+    for plain in ("sw_il", "sw_il_bm32", "sw_il_probe1"):
+        _, calls = sm90_compile.moe_launches(plain, T)
+        assert all(c["constexprs"]["TM"] == 0 for c in calls if c["kernel"].__name__.endswith("_kernel_il"))
+
+
+def test_ladder_tiles_the_weights_for_tile_major_bases_and_skips_missing_rungs():
+    import gpu_moe_ladder as L
+    from dsflash.kernels import moe_layout
+    il = tuple(moe_layout.repack_experts(*moe_plan.random_moe_problem(jax.random.PRNGKey(1), 3, 2, 2, 256, 128)[3:]))
+    cache = {}
+    assert L.tiled_weights(il, moe_plan.named_config("sw_il"), cache) is il and not cache
+    t2 = L.tiled_weights(il, moe_plan.named_config("sw_il_bm32_tm2_probe1"), cache)
+    assert set(cache) == {2} and L.tiled_weights(il, moe_plan.named_config("sw_il_tm2"), cache) is t2
+    for a, b in zip(t2, moe_layout.tile_experts(*il, level=2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    L.tiled_weights(il, moe_plan.named_config("sw_il_tm"), cache)
+    assert set(cache) == {1, 2}
+    assert L.known_config("sw_il_tm2_probe1") and not L.known_config("sw_il_tm2_probe6")
+    with pytest.raises(ValueError, match="probe 6"):
+        K.check_config(dataclasses.replace(moe_plan.named_config("sw_il_tm"), probe=6))

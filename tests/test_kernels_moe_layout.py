@@ -272,3 +272,94 @@ def test_plane_x_and_down_pair_are_refused_where_they_would_be_ignored():
         mt._check_shapes(x, idx, *il_w, dataclasses.replace(wide, act="fp8"))
     with pytest.raises(ValueError, match="down_pair.*plane_h"):
         mt._check_shapes(x, idx, *il_w, dataclasses.replace(wide, plane_h=False))
+
+
+def test_tile_major_is_an_exact_permutation_with_contiguous_tiles():
+    """``to_tiles`` (config ``tile_major``): same shapes and dtypes, ``from_tiles`` undoes it exactly, and the 64 rows
+    x 32 halfwords (x 1 scale word) of each (row block, slab) of an expert are one contiguous run, rows in order."""
+    wh, sw = L.repack(*_weights(7, (2, 192, 384)))         # 3 row blocks, 3 slabs: a block / slab mix-up shows
+    tw, ts = L.to_tiles(wh, sw)
+    assert (tw.dtype, tw.shape, ts.dtype, ts.shape) == (wh.dtype, wh.shape, sw.dtype, sw.shape)
+    assert not np.array_equal(np.asarray(tw), np.asarray(wh))
+    bw, bs = L.from_tiles(tw, ts)
+    np.testing.assert_array_equal(np.asarray(bw), np.asarray(wh))
+    np.testing.assert_array_equal(np.asarray(bs), np.asarray(sw))
+    flat_w, flat_s = np.asarray(tw).reshape(2, -1), np.asarray(ts).reshape(2, -1)
+    il_w, il_s = np.asarray(wh), np.asarray(sw)
+    KW = 384 // L.BK
+    for e in range(2):
+        for nb in range(3):
+            for j in range(KW):
+                t = (nb * KW + j) * L.BN
+                np.testing.assert_array_equal(flat_w[e, t * L.HALF:(t + L.BN) * L.HALF].reshape(L.BN, L.HALF),
+                                              il_w[e, nb * L.BN:(nb + 1) * L.BN, j * L.HALF:(j + 1) * L.HALF])
+                np.testing.assert_array_equal(flat_s[e, t:t + L.BN], il_s[e, nb * L.BN:(nb + 1) * L.BN, j])
+    rw = np.random.default_rng(0).integers(0, 2 ** 16, (3, 128, 64), dtype=np.uint16)   # any bits, the real dtypes
+    rs = np.random.default_rng(1).integers(0, 2 ** 32, (3, 128, 2), dtype=np.uint32)
+    back = L.from_tiles(*L.to_tiles(rw, rs))
+    np.testing.assert_array_equal(np.asarray(back[0]), rw)
+    np.testing.assert_array_equal(np.asarray(back[1]), rs)
+    with pytest.raises(ValueError, match="divisible by 64"):
+        L.to_tiles(rw[:, :96], rs[:, :96])
+
+
+def test_tile_major_is_refused_outside_the_il_kernels_and_off_64_row_blocks():
+    """Only the il kernels read tile-major addresses, and its tiles are 64 rows: set elsewhere it would be silently
+    ignored (wrong outputs from permuted weights), so the shape check names the field; the named twins are accepted on
+    il weights."""
+    import dataclasses
+
+    from dsflash.kernels import moe_gemm_triton as mt
+    x, idx, weight, w1, s1, w3, s3, w2, s2 = moe_plan.random_moe_problem(jax.random.PRNGKey(5), 5, 2, 4, 256, 128)
+    il_w = L.tile_experts(*L.repack_experts(w1, s1, w3, s3, w2, s2))
+    with pytest.raises(ValueError, match="tile_major"):
+        mt._check_shapes(x, idx, w1, s1, w3, s3, w2, s2,
+                         dataclasses.replace(moe_plan.named_config("sw_eo_np"), tile_major=True))
+    for name in ("sw_il_tm", "sw_il_bm32_tm", "sw_il_bm64_xb_tm", "sw_il_tm2", "sw_il_bm32_tm2"):
+        cfg = moe_plan.named_config(name)
+        level = 2 if name.endswith("2") else 1
+        base = name[:-4] if level == 2 else name[:-3]
+        assert cfg.tile_major == level and cfg == dataclasses.replace(moe_plan.named_config(base), tile_major=level)
+        mt._check_shapes(x, idx, *il_w, cfg)                                    # accepted on il weights
+        with pytest.raises(ValueError, match="BN_UP=BN_DOWN=64"):
+            mt._check_shapes(x, idx, *il_w, dataclasses.replace(cfg, BN_DOWN=128))
+        for p in (1, 2, 5, 7) if name != "sw_il_bm64_xb_tm" else ():     # the ladder's rungs (gpu_queue.sh moe_tm)
+            assert moe_plan.named_config(f"{name}_probe{p}") == dataclasses.replace(cfg, probe=p)
+    with pytest.raises(ValueError, match="tile_major is 0"):
+        mt._check_shapes(x, idx, *il_w, dataclasses.replace(moe_plan.named_config("sw_il"), tile_major=3))
+    with pytest.raises(ValueError, match="probe 6"):
+        mt._check_shapes(x, idx, *il_w, dataclasses.replace(moe_plan.named_config("sw_il_tm2"), probe=6))
+
+
+def test_tile_major_level_2_stores_each_runs_scale_words_in_the_kernels_load_order():
+    """``to_tiles(level=2)`` (config ``tile_major`` 2, session 30): the halfwords are level 1's, and each tile's 64
+    scale words are one run in ``_il_rows``' load order (run word rho = memory row ``LOAD_ROWS[rho]``'s word), so the
+    kernel's scale read of a step is ``s_base + t * 64 + arange(64)``; ``from_tiles(level=2)`` undoes it, and
+    ``LOAD_ROWS`` is the kernel's ``_il_rows`` (bits g = rho % 8, rho3, rho4, rho5 -> g + 8 rho5 + 16 rho3 +
+    32 rho4)."""
+    assert sorted(L.LOAD_ROWS.tolist()) == list(range(64))
+    for rho in range(64):
+        assert L.LOAD_ROWS[rho] == (rho % 8) + 8 * ((rho >> 5) & 1) + 16 * ((rho >> 3) & 1) + 32 * ((rho >> 4) & 1)
+    wh, sw = L.repack(*_weights(9, (2, 192, 384)))          # 3 row blocks, 3 slabs
+    w1_, s1_ = L.to_tiles(wh, sw)
+    w2_, s2_ = L.to_tiles(wh, sw, level=2)
+    np.testing.assert_array_equal(np.asarray(w2_), np.asarray(w1_))
+    assert s2_.shape == sw.shape and s2_.dtype == sw.dtype
+    flat_s, il_s = np.asarray(s2_).reshape(2, -1), np.asarray(sw)
+    KW = 384 // L.BK
+    for e in range(2):
+        for nb in range(3):
+            for j in range(KW):
+                t = (nb * KW + j) * L.BN
+                # the kernel's load: offs_l = _il_rows(nb) = nb * 64 + LOAD_ROWS; word rho of the run is that row's
+                np.testing.assert_array_equal(flat_s[e, t:t + L.BN], il_s[e, nb * L.BN + L.LOAD_ROWS, j])
+    bw, bs = L.from_tiles(w2_, s2_, level=2)
+    np.testing.assert_array_equal(np.asarray(bw), np.asarray(wh))
+    np.testing.assert_array_equal(np.asarray(bs), np.asarray(sw))
+    assert not np.array_equal(np.asarray(L.from_tiles(w2_, s2_)[1]), np.asarray(sw))   # level 1's inverse: wrong
+    k = L.tile_experts(wh, sw, wh, sw, wh[:, :, :32], sw[:, :, :1], level=2)
+    np.testing.assert_array_equal(np.asarray(k[1]), np.asarray(s2_))
+    with pytest.raises(ValueError, match="level"):
+        L.to_tiles(wh, sw, level=3)
+    with pytest.raises(ValueError, match="bn must be 64"):
+        L.to_tiles(wh, sw, bn=32, level=2)

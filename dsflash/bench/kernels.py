@@ -209,16 +209,22 @@ def bench_moe(args, ceilings, log, rows, save=lambda: None):
     fixed = (w1, s1, w3, s3, w2, s2)
     jax.block_until_ready(fixed)
     fixed_il = None     # the same weights in the load-time il layout (mma "swap_il" configs), repacked once
+    fixed_tm = {}       # ... and tile-major (configs with tile_major), permuted once per level
 
     def weights_for(cfg_):
         nonlocal fixed_il
         if not (cfg_.kind == "sk" and cfg_.mma == "swap_il"):
             return fixed
+        from dsflash.kernels import moe_layout
         if fixed_il is None:
-            from dsflash.kernels import moe_layout
             fixed_il = moe_layout.repack_experts(*fixed)
             jax.block_until_ready(fixed_il)
-        return fixed_il
+        if not cfg_.tile_major:
+            return fixed_il
+        if cfg_.tile_major not in fixed_tm:
+            fixed_tm[cfg_.tile_major] = moe_layout.tile_experts(*fixed_il, level=cfg_.tile_major)
+            jax.block_until_ready(fixed_tm[cfg_.tile_major])
+        return fixed_tm[cfg_.tile_major]
     tokens = [int(t) for t in args.tokens.split(",")]
     for T in tokens:
         nsets = 4 if T <= 256 else 2

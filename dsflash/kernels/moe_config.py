@@ -54,6 +54,16 @@ class MoeConfig:
     down_pair: bool = False  # mma "swap_il" with plane_h: each down program computes two adjacent column blocks (2 x
                           # BN_DOWN rows of W2) from one read of its h slab, halving h's L2 traffic (each h tile is
                           # read once per program: d / BN_DOWN times without it). Same dots per column: bit-identical
+    tile_major: int = 0   # mma "swap_il" only (session 28, revived in session 30; experimental, NOT RUN ON A GPU):
+                          # the weights are permuted by ``moe_layout.to_tiles(level=tile_major)`` so that a program's
+                          # weight bytes of one K step are one contiguous 4 KB tile instead of 64 pieces of 64 B (one
+                          # run instead of 64 row streams); 1: the tile's 64 scale words one 256-byte run, rows in
+                          # memory order (read in the kernel's permuted row order: 64 separate 4-byte copies); 2: the
+                          # same run with the words in the kernel's load order (addresses contiguous a warp; the
+                          # sm_90 compile still makes one 4-byte copy a word, as at level 1: 64 words over 128
+                          # threads, and level 1's permuted order touches the same 4 sectors a warp). The caller
+                          # must pass tiled weights of that level (nothing in their shape or dtype tells). Same dots:
+                          # bit-identical
     stages_down: int = 0  # num_stages of the down launch (0: ``stages``); plane_h's down loop fits 3 programs per SM
                           # at 2 stages while its up kernel spills there
     probe: int = 0        # mma "swap_il" only, timing probes (session 29's decode ladder; outputs are GARBAGE):

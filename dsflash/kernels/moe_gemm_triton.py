@@ -98,9 +98,10 @@ def _check_shapes(x, idx, w1, s1, w3, s3, w2, s2, cfg):
             raise ValueError(f"mma 'swap_il' needs d and I divisible by {moe_layout.BK}; got d={d}, I={I}")
         if cfg.down_pair and d % (2 * cfg.BN_DOWN):
             raise ValueError(f"down_pair computes 2 x BN_DOWN={cfg.BN_DOWN} columns a program: d={d} must divide")
-    elif cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h or cfg.plane_x or cfg.down_pair:
-        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h / plane_x / down_pair are variants of mma "
-                         f"'swap_il' only; got mma {cfg.mma!r}")
+    elif (cfg.split_gate_up or cfg.n_fast or cfg.group_m != 1 or cfg.plane_h or cfg.plane_x or cfg.down_pair
+          or cfg.tile_major):
+        raise ValueError(f"split_gate_up / n_fast / group_m / plane_h / plane_x / down_pair / tile_major are variants "
+                         f"of mma 'swap_il' only; got mma {cfg.mma!r}")
     else:
         dh = w1.shape[2]
         assert dh * 2 == d and w3.shape == w1.shape and w2.shape == (E, d, I // 2), (x.shape, w1.shape, w2.shape)

@@ -191,3 +191,75 @@ def repack_experts(w1, s1, w3, s3, w2, s2, check=True):
         for s in (s1, s3, s2):
             check_scales(s)
     return (*repack(w1, s1), *repack(w3, s3), *repack(w2, s2))
+
+
+# ------------------------------------------------------------------------------------------ tile-major il
+# Session 28, experimental (config ``tile_major``, mma "swap_il" only; revived in session 30): the il arrays with each
+# (64-row block, slab) tile made contiguous. A swap_il program reads, per K step, the 64-byte slab of each of its 64
+# rows: 64 pieces K / 2 bytes apart in the row-major il layout (64 concurrent row streams a program: 512 an SM in the
+# up kernel at 4 programs x 2 matrices). Tile-major puts those 64 x 64 bytes in one 4 KB run and the block's 64 scale
+# words in one 256-byte run. Level 1: the scale words in memory row order (the kernel, which reads rows in
+# ``_il_rows``' permuted order, then makes 64 separate 4-byte copies of the run); level 2 (session 30, "blocked
+# scales"): in the kernel's load order (``LOAD_ROWS``), so a step's scale read is contiguous in address order; the
+# weight runs are level 1's. (The sm_90 compile still copies the words one 4-byte LDGSTS each at both levels: Triton
+# spreads 64 words over 128 threads; a warp's 32 words touch 4 sectors at either level.) Session 30's hypothesis,
+# NOT yet measured on a GPU: the number of concurrent row streams an SM caps the il kernels' load stream (the up
+# kernel's loads alone 1.79 TB/s, the down kernel's 2.4-2.5).
+# Pure permutations: same shapes and dtypes, so nothing tells tiled weights from plain ones (or one level from the
+# other) -- the caller pairs them with a config of that ``tile_major`` level.
+
+# memory row (within a 64-row block) of the kernel's load-order row rho: ``moe_layout_kernels._il_rows``
+LOAD_ROWS = np.array([(r & 7) | (((r >> 5) & 1) << 3) | (((r >> 3) & 3) << 4) for r in range(BN)], np.int32)
+
+
+def to_tiles(w_il, s_il, bn=BN, level=1):
+    """il arrays (halfwords [..., N, K/4], scale words [..., N, K/128]) -> the same shapes, tile-major: row block nb
+    (``bn`` rows) and slab j at halfword ((nb * (K/128) + j) * bn + r) * 32 + c and scale word
+    (nb * (K/128) + j) * bn + r, rows r in natural order; ``level`` 2: scale word (nb * (K/128) + j) * bn + rho holds
+    row ``LOAD_ROWS[rho]``'s (the kernel's load order; needs bn = 64)."""
+    _check_level(level, bn)
+    w, s = _tile_permute(w_il, HALF, bn, to_tiles=True), _tile_permute(s_il, 1, bn, to_tiles=True)
+    if level == 2:
+        s = _rows_in_run(s, bn, LOAD_ROWS)
+    return w, s
+
+
+def from_tiles(w_tm, s_tm, bn=BN, level=1):
+    """Inverse of ``to_tiles`` (same ``level``)."""
+    _check_level(level, bn)
+    if level == 2:
+        s_tm = _rows_in_run(s_tm, bn, np.argsort(LOAD_ROWS).astype(np.int32))
+    return _tile_permute(w_tm, HALF, bn, to_tiles=False), _tile_permute(s_tm, 1, bn, to_tiles=False)
+
+
+def _check_level(level, bn):
+    if level not in (1, 2):
+        raise ValueError(f"tile-major level is 1 (scale words in row order) or 2 (in the kernel's load order); got "
+                         f"{level!r}")
+    if level == 2 and bn != BN:
+        raise ValueError(f"level 2 stores the scale words in the kernel's {BN}-row load order: bn must be {BN}")
+
+
+def _rows_in_run(s, bn, order):
+    """Scale words of tile-major ``s`` [..., N, KW]: within each run of ``bn`` words (a tile's rows), word i <- word
+    ``order[i]``."""
+    flat = jnp.reshape(s, (*s.shape[:-2], -1, bn))
+    return jnp.take(flat, jnp.asarray(order), axis=-1).reshape(s.shape)
+
+
+def _tile_permute(a, per_slab, bn, to_tiles):
+    """[..., N, KW * per_slab] between row-major [nb, r, j, c] and tile-major [nb, j, r, c] (c < per_slab)."""
+    *lead, n, cols = a.shape
+    if n % bn or cols % per_slab:
+        raise ValueError(f"tile-major il needs N divisible by {bn} and {per_slab} entries a slab; got shape "
+                         f"{tuple(a.shape)}")
+    kw = cols // per_slab
+    nl = len(lead)
+    src = (*lead, n // bn, bn, kw, per_slab) if to_tiles else (*lead, n // bn, kw, bn, per_slab)
+    perm = (*range(nl), nl, nl + 2, nl + 1, nl + 3)           # swap the row and slab axes (its own inverse)
+    return jnp.transpose(jnp.reshape(a, src), perm).reshape(a.shape)
+
+
+def tile_experts(w1, s1, w3, s3, w2, s2, level=1):
+    """The six il arrays of ``repack_experts`` -> tile-major (``to_tiles`` on each matrix, at ``level``)."""
+    return (*to_tiles(w1, s1, level=level), *to_tiles(w3, s3, level=level), *to_tiles(w2, s2, level=level))

@@ -156,3 +156,27 @@ def test_launch_order_is_bit_identical(pair):
     out_n, h_n, o_n = _run(new, args, "reference", weights=w)
     assert np.array_equal(h.view(np.uint16), h_n.view(np.uint16))
     assert np.array_equal(o.view(np.uint16), o_n.view(np.uint16))
+
+
+@pytest.mark.parametrize("pair", [("sw_il", "sw_il_tm"), ("sw_il", "sw_il_tm2"), ("sw_il_bm32", "sw_il_bm32_tm"),
+                                  ("sw_il_bm32", "sw_il_bm32_tm2")], ids=lambda p: p[1])
+@pytest.mark.parametrize("T", [6, 192])
+def test_tile_major_is_bit_identical_to_plain_il(pair, T):
+    """tile_major (session 28, level 2 session 30; ``moe_layout.to_tiles``): the weights permuted so that a program's
+    (64-row block, slab) is one contiguous run; only ``_il_load``'s addresses change, so h and o equal the plain-il
+    config's bit for bit on the same weights tiled at the config's level (V4.1 widths, the two decode bands)."""
+    base, tm = pair
+    case = (T, 6, 96, 5120, 2304)
+    args = _problem(case, tm)
+    w = moe_layout.repack_experts(*args[3:])
+    level = moe_plan.named_config(tm).tile_major
+    wt = moe_layout.tile_experts(*w, level=level)
+    out, h, o = _run(base, args, "reference", weights=w)
+    out_t, h_t, o_t = _run(tm, args, "reference", weights=wt)
+    ref = np.asarray(moe_gemm.routed_moe_reference(*args, limit=LIMIT), np.float64)
+    err = float(np.linalg.norm(out_t - ref) / max(np.linalg.norm(ref), 1e-30))
+    same_h = np.array_equal(h.view(np.uint16), h_t.view(np.uint16))
+    same_o = np.array_equal(o.view(np.uint16), o_t.view(np.uint16))
+    print(f"{tm} (level {level}) T{T}: rel err vs reference {err:.2e}; bit-identical to {base}: h {same_h}, o {same_o}")
+    assert err < TOL, err
+    assert same_h and same_o, (same_h, same_o)

@@ -196,6 +196,26 @@ CONFIGS = {
                                   prefetch=False, act="bf16rt"),
     "sw_il_xb_s3": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=3,
                              prefetch=False, act="bf16rt"),
+    # * _tm (tile_major 1; session 28, revived in session 30; interpreter + sm_90 compile only, NOT RUN ON A GPU): the
+    #   decode bands' configs on weights permuted by moe_layout.to_tiles, so a program's weight bytes per K step are
+    #   one 4 KB run, not 64 pieces of 64 B K / 2 bytes apart (and its 64 scale words one 256-byte run, read in the
+    #   permuted _il_rows order: 64 separate 4-byte copies). _tm2 (tile_major 2, session 30): the same tiles with each
+    #   run's scale words stored in load order (moe_layout.to_tiles(level=2)), so the step's scale read is
+    #   contiguous in address order (sm_90 compile: still 4-byte copies, as many as _tm's, over the same sectors:
+    #   _tm2 is a control, expected = _tm). Session 30's hypothesis: the number of concurrent row streams an SM
+    #   (the up kernel 512 rows, the down 256) caps the il kernels' load stream (ladder: the up kernel's loads
+    #   alone 1.79 TB/s).
+    #   Same dots: bit-identical to their twins. The caller must pass tiled weights (moe_layout.tile_experts).
+    "sw_il_tm": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False,
+                          tile_major=1),
+    "sw_il_bm32_tm": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                               prefetch=False, tile_major=1),
+    "sw_il_bm64_xb_tm": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                                  prefetch=False, act="bf16rt", tile_major=1),
+    "sw_il_tm2": MoeConfig(kind="sk", mma="swap_il", BM=16, BN_UP=64, BN_DOWN=64, BK=128, stages=4, prefetch=False,
+                           tile_major=2),
+    "sw_il_bm32_tm2": MoeConfig(kind="sk", mma="swap_il", BM=32, BN_UP=64, BN_DOWN=64, BK=128, stages=4,
+                                prefetch=False, tile_major=2),
     "sw_il_bm64_xb_s2": MoeConfig(kind="sk", mma="swap_il", BM=64, BN_UP=64, BN_DOWN=64, BK=128, stages=2,
                                   prefetch=False, act="bf16rt"),
     # * split_gate_up at prefill tiles: BM 128 is the spill-free twin of sw_il_bm128_xb (213 registers, 2 programs per
@@ -224,3 +244,9 @@ CONFIGS.update({f"{base}_probe{p}": _dc.replace(CONFIGS[base], probe=p) for base
 # a program, all the bytes, twice the programs). moe_layout_kernels "ladder 2"; gpu_queue.sh moe_ladder2.
 CONFIGS.update({f"{base}_probe{p}": _dc.replace(CONFIGS[base], probe=p) for base in PROBE_BASES for p in (5, 6, 7)})
 CONFIGS.update({f"{base}_probe8": _dc.replace(CONFIGS[base], probe=8, split_gate_up=True) for base in PROBE_BASES})
+# The tile-major layout's ladder (session 30, CPU-built; NOT RUN ON A GPU): rungs 1 (loads only), 2, 5 and 7 of the
+# decode bands on tile-major weights (tile_major 1 and 2), so gpu_moe_ladder.py can time the tiled load stream alone
+# (gpu_queue.sh moe_tm). Rung 6 (its own scale run from plain il scales) is refused with tile_major.
+TM_PROBE_BASES = ("sw_il_tm", "sw_il_bm32_tm", "sw_il_tm2", "sw_il_bm32_tm2")
+CONFIGS.update({f"{base}_probe{p}": _dc.replace(CONFIGS[base], probe=p) for base in TM_PROBE_BASES
+                for p in (1, 2, 5, 7)})

@@ -21,6 +21,11 @@ is how the bf16 weight planes are made:
   MMA (checked in the sm_90 compile: no STSM / LDSM / SHFL in the loop). Written for BN = 64 and 4 warps (BM >= 16:
   wgmma); BM 8 tiles (mma.sync, kWidth 4) need another K order and are not supported.
 
+* Tile-major weights (constexpr TM, config ``tile_major``; session 28, revived with blocked scales in session 30; NOT
+  RUN ON A GPU): the il arrays permuted by ``moe_layout.to_tiles``, so a program's 64 rows x 64 bytes of one K step
+  are one 4 KB run and its 64 scale words one 256-byte run (TM 2: in load order, contiguous addresses; the same
+  4-byte copies); only ``_il_load``'s addresses change.
+
 ``DECODE`` 1: the inline PTX; 0: the same bit operations in plain Triton (the interpreter).
 """
 from __future__ import annotations
@@ -35,6 +40,8 @@ from dsflash.kernels.triton_common import _dot_bf16
 
 # the inline PTX lives in kernels/moe_layout.py (IL_ASM) so that its CPU test can emulate it without triton
 _IL_ASM = tl.constexpr(moe_layout.IL_ASM)
+# rows of a tile of the tile-major layout (``moe_layout.to_tiles``): the kernels' row block
+_TILE_ROWS = tl.constexpr(moe_layout.BN)
 
 
 @triton.jit
@@ -107,11 +114,25 @@ def _il_planes(wh, sw, BN: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
-def _il_load(w_base, s_base, offs_l, k0, KH: tl.constexpr, KW: tl.constexpr):
+def _il_load(w_base, s_base, offs_l, nb, k0, KH: tl.constexpr, KW: tl.constexpr, TM: tl.constexpr):
     """Raw slab at K offset k0 (multiple of 128): halfwords [BN, 32] (64 contiguous bytes a row) and the scale word of
-    each row [BN], rows in ``_il_rows`` order."""
-    wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
-    sw = tl.load(s_base + offs_l * KW + k0 // 128)
+    each row [BN], rows in ``_il_rows`` order (offs_l = ``_il_rows(nb, BN)``). TM (config ``tile_major``): the
+    weights are ``moe_layout.to_tiles``' permutation, where block nb's slab k0 // 128 is the contiguous tile
+    t = nb * KW + k0 // 128: halfwords [t * 64 * 32, (t + 1) * 64 * 32), rows in memory order (one 4 KB run), and
+    scale words [t * 64, (t + 1) * 64) (one 256-byte run): TM 1 rows in memory order, read at the load order's
+    permuted addresses; TM 2 (level 2) already in load order, read at contiguous addresses (Triton still makes one
+    4-byte copy a word: 64 words over 128 threads; sm_90 compile, session 30)."""
+    if TM:
+        t = nb * KW + k0 // 128
+        row = t * _TILE_ROWS + (offs_l - nb * _TILE_ROWS)
+        wh = tl.load(w_base + row[:, None] * 32 + tl.arange(0, 32)[None, :])
+        if TM == 2:
+            sw = tl.load(s_base + t * _TILE_ROWS + tl.arange(0, _TILE_ROWS))
+        else:
+            sw = tl.load(s_base + row)
+    else:
+        wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+        sw = tl.load(s_base + offs_l * KW + k0 // 128)
     return wh, sw
 
 
@@ -214,9 +235,14 @@ def _il_raw_mma(acc, wh, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.cons
 
 
 @triton.jit
-def _il_wload(w_base, offs_l, k0, KH: tl.constexpr):
-    """``_il_load``'s halfwords [BN, 32] alone (no scale word)."""
-    return tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+def _il_wload(w_base, offs_l, nb, k0, KH: tl.constexpr, KW: tl.constexpr, TM: tl.constexpr):
+    """``_il_load``'s halfwords [BN, 32] alone (no scale word; TM: the tile-major addresses)."""
+    if TM:
+        row = (nb * KW + k0 // 128) * _TILE_ROWS + (offs_l - nb * _TILE_ROWS)
+        wh = tl.load(w_base + row[:, None] * 32 + tl.arange(0, 32)[None, :])
+    else:
+        wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+    return wh
 
 
 @triton.jit
@@ -305,7 +331,7 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                       ACT_FP8: tl.constexpr, HOUT: tl.constexpr, GU: tl.constexpr, DECODE: tl.constexpr,
                       NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0, XP: tl.constexpr = 0,
-                      PROBE: tl.constexpr = 0, NSTAGE: tl.constexpr = None):
+                      PROBE: tl.constexpr = 0, NSTAGE: tl.constexpr = None, TM: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_up_kernel_sw`` (EO 1, no hand prefetch) on il-layout W1 / W3.
 
     PROBE (config ``probe``; the decode ladder above ``_il_x_slab``): 0 the kernel; 1-4 the same loop with pieces
@@ -321,7 +347,11 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     I / BN is a block of W1 (gate), the rest of W3 (up). Such a program keeps one accumulator and decodes one matrix
     (about half the registers of the joint loop), and writes its fp32 sums to the gate or up half of the partials
     [KS, S, 2, I] (``h_ptr``) that ``_moe_up_epilogue_sk`` turns into h: the same dots in the same order and the same
-    SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split."""
+    SwiGLU on the same fp32 values, so h is bit-identical to the joint kernel's at the same K split.
+
+    TM (config ``tile_major``, session 28 / 30, experimental): W1 / W3 in ``moe_layout.to_tiles``' tile-major order
+    (level TM); only the load addresses change (``_il_load``), the same values reach the same dots: bit-identical.
+    Rungs 1-5, 7 and 8 read the tiled addresses too (not 6, whose scale run is rung 6's own)."""
     e, _, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -354,19 +384,19 @@ def _moe_up_kernel_il(xq_ptr, xs_ptr, tok_ptr, rw_ptr, tile_e_ptr, tile_s_ptr, t
     for i in tl.range(0, KCH // BK, num_stages=NSTAGE):
         k0 = kbeg + i * BK
         if PROBE == 5:      # ladder 2: both matrices' weights, no scales
-            pg = _il_wload(w1b, offs_l, k0, KH)
-            pu = _il_wload(w3b, offs_l, k0, KH)
+            pg = _il_wload(w1b, offs_l, nb, k0, KH, KW, TM)
+            pu = _il_wload(w3b, offs_l, nb, k0, KH, KW, TM)
         elif PROBE == 6:    # ladder 2: both matrices, scale words from a contiguous run
-            pg = _il_wload(w1b, offs_l, k0, KH)
-            pu = _il_wload(w3b, offs_l, k0, KH)
+            pg = _il_wload(w1b, offs_l, nb, k0, KH, KW, TM)
+            pu = _il_wload(w3b, offs_l, nb, k0, KH, KW, TM)
             sg = _il_sload_contig(s1b, offs_l, nb, k0, KW, BN)
             su = _il_sload_contig(s3b, offs_l, nb, k0, KW, BN)
         elif PROBE >= 7:    # ladder 2: one matrix (W1; with GU, the program's own)
-            pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
+            pg, sg = _il_load(w1b, s1b, offs_l, nb, k0, KH, KW, TM)
         else:
-            pg, sg = _il_load(w1b, s1b, offs_l, k0, KH, KW)
+            pg, sg = _il_load(w1b, s1b, offs_l, nb, k0, KH, KW, TM)
             if not GU:
-                pu, su = _il_load(w3b, s3b, offs_l, k0, KH, KW)
+                pu, su = _il_load(w3b, s3b, offs_l, nb, k0, KH, KW, TM)
         if PROBE == 1 or PROBE == 6:    # loads only
             sk_w = _xor_bits(_xor_bits(sk_w, pg, DECODE), pu, DECODE)
             sk_s = sk_s ^ sg ^ su
@@ -414,13 +444,15 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
                         S: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
                         DECODE: tl.constexpr, NF: tl.constexpr, GM: tl.constexpr, HP: tl.constexpr = 0,
-                        DP: tl.constexpr = 0, PROBE: tl.constexpr = 0, NSTAGE: tl.constexpr = None):
+                        DP: tl.constexpr = 0, PROBE: tl.constexpr = 0, NSTAGE: tl.constexpr = None,
+                        TM: tl.constexpr = 0):
     """``moe_gemm_kernels._moe_down_kernel_sw`` (EO 1, no hand prefetch; h bf16 [S, I] in sorted rows) on il W2.
     HP: h in plane order (``h_from_planes``): the two B planes are plain tile loads that Triton stages straight into
     the wgmma's shared-memory operand, instead of one [BM, 128] load split in registers and stored back.
     DP (config ``down_pair``, with HP): the program's column blocks are 2 nb and 2 nb + 1, both from one read of each h
     slab (two accumulators); each column's dots are the single-block kernel's.
-    PROBE, NSTAGE: the decode ladder as in the up kernel (h's slab in the place of x's); not with HP or DP."""
+    PROBE, NSTAGE: the decode ladder as in the up kernel (h's slab in the place of x's); not with HP or DP.
+    TM (config ``tile_major``): W2 in ``moe_layout.to_tiles``' tile-major order (addresses only, bit-identical)."""
     e, r0, rows, rmask, nb, offs_n = _tile_il(tile_e_ptr, tile_s_ptr, tile_end_ptr, BM, BN, NF, GM)
     if e < 0:
         return
@@ -446,12 +478,14 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
     for i in tl.range(0, KCH // BK, num_stages=NSTAGE):
         k0 = kbeg + i * BK
         if PROBE == 5:      # ladder 2: weights, no scales
-            pw = _il_wload(w2b, offs_l, k0, KH)
+            pw = _il_wload(w2b, offs_l, nb, k0, KH, KW, TM)
         elif PROBE == 6:    # ladder 2: scale words from a contiguous run
-            pw = _il_wload(w2b, offs_l, k0, KH)
+            pw = _il_wload(w2b, offs_l, nb, k0, KH, KW, TM)
             sw = _il_sload_contig(s2b, offs_l, nb, k0, KW, BN)
+        elif DP:
+            pw, sw = _il_load(w2b, s2b, offs_l, 2 * nb, k0, KH, KW, TM)
         else:
-            pw, sw = _il_load(w2b, s2b, offs_l, k0, KH, KW)
+            pw, sw = _il_load(w2b, s2b, offs_l, nb, k0, KH, KW, TM)
         if PROBE == 1 or PROBE >= 6:    # loads only (one matrix: 7 and 8 are rung 1 here)
             sk_w = _xor_bits(sk_w, pw, DECODE)
             sk_s = sk_s ^ sw
@@ -468,7 +502,7 @@ def _moe_down_kernel_il(h_ptr, hs_ptr, slot_ptr, tile_e_ptr, tile_s_ptr, tile_en
         elif PROBE == 5:    # weights only
             sk_w = _xor_bits(sk_w, pw, DECODE)
         elif DP:
-            pw1, sw1 = _il_load(w2b, s2b, offs_l1, k0, KH, KW)
+            pw1, sw1 = _il_load(w2b, s2b, offs_l1, 2 * nb + 1, k0, KH, KW, TM)
             he, ho = _plane_pair(h_ptr + rows_c[:, None] * I, k0, BK)
             acc = _il_mma_planes(acc, pw, sw, he, ho, BN, DECODE)
             acc1 = _il_mma_planes(acc1, pw1, sw1, he, ho, BN, DECODE)
@@ -547,6 +581,11 @@ def check_config(cfg):
     if cfg.plane_x and cfg.act != "bf16rt":
         raise ValueError(f"plane_x reads x dequantised once, before the up kernel: it needs act 'bf16rt'; got "
                          f"{cfg.act!r}")
+    if cfg.tile_major not in (0, 1, 2):
+        raise ValueError(f"tile_major is 0 (plain il), 1 or 2 (moe_layout.to_tiles' levels); got {cfg.tile_major!r}")
+    if cfg.tile_major and cfg.probe == 6:
+        raise ValueError(f"probe 6 reads rung 6's own contiguous scale run from plain il scales: not with tile_major; "
+                         f"got {cfg}")
     if cfg.probe not in PROBES:
         raise ValueError(f"probe is one of {sorted(PROBES)} (the decode ladder); got {cfg.probe}")
     if cfg.probe and (cfg.plane_x or cfg.plane_h or cfg.down_pair or (cfg.split_gate_up and cfg.probe != 8)):
@@ -565,7 +604,8 @@ def il_kernels(cfg, *, d, I, dec):
     kernel always writes fp32 partials (the launcher then runs the split-K epilogue, at any KS)."""
     check_config(cfg)
     return _moe_up_kernel_il, _moe_down_kernel_il, dict(D=d, I=I, BM=cfg.BM, BK=cfg.BK, DECODE=dec,
-                                                        NF=int(cfg.n_fast), GM=cfg.group_m, HP=int(cfg.plane_h))
+                                                        NF=int(cfg.n_fast), GM=cfg.group_m, HP=int(cfg.plane_h),
+                                                        TM=int(cfg.tile_major))
 
 
 def _probe(cfg, stages):
