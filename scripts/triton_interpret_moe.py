@@ -493,8 +493,10 @@ def _tm_cases():
         (fit("sw_il_tm2"), dict(T=7, k=6, E=8, seed=5)),
         (fit("sw_il_bm32_tm2", 384), dict(T=40, k=3, E=3, I=384, seed=4)),
         (dataclasses.replace(fit("sw_il_tm2", 384), KS_UP=2, KS_DOWN=3), dict(T=5, k=2, E=4, I=384, seed=30)),
-        # (split K as il's passing split_gate_up cases: at the auto KS 1 / 1 this problem's plain-il twin itself ran
-        # nondeterministically in the interpreter, at times aborting with heap corruption -- session 30, unexplained)
+        # (session 30, unexplained: on a loaded 2-core host the split-K cases here ran nondeterministically at every
+        # level, plain il included -- o differing with h equal, heap-corruption aborts, nonsense interpreter type
+        # errors; tm-7's problem 6 runs each beside two others: level 0 1 differing, level 1 1, level 2 2; run
+        # alone, 3 of 3 bit-equal at each level. A failed check is re-run once; a double failure there is this.)
         (dataclasses.replace(fit("sw_il_tm2", 384), split_gate_up=True, KS_UP=2, KS_DOWN=3),
          dict(T=9, k=3, E=4, I=384, seed=32)),
         (dataclasses.replace(fit("sw_il_bm32_tm2", 384), plane_h=True, down_pair=True, KS_UP=1),
