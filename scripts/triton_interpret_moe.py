@@ -417,19 +417,24 @@ def _eo_outputs(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0,
     return np.asarray(o), np.asarray(h)
 
 
-def _eo_in_subprocess(j):
-    """``_eo_outputs`` of il case j in a fresh process (the interpreter flake grows with launches per process, and
-    the comparison needs two launch sets): saved to .npy and read back."""
+def _outputs_in_subprocess(flag, j, what):
+    """(o, h) of case j computed by this script's child mode ``flag`` in a fresh process (the interpreter flake grows
+    with launches per process, and the comparisons need two launch sets): saved to .npz and read back."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "eo.npz")
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--il-eo", str(j), path],
+        path = os.path.join(tmp, "out.npz")
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), flag, str(j), path],
                            capture_output=True, text=True, timeout=900)
         if r.returncode:
-            raise RuntimeError(f"swap_eo run of il-{j} failed: {r.stderr[-500:]}")
+            raise RuntimeError(f"{what} of case {j} failed: {r.stderr[-500:]}")
         z = np.load(path)
         return z["o"], z["h"]
+
+
+def _eo_in_subprocess(j):
+    """``_eo_outputs`` of il case j in a fresh process."""
+    return _outputs_in_subprocess("--il-eo", j, "swap_eo run")
 
 
 def check_il(cfg, precision="reference", T=5, k=2, E=4, d=256, I=128, seed=0, limit=10.0, mutant=False, eo=None):
@@ -536,17 +541,8 @@ def _slab_major_tiles(*il_arrays):
 
 
 def _tm_base_in_subprocess(j):
-    """The plain-il twin's (o, h) of tm case j in a fresh process (as ``_eo_in_subprocess``)."""
-    import subprocess
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "il.npz")
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--tm-base", str(j), path],
-                           capture_output=True, text=True, timeout=900)
-        if r.returncode:
-            raise RuntimeError(f"plain il run of tm-{j} failed: {r.stderr[-500:]}")
-        z = np.load(path)
-        return z["o"], z["h"]
+    """The plain-il twin's (o, h) of tm case j in a fresh process."""
+    return _outputs_in_subprocess("--tm-base", j, "plain il run")
 
 
 def _tm(j):
