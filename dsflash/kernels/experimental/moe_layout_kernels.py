@@ -114,6 +114,17 @@ def _il_planes(wh, sw, BN: tl.constexpr, DECODE: tl.constexpr):
 
 
 @triton.jit
+def _il_wload(w_base, offs_l, nb, k0, KH: tl.constexpr, KW: tl.constexpr, TM: tl.constexpr):
+    """``_il_load``'s halfwords [BN, 32] alone (the ladder's rungs 5 / 6 load them without their scale words)."""
+    if TM:
+        row = (nb * KW + k0 // 128) * _TILE_ROWS + (offs_l - nb * _TILE_ROWS)
+        wh = tl.load(w_base + row[:, None] * 32 + tl.arange(0, 32)[None, :])
+    else:
+        wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
+    return wh
+
+
+@triton.jit
 def _il_load(w_base, s_base, offs_l, nb, k0, KH: tl.constexpr, KW: tl.constexpr, TM: tl.constexpr):
     """Raw slab at K offset k0 (multiple of 128): halfwords [BN, 32] (64 contiguous bytes a row) and the scale word of
     each row [BN], rows in ``_il_rows`` order (offs_l = ``_il_rows(nb, BN)``). TM (config ``tile_major``): the
@@ -122,16 +133,14 @@ def _il_load(w_base, s_base, offs_l, nb, k0, KH: tl.constexpr, KW: tl.constexpr,
     scale words [t * 64, (t + 1) * 64) (one 256-byte run): TM 1 rows in memory order, read at the load order's
     permuted addresses; TM 2 (level 2) already in load order, read at contiguous addresses (Triton still makes one
     4-byte copy a word: 64 words over 128 threads; sm_90 compile, session 30)."""
+    wh = _il_wload(w_base, offs_l, nb, k0, KH, KW, TM)
     if TM:
         t = nb * KW + k0 // 128
-        row = t * _TILE_ROWS + (offs_l - nb * _TILE_ROWS)
-        wh = tl.load(w_base + row[:, None] * 32 + tl.arange(0, 32)[None, :])
         if TM == 2:
             sw = tl.load(s_base + t * _TILE_ROWS + tl.arange(0, _TILE_ROWS))
         else:
-            sw = tl.load(s_base + row)
+            sw = tl.load(s_base + t * _TILE_ROWS + (offs_l - nb * _TILE_ROWS))
     else:
-        wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
         sw = tl.load(s_base + offs_l * KW + k0 // 128)
     return wh, sw
 
@@ -232,17 +241,6 @@ def _il_raw_mma(acc, wh, xb, BM: tl.constexpr, BN: tl.constexpr, DECODE: tl.cons
 # bytes, one request stream a program); 8 (with split_gate_up): rung 7's loop in the split programs, so each
 # program streams one matrix and the grid has twice the programs: all the bytes, one stream a program. The down
 # kernel has one matrix: there 7 and 8 are rung 1.
-
-
-@triton.jit
-def _il_wload(w_base, offs_l, nb, k0, KH: tl.constexpr, KW: tl.constexpr, TM: tl.constexpr):
-    """``_il_load``'s halfwords [BN, 32] alone (no scale word; TM: the tile-major addresses)."""
-    if TM:
-        row = (nb * KW + k0 // 128) * _TILE_ROWS + (offs_l - nb * _TILE_ROWS)
-        wh = tl.load(w_base + row[:, None] * 32 + tl.arange(0, 32)[None, :])
-    else:
-        wh = tl.load(w_base + offs_l[:, None] * KH + k0 // 4 + tl.arange(0, 32)[None, :])
-    return wh
 
 
 @triton.jit

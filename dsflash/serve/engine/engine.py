@@ -120,7 +120,7 @@ class LLMEngine:
         # and run only once compiled (until then every decode call is plain and records: ``_draft_compiled``)
         later = ()
         if c.background_compile and self.speculation.mode == "adaptive" and link is None:
-            later = tuple(d for d in (self.k, R.TAP_FREE) if d in self.runner._decodes)
+            later = (self.k, R.TAP_FREE) if self.runner.tap_free else (self.k,)
         self.runner.warmup(threads=c.compile_threads, background=later, **sync)
         if link is not None:
             t2 = time.perf_counter()
@@ -141,7 +141,7 @@ class LLMEngine:
     @property
     def programs_ready(self) -> bool:
         """Every decode program compiled (False while one compiles in the background or after its compile failed)."""
-        return all(self.runner.available(d) for d in self.runner._decodes)
+        return all(b["state"] == "ready" for b in list(self.runner.background.values()))
 
     def wait_for_programs(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles (``EngineConfig.background_compile``) to finish, compiled or failed;

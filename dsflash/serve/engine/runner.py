@@ -295,9 +295,8 @@ class Runner:
             self._decodes = {d: compile_options.jit(f, donate_argnums=(1, 2), out_shardings=out)
                              for d, f in impls.items()}
         self._compiled: dict = {}
-        # background compiles (warmup(background=...)): the decode programs (draft lengths) not compiled yet or whose
-        # compile failed (``available``), per program its state and compile seconds (``background``), the threads
-        self._unavailable: set = set()
+        # background compiles (warmup(background=...)): per program (draft length) its state -- "compiling", "ready"
+        # or "failed"; only "ready" ones run (``available``) -- and compile seconds, and the threads
         self.background: dict = {}
         self._bg_threads: list = []
         self._bg_stop = threading.Event()
@@ -921,7 +920,8 @@ class Runner:
         """Whether the decode program of ``draft_len`` may run now: it exists and is not still compiling in the
         background (or failed to). The engine runs no other: a call of an unavailable one would compile it on the
         spot (``decode`` falls back to the jitted function)."""
-        return draft_len in self._decodes and draft_len not in self._unavailable
+        b = self.background.get(draft_len)
+        return draft_len in self._decodes and (b is None or b["state"] == "ready")
 
     @property
     def compiling(self) -> list:
@@ -932,7 +932,6 @@ class Runner:
         """``jobs``: ``[(draft_len, jitted fn, abstract args)]``, compiled in this order by up to ``threads`` daemon
         threads."""
         for d, _, _ in jobs:
-            self._unavailable.add(d)
             self.background[d] = {"state": "compiling", "compile_s": None}
         queue, lock = list(jobs), threading.Lock()
 
@@ -967,8 +966,7 @@ class Runner:
             return
         dt = time.perf_counter() - t
         self._compiled[("decode", d)] = exe
-        self._unavailable.discard(d)          # after the executable is in place: the engine may run it from now on
-        self.background[d] = {"state": "ready", "compile_s": dt}
+        self.background[d] = {"state": "ready", "compile_s": dt}   # after the executable is in place: runs from now
         log.info("decode program %s compiled in the background in %.1fs: available from the next step",
                  program_name(d), dt)
 
